@@ -1,0 +1,50 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch must be pinned first: 2.13.0 is a local CPU build here, any other spec
+# downloads gigabytes of CUDA packages.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test test-slow test-bench lint bench bench-setup clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/gradsketch demo --out demo_out
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/mypy
+
+# Reference packages, installed without letting them replace the pinned torch
+# (traker wants torchvision, which has no CPU build here).
+$(VENV)/.bench: $(VENV)/.installed
+	$(PIP) install -q $(TORCH_PIN) scikit-learn
+	$(PIP) install -q --no-deps traker devinterp==2.0.1 mosaicml
+	$(PIP) install -q -r benchmarks/requirements-refs.txt
+	touch $@
+
+bench-setup: $(VENV)/.bench
+
+test-bench: $(VENV)/.bench
+	$(PY) -m pytest -q -m bench
+
+bench: $(VENV)/.bench
+	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) demo_out build dist src/*.egg-info

@@ -1,0 +1,178 @@
+"""Counter-based hashing: the only source of randomness in gradsketch.
+
+Every random entry of every sketch is a pure function of (seed, model_id,
+stream, coordinate, output index), computed with 32-bit unsigned integer
+arithmetic. Nothing depends on how the work is split into blocks, on the
+device, or on a generator's internal state, which is what makes promise 1 of
+the design ("same fingerprint, same map") hold.
+
+The integer arithmetic is carried out in ``int64`` tensors holding values in
+``[0, 2**32)``. Products are split into 16-bit halves so that no intermediate
+exceeds 2**49: signed overflow never happens, so CPU, CUDA and Triton agree
+bit for bit.
+
+The mixer is the ``lowbias32`` finaliser (xor-shift / multiply rounds), a
+bijection on 32-bit words with good avalanche behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+
+#: Version of the hash scheme, recorded in every fingerprint. Bump it if the
+#: functions below ever change, so that old sketches are refused, not mixed.
+HASH_VERSION = 1
+
+
+def _mix_int(h: int) -> int:
+    """``lowbias32`` on a Python int (used for keys, never on tensors)."""
+    h &= MASK32
+    h ^= h >> 16
+    h = (h * _M1) & MASK32
+    h ^= h >> 15
+    h = (h * _M2) & MASK32
+    h ^= h >> 16
+    return h
+
+
+def derive_key(*parts: int) -> int:
+    """Fold integers (seed, model_id, stream, ...) into one 32-bit key.
+
+    Each part is taken modulo 2**64 (so negative seeds work) and consumed as
+    two 32-bit words.
+
+    >>> derive_key(0, 1) != derive_key(1, 0)
+    True
+    """
+    h = 0x243F6A88
+    for part in parts:
+        value = part % (1 << 64)
+        for word in (value & MASK32, value >> 32):
+            h = _mix_int((h ^ word) + _GOLDEN)
+    return h
+
+
+_SPARSE_STREAM = 0x5A
+_DENSE_STREAM = 0xDE
+
+
+def sparse_key(seed: int, model_id: int, row: int) -> int:
+    """Key of the ``row``-th non-zero of a sparse map.
+
+    Row 0 at ``model_id=0`` is also :class:`CountSketch`'s key, so the count
+    sketch and the count-sketch projector are the same map up to scale.
+    """
+    return derive_key(seed, model_id, _SPARSE_STREAM, row)
+
+
+def dense_key(seed: int, model_id: int) -> int:
+    """Key of a dense JL map."""
+    return derive_key(seed, model_id, _DENSE_STREAM)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for ``x`` in ``[0, 2**32)`` without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & MASK32
+
+
+def mix32(h: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` applied elementwise to an int64 tensor of 32-bit words."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, _M1)
+    h = h ^ (h >> 15)
+    h = _mul32(h, _M2)
+    return h ^ (h >> 16)
+
+
+def hash_indices(key: int, index: torch.Tensor) -> torch.Tensor:
+    """Hash coordinates ``index`` (int64, >= 0) under ``key`` to 32-bit words.
+
+    Indices below 2**32 use one mixing round; wider indices fold their high
+    word in with a second round, so the map is a fixed function of the index
+    whatever block it arrives in.
+
+    Args:
+        key: a key from :func:`derive_key`.
+        index: int64 tensor of non-negative coordinates, any shape.
+
+    Returns:
+        int64 tensor of the same shape, values in ``[0, 2**32)``.
+    """
+    h = mix32((index & MASK32) ^ key)
+    if index.numel() and int(index.max()) > MASK32:
+        high = index >> 32
+        h = torch.where(high > 0, mix32(h ^ mix32(high ^ _mix_int(key + 1))), h)
+    return h
+
+
+def coordinate_range(offset: int, length: int, device: torch.device) -> torch.Tensor:
+    """The int64 coordinates ``offset, ..., offset + length - 1`` on ``device``."""
+    return torch.arange(offset, offset + length, dtype=torch.int64, device=device)
+
+
+def buckets_and_signs(
+    key: int, offset: int, length: int, num_buckets: int, device: torch.device
+) -> torch.Tensor:
+    """Folded count-sketch table for a coordinate range.
+
+    One hash per coordinate: its lowest bit is the sign, its upper 31 bits pick
+    the bucket by multiply-shift (no modulo bias worth naming for any
+    ``num_buckets`` below 2**20). The result is ``bucket + num_buckets * neg``
+    with ``neg`` in {0, 1}: a single int64 index into a ``2 * num_buckets``
+    scratch row, so that sketching is one ``index_add_`` with no multiply.
+
+    Returns:
+        int64 tensor ``[length]`` with values in ``[0, 2 * num_buckets)``.
+    """
+    h = hash_indices(key, coordinate_range(offset, length, device))
+    bucket = ((h >> 1) * num_buckets) >> 31
+    return bucket + num_buckets * (h & 1)
+
+
+def dense_block(
+    key: int,
+    offset: int,
+    length: int,
+    col_start: int,
+    col_stop: int,
+    kind: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Rows ``offset:offset+length``, columns ``col_start:col_stop`` of a dense JL matrix.
+
+    Entry ``(i, j)`` depends only on ``(key, i, j)``. Rademacher entries take
+    the top bit of a hash of ``(i, j)``. Normal entries use Box-Muller on two
+    hashes of ``(i, j // 2)``: column ``2p`` takes the cosine and ``2p + 1``
+    the sine of the same pair, so any column range gives identical values.
+    Both kinds have mean 0 and variance 1.
+
+    Returns:
+        ``[length, col_stop - col_start]`` tensor of ``dtype``.
+    """
+    rows = hash_indices(key, coordinate_range(offset, length, device)).unsqueeze(1)
+    cols = torch.arange(col_start, col_stop, dtype=torch.int64, device=device)
+    if kind == "rademacher":
+        col_keys = mix32(cols ^ _mix_int(key ^ 0x5BD1E995)).unsqueeze(0)
+        bits = mix32(rows ^ col_keys) >> 31
+        return (1 - 2 * bits).to(dtype)
+    pair_keys = mix32((cols >> 1) ^ _mix_int(key ^ 0x1B873593)).unsqueeze(0)
+    h1 = mix32(rows ^ pair_keys)
+    h2 = mix32(h1 ^ _mix_int(key ^ 0xCC9E2D51))
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    # 24 high bits give u1 in (0, 1]: log(u1) is finite, radius <= 5.8.
+    u1 = ((h1 >> 8) + 1).to(work) * (1.0 / (1 << 24))
+    u2 = (h2 >> 8).to(work) * (1.0 / (1 << 24))
+    radius = torch.sqrt(-2.0 * torch.log(u1))
+    angle = (2.0 * math.pi) * u2
+    odd = (cols & 1).to(torch.bool).unsqueeze(0)
+    return (radius * torch.where(odd, torch.sin(angle), torch.cos(angle))).to(dtype)

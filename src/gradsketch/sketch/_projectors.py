@@ -1,0 +1,649 @@
+"""TRAK-compatible projectors built on the counter-based hash.
+
+Every projector here is a linear map ``P: R^grad_dim -> R^proj_dim`` whose
+entries are a pure function of its :class:`Fingerprint`. All share TRAK's
+normalisation (unit-variance entries), so any of them can be swapped into a
+TRAKer::
+
+    E<Px, Py> = proj_dim * <x, y>
+
+Subclasses implement one method, :meth:`AbstractProjector._accumulate`
+(``out += P[:, offset:offset+n] block``); ``project`` and ``project_into_``
+are derived from it, so streaming by coordinates holds by construction.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from gradsketch.sketch._countsketch import DEFAULT_CHUNK, accumulate_folded
+from gradsketch.sketch._fingerprint import Fingerprint
+from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
+from gradsketch.sketch._validate import (
+    batch_blocks,
+    check_device,
+    check_dim,
+    check_float_tensor,
+    check_range,
+    check_seed,
+)
+
+#: Entries of a dense tile generated at once (8 MiB of float32).
+_TILE_ENTRIES = 1 << 21
+
+
+class ProjectionType(str, Enum):
+    """Entry distribution of dense JL projectors (TRAK's names)."""
+
+    normal = "normal"
+    rademacher = "rademacher"
+
+
+def parse_proj_type(value: object) -> ProjectionType:
+    """Accept a :class:`ProjectionType` or its string value."""
+    try:
+        return ProjectionType(value)
+    except ValueError:
+        allowed = ", ".join(repr(p.value) for p in ProjectionType)
+        raise ValueError(
+            f"`proj_type` must be one of {allowed}, got {value!r}; pass e.g. "
+            "proj_type=ProjectionType.rademacher."
+        ) from None
+
+
+class SupportsSelect(Protocol):
+    """What a projector needs from a :class:`gradsketch.masked.ParamMask`."""
+
+    @property
+    def numel(self) -> int:  # noqa: D102
+        ...
+
+    @property
+    def fingerprint(self) -> str:  # noqa: D102
+        ...
+
+    def select_batched(self, tensors: Mapping[str, Tensor]) -> Tensor:  # noqa: D102
+        ...
+
+
+class AbstractProjector(ABC):
+    """A seeded linear map applied to batches of gradients.
+
+    Args:
+        grad_dim: number of gradient coordinates d.
+        proj_dim: sketch size k.
+        seed: the map's seed.
+        proj_type: entry distribution, for the dense kinds.
+        device: where the map's tables live and where inputs must be.
+        model_id: checkpoint id; a different ``model_id`` gives an
+            independent map (TRAK re-seeds per checkpoint).
+        mask: optional :class:`gradsketch.masked.ParamMask`; then dict input
+            is restricted to the selected entries first and ``grad_dim`` must
+            equal ``mask.numel``.
+
+    Inputs to :meth:`project` are ``[batch, grad_dim]`` tensors or mappings of
+    per-parameter ``[batch, ...]`` tensors, flattened and concatenated in the
+    mapping's order (never materialised: each entry is streamed at its
+    offset). float16, bfloat16, float32 and float64 are accepted; outputs are
+    float64 when the input (or the projector's ``dtype``) is float64, float32
+    otherwise.
+    """
+
+    kind: str = "abstract"
+    dtype: torch.dtype = torch.float32
+
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int,
+        proj_type: ProjectionType | str | None,
+        device: torch.device | str,
+        *,
+        model_id: int = 0,
+        mask: SupportsSelect | None = None,
+    ) -> None:
+        self.grad_dim = check_dim("grad_dim", grad_dim)
+        self.proj_dim = check_dim("proj_dim", proj_dim)
+        self.seed = check_seed("seed", seed)
+        self.proj_type = proj_type
+        self.device = torch.device(device)
+        self.model_id = check_seed("model_id", model_id)
+        self.mask = mask
+        if mask is not None and mask.numel != self.grad_dim:
+            raise ValueError(
+                f"`grad_dim`={grad_dim} but the mask selects {mask.numel} entries; with a "
+                "mask, pass grad_dim=mask.numel."
+            )
+
+    # -- the one method subclasses write ---------------------------------
+    @abstractmethod
+    def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
+        """``out += P[:, offset:offset + n] @ block`` for a ``[batch, n]`` block."""
+
+    def _on_model_change(self) -> None:  # noqa: B027 - optional hook
+        """Drop whatever depends on ``model_id`` (tables, matrices)."""
+
+    # -- derived -----------------------------------------------------------
+    @property
+    def fingerprint(self) -> Fingerprint:
+        """The map's identity (kind, seed, dims, proj_type, model_id, nnz, mask)."""
+        return Fingerprint(
+            kind=self.kind,
+            seed=self.seed,
+            input_dim=self.grad_dim,
+            output_dim=self.proj_dim,
+            proj_type=self._proj_type_value(),
+            model_id=self.model_id,
+            nnz=getattr(self, "nnz", None),
+            mask=None if self.mask is None else self.mask.fingerprint,
+        )
+
+    def _proj_type_value(self) -> str | None:
+        return None
+
+    def set_model_id(self, model_id: int | None) -> None:
+        """Switch to the map of checkpoint ``model_id`` (no-op if unchanged or None)."""
+        if model_id is None or model_id == self.model_id:
+            return
+        self.model_id = check_seed("model_id", model_id)
+        self._on_model_change()
+
+    def _out_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if torch.float64 in (dtype, self.dtype) else torch.float32
+
+    def project(self, grads: Tensor | Mapping[str, Tensor], model_id: int | None = None) -> Tensor:
+        """Project a batch of gradients.
+
+        Args:
+            grads: ``[batch, grad_dim]`` tensor, or a mapping of per-parameter
+                ``[batch, ...]`` tensors (concatenated in order, after the
+                mask's selection when the projector has one).
+            model_id: checkpoint id; ``None`` keeps the current one.
+
+        Returns:
+            ``[batch, proj_dim]`` projections.
+        """
+        if self.mask is not None and isinstance(grads, Mapping):
+            grads = self.mask.select_batched(grads)
+        total, blocks = batch_blocks(grads)
+        if total != self.grad_dim:
+            raise ValueError(
+                f"`grads` has {total} coordinates per example but the projector was built "
+                f"with grad_dim={self.grad_dim}; build it with grad_dim={total} or pass the "
+                "matching parameters."
+            )
+        for b in blocks:
+            check_device("grads", b, self.device)
+        self.set_model_id(model_id)
+        out = torch.zeros(
+            blocks[0].shape[0],
+            self.proj_dim,
+            dtype=self._out_dtype(blocks[0].dtype),
+            device=self.device,
+        )
+        offset = 0
+        for b in blocks:
+            self._accumulate(out, b, offset)
+            offset += b.shape[1]
+        return out
+
+    def project_into_(
+        self, out: Tensor, block: Tensor, offset: int, *, model_id: int | None = None
+    ) -> Tensor:
+        """Accumulate coordinates ``offset:offset + block.shape[1]`` into ``out``.
+
+        Streaming by coordinates: projecting a concatenation equals
+        accumulating its parts at their offsets, on one process or several.
+
+        Args:
+            out: float32/float64 ``[batch, proj_dim]`` accumulator.
+            block: ``[batch, n]`` gradient coordinates.
+            offset: index of the block's first coordinate.
+            model_id: checkpoint id; ``None`` keeps the current one.
+
+        Returns:
+            ``out``, for chaining.
+        """
+        check_float_tensor("block", block)
+        check_float_tensor("out", out)
+        if block.dim() != 2:
+            raise ValueError(
+                f"`block` must be 2-D [batch, n], got shape {tuple(block.shape)}; "
+                "reshape with block.reshape(batch, -1)."
+            )
+        if out.shape != (block.shape[0], self.proj_dim):
+            raise ValueError(
+                f"`out` must have shape ({block.shape[0]}, {self.proj_dim}) for this block, got "
+                f"{tuple(out.shape)}."
+            )
+        check_range(offset, block.shape[1], self.grad_dim)
+        check_device("block", block, self.device)
+        check_device("out", out, self.device)
+        self.set_model_id(model_id)
+        self._accumulate(out, block, offset)
+        return out
+
+    def free_memory(self) -> None:  # noqa: B027 - optional hook
+        """Release cached tables or matrices (they are rebuilt on demand)."""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(grad_dim={self.grad_dim}, proj_dim={self.proj_dim}, "
+            f"seed={self.seed}, model_id={self.model_id}, device={self.device})"
+        )
+
+
+class NoOpProjector(AbstractProjector):
+    """Identity: ``project(grads) = grads`` (concatenated if a mapping).
+
+    Its normalisation is the identity, ``<Px, Py> = <x, y>``, not TRAK's
+    ``proj_dim`` factor; use it for exact (unprojected) TRAK on small models.
+
+    Example:
+        >>> NoOpProjector(grad_dim=3, device="cpu").project(torch.ones(2, 3), 0).shape
+        torch.Size([2, 3])
+    """
+
+    kind = "noop"
+
+    def __init__(
+        self,
+        grad_dim: int = 0,
+        proj_dim: int = 0,
+        seed: int = 0,
+        proj_type: ProjectionType | str | None = "na",
+        device: torch.device | str = "cpu",
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        # TRAK allows grad_dim=0 ("unknown"): then any width passes through.
+        self._any_width = grad_dim == 0
+        dim = max(int(grad_dim), 1)
+        super().__init__(dim, dim, seed, proj_type, device, **_projector_kwargs(kwargs))
+
+    def project(self, grads: Tensor | Mapping[str, Tensor], model_id: int | None = None) -> Tensor:
+        """Return the gradients (flattened and concatenated), float32/float64."""
+        if self._any_width:
+            total, _ = batch_blocks(grads)
+            self.grad_dim = self.proj_dim = total
+        return super().project(grads, model_id)
+
+    def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
+        out[:, offset : offset + block.shape[1]] += block.to(out.dtype)
+
+
+class SparseProjector(AbstractProjector):
+    """Sparse JL: every input coordinate has ``nnz`` entries ``±sqrt(proj_dim / nnz)``.
+
+    Row ``r`` of coordinate ``i`` picks a bucket and a sign from a hash of
+    ``(seed, model_id, r, i)``; rows are independent, so two rows may share a
+    bucket (their signs are independent, which keeps the map unbiased):
+    ``E<Px, Py> = proj_dim * <x, y>``. Cost: ``nnz`` passes over the input,
+    no dense matrix. ``nnz=1`` is the count sketch (Kane & Nelson, 2014, for
+    the sparse JL construction).
+
+    Args:
+        grad_dim: d.
+        proj_dim: k.
+        seed: the map's seed.
+        nnz: non-zeros per input coordinate (1 <= nnz <= proj_dim).
+        device: where tables live.
+        model_id: checkpoint id.
+        materialize: keep int64 tables (8 * nnz bytes per coordinate) or hash
+            each call in chunks (``O(k + chunk)`` memory); identical outputs.
+        mask: optional ParamMask restricting dict inputs.
+
+    Example:
+        >>> p = SparseProjector(grad_dim=100, proj_dim=16, seed=0, nnz=4, device="cpu")
+        >>> p.project(torch.randn(3, 100), model_id=0).shape
+        torch.Size([3, 16])
+    """
+
+    kind = "sparse"
+
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int,
+        nnz: int,
+        device: torch.device | str,
+        *,
+        model_id: int = 0,
+        materialize: bool = True,
+        mask: SupportsSelect | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+    ) -> None:
+        super().__init__(grad_dim, proj_dim, seed, None, device, model_id=model_id, mask=mask)
+        self.nnz = check_dim("nnz", nnz)
+        if self.nnz > self.proj_dim:
+            raise ValueError(
+                f"`nnz`={nnz} exceeds proj_dim={proj_dim}; use nnz <= proj_dim (1 to 8 is typical)."
+            )
+        self.materialize = bool(materialize)
+        self.chunk_size = check_dim("chunk_size", chunk_size)
+        self.scale = math.sqrt(self.proj_dim / self.nnz)
+        self._tables: list[Tensor] | None = None
+
+    def _on_model_change(self) -> None:
+        self._tables = None
+
+    def free_memory(self) -> None:
+        """Drop the hash tables (recomputed on the next call)."""
+        self._tables = None
+
+    def _table(self, row: int, offset: int, length: int) -> Tensor:
+        key = sparse_key(self.seed, self.model_id, row)
+        if not self.materialize:
+            return buckets_and_signs(key, offset, length, self.proj_dim, self.device)
+        if self._tables is None:
+            self._tables = [
+                buckets_and_signs(
+                    sparse_key(self.seed, self.model_id, r), 0, self.grad_dim, self.proj_dim, self.device
+                )
+                for r in range(self.nnz)
+            ]
+        return self._tables[row][offset : offset + length]
+
+    def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
+        n = block.shape[1]
+        step = self.chunk_size if not self.materialize else max(n, 1)
+        for start in range(0, n, step):
+            part = block[:, start : start + step]
+            for row in range(self.nnz):
+                folded = self._table(row, offset + start, part.shape[1])
+                accumulate_folded(out, part, folded, self.proj_dim, self.scale)
+
+
+class CountSketchProjector(SparseProjector):
+    """Count sketch with TRAK's normalisation: entries ``±sqrt(proj_dim)``.
+
+    The fastest accurate projector on CPU: one ``index_add_`` pass over the
+    gradients. Same map as ``SparseProjector(nnz=1)`` and as
+    ``sqrt(proj_dim) * CountSketch`` (at ``model_id=0``).
+    ``E<Px, Py> = proj_dim * <x, y>``.
+
+    Example:
+        >>> p = CountSketchProjector(grad_dim=1000, proj_dim=64, seed=0, device="cpu")
+        >>> p.project(torch.randn(4, 1000), model_id=0).shape
+        torch.Size([4, 64])
+    """
+
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int,
+        device: torch.device | str,
+        *,
+        model_id: int = 0,
+        materialize: bool = True,
+        mask: SupportsSelect | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+    ) -> None:
+        super().__init__(
+            grad_dim,
+            proj_dim,
+            seed,
+            1,
+            device,
+            model_id=model_id,
+            materialize=materialize,
+            mask=mask,
+            chunk_size=chunk_size,
+        )
+
+
+class _DenseProjector(AbstractProjector):
+    """Shared state of the dense JL projectors (normal or Rademacher entries)."""
+
+    kind = "dense"
+
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int,
+        proj_type: ProjectionType | str,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        model_id: int,
+        mask: SupportsSelect | None,
+    ) -> None:
+        parsed = parse_proj_type(proj_type)
+        super().__init__(grad_dim, proj_dim, seed, parsed, device, model_id=model_id, mask=mask)
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"`dtype` must be a floating torch dtype, got {dtype!r}.")
+        # Generation and accumulation never go below float32.
+        self.dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.requested_dtype = dtype
+
+    def _proj_type_value(self) -> str:
+        return parse_proj_type(self.proj_type).value
+
+    def _tile(self, offset: int, length: int, col_start: int, col_stop: int) -> Tensor:
+        return dense_block(
+            dense_key(self.seed, self.model_id),
+            offset,
+            length,
+            col_start,
+            col_stop,
+            self._proj_type_value(),
+            self.dtype,
+            self.device,
+        )
+
+
+class BasicSingleBlockProjector(_DenseProjector):
+    """Dense JL with the whole ``[grad_dim, proj_dim]`` matrix held in memory.
+
+    Fast per call once built, but needs ``4 * grad_dim * proj_dim`` bytes:
+    for tests and small models. Same map as :class:`BasicProjector`.
+
+    Example:
+        >>> p = BasicSingleBlockProjector(50, 8, 0, "rademacher", "cpu")
+        >>> p.project(torch.randn(2, 50), 0).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int,
+        proj_type: ProjectionType | str,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        model_id: int = 0,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            grad_dim, proj_dim, seed, proj_type, device, dtype, model_id, kwargs.get("mask")
+        )
+        self.proj_matrix: Tensor | None = None
+        self.generate_sketch_matrix()
+
+    def generate_sketch_matrix(self) -> Tensor:
+        """Build (or return the cached) ``[grad_dim, proj_dim]`` matrix."""
+        if self.proj_matrix is None:
+            rows = max(1, _TILE_ENTRIES // self.proj_dim)
+            tiles = [
+                self._tile(start, min(rows, self.grad_dim - start), 0, self.proj_dim)
+                for start in range(0, self.grad_dim, rows)
+            ]
+            self.proj_matrix = torch.cat(tiles)
+        return self.proj_matrix
+
+    def _on_model_change(self) -> None:
+        self.proj_matrix = None
+
+    def free_memory(self) -> None:
+        """Drop the matrix (rebuilt on the next call)."""
+        self.proj_matrix = None
+
+    def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
+        matrix = self.generate_sketch_matrix()[offset : offset + block.shape[1]]
+        out += (block.to(matrix.dtype) @ matrix).to(out.dtype)
+
+
+class BasicProjector(_DenseProjector):
+    """Dense JL generated tile by tile, never holding the whole matrix.
+
+    Entries are i.i.d. N(0, 1) (``normal``) or ±1 (``rademacher``) from the
+    counter-based hash, so ``block_size`` (output columns generated at once)
+    changes speed and memory, never the map (TRAK's does: its blocks are
+    re-seeded per block index). ``E<Px, Py> = proj_dim * <x, y>``.
+
+    Cost: regenerates ``grad_dim * proj_dim`` entries per call; on CPU prefer
+    :class:`CountSketchProjector` or :class:`SparseProjector`.
+
+    Example:
+        >>> a = BasicProjector(30, 8, 0, "normal", "cpu", block_size=3)
+        >>> b = BasicProjector(30, 8, 0, "normal", "cpu", block_size=100)
+        >>> g = torch.randn(2, 30)
+        >>> torch.allclose(a.project(g, 0), b.project(g, 0), atol=1e-5)
+        True
+    """
+
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int,
+        proj_type: ProjectionType | str,
+        device: torch.device | str,
+        block_size: int = 100,
+        dtype: torch.dtype = torch.float32,
+        model_id: int = 0,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            grad_dim, proj_dim, seed, proj_type, device, dtype, model_id, kwargs.get("mask")
+        )
+        self.block_size = min(self.proj_dim, check_dim("block_size", block_size))
+
+    def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
+        n = block.shape[1]
+        rows = max(1, _TILE_ENTRIES // self.block_size)
+        for start in range(0, n, rows):
+            part = block[:, start : start + rows].to(self.dtype)
+            for col in range(0, self.proj_dim, self.block_size):
+                stop = min(col + self.block_size, self.proj_dim)
+                tile = self._tile(offset + start, part.shape[1], col, stop)
+                out[:, col:stop] += (part @ tile).to(out.dtype)
+
+
+class CudaProjector(BasicProjector):
+    """Dense JL on a CUDA device (TRAK's name); same map as :class:`BasicProjector`.
+
+    Raises:
+        ValueError: on a non-CUDA device, naming the CPU projectors to use.
+    """
+
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int,
+        proj_type: ProjectionType | str,
+        device: torch.device | str,
+        max_batch_size: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(
+                f"CudaProjector needs a CUDA device, got device={str(device)!r}. On CPU use "
+                "CountSketchProjector (fastest) or BasicProjector (the same dense map as "
+                "CudaProjector)."
+            )
+        self.max_batch_size = check_dim("max_batch_size", max_batch_size)
+        super().__init__(grad_dim, proj_dim, seed, proj_type, dev, *args, **kwargs)
+
+    def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
+        for start in range(0, block.shape[0], self.max_batch_size):
+            stop = start + self.max_batch_size
+            super()._accumulate(out[start:stop], block[start:stop], offset)
+
+
+class ChunkedCudaProjector:
+    """TRAK's chunked projector: one projector per chunk of parameters, summed.
+
+    Parameters are taken in order and packed into chunks of at most
+    ``max_chunk_size`` coordinates; chunk ``i`` goes through
+    ``projector_per_chunk[i]`` (whose ``grad_dim`` is ``params_per_chunk[i]``)
+    and the projections are added. gradsketch projectors stream by
+    coordinates already, so a single projector over all parameters is the
+    simpler choice; this class keeps TRAK scripts running.
+    """
+
+    def __init__(
+        self,
+        projector_per_chunk: Sequence[AbstractProjector],
+        max_chunk_size: int,
+        params_per_chunk: Sequence[int],
+        feat_bs: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        if not projector_per_chunk or len(projector_per_chunk) != len(params_per_chunk):
+            raise ValueError(
+                f"`projector_per_chunk` ({len(projector_per_chunk)} projectors) and "
+                f"`params_per_chunk` ({len(params_per_chunk)} sizes) must be non-empty and of "
+                "equal length."
+            )
+        self.projector_per_chunk = list(projector_per_chunk)
+        self.proj_dim = self.projector_per_chunk[0].proj_dim
+        self.proj_type = self.projector_per_chunk[0].proj_type
+        self.params_per_chunk = list(params_per_chunk)
+        self.max_chunk_size = check_dim("max_chunk_size", max_chunk_size)
+        self.feat_bs = feat_bs
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    def free_memory(self) -> None:
+        """Free every chunk projector's memory."""
+        for p in self.projector_per_chunk:
+            p.free_memory()
+
+    def project(self, grads: Mapping[str, Tensor], model_id: int) -> Tensor:
+        """Project a mapping of per-parameter gradients chunk by chunk."""
+        _, blocks = batch_blocks(grads)
+        out: Tensor | None = None
+        chunk: list[Tensor] = []
+        index = 0
+
+        def flush() -> None:
+            nonlocal out, chunk, index
+            if index >= len(self.projector_per_chunk):
+                raise ValueError(
+                    f"the parameters need more than {len(self.projector_per_chunk)} chunks of "
+                    f"max_chunk_size={self.max_chunk_size}; pass more projectors."
+                )
+            part = self.projector_per_chunk[index].project(torch.cat(chunk, dim=1), model_id)
+            out = part if out is None else out + part
+            chunk, index = [], index + 1
+
+        for b in blocks:
+            if chunk and sum(c.shape[1] for c in chunk) + b.shape[1] > self.max_chunk_size:
+                flush()
+            chunk.append(b)
+        flush()
+        assert out is not None
+        return out
+
+
+def _projector_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments the base class understands (TRAK passes extras)."""
+    return {k: v for k, v in kwargs.items() if k in ("model_id", "mask")}

@@ -151,7 +151,7 @@ def dense_block(
     """Rows ``offset:offset+length``, columns ``col_start:col_stop`` of a dense JL matrix.
 
     Entry ``(i, j)`` depends only on ``(key, i, j)``. Rademacher entries take
-    the top bit of a hash of ``(i, j)``. Normal entries use Box-Muller on two
+    bit ``j % 32`` of a hash of ``(i, j // 32)``. Normal entries use Box-Muller on two
     hashes of ``(i, j // 2)``: column ``2p`` takes the cosine and ``2p + 1``
     the sine of the same pair, so any column range gives identical values.
     Both kinds have mean 0 and variance 1.
@@ -162,8 +162,14 @@ def dense_block(
     rows = hash_indices(key, coordinate_range(offset, length, device)).unsqueeze(1)
     cols = torch.arange(col_start, col_stop, dtype=torch.int64, device=device)
     if kind == "rademacher":
-        col_keys = mix32(cols ^ _mix_int(key ^ 0x5BD1E995)).unsqueeze(0)
-        bits = mix32(rows ^ col_keys) >> 31
+        # One hash of (i, j // 32) gives the signs of 32 consecutive columns.
+        first_word = col_start >> 5
+        words = torch.arange(
+            first_word, ((col_stop - 1) >> 5) + 1, dtype=torch.int64, device=device
+        )
+        word_keys = mix32(words ^ _mix_int(key ^ 0x5BD1E995)).unsqueeze(0)
+        packed = mix32(rows ^ word_keys).index_select(1, (cols >> 5) - first_word)
+        bits = (packed >> (cols & 31)) & 1
         return (1 - 2 * bits).to(dtype)
     pair_keys = mix32((cols >> 1) ^ _mix_int(key ^ 0x1B873593)).unsqueeze(0)
     h1 = mix32(rows ^ pair_keys)

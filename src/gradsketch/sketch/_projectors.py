@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from gradsketch.sketch import _triton
 from gradsketch.sketch._countsketch import DEFAULT_CHUNK, accumulate_folded
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
@@ -62,15 +63,12 @@ class SupportsSelect(Protocol):
     """What a projector needs from a :class:`gradsketch.masked.ParamMask`."""
 
     @property
-    def numel(self) -> int:  # noqa: D102
-        ...
+    def numel(self) -> int: ...
 
     @property
-    def fingerprint(self) -> str:  # noqa: D102
-        ...
+    def fingerprint(self) -> str: ...
 
-    def select_batched(self, tensors: Mapping[str, Tensor]) -> Tensor:  # noqa: D102
-        ...
+    def select_batched(self, tensors: Mapping[str, Tensor]) -> Tensor: ...
 
 
 class AbstractProjector(ABC):
@@ -347,13 +345,23 @@ class SparseProjector(AbstractProjector):
         if self._tables is None:
             self._tables = [
                 buckets_and_signs(
-                    sparse_key(self.seed, self.model_id, r), 0, self.grad_dim, self.proj_dim, self.device
+                    sparse_key(self.seed, self.model_id, r),
+                    0,
+                    self.grad_dim,
+                    self.proj_dim,
+                    self.device,
                 )
                 for r in range(self.nnz)
             ]
         return self._tables[row][offset : offset + length]
 
     def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
+        if _triton.use_triton(out.device):
+            # Hashing in registers beats reading int64 tables: same map, one pass.
+            for row in range(self.nnz):
+                key = sparse_key(self.seed, self.model_id, row)
+                _triton.triton_count_sketch(block, key, offset, self.proj_dim, self.scale, out)
+            return
         n = block.shape[1]
         step = self.chunk_size if not self.materialize else max(n, 1)
         for start in range(0, n, step):
@@ -429,7 +437,9 @@ class _DenseProjector(AbstractProjector):
     def _proj_type_value(self) -> str:
         return parse_proj_type(self.proj_type).value
 
-    def _tile(self, offset: int, length: int, col_start: int, col_stop: int) -> Tensor:
+    def _tile(
+        self, offset: int, length: int, col_start: int, col_stop: int, dtype: torch.dtype
+    ) -> Tensor:
         return dense_block(
             dense_key(self.seed, self.model_id),
             offset,
@@ -437,7 +447,7 @@ class _DenseProjector(AbstractProjector):
             col_start,
             col_stop,
             self._proj_type_value(),
-            self.dtype,
+            dtype,
             self.device,
         )
 
@@ -477,7 +487,7 @@ class BasicSingleBlockProjector(_DenseProjector):
         if self.proj_matrix is None:
             rows = max(1, _TILE_ENTRIES // self.proj_dim)
             tiles = [
-                self._tile(start, min(rows, self.grad_dim - start), 0, self.proj_dim)
+                self._tile(start, min(rows, self.grad_dim - start), 0, self.proj_dim, self.dtype)
                 for start in range(0, self.grad_dim, rows)
             ]
             self.proj_matrix = torch.cat(tiles)
@@ -492,7 +502,7 @@ class BasicSingleBlockProjector(_DenseProjector):
 
     def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
         matrix = self.generate_sketch_matrix()[offset : offset + block.shape[1]]
-        out += (block.to(matrix.dtype) @ matrix).to(out.dtype)
+        out += block.to(out.dtype) @ matrix.to(out.dtype)
 
 
 class BasicProjector(_DenseProjector):
@@ -533,18 +543,32 @@ class BasicProjector(_DenseProjector):
         self.block_size = min(self.proj_dim, check_dim("block_size", block_size))
 
     def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
+        if out.dtype == torch.float32 and _triton.use_triton(out.device):
+            # The matrix is generated in registers (float32, the precision of
+            # this path); float64 outputs keep the float64 torch path.
+            key = dense_key(self.seed, self.model_id)
+            _triton.triton_dense_project(
+                block, key, offset, self.proj_dim, self._proj_type_value(), out
+            )
+            return
         n = block.shape[1]
         rows = max(1, _TILE_ENTRIES // self.block_size)
         for start in range(0, n, rows):
-            part = block[:, start : start + rows].to(self.dtype)
+            # Accumulate in the output's precision: float64 input stays float64.
+            part = block[:, start : start + rows].to(out.dtype)
             for col in range(0, self.proj_dim, self.block_size):
                 stop = min(col + self.block_size, self.proj_dim)
-                tile = self._tile(offset + start, part.shape[1], col, stop)
-                out[:, col:stop] += (part @ tile).to(out.dtype)
+                tile = self._tile(offset + start, part.shape[1], col, stop, out.dtype)
+                out[:, col:stop] += part @ tile
 
 
 class CudaProjector(BasicProjector):
     """Dense JL on a CUDA device (TRAK's name); same map as :class:`BasicProjector`.
+
+    Backed by the Triton kernel of :mod:`gradsketch.sketch._triton` when
+    ``triton`` is installed (the ``gpu`` extra): the matrix is generated in
+    registers, never stored. Without triton it runs the torch tile path.
+    ``max_batch_size`` bounds the rows sent to one launch, as in TRAK.
 
     Raises:
         ValueError: on a non-CUDA device, naming the CPU projectors to use.

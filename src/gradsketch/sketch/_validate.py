@@ -49,7 +49,8 @@ def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
     ):
         raise ValueError(
             f"`{name}` is on {tensor.device} but the sketch lives on {device}; "
-            f"move one of them, e.g. `{name}.to({str(device)!r})` or `sketch.to({str(tensor.device)!r})`."
+            f"move one of them, e.g. `{name}.to({str(device)!r})` or "
+            f"`sketch.to({str(tensor.device)!r})`."
         )
 
 

@@ -1,0 +1,165 @@
+"""Projection benchmark: 32 gradients of d = 2**20 to k = 2048 on 2 threads.
+
+Each method runs in its own process (so its peak RSS is its own) and reports
+the median time of a batch over repeated runs, its set-up time, its peak RSS
+and the mean relative inner-product error on 64 correlated pairs. Reference
+packages (traker, scikit-learn, devinterp) are measured in the same run.
+
+    python benchmarks/bench_projection.py            # every method, 5 repeats
+    python benchmarks/bench_projection.py --quick    # fewer repeats, no 8 GB dense matrix
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import emit, machine_info, run_isolated, setup_torch
+
+D, K, BATCH, PAIRS, RHO = 1 << 20, 2048, 32, 64, 0.5
+
+METHODS = [
+    "null",
+    "gradsketch.CountSketchProjector",
+    "gradsketch.SparseProjector(nnz=4)",
+    "gradsketch.BasicProjector(rademacher)",
+    "traker.BasicProjector",
+    "traker.BasicSingleBlockProjector",
+    "sklearn.SparseRandomProjection",
+    "devinterp.CountSketch(loop)",
+]
+HEAVY = {"traker.BasicSingleBlockProjector"}
+SLOW = {"gradsketch.BasicProjector(rademacher)", "traker.BasicProjector"}
+
+
+def _batch(seed: int):
+    import torch
+
+    return torch.randn(BATCH, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _pairs(chunk: int, seed: int):
+    """Correlated pairs, generated a chunk at a time so no method holds all 64."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(chunk, D, generator=gen)
+    y = RHO * x + math.sqrt(1 - RHO**2) * torch.randn(chunk, D, generator=gen)
+    return x, y
+
+
+def _build(method: str) -> tuple[Callable[[Any], Any], float]:
+    """Return ``(project, normaliser)``: ``<project(x), project(y)> / normaliser ~ <x, y>``."""
+    import torch
+
+    if method == "null":
+        # Same data and error pass as every method, so its RSS is the baseline.
+        return (lambda g: g[:, :K].clone()), 1.0
+    if method == "gradsketch.CountSketchProjector":
+        from gradsketch.sketch import CountSketchProjector
+
+        p = CountSketchProjector(D, K, 0, "cpu")
+        return (lambda g: p.project(g, 0)), K
+    if method == "gradsketch.SparseProjector(nnz=4)":
+        from gradsketch.sketch import SparseProjector
+
+        sp = SparseProjector(D, K, 0, 4, "cpu")
+        return (lambda g: sp.project(g, 0)), K
+    if method == "gradsketch.BasicProjector(rademacher)":
+        from gradsketch.sketch import BasicProjector
+
+        bp = BasicProjector(D, K, 0, "rademacher", "cpu")
+        return (lambda g: bp.project(g, 0)), K
+    if method.startswith("traker."):
+        from trak import projectors
+
+        cls = getattr(projectors, method.split(".")[1])
+        tp = cls(
+            grad_dim=D,
+            proj_dim=K,
+            seed=0,
+            proj_type=projectors.ProjectionType.rademacher,
+            device="cpu",
+        )
+        return (lambda g: tp.project(g, model_id=0)), K
+    if method == "sklearn.SparseRandomProjection":
+        from sklearn.random_projection import SparseRandomProjection
+
+        srp = SparseRandomProjection(n_components=K, random_state=0)
+        srp.fit(torch.zeros(2, D).numpy())
+        return (lambda g: torch.from_numpy(srp.transform(g.numpy()))), 1.0
+    if method == "devinterp.CountSketch(loop)":
+        from devinterp.optim.sketch import CountSketch
+
+        cs = CountSketch.create(D, K, seed=0)
+        return (lambda g: torch.stack([cs.sketch(row) for row in g])), 1.0
+    raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def measure(method: str, repeats: int) -> dict[str, Any]:
+    """Worker (runs in its own process): set-up, median batch time, error."""
+    import statistics
+
+    import torch
+
+    setup_torch()
+    grads = _batch(0)
+    start = time.perf_counter()
+    project, norm = _build(method)
+    project(grads)  # first call: lazy tables, allocator warm-up
+    setup_s = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        project(grads)
+        times.append(time.perf_counter() - t0)
+    del grads
+    errors = []
+    for i in range(PAIRS // (BATCH // 2)):
+        x, y = _pairs(BATCH // 2, i)
+        px, py = project(torch.cat([x, y])).double().split(BATCH // 2)
+        estimate = (px * py).sum(1) / norm
+        exact = torch.einsum("bd,bd->b", x, y).double()
+        errors.append(((estimate - exact).abs() / (x.norm(dim=1) * y.norm(dim=1))).mean())
+    error = None if method == "null" else float(torch.stack(errors).mean())
+    return {"median_s": statistics.median(times), "setup_s": setup_s, "error": error}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="3 repeats (1 for slow methods), skip 8 GB"
+    )
+    parser.add_argument("--methods", nargs="*", default=None, help="subset of methods")
+    args = parser.parse_args()
+    methods = args.methods or [m for m in METHODS if not (args.quick and m in HEAVY)]
+    emit({"bench": "projection", "d": D, "k": K, "batch": BATCH, **machine_info()})
+    results: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        repeats = (1 if method in SLOW else 3) if args.quick else 5
+        try:
+            out = run_isolated("bench_projection:measure", method, repeats, timeout=3600)
+        except RuntimeError as err:
+            emit({"bench": "projection", "method": method, "skipped": str(err).splitlines()[-1]})
+            continue
+        results[method] = {**out["result"], "peak_rss_mb": out["peak_rss_mb"], "repeats": repeats}
+    ours = results.get("gradsketch.CountSketchProjector", {}).get("median_s")
+    baseline = results.get("null", {}).get("peak_rss_mb")
+    for method, r in results.items():
+        record = {"bench": "projection", "method": method, **r}
+        if baseline is not None:
+            record["rss_above_null_mb"] = r["peak_rss_mb"] - baseline
+        if ours and method != "null":
+            record["countsketch_speedup_vs_this"] = r["median_s"] / ours
+        emit(record)
+
+
+if __name__ == "__main__":
+    main()

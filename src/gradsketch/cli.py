@@ -1,0 +1,124 @@
+"""Command line: ``gradsketch demo | sketch-demo | attribute | llc | factorize | bench``.
+
+Each command imports its capability only when run, so ``gradsketch --help``
+is instant and a broken optional piece cannot break the others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="gradsketch: compressed gradients for attribution, sampling and factorization.",
+)
+
+_OUT = typer.Option("gradsketch_out", "--out", "-o", help="Output folder (created).")
+_CONFIG = typer.Argument(..., exists=True, dir_okay=False, help="A Python config file.")
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+    )
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option("demo_out", "--out", "-o", help="Output folder (created)."),
+    quick: bool = typer.Option(False, help="Smaller sizes, for a smoke test."),
+    verbose: bool = typer.Option(True, help="Log progress."),
+) -> None:
+    """The main job: TRAK attribution on scikit-learn's bundled digits, with LDS and a gallery."""
+    _setup_logging(verbose)
+    from gradsketch.attribution._demo import format_report, run_demo
+
+    summary = run_demo(out, quick=quick)
+    typer.echo(format_report(summary))
+
+
+@app.command("sketch-demo")
+def sketch_demo(
+    out: Path = _OUT,
+    dim: int = typer.Option(1 << 14, help="Input dimension d."),
+) -> None:
+    """Inner-product error against sketch size k for every sketch kind (table, PNG, JSON)."""
+    from gradsketch.sketch._demo import format_table, run_sketch_demo
+
+    summary = run_sketch_demo(out, dim=dim)
+    typer.echo(format_table(summary))
+    typer.echo(f"plot: {summary['plot']}\nsummary: {Path(out) / 'summary.json'}")
+
+
+@app.command()
+def attribute(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
+    """Run TRAK for your own model, checkpoints and loaders defined in CONFIG.py."""
+    _setup_logging(verbose)
+    from gradsketch.attribution._cli import attribute_command
+
+    _echo_result(attribute_command(config, out))
+
+
+@app.command()
+def llc(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
+    """Estimate the local learning coefficient of the model in CONFIG.py; writes JSON and a plot."""
+    _setup_logging(verbose)
+    from gradsketch.sampling._cli import llc_command
+
+    _echo_result(llc_command(config, out))
+
+
+@app.command()
+def factorize(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
+    """Factorize the Linear/Conv2d layers of the model in CONFIG.py; saves state_dict + report."""
+    _setup_logging(verbose)
+    from gradsketch.factorize._cli import factorize_command
+
+    _echo_result(factorize_command(config, out))
+
+
+@app.command()
+def bench(
+    name: str = typer.Argument("all", help="projection, attribution, sampling, masked, ..."),
+    folder: Path = typer.Option(Path("benchmarks"), help="The repository's benchmarks folder."),
+) -> None:
+    """Run benchmark scripts from a source checkout (they print JSON lines)."""
+    scripts = sorted(folder.glob("bench_*.py"))
+    if name != "all":
+        scripts = [s for s in scripts if s.stem == f"bench_{name}"]
+    if not scripts:
+        available = ", ".join(
+            s.stem.removeprefix("bench_") for s in sorted(folder.glob("bench_*.py"))
+        )
+        raise typer.BadParameter(
+            f"no benchmark {name!r} in {folder}; available: {available or 'none (wrong folder?)'}",
+            param_hint="NAME",
+        )
+    for script in scripts:
+        code = subprocess.call([sys.executable, str(script)])
+        if code:
+            raise typer.Exit(code)
+
+
+def _echo_result(result: object) -> None:
+    if isinstance(result, dict):
+        typer.echo(json.dumps(result, indent=2, default=str))
+    elif result is not None:
+        typer.echo(str(result))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The counter-based hash: exact integer arithmetic and uniformity."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from gradsketch.sketch._hash import (
+    MASK32,
+    _mix_int,
+    buckets_and_signs,
+    derive_key,
+    hash_indices,
+    mix32,
+)
+
+
+def test_mix32_matches_python_integer_reference():
+    """The int64 split-multiply twin equals plain unbounded-int arithmetic."""
+    rng = random.Random(0)
+    values = [0, 1, MASK32, 0x80000000, *(rng.getrandbits(32) for _ in range(5000))]
+    got = mix32(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert got == [_mix_int(v) for v in values]
+
+
+def test_mix32_is_a_bijection_on_a_sample():
+    x = torch.arange(1 << 16, dtype=torch.int64) * 65537
+    assert mix32(x).unique().numel() == x.numel()
+
+
+def test_derive_key_distinguishes_parts_and_order():
+    keys = {derive_key(a, b) for a in range(20) for b in range(20)}
+    assert len(keys) == 400
+    assert derive_key(-1) == derive_key((1 << 64) - 1)
+    assert derive_key(1, 2) != derive_key(2, 1)
+
+
+def test_wide_indices_differ_from_their_low_word():
+    """Coordinates beyond 2**32 fold their high word in (no aliasing with i - 2**32)."""
+    low = torch.arange(100, dtype=torch.int64)
+    high = low + (1 << 32)
+    h_low = hash_indices(7, low)
+    h_high = hash_indices(7, high)
+    assert not torch.equal(h_low, h_high)
+    # Same coordinate, computed alone or inside a block straddling 2**32: same hash.
+    straddle = torch.arange((1 << 32) - 3, (1 << 32) + 3, dtype=torch.int64)
+    assert torch.equal(hash_indices(7, straddle)[4:], hash_indices(7, straddle[4:]))
+    assert torch.equal(hash_indices(7, straddle)[:3], hash_indices(7, straddle[:3]))
+
+
+def test_buckets_are_uniform_and_signs_balanced():
+    """Chi-square and binomial checks on d = 2**16 coordinates into k = 64 buckets.
+
+    Under uniform independent buckets the chi-square statistic has mean k - 1
+    and variance 2 (k - 1); we accept |chi2 - (k - 1)| < 5 sqrt(2 (k - 1)).
+    The number of negative signs is Binomial(d, 1/2): mean d/2, standard
+    deviation sqrt(d) / 2; we accept 5 standard deviations.
+    """
+    d, k = 1 << 16, 64
+    folded = buckets_and_signs(derive_key(3), 0, d, k, torch.device("cpu"))
+    buckets = folded % k
+    counts = torch.bincount(buckets, minlength=k).double()
+    expected = d / k
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert abs(chi2 - (k - 1)) < 5 * math.sqrt(2 * (k - 1))
+    negatives = int((folded >= k).sum())
+    assert abs(negatives - d / 2) < 5 * math.sqrt(d) / 2

@@ -191,6 +191,15 @@ class CountSketch:
         check_device("result", result, self._device)
         flat = v.detach().reshape(-1)
         check_range(offset, flat.numel(), self._input_dim)
+        if result.device.type == "cuda":
+            # Imported here: the kernels module pulls in triton, which CPU users never need.
+            from gradsketch.sketch import _triton
+
+            if _triton.use_triton(result.device):
+                _triton.triton_count_sketch(
+                    flat.unsqueeze(0), self._key, offset, self._output_dim, 1.0, result.unsqueeze(0)
+                )
+                return
         # With tables there is nothing to bound: one pass. On the fly, hash a
         # chunk at a time so memory stays O(k + chunk).
         step = self.chunk_size if self._table is None else max(flat.numel(), 1)

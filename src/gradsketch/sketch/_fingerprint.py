@@ -34,6 +34,8 @@ class Fingerprint:
         nnz: non-zeros per input coordinate for sparse maps, else None.
         mask: fingerprint of a :class:`gradsketch.masked.ParamMask` when only
             selected coordinates are sketched, else None.
+        extra: kind-specific structure as compact JSON text (for example the
+            per-layer dimensions of a factorized projection), else None.
         hash_version: version of the counter-based hash.
 
     Example:
@@ -50,6 +52,7 @@ class Fingerprint:
     model_id: int | None = None
     nnz: int | None = None
     mask: str | None = None
+    extra: str | None = None
     hash_version: int = HASH_VERSION
 
     def to_dict(self) -> dict[str, Any]:

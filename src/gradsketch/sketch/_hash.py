@@ -62,6 +62,12 @@ def derive_key(*parts: int) -> int:
 _SPARSE_STREAM = 0x5A
 _DENSE_STREAM = 0xDE
 
+# Salts separating the dense generator's hashes; the Triton kernels import
+# them, so the CPU and GPU maps cannot drift apart.
+RADEMACHER_SALT = 0x5BD1E995
+PAIR_SALT = 0x1B873593
+AUX_SALT = 0xCC9E2D51
+
 
 def sparse_key(seed: int, model_id: int, row: int) -> int:
     """Key of the ``row``-th non-zero of a sparse map.
@@ -167,13 +173,13 @@ def dense_block(
         words = torch.arange(
             first_word, ((col_stop - 1) >> 5) + 1, dtype=torch.int64, device=device
         )
-        word_keys = mix32(words ^ _mix_int(key ^ 0x5BD1E995)).unsqueeze(0)
+        word_keys = mix32(words ^ _mix_int(key ^ RADEMACHER_SALT)).unsqueeze(0)
         packed = mix32(rows ^ word_keys).index_select(1, (cols >> 5) - first_word)
         bits = (packed >> (cols & 31)) & 1
         return (1 - 2 * bits).to(dtype)
-    pair_keys = mix32((cols >> 1) ^ _mix_int(key ^ 0x1B873593)).unsqueeze(0)
+    pair_keys = mix32((cols >> 1) ^ _mix_int(key ^ PAIR_SALT)).unsqueeze(0)
     h1 = mix32(rows ^ pair_keys)
-    h2 = mix32(h1 ^ _mix_int(key ^ 0xCC9E2D51))
+    h2 = mix32(h1 ^ _mix_int(key ^ AUX_SALT))
     work = torch.float64 if dtype == torch.float64 else torch.float32
     # 24 high bits give u1 in (0, 1]: log(u1) is finite, radius <= 5.8.
     u1 = ((h1 >> 8) + 1).to(work) * (1.0 / (1 << 24))

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gradsketch.sketch._hash import MASK32, _mix_int
+from gradsketch.sketch._hash import AUX_SALT, MASK32, PAIR_SALT, RADEMACHER_SALT, _mix_int
 from gradsketch.sketch._validate import check_dim, check_float_tensor
 
 try:  # optional: the `gpu` extra
@@ -63,9 +63,9 @@ ENV_VALUES: dict[str, str] = {
 # Salts of the dense map's column and second hashes. They must equal the
 # literals in `_hash.dense_block`; the identity-projection tests compare the
 # generated matrices entry by entry, so a mismatch cannot go unnoticed.
-_RADEMACHER_SALT = 0x5BD1E995
-_PAIR_SALT = 0x1B873593
-_AUX_SALT = 0xCC9E2D51
+_RADEMACHER_SALT = RADEMACHER_SALT
+_PAIR_SALT = PAIR_SALT
+_AUX_SALT = AUX_SALT
 
 # Count-sketch tile: coordinates per program and batch rows sharing a hash.
 _CS_BLOCK_N = 1024
@@ -81,6 +81,10 @@ _DENSE_TARGET_PROGRAMS = 1024
 _DENSE_MIN_CHUNK = 4096
 
 _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Devices for which the choice of kernels has been logged (once each).
+_ANNOUNCED: set[str] = set()
 
 
 class TritonUnavailableError(RuntimeError):
@@ -129,7 +133,14 @@ def use_triton(device: torch.device) -> bool:
     mode = _env_mode()
     if mode == "off" or not available():
         return False
-    return mode == "on" or device.type == "cuda"
+    chosen = mode == "on" or device.type == "cuda"
+    if chosen and device.type not in _ANNOUNCED:
+        _ANNOUNCED.add(device.type)
+        logger.info(
+            "gradsketch: projecting with the Triton kernels (%s)",
+            "CPU interpreter" if _INTERPRET else "compiled",
+        )
+    return chosen
 
 
 def _require_available(block: torch.Tensor) -> None:
@@ -320,7 +331,7 @@ if triton is not None:
                 # 24 high bits; u1 in (0, 1] keeps log finite (as the torch path).
                 u1 = ((h1 >> 8) + 1).to(tl.float32) * (1.0 / 16777216.0)
                 u2 = (h2 >> 8).to(tl.float32) * (1.0 / 16777216.0)
-                radius = tl.sqrt(-2.0 * tl.log(u1))
+                radius = tl.sqrt_rn(-2.0 * tl.log(u1))  # correctly rounded, as torch.sqrt
                 angle = 6.283185307179586 * u2  # 2 * pi, as dense_block
                 pair = tl.join(radius * tl.cos(angle), radius * tl.sin(angle))
                 m = tl.reshape(pair, (BLOCK_N, BLOCK_K))
@@ -335,7 +346,7 @@ if triton is not None:
             # ieee: no TF32, so float32 products match the torch path's matmul.
             acc += tl.dot(x, m.to(tl.float32), input_precision="ieee")
         tl.store(
-            part_ptr + pid_s * stride_ps + rows[:, None] * stride_pb + ks[None, :],
+            part_ptr + pid_s.to(tl.int64) * stride_ps + rows[:, None] * stride_pb + ks[None, :],
             acc,
             mask=row_mask[:, None] & (ks < proj_dim)[None, :],
         )

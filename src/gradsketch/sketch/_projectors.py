@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from gradsketch.sketch import _triton
-from gradsketch.sketch._countsketch import DEFAULT_CHUNK, accumulate_folded
+from gradsketch.sketch._countsketch import DEFAULT_CHUNK
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
 from gradsketch.sketch._validate import (
@@ -187,11 +187,15 @@ class AbstractProjector(ABC):
             dtype=self._out_dtype(blocks[0].dtype),
             device=self.device,
         )
+        self._accumulate_blocks(out, blocks)
+        return out
+
+    def _accumulate_blocks(self, out: Tensor, blocks: Sequence[Tensor]) -> None:
+        """Accumulate consecutive blocks (a flattened mapping) starting at coordinate 0."""
         offset = 0
         for b in blocks:
             self._accumulate(out, b, offset)
             offset += b.shape[1]
-        return out
 
     def project_into_(
         self, out: Tensor, block: Tensor, offset: int, *, model_id: int | None = None
@@ -356,19 +360,33 @@ class SparseProjector(AbstractProjector):
         return self._tables[row][offset : offset + length]
 
     def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
+        self._accumulate_blocks(out, [block], offset)
+
+    def _accumulate_blocks(self, out: Tensor, blocks: Sequence[Tensor], offset: int = 0) -> None:
+        # Both paths sum every block and non-zero row unscaled into one scratch
+        # and scale once, so CPU and GPU agree bit for bit whenever the sums
+        # are exact, and a mapping of many parameters costs one final pass.
+        k = self.proj_dim
         if _triton.use_triton(out.device):
             # Hashing in registers beats reading int64 tables: same map, one pass.
-            for row in range(self.nnz):
-                key = sparse_key(self.seed, self.model_id, row)
-                _triton.triton_count_sketch(block, key, offset, self.proj_dim, self.scale, out)
+            signed = torch.zeros_like(out)
+            for block in blocks:
+                for row in range(self.nnz):
+                    key = sparse_key(self.seed, self.model_id, row)
+                    _triton.triton_count_sketch(block, key, offset, k, 1.0, signed)
+                offset += block.shape[1]
+            out.add_(signed, alpha=self.scale)
             return
-        n = block.shape[1]
-        step = self.chunk_size if not self.materialize else max(n, 1)
-        for start in range(0, n, step):
-            part = block[:, start : start + step]
-            for row in range(self.nnz):
-                folded = self._table(row, offset + start, part.shape[1])
-                accumulate_folded(out, part, folded, self.proj_dim, self.scale)
+        scratch = out.new_zeros(out.shape[0], 2 * k)
+        for block in blocks:
+            n = block.shape[1]
+            step = self.chunk_size if not self.materialize else max(n, 1)
+            for start in range(0, n, step):
+                part = block[:, start : start + step].to(out.dtype)
+                for row in range(self.nnz):
+                    scratch.index_add_(1, self._table(row, offset + start, part.shape[1]), part)
+            offset += n
+        out.add_(scratch[:, :k] - scratch[:, k:], alpha=self.scale)
 
 
 class CountSketchProjector(SparseProjector):

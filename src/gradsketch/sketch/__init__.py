@@ -7,6 +7,12 @@ products preserved in expectation, with the normalisation in each docstring.
 """
 
 from gradsketch.sketch._countsketch import SKETCH_QUANTITIES, CountSketch, SketchBuffer
+from gradsketch.sketch._factorized import (
+    FactorizedLayer,
+    FactorizedLayoutError,
+    FactorizedProjector,
+    PlainParam,
+)
 from gradsketch.sketch._fingerprint import Fingerprint, FingerprintMismatchError
 from gradsketch.sketch._projectors import (
     AbstractProjector,
@@ -35,6 +41,10 @@ __all__ = [
     "ChunkedCudaProjector",
     "CountSketchProjector",
     "SparseProjector",
+    "FactorizedProjector",
+    "FactorizedLayer",
+    "PlainParam",
+    "FactorizedLayoutError",
     # identity
     "Fingerprint",
     "FingerprintMismatchError",

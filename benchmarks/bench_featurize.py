@@ -1,0 +1,253 @@
+"""Featurization benchmark: TRAK features of one batch, side by side with traker.
+
+Two models: the digits MLP (64-256-256-10, 85,002 parameters, a batch of 256
+digits) and a small transformer (4 pre-norm blocks, width 256, sequence 64,
+vocabulary 1,000, synthetic tokens, a batch of 16, ~3.4M parameters). For
+each, the median time (over repeats, after a warm-up) of:
+
+* ``forward+backward``: a plain forward of the batch, the summed margin, and
+  ``backward()`` into the parameters' ``.grad`` (the cost a training step pays);
+* ``gradsketch hooks+FactorizedProjector``: :class:`HookGradientComputer.project`
+  with a :class:`FactorizedProjector` (no per-example gradient of any
+  Linear / Conv2d layer is formed) plus the out-to-loss terms Q;
+* ``gradsketch vmap+CountSketchProjector``: ``torch.func`` per-example
+  gradients projected by a count sketch, plus Q;
+* ``traker vmap+BasicProjector``: traker's CPU default (its
+  ``FunctionalGradientComputer`` and a normal ``BasicProjector``), plus Q.
+
+Every method produces ``proj_dim``-wide features. Target: hooks +
+FactorizedProjector <= 2x forward+backward. One JSON line per (model, method).
+
+    python benchmarks/bench_featurize.py            # both models, 5 repeats
+    python benchmarks/bench_featurize.py --quick    # 2 repeats, traker skipped on the transformer
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.nn.functional as F
+from _common import emit, machine_info, median_time, setup_torch
+from torch import nn
+
+from gradsketch.attribution import FunctionalGradientComputer, ImageClassificationModelOutput
+from gradsketch.attribution._digits import build_mlp, load_digits_split
+from gradsketch.attribution._hooks import HookGradientComputer
+from gradsketch.sketch import CountSketchProjector, FactorizedProjector
+
+PROJ_DIM = 2048
+TARGET_RATIO = 2.0
+
+
+class Block(nn.Module):
+    """Pre-norm block; attention through Linear q/k/v/o (hookable), causal mask."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.q, self.k = nn.Linear(width, width), nn.Linear(width, width)
+        self.v, self.o = nn.Linear(width, width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.ln1(x)
+
+        def split(z: torch.Tensor) -> torch.Tensor:
+            return z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = (q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)).masked_fill(
+            ~causal, float("-inf")
+        )
+        x = x + self.o((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class SmallTransformer(nn.Module):
+    """Token + position embeddings, blocks, final LayerNorm, mean pooling, 10-way head."""
+
+    def __init__(self, vocab: int = 1000, width: int = 256, seq: int = 64, layers: int = 4) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
+        self.blocks = nn.Sequential(*[Block(width, 4) for _ in range(layers)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+        return self.head(self.ln(self.blocks(self.tok(tokens) + self.pos(positions))).mean(-2))
+
+
+def _margin_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    is_label = torch.arange(logits.shape[-1]) == labels.reshape(-1, 1)
+    correct = (logits * is_label).sum(-1)
+    return (correct - logits.masked_fill(is_label, float("-inf")).logsumexp(-1)).sum()
+
+
+def _workloads(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], dict[str, int]]:
+    torch.manual_seed(0)
+    if name == "digits_mlp":
+        split = load_digits_split(seed=0)
+        batch = (split.x_train[:256], split.y_train[:256])
+        return build_mlp(seed=0).eval(), batch, {"k_in": 26, "k_out": 26}
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 1000, (16, 64), generator=gen)
+    labels = torch.randint(0, 10, (16,), generator=gen)
+    return SmallTransformer().eval(), (tokens, labels), {"k_in": 8, "k_out": 8}
+
+
+def _methods(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    dims: dict[str, int],
+    with_traker: bool,
+) -> dict[str, tuple[Callable[[], Any], int]]:
+    task = ImageClassificationModelOutput()
+    grad_dim = sum(p.numel() for p in model.parameters())
+
+    def forward_backward() -> None:
+        model.zero_grad(set_to_none=True)
+        _margin_sum(model(batch[0]), batch[1]).backward()
+
+    # Per-layer blocks of k_in * k_out; the rest block fills the width to PROJ_DIM.
+    probe = FactorizedProjector.from_model(model, seed=0, rest_proj_dim=1, **dims)
+    rest = PROJ_DIM - (probe.proj_dim - probe.rest_proj_dim)
+    factorized = FactorizedProjector.from_model(model, seed=0, rest_proj_dim=max(rest, 1), **dims)
+    hooks = HookGradientComputer(model, task)
+
+    def hooks_factorized() -> None:
+        hooks.project(batch, factorized, 0)
+        hooks.compute_loss_grad(batch)
+
+    vmap = FunctionalGradientComputer(model, task)
+    sketch = CountSketchProjector(grad_dim, PROJ_DIM, 0, "cpu")
+
+    def vmap_countsketch() -> None:
+        sketch.project(vmap.compute_per_sample_grad(batch), 0)
+        vmap.compute_loss_grad(batch)
+
+    methods = {
+        "forward+backward": (forward_backward, 0),
+        "gradsketch hooks+FactorizedProjector": (hooks_factorized, factorized.proj_dim),
+        "gradsketch vmap+CountSketchProjector": (vmap_countsketch, PROJ_DIM),
+    }
+    if with_traker:
+        from trak.gradient_computers import FunctionalGradientComputer as TrakFunctional
+        from trak.modelout_functions import ImageClassificationModelOutput as TrakOutput
+        from trak.projectors import BasicProjector as TrakBasic
+        from trak.projectors import ProjectionType
+
+        trak_gc = TrakFunctional(model, TrakOutput(), grad_dim, torch.float32, "cpu")
+        trak_proj = TrakBasic(
+            grad_dim, PROJ_DIM, 0, ProjectionType.normal, "cpu", dtype=torch.float32
+        )
+
+        def traker_default() -> None:
+            trak_proj.project(trak_gc.compute_per_sample_grad(batch), model_id=0)
+            trak_gc.compute_loss_grad(batch)
+
+        methods["traker vmap+BasicProjector"] = (traker_default, PROJ_DIM)
+    return methods
+
+
+def run(workload: str, repeats: int, with_traker: bool, traker_repeats: int) -> None:
+    model, batch, dims = _workloads(workload)
+    methods = _methods(model, batch, dims, with_traker)
+    grad_dim = sum(p.numel() for p in model.parameters())
+    times = {}
+    for name, (fn, proj_dim) in methods.items():
+        n = traker_repeats if name.startswith("traker") else repeats
+        times[name] = median_time(fn, repeats=n, warmup=1)
+        record: dict[str, Any] = {
+            "bench": "featurize",
+            "model": workload,
+            "method": name,
+            "batch": int(batch[0].shape[0]),
+            "grad_dim": grad_dim,
+            "proj_dim": proj_dim,
+            "repeats": n,
+            "median_s": times[name],
+            "examples_per_s": batch[0].shape[0] / times[name],
+            "x_forward_backward": times[name] / times["forward+backward"],
+        }
+        if name.startswith("gradsketch hooks"):
+            record["target_x_forward_backward"] = TARGET_RATIO
+            record["target_met"] = record["x_forward_backward"] <= TARGET_RATIO
+        emit(record)
+    if "traker vmap+BasicProjector" in times:
+        hooks = times["gradsketch hooks+FactorizedProjector"]
+        emit(
+            {
+                "bench": "featurize",
+                "model": workload,
+                "summary": "speedup of hooks+FactorizedProjector over traker's CPU default",
+                "speedup_vs_traker": times["traker vmap+BasicProjector"] / hooks,
+                "speedup_vs_vmap_countsketch": times["gradsketch vmap+CountSketchProjector"]
+                / hooks,
+            }
+        )
+
+
+def distributed_scaling(
+    world_sizes: tuple[int, ...] = (1, 2), threads_per_rank: int = 1
+) -> list[dict[str, Any]]:
+    """Throughput of sharded featurization over ``torchrun`` gloo ranks (issue 7, later task).
+
+    Planned: launch ``torchrun --nproc-per-node=W`` for each ``W`` in
+    ``world_sizes``, each rank featurizing a disjoint row shard of the digits
+    training set with ``threads_per_rank`` intra-op threads into one store, and
+    report examples/s and the parallel efficiency against ``W = 1`` (target:
+    2 ranks >= 1.7x one rank). Not implemented yet; ``--distributed`` says so.
+    """
+    raise NotImplementedError(
+        "distributed featurization scaling is a later part of issue 7; this function is the hook "
+        "it will fill (see its docstring)."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="2 repeats; traker skipped on the transformer"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["digits_mlp", "transformer"],
+        choices=["digits_mlp", "transformer"],
+    )
+    parser.add_argument("--no-traker", action="store_true", help="skip the traker reference")
+    parser.add_argument("--distributed", action="store_true", help="(later task) rank scaling")
+    args = parser.parse_args()
+    setup_torch()
+    emit({"bench": "featurize", "machine": machine_info()})
+    if args.distributed:
+        for record in distributed_scaling():
+            emit(record)
+        return
+    repeats = 2 if args.quick else args.repeats
+    for workload in args.models:
+        # traker's BasicProjector regenerates a grad_dim x 2048 Gaussian matrix
+        # per batch: ~7e9 entries for the transformer, minutes per batch, so it
+        # gets one timed repeat there (and none with --quick).
+        with_traker = not args.no_traker and not (args.quick and workload == "transformer")
+        traker_repeats = repeats if workload == "digits_mlp" else 1
+        run(workload, repeats, with_traker, traker_repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""TRAK data attribution: which training examples made the model predict this.
+
+A TRAK-compatible front end (:class:`TRAKer`, score computers, gradient
+computers, model outputs: a script written for ``trak`` runs after changing
+the import), the scoring kernel :func:`trak_scores` for projected gradients
+held in memory, memmaps or zarr arrays, and the linear datamodeling score.
+Park et al., "TRAK: Attributing Model Behavior at Scale", ICML 2023.
+"""
+
+from gradsketch.attribution._cli import AttributeSettings, ConfigError, attribute_command
+from gradsketch.attribution._demo import DemoSettings, DemoSettingsError, run_demo
+from gradsketch.attribution._gradient_computers import (
+    AbstractGradientComputer,
+    FunctionalGradientComputer,
+)
+from gradsketch.attribution._hooks import (
+    HookGradientComputer,
+    WrappedModelError,
+    register_batch_output,
+    register_grad_sampler,
+    register_layer_factors,
+    register_row_sparse_sampler,
+)
+from gradsketch.attribution._lds import LDSGroundTruth, lds_ground_truth, linear_datamodeling_score
+from gradsketch.attribution._modelout import (
+    TASK_TO_MODELOUT,
+    AbstractModelOutput,
+    ImageClassificationModelOutput,
+    TextClassificationModelOutput,
+    UnknownTaskError,
+    register_task,
+)
+from gradsketch.attribution._score_computers import (
+    AbstractScoreComputer,
+    BasicScoreComputer,
+    BasicSingleBlockScoreComputer,
+)
+from gradsketch.attribution._scores import MemoryBudgetError, trak_scores
+from gradsketch.attribution._traker import ModelIDException, TRAKer, TRAKSettings
+
+__all__ = [
+    # front end
+    "TRAKer",
+    "TRAKSettings",
+    # scoring
+    "trak_scores",
+    "AbstractScoreComputer",
+    "BasicSingleBlockScoreComputer",
+    "BasicScoreComputer",
+    # per-example gradients
+    "AbstractGradientComputer",
+    "FunctionalGradientComputer",
+    "HookGradientComputer",
+    "register_grad_sampler",
+    "register_layer_factors",
+    "register_row_sparse_sampler",
+    "register_batch_output",
+    # model outputs
+    "AbstractModelOutput",
+    "ImageClassificationModelOutput",
+    "TextClassificationModelOutput",
+    "TASK_TO_MODELOUT",
+    "register_task",
+    # evaluation
+    "linear_datamodeling_score",
+    "lds_ground_truth",
+    "LDSGroundTruth",
+    # demo and command line (`gradsketch demo`, `gradsketch attribute CONFIG.py`)
+    "DemoSettings",
+    "run_demo",
+    "AttributeSettings",
+    "attribute_command",
+    # errors
+    "ModelIDException",
+    "WrappedModelError",
+    "MemoryBudgetError",
+    "UnknownTaskError",
+    "DemoSettingsError",
+    "ConfigError",
+]

@@ -1,0 +1,427 @@
+"""``gradsketch attribute CONFIG.py``: the TRAK pipeline on a user's own model.
+
+A config is a small Python file (run with importlib, like a settings module)
+that defines:
+
+==================  ========  ================================================
+name                required  meaning
+==================  ========  ================================================
+``model``           one of    an ``nn.Module`` whose state dicts the
+``build_model()``             checkpoints are (or a function returning one)
+``checkpoints``     yes       list of state dicts or paths to ``torch.save``-d
+                              state dicts, one per independently trained model
+``train_loader``    yes       iterable of training batches, in row order
+``target_loader``   yes       iterable of target batches, in row order
+``task``            yes       ``"image_classification"``,
+                              ``"text_classification"`` or an
+                              ``AbstractModelOutput`` instance
+``proj_dim``        no        projection size (default 2048)
+``lambda_reg``      no        ridge term, a float or ``"auto"`` (default 0.0)
+``train_set_size``  no        rows of ``train_loader`` (default: the length of
+                              its ``dataset``)
+``num_targets``     no        rows of ``target_loader`` (default likewise)
+``projector_seed``  no        seed of the projection (default 0)
+``device``          no        torch device (default ``"cpu"``)
+==================  ========  ================================================
+
+Outputs in ``out_dir``: ``scores.npy`` (``[train_set_size, num_targets]``
+float32), ``summary.json`` (settings, timings, the strongest proponents of
+the first targets) and the resumable TRAK store under ``trak_store/``: a
+rerun after an interruption featurizes only the rows that are missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from gradsketch.attribution._demo import to_numpy
+
+logger = logging.getLogger(__name__)
+
+#: Names every config must define.
+REQUIRED_NAMES: tuple[str, ...] = ("checkpoints", "train_loader", "target_loader", "task")
+#: One of these must be defined.
+MODEL_NAMES: tuple[str, ...] = ("model", "build_model")
+#: Optional names and their defaults (``None``: derived from the loaders).
+OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "proj_dim": 2048,
+    "lambda_reg": 0.0,
+    "train_set_size": None,
+    "num_targets": None,
+    "projector_seed": 0,
+    "device": "cpu",
+}
+
+#: TRAK experiment name used for the config's targets.
+EXPERIMENT = "targets"
+
+#: Targets whose top proponents are listed in ``summary.json``.
+SUMMARY_TARGETS = 10
+SUMMARY_TOP = 5
+
+
+class ConfigError(ValueError):
+    """Raised for a config file that cannot be loaded or lacks what the pipeline needs."""
+
+
+@dataclass(frozen=True)
+class AttributeSettings:
+    """The numeric settings read from a config (saved in ``summary.json``).
+
+    Attributes:
+        proj_dim: projection size k.
+        lambda_reg: ridge term, a float >= 0 or ``"auto"``.
+        train_set_size: number of training rows.
+        num_targets: number of target rows.
+        projector_seed: seed of the projection.
+        device: torch device name.
+    """
+
+    proj_dim: int
+    lambda_reg: float | str
+    train_set_size: int
+    num_targets: int
+    projector_seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("proj_dim", "train_set_size", "num_targets"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"`{name}` must be a positive integer, got {value!r}; set `{name} = ...` "
+                    "in the config."
+                )
+        if isinstance(self.projector_seed, bool) or not isinstance(self.projector_seed, int):
+            raise ConfigError(
+                f"`projector_seed` must be an int, got {self.projector_seed!r}; "
+                "set e.g. `projector_seed = 0` in the config."
+            )
+        lam = self.lambda_reg
+        if not (
+            lam == "auto"
+            or (
+                isinstance(lam, float | int)
+                and not isinstance(lam, bool)
+                and math.isfinite(lam)
+                and lam >= 0
+            )
+        ):
+            raise ConfigError(
+                f"`lambda_reg` must be a finite number >= 0 or 'auto', got {lam!r}; "
+                "set e.g. `lambda_reg = 0.0` in the config."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return dataclasses.asdict(self)
+
+
+def load_config(config_path: str | Path) -> ModuleType:
+    """Execute a config file and return it as a module.
+
+    Args:
+        config_path: path to a ``.py`` file.
+
+    Returns:
+        The executed module.
+
+    Raises:
+        ConfigError: if the file is missing or not a ``.py`` file.
+    """
+    path = Path(config_path)
+    if path.suffix != ".py" or not path.is_file():
+        raise ConfigError(
+            f"`config_path` must be an existing .py file, got {str(path)!r}; see "
+            "examples/attribute_config.py for a template."
+        )
+    spec = importlib.util.spec_from_file_location(f"gradsketch_config_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"`config_path` {str(path)!r} cannot be imported as a Python module.")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
+    """Check a loaded config and resolve defaults.
+
+    Args:
+        config: a module from :func:`load_config` or a mapping of the same names.
+
+    Returns:
+        ``{"model", "checkpoints" (list of state dicts), "train_loader",
+        "target_loader", "task", "settings" (AttributeSettings)}``.
+
+    Raises:
+        ConfigError: naming every missing name, or the one that is invalid.
+
+    Example:
+        >>> read_config({"model": nn.Linear(2, 2)})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        gradsketch.attribution._cli.ConfigError: the config does not define `checkpoints`, ...
+    """
+    names = dict(config) if isinstance(config, Mapping) else vars(config)
+    missing = [n for n in REQUIRED_NAMES if n not in names]
+    has_model = any(n in names for n in MODEL_NAMES)
+    if missing or not has_model:
+        absent = missing + ([] if has_model else [" or ".join(f"`{n}`" for n in MODEL_NAMES)])
+        required = ", ".join(f"`{n}`" for n in REQUIRED_NAMES)
+        one_of = ", ".join(f"`{n}`" for n in MODEL_NAMES)
+        listed = ", ".join(a if a.startswith("`") else f"`{a}`" for a in absent)
+        raise ConfigError(
+            f"the config does not define {listed}; required: {required} and one of {one_of}. "
+            "See examples/attribute_config.py."
+        )
+    model = names["model"] if "model" in names else names["build_model"]()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"`model` must be a torch.nn.Module, got {type(model).__name__}; define `model = "
+            "MyNet()` or `def build_model(): return MyNet()`."
+        )
+    checkpoints = _load_checkpoints(names["checkpoints"])
+    for name in ("train_loader", "target_loader"):
+        if not isinstance(names[name], Iterable):
+            raise ConfigError(
+                f"`{name}` must be an iterable of batches (e.g. a DataLoader), got "
+                f"{type(names[name]).__name__}."
+            )
+    options = {k: names.get(k, default) for k, default in OPTIONAL_DEFAULTS.items()}
+    if options["train_set_size"] is None:
+        options["train_set_size"] = _dataset_len("train_loader", names["train_loader"])
+    if options["num_targets"] is None:
+        options["num_targets"] = _dataset_len("target_loader", names["target_loader"])
+    options["device"] = str(options["device"])
+    return {
+        "model": model,
+        "checkpoints": checkpoints,
+        "train_loader": names["train_loader"],
+        "target_loader": names["target_loader"],
+        "task": names["task"],
+        "settings": AttributeSettings(**options),
+    }
+
+
+def attribute_command(
+    config_path: str | Path, out_dir: str | Path, *, progress: bool = True
+) -> dict[str, Any]:
+    """Run TRAK for the model, checkpoints and loaders a config file defines.
+
+    Featurizes every training batch under every checkpoint, finalizes the
+    features, scores every target batch and averages over checkpoints, as in
+    :class:`TRAKer`. The store in ``out_dir/trak_store`` is reused, so an
+    interrupted run resumes; a rerun with other settings is refused by the
+    store, with both settings shown.
+
+    Args:
+        config_path: the config file (see this module's docstring for the names).
+        out_dir: output folder, created if missing.
+        progress: show tqdm progress bars.
+
+    Returns:
+        The summary written to ``summary.json``; ``summary["report"]`` is a
+        short text for the terminal.
+
+    Raises:
+        ConfigError: for a missing or invalid config.
+
+    Example:
+        >>> attribute_command("no_such_config.py", "out")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        gradsketch.attribution._cli.ConfigError: `config_path` must be an existing .py file, ...
+    """
+    config = read_config(load_config(config_path))
+    from gradsketch.attribution import TRAKer
+
+    settings: AttributeSettings = config["settings"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+
+    traker = TRAKer(
+        model=config["model"],
+        task=config["task"],
+        train_set_size=settings.train_set_size,
+        save_dir=str(out / "trak_store"),
+        load_from_save_dir=True,
+        device=settings.device,
+        proj_dim=settings.proj_dim,
+        use_half_precision=False,
+        projector_seed=settings.projector_seed,
+        lambda_reg=settings.lambda_reg,
+        logging_level=logging.WARNING,
+        progress=progress,
+    )
+    checkpoints = config["checkpoints"]
+    t0 = time.perf_counter()
+    bar = tqdm(
+        total=len(checkpoints) * settings.train_set_size,
+        desc="featurize",
+        unit="ex",
+        disable=not progress,
+    )
+    for model_id, ckpt in enumerate(checkpoints):
+        traker.load_checkpoint(ckpt, model_id=model_id)
+        seen = 0
+        for batch in config["train_loader"]:
+            size = batch_size(batch)
+            _check_rows("train_loader", seen + size, settings.train_set_size, partial=True)
+            traker.featurize(batch=_to_device(batch, settings.device), num_samples=size)
+            seen += size
+            bar.update(size)
+        _check_rows("train_loader", seen, settings.train_set_size)
+    bar.close()
+    timings["featurize"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    traker.finalize_features()
+    timings["finalize_features"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    for model_id, ckpt in enumerate(
+        tqdm(checkpoints, desc="score", unit="ckpt", disable=not progress)
+    ):
+        traker.start_scoring_checkpoint(
+            exp_name=EXPERIMENT,
+            checkpoint=ckpt,
+            model_id=model_id,
+            num_targets=settings.num_targets,
+        )
+        seen = 0
+        for batch in config["target_loader"]:
+            size = batch_size(batch)
+            _check_rows("target_loader", seen + size, settings.num_targets, partial=True)
+            traker.score(batch=_to_device(batch, settings.device), num_samples=size)
+            seen += size
+        _check_rows("target_loader", seen, settings.num_targets)
+    timings["score"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    scores = to_numpy(traker.finalize_scores(exp_name=EXPERIMENT)).astype(np.float32)
+    timings["finalize_scores"] = time.perf_counter() - t0
+    np.save(out / "scores.npy", scores)
+    timings["total"] = time.perf_counter() - start
+
+    shown = min(SUMMARY_TARGETS, scores.shape[1])
+    summary: dict[str, Any] = {
+        "config": str(Path(config_path).resolve()),
+        "settings": settings.to_dict(),
+        "num_checkpoints": len(checkpoints),
+        "scores_shape": list(scores.shape),
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+        "top_proponents": {
+            str(t): np.argsort(-scores[:, t], kind="stable")[:SUMMARY_TOP].tolist()
+            for t in range(shown)
+        },
+        "files": {"scores": str(out / "scores.npy"), "summary": str(out / "summary.json")},
+    }
+    summary["report"] = (
+        f"gradsketch attribute: scored {settings.num_targets} targets against "
+        f"{settings.train_set_size} training rows with {len(checkpoints)} checkpoint(s) "
+        f"(k={settings.proj_dim}, lambda_reg={settings.lambda_reg}) in {timings['total']:.1f} s\n"
+        f"  scores: {out / 'scores.npy'} {tuple(scores.shape)}\n"
+        f"  summary: {out / 'summary.json'}"
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def batch_size(batch: Any) -> int:
+    """Rows in a batch: a tensor, a tuple/list of tensors, or a dict of tensors.
+
+    Example:
+        >>> batch_size((torch.zeros(3, 2), torch.zeros(3)))
+        3
+    """
+    first = batch
+    if isinstance(batch, Mapping):
+        first = next(iter(batch.values()))
+    elif isinstance(batch, Sequence) and not isinstance(batch, Tensor):
+        first = batch[0]
+    if not isinstance(first, Tensor) or first.dim() == 0:
+        raise ConfigError(
+            f"batches must be tensors, tuples/lists of tensors or dicts of tensors with a leading "
+            f"batch dimension; got a batch whose first entry is {type(first).__name__}."
+        )
+    return int(first.shape[0])
+
+
+def _to_device(batch: Any, device: str) -> Any:
+    if device == "cpu":
+        return batch
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_to_device(v, device) for v in batch]
+    if isinstance(batch, tuple):
+        return tuple(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _load_checkpoints(value: Any) -> list[dict[str, Tensor]]:
+    if isinstance(value, str | Path | Mapping) or not isinstance(value, Sequence) or not value:
+        raise ConfigError(
+            f"`checkpoints` must be a non-empty list of state dicts or paths, got "
+            f"{type(value).__name__}; e.g. `checkpoints = ['ckpt0.pt', 'ckpt1.pt']`."
+        )
+    loaded = []
+    for i, item in enumerate(value):
+        if isinstance(item, str | Path):
+            path = Path(item)
+            if not path.is_file():
+                raise ConfigError(
+                    f"`checkpoints[{i}]` is the path {str(path)!r}, which does not exist; "
+                    "save state dicts with torch.save(model.state_dict(), path)."
+                )
+            item = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(item, Mapping):
+            raise ConfigError(
+                f"`checkpoints[{i}]` must be a state dict or a path to one, got "
+                f"{type(item).__name__}."
+            )
+        loaded.append(dict(item))
+    return loaded
+
+
+def _dataset_len(name: str, loader: Any) -> int:
+    dataset = getattr(loader, "dataset", None)
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        target = "train_set_size" if name == "train_loader" else "num_targets"
+        raise ConfigError(
+            f"`{name}` has no sized `dataset`, so the number of rows is unknown; set "
+            f"`{target} = ...` in the config."
+        ) from None
+
+
+def _check_rows(name: str, seen: int, expected: int, *, partial: bool = False) -> None:
+    """Refuse a loader that yields more (or, at its end, fewer) rows than declared."""
+    if seen > expected or (not partial and seen != expected):
+        target = "train_set_size" if name == "train_loader" else "num_targets"
+        got = f"more than {expected}" if partial else str(seen)
+        raise ConfigError(
+            f"`{name}` yielded {got} rows but `{target}` is {expected}; set `{target}` to the "
+            "loader's row count or make the loader yield every row exactly once (no shuffling, "
+            "drop_last=False)."
+        )

@@ -1,0 +1,608 @@
+"""The digits demo: TRAK end to end on a model trained in seconds.
+
+``run_demo`` trains a few independently seeded MLPs on scikit-learn's bundled
+digits, featurizes the training set with :class:`TRAKer`, scores held-out
+test digits, checks the scores against ground truth with the linear
+datamodeling score (LDS; Park et al., "TRAK: Attributing Model Behavior at
+Scale", ICML 2023, section 2) and writes a gallery, a JSON summary and a
+short report. ``gradsketch demo`` (and ``make demo``) call it.
+
+LDS protocol: ``lds_models`` models are retrained from scratch on random
+halves ``S_j`` of the training set; for each target ``t`` the Spearman
+correlation over ``j`` between the predicted effect ``sum_{i in S_j}
+score[i, t]`` and the retrained model's margin on ``t`` is averaged over
+targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from gradsketch.attribution._digits import (
+    ARCHITECTURES,
+    DigitsSplit,
+    TrainSettings,
+    accuracy,
+    build_model,
+    load_digits_split,
+    make_loader,
+    margins,
+    train_digits_model,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Name of the TRAK experiment the demo scores.
+EXPERIMENT = "digits_test"
+
+#: Test digits shown in the gallery and proponents / opponents per digit.
+GALLERY_ROWS = 6
+GALLERY_TOP = 5
+
+
+class DemoSettingsError(ValueError):
+    """Raised for invalid demo settings or an output folder holding another run."""
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Everything that determines a demo run (saved in ``summary.json``).
+
+    Attributes:
+        num_checkpoints: independently trained models TRAK ensembles over.
+        num_targets: test digits scored (at most the 359 test images).
+        lds_models: models retrained on random halves for the LDS.
+        proj_dim: projection size k. Kept below the 1,438 training rows so
+            ``Phi^T Phi`` is invertible at ``lambda_reg=0``.
+        lambda_reg: ridge term for ``Phi^T Phi``; a float or ``"auto"``.
+        report_auto: also run ``lambda_reg="auto"`` and report its LDS.
+        seed: seeds the split, the checkpoints, the projector and the subsets.
+        arch: ``"mlp"`` (64-256-256-10) or ``"cnn"``.
+        batch_size: rows per featurize / score call.
+        train: optimiser settings of every trained model.
+    """
+
+    num_checkpoints: int = 3
+    num_targets: int = 100
+    lds_models: int = 30
+    proj_dim: int = 512
+    lambda_reg: float | str = 0.0
+    report_auto: bool = True
+    seed: int = 0
+    arch: str = "mlp"
+    batch_size: int = 256
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+    def __post_init__(self) -> None:
+        for name, low in (
+            ("num_checkpoints", 1),
+            ("num_targets", 1),
+            ("lds_models", 3),
+            ("proj_dim", 1),
+            ("batch_size", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise DemoSettingsError(
+                    f"`{name}` must be an integer >= {low}, got {value!r}; the default is "
+                    f"{getattr(DemoSettings, name)!r}."
+                )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise DemoSettingsError(f"`seed` must be an int, got {self.seed!r}; pass e.g. seed=0.")
+        if self.arch not in ARCHITECTURES:
+            allowed = ", ".join(repr(a) for a in sorted(ARCHITECTURES))
+            raise DemoSettingsError(
+                f"`arch` must be one of {allowed}, got {self.arch!r}; pick one of those."
+            )
+        lam = self.lambda_reg
+        ok = lam == "auto" or (
+            isinstance(lam, float | int)
+            and not isinstance(lam, bool)
+            and math.isfinite(lam)
+            and lam >= 0
+        )
+        if not ok:
+            raise DemoSettingsError(
+                f"`lambda_reg` must be a finite number >= 0 or 'auto', got {lam!r}; "
+                "pass e.g. lambda_reg=0.0 or lambda_reg='auto'."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready settings (the training settings nested)."""
+        return dataclasses.asdict(self)
+
+
+def run_demo(
+    out_dir: str | Path,
+    *,
+    num_checkpoints: int = 3,
+    num_targets: int = 100,
+    lds_models: int = 30,
+    proj_dim: int = 512,
+    lambda_reg: float | str = 0.0,
+    report_auto: bool = True,
+    seed: int = 0,
+    arch: str = "mlp",
+    batch_size: int = 256,
+    train: TrainSettings | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train, attribute and evaluate on digits; write a gallery and a summary.
+
+    Steps: split the bundled digits; train ``num_checkpoints`` models with
+    seeds ``seed, seed + 1, ...``; featurize every training digit with
+    :class:`TRAKer` per checkpoint; score ``num_targets`` test digits; retrain
+    ``lds_models`` models on random halves and compute the LDS of the scores
+    (and of ``lambda_reg="auto"``'s when ``report_auto``).
+
+    Writes to ``out_dir``: ``gallery.png`` (6 test digits, each with its
+    top-5 proponents and opponents and their scores), ``scores.npy``
+    (``[n_train, num_targets]``; ``scores_auto.npy`` for ``"auto"``),
+    ``summary.json`` (settings, timings, accuracies, LDS) and the TRAK store
+    under ``trak_store/``.
+
+    Args:
+        out_dir: output folder (created if missing).
+        num_checkpoints: independently trained models (>= 3 for the real demo).
+        num_targets: test digits to score (>= 100 for the real demo).
+        lds_models: retrained models for the LDS (>= 30 for the real demo).
+        proj_dim: projection size k.
+        lambda_reg: ridge term for the TRAK inverse (TRAKer's default 0.0).
+        report_auto: also score with ``lambda_reg="auto"`` and report its LDS.
+        seed: master seed.
+        arch: ``"mlp"`` or ``"cnn"``.
+        batch_size: rows per featurize / score call.
+        train: optimiser settings; defaults to :class:`TrainSettings()`.
+        overwrite: replace an earlier run in ``out_dir`` made with other
+            settings (a rerun with the same settings always replaces it).
+        progress: show tqdm progress bars.
+
+    Returns:
+        The summary (also in ``summary.json``); ``summary["report"]`` is a
+        short text report for printing.
+
+    Raises:
+        DemoSettingsError: for invalid settings, or when ``out_dir`` holds a
+            run made with different settings and ``overwrite`` is False.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:  # doctest: +SKIP
+        ...     print(run_demo(d, num_targets=10, lds_models=5)["report"])
+    """
+    settings = DemoSettings(
+        num_checkpoints=num_checkpoints,
+        num_targets=num_targets,
+        lds_models=lds_models,
+        proj_dim=proj_dim,
+        lambda_reg=lambda_reg,
+        report_auto=report_auto,
+        seed=seed,
+        arch=arch,
+        batch_size=batch_size,
+        train=TrainSettings() if train is None else train,
+    )
+    out = Path(out_dir)
+    _claim_out_dir(out, settings, overwrite=overwrite)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+
+    with _timed(timings, "data"):
+        split = load_digits_split(seed=settings.seed)
+    if settings.num_targets > split.n_test:
+        raise DemoSettingsError(
+            f"`num_targets`={settings.num_targets} exceeds the {split.n_test} test digits; "
+            f"pass num_targets <= {split.n_test}."
+        )
+    x_target = split.x_test[: settings.num_targets]
+    y_target = split.y_test[: settings.num_targets]
+
+    with _timed(timings, "train_checkpoints"):
+        checkpoints, accuracies = _train_checkpoints(split, settings, progress=progress)
+
+    scores, trak_timings = attribute_digits(
+        checkpoints,
+        split,
+        settings,
+        save_dir=out / "trak_store",
+        lambda_reg=settings.lambda_reg,
+        progress=progress,
+        fresh=True,
+    )
+    timings.update(trak_timings)
+    np.save(out / "scores.npy", scores)
+
+    with _timed(timings, "lds_retrain"):
+        masks, outputs = digits_lds_ground_truth(
+            split, x_target, y_target, settings, progress=progress
+        )
+    lds = {_lambda_key(settings.lambda_reg): _lds(scores, masks, outputs)}
+
+    if settings.report_auto and settings.lambda_reg != "auto":
+        auto_scores, auto_timings = attribute_digits(
+            checkpoints,
+            split,
+            settings,
+            save_dir=out / "trak_store",
+            lambda_reg="auto",
+            progress=progress,
+            fresh=False,
+            exp_name=EXPERIMENT + "_auto",
+        )
+        timings["attribution_auto_total"] = sum(auto_timings.values())
+        np.save(out / "scores_auto.npy", auto_scores)
+        lds["auto"] = _lds(auto_scores, masks, outputs)
+
+    with _timed(timings, "gallery"):
+        rows = _gallery_rows(y_target, GALLERY_ROWS)
+        write_gallery(out / "gallery.png", scores, split, rows, top=GALLERY_TOP)
+    timings["total"] = time.perf_counter() - start
+
+    summary: dict[str, Any] = {
+        "settings": settings.to_dict(),
+        "n_train": split.n_train,
+        "n_targets": settings.num_targets,
+        "num_params": sum(p.numel() for p in build_model(settings.arch).parameters()),
+        "checkpoint_test_accuracy": accuracies,
+        "lds": lds,
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+        "files": {
+            "gallery": str(out / "gallery.png"),
+            "scores": str(out / "scores.npy"),
+            "summary": str(out / "summary.json"),
+        },
+    }
+    summary["report"] = format_report(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    logger.info("demo finished in %.1f s; outputs in %s", timings["total"], out)
+    return summary
+
+
+def attribute_digits(
+    checkpoints: list[dict[str, Tensor]],
+    split: DigitsSplit,
+    settings: DemoSettings,
+    *,
+    save_dir: Path,
+    lambda_reg: float | str,
+    progress: bool = True,
+    fresh: bool = True,
+    exp_name: str = EXPERIMENT,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """Run the TRAKer pipeline on digits checkpoints.
+
+    The store keeps each checkpoint's projected gradients and ``XᵀX``, and
+    ``lambda_reg`` only enters at scoring time, so a second damping reuses
+    the store (``fresh=False``, another ``exp_name``): featurizing skips the
+    stored rows and only the targets are scored again.
+
+    Args:
+        checkpoints: state dicts of models built by ``build_model(settings.arch)``.
+        split: the digits split; all training rows are featurized.
+        settings: demo settings (``proj_dim``, ``batch_size``, ``num_targets``).
+        save_dir: TRAK store folder.
+        lambda_reg: ridge term passed to :class:`TRAKer`.
+        progress: show progress bars.
+        fresh: delete ``save_dir`` first (the demo owns it), so timings
+            measure a full run.
+        exp_name: TRAK experiment name of the targets.
+
+    Returns:
+        ``(scores [n_train, num_targets], timings)`` with timings for
+        featurize, finalize_features, score and finalize_scores.
+    """
+    from gradsketch.attribution import TRAKer
+
+    if fresh and save_dir.exists():
+        shutil.rmtree(save_dir)
+    timings: dict[str, float] = {}
+    traker = TRAKer(
+        model=build_model(settings.arch, seed=settings.seed),
+        task="image_classification",
+        train_set_size=split.n_train,
+        save_dir=str(save_dir),
+        load_from_save_dir=True,
+        device="cpu",
+        proj_dim=settings.proj_dim,
+        use_half_precision=False,
+        projector_seed=settings.seed,
+        lambda_reg=lambda_reg,
+        logging_level=logging.WARNING,
+        progress=progress,
+    )
+    train_loader = make_loader(split.x_train, split.y_train, batch_size=settings.batch_size)
+    target_loader = make_loader(
+        split.x_test[: settings.num_targets],
+        split.y_test[: settings.num_targets],
+        batch_size=settings.batch_size,
+    )
+    label = f"lambda={lambda_reg}"
+    with _timed(timings, "featurize"):
+        bar = tqdm(
+            total=len(checkpoints) * split.n_train,
+            desc=f"featurize ({label})",
+            unit="ex",
+            disable=not progress,
+        )
+        for model_id, ckpt in enumerate(checkpoints):
+            traker.load_checkpoint(ckpt, model_id=model_id)
+            for batch in train_loader:
+                traker.featurize(batch=batch, num_samples=len(batch[0]))
+                bar.update(len(batch[0]))
+        bar.close()
+    with _timed(timings, "finalize_features"):
+        traker.finalize_features()
+    with _timed(timings, "score"):
+        for model_id, ckpt in enumerate(
+            tqdm(checkpoints, desc=f"score ({label})", unit="ckpt", disable=not progress)
+        ):
+            traker.start_scoring_checkpoint(
+                exp_name=exp_name,
+                checkpoint=ckpt,
+                model_id=model_id,
+                num_targets=settings.num_targets,
+            )
+            for batch in target_loader:
+                traker.score(batch=batch, num_samples=len(batch[0]))
+    with _timed(timings, "finalize_scores"):
+        scores = to_numpy(traker.finalize_scores(exp_name=exp_name))
+    return scores, timings
+
+
+def digits_lds_ground_truth(
+    split: DigitsSplit,
+    x_target: Tensor,
+    y_target: Tensor,
+    settings: DemoSettings,
+    *,
+    progress: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Retrain on random halves of the training set; record the targets' margins.
+
+    Uses :func:`gradsketch.attribution.lds_ground_truth` with seed
+    ``settings.seed + 10_000`` (so the retrained models' seeds never collide
+    with the checkpoints' ``seed, seed + 1, ...``): subset ``j`` has
+    ``round(n_train / 2)`` rows drawn without replacement and model ``j`` is
+    :func:`train_digits_model` on it with seed ``seed + 10_001 + j``.
+
+    Returns:
+        ``(subset_masks [lds_models, n_train] bool, margins [lds_models, n_targets])``.
+    """
+    from gradsketch.attribution import lds_ground_truth
+
+    def train_fn(indices: np.ndarray, seed: int) -> torch.nn.Module:
+        idx = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+        return train_digits_model(
+            split.x_train[idx],
+            split.y_train[idx],
+            arch=settings.arch,
+            seed=seed,
+            settings=settings.train,
+        )
+
+    def eval_fn(model: torch.nn.Module) -> Tensor:
+        return margins(model, x_target, y_target)
+
+    truth = lds_ground_truth(
+        train_fn,
+        eval_fn,
+        split.n_train,
+        settings.lds_models,
+        0.5,
+        seed=settings.seed + 10_000,
+        progress=progress,
+    )
+    return np.asarray(truth.subset_masks), np.asarray(truth.target_outputs)
+
+
+def write_gallery(
+    path: str | Path,
+    scores: np.ndarray,
+    split: DigitsSplit,
+    rows: list[int],
+    *,
+    top: int = GALLERY_TOP,
+) -> Path:
+    """Plot test digits with their strongest proponents and opponents.
+
+    Row ``r`` shows test digit ``rows[r]``, then the ``top`` training digits
+    with the largest scores (proponents, green titles) and the ``top`` with
+    the smallest (opponents, red titles), each titled with label and score.
+
+    Args:
+        path: PNG file to write.
+        scores: ``[n_train, n_targets]`` attribution scores.
+        split: the digits split (for the raw images and labels).
+        rows: target columns to show.
+        top: proponents and opponents per row.
+
+    Returns:
+        The written path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 1 + 2 * top
+    fig, axes = plt.subplots(
+        len(rows), cols, figsize=(1.25 * cols, 1.45 * len(rows)), squeeze=False
+    )
+    for r, target in enumerate(rows):
+        column = scores[:, target]
+        order = np.argsort(column, kind="stable")
+        proponents, opponents = order[::-1][:top], order[:top]
+        _show(
+            axes[r, 0],
+            split.images_test[target],
+            f"test #{target}\nlabel {int(split.y_test[target])}",
+            "black",
+        )
+        for c, i in enumerate(proponents):
+            _show(
+                axes[r, 1 + c],
+                split.images_train[i],
+                f"{int(split.y_train[i])}: {column[i]:+.2g}",
+                "tab:green",
+            )
+        for c, i in enumerate(opponents):
+            _show(
+                axes[r, 1 + top + c],
+                split.images_train[i],
+                f"{int(split.y_train[i])}: {column[i]:+.2g}",
+                "tab:red",
+            )
+    axes[0, 1 + top // 2].annotate(
+        "proponents (top scores)", (0.5, 1.55), xycoords="axes fraction", ha="center"
+    )
+    axes[0, 1 + top + top // 2].annotate(
+        "opponents (lowest scores)", (0.5, 1.55), xycoords="axes fraction", ha="center"
+    )
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def format_report(summary: Mapping[str, Any]) -> str:
+    """A few lines for the terminal: accuracy, LDS, timings, where the files are.
+
+    Example:
+        >>> print(format_report({"n_train": 10, "n_targets": 2, "lds": {"0.0": 0.3},
+        ...     "checkpoint_test_accuracy": [0.9], "timings_s": {"total": 1.0},
+        ...     "settings": {"num_checkpoints": 1, "proj_dim": 8, "lds_models": 3}}))
+        gradsketch demo: TRAK on digits (10 training digits, 2 test digits scored)
+          checkpoints: 1, test accuracy 0.900 (min 0.900)
+          projection: k=8; LDS over 3 retrained half-data models
+          LDS (lambda_reg=0.0): 0.300
+          total time: 1.0 s
+    """
+    s = summary["settings"]
+    acc = summary["checkpoint_test_accuracy"]
+    lines = [
+        f"gradsketch demo: TRAK on digits ({summary['n_train']} training digits, "
+        f"{summary['n_targets']} test digits scored)",
+        f"  checkpoints: {s['num_checkpoints']}, test accuracy {float(np.mean(acc)):.3f} "
+        f"(min {min(acc):.3f})",
+        f"  projection: k={s['proj_dim']}; LDS over {s['lds_models']} retrained half-data models",
+    ]
+    for key, value in summary["lds"].items():
+        lines.append(f"  LDS (lambda_reg={key}): {value:.3f}")
+    timings = summary["timings_s"]
+    phases = [
+        k
+        for k in ("train_checkpoints", "featurize", "finalize_features", "score", "lds_retrain")
+        if k in timings
+    ]
+    if phases:
+        lines.append("  time: " + ", ".join(f"{k} {timings[k]:.1f} s" for k in phases))
+    lines.append(f"  total time: {timings['total']:.1f} s")
+    if "files" in summary:
+        lines.append(f"  gallery: {summary['files']['gallery']}")
+        lines.append(f"  summary: {summary['files']['summary']}")
+    return "\n".join(lines)
+
+
+def to_numpy(scores: Any) -> np.ndarray:
+    """Scores as an in-memory float64 numpy array (from torch, numpy, memmap or zarr)."""
+    if isinstance(scores, Tensor):
+        return scores.detach().cpu().double().numpy()
+    return np.asarray(scores[...] if hasattr(scores, "shape") else scores, dtype=np.float64)
+
+
+def _train_checkpoints(
+    split: DigitsSplit, settings: DemoSettings, *, progress: bool
+) -> tuple[list[dict[str, Tensor]], list[float]]:
+    checkpoints, accuracies = [], []
+    for i in tqdm(
+        range(settings.num_checkpoints),
+        desc="train checkpoints",
+        unit="model",
+        disable=not progress,
+    ):
+        model = train_digits_model(
+            split.x_train,
+            split.y_train,
+            arch=settings.arch,
+            seed=settings.seed + i,
+            settings=settings.train,
+        )
+        checkpoints.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        accuracies.append(round(accuracy(model, split.x_test, split.y_test), 4))
+    return checkpoints, accuracies
+
+
+def _lds(scores: np.ndarray, masks: np.ndarray, outputs: np.ndarray) -> float:
+    from gradsketch.attribution import linear_datamodeling_score
+
+    return round(float(linear_datamodeling_score(scores, masks, outputs)), 4)
+
+
+def _lambda_key(value: float | str) -> str:
+    return str(value)
+
+
+def _gallery_rows(labels: Tensor, count: int) -> list[int]:
+    """First target of each of ``count`` different classes (fewer targets: first ones)."""
+    rows: list[int] = []
+    seen: set[int] = set()
+    for i, y in enumerate(labels.tolist()):
+        if y not in seen:
+            rows.append(i)
+            seen.add(y)
+        if len(rows) == count:
+            return rows
+    extra = [i for i in range(len(labels)) if i not in rows]
+    return (rows + extra)[: min(count, len(labels))]
+
+
+def _show(ax: Any, image: np.ndarray, title: str, color: str) -> None:
+    ax.imshow(image, cmap="gray_r", vmin=0, vmax=16)
+    ax.set_title(title, fontsize=8, color=color)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_edgecolor(color)
+
+
+def _claim_out_dir(out: Path, settings: DemoSettings, *, overwrite: bool) -> None:
+    """Refuse to mix a new run with one made under other settings."""
+    summary_path = out / "summary.json"
+    if summary_path.exists() and not overwrite:
+        try:
+            previous = json.loads(summary_path.read_text()).get("settings")
+        except (OSError, json.JSONDecodeError):
+            previous = None
+        current = json.loads(json.dumps(settings.to_dict()))
+        if previous is not None and previous != current:
+            raise DemoSettingsError(
+                f"`out_dir` {str(out)!r} holds a demo run with other settings.\n"
+                f"  stored:    {json.dumps(previous, sort_keys=True)}\n"
+                f"  requested: {json.dumps(current, sort_keys=True)}\n"
+                "Pick another out_dir or pass overwrite=True to replace it."
+            )
+    out.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start

@@ -1,0 +1,354 @@
+"""torch.distributed support for TRAK: chunk-aligned row shards and the collectives.
+
+Launch any TRAKer script with ``torchrun`` (gloo on CPU, NCCL on GPU) and call
+``torch.distributed.init_process_group`` before building the :class:`TRAKer`;
+it then splits the work by itself:
+
+* **featurizing** (and computing target features): rank ``r`` computes only
+  the rows of its :func:`chunk_shard`, a contiguous run of whole chunks of the
+  zarr store, so two ranks never write the same chunk file (of the data or of
+  the done flags);
+* **XᵀX** of each checkpoint: every rank multiplies its own rows and the
+  ``[k, k]`` partial sums are added with ``all_reduce`` (``k²`` floats per
+  checkpoint on the wire, whatever ``n`` is);
+* **scoring**: rank ``r`` computes the score columns of the targets in its
+  :func:`column_shard`; the ``[n, m]`` matrix is assembled with ``all_gather``
+  (in memory) or written straight into disjoint column chunks of the zarr
+  score array (when it exceeds ``memory_budget``).
+
+Nothing here is needed in a single process: every helper falls back to rank
+0 of a world of 1 when no process group is initialised.
+
+Example:
+    >>> chunk_shard(10, 3, rank=0, world_size=2), chunk_shard(10, 3, rank=1, world_size=2)
+    (range(0, 6), range(6, 10))
+    >>> column_shard(5, rank=1, world_size=2)
+    range(3, 5)
+    >>> list(ChunkShardSampler(10, 3, rank=1, world_size=2))
+    [6, 7, 8, 9]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, Subset
+
+__all__ = [
+    "ChunkShardSampler",
+    "DistributedMismatchError",
+    "all_gather_columns",
+    "all_reduce_sum_",
+    "barrier",
+    "chunk_shard",
+    "column_shard",
+    "is_distributed",
+    "rank_and_world",
+    "rank_zero_first",
+    "require_same_across_ranks",
+]
+
+
+class DistributedMismatchError(RuntimeError):
+    """Ranks of one job disagree on something that must be identical (weights, sizes)."""
+
+
+def is_distributed() -> bool:
+    """Whether a ``torch.distributed`` process group is initialised in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one."""
+    if not is_distributed():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op without a process group)."""
+    if is_distributed() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def rank_zero_first() -> Iterator[bool]:
+    """Run the block on rank 0, then on the other ranks; yields ``rank == 0``.
+
+    For creating shared files (the settings record, zarr arrays, checkpoint
+    records): rank 0 creates them while the others wait, then the others find
+    them in place and only open them. The block must write only when the
+    yielded flag is true, or when the file is still absent.
+    """
+    rank, world = rank_and_world()
+    if world > 1 and rank != 0:
+        dist.barrier()
+    yield rank == 0
+    if world > 1 and rank == 0:
+        dist.barrier()
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        kind = "non-negative" if low == 0 else "positive"
+        raise ValueError(f"`{name}` must be a {kind} int, got {value!r}.")
+    return int(value)
+
+
+def _check_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Explicit ``rank``/``world_size``, or the process group's when both are ``None``."""
+    if rank is None and world_size is None:
+        return rank_and_world()
+    if rank is None or world_size is None:
+        raise ValueError(
+            f"pass both `rank` and `world_size` or neither (neither: the process group's), "
+            f"got rank={rank!r}, world_size={world_size!r}."
+        )
+    world_size = _check_int("world_size", world_size, 1)
+    rank = _check_int("rank", rank, 0)
+    if rank >= world_size:
+        raise ValueError(
+            f"`rank` must lie in [0, {world_size}) for world_size={world_size}, got {rank}."
+        )
+    return rank, world_size
+
+
+def chunk_shard(
+    n_rows: int, chunk_rows: int, *, rank: int | None = None, world_size: int | None = None
+) -> range:
+    """The rows rank ``rank`` owns: a contiguous run of whole chunks.
+
+    The ``ceil(n_rows / chunk_rows)`` chunks are split into ``world_size``
+    contiguous runs whose lengths differ by at most one chunk; rank ``r``
+    gets chunks ``[r c / W, (r + 1) c / W)`` (integer division). Shards start
+    and end on chunk boundaries, so ranks writing their own shards never
+    touch the same chunk file.
+
+    Args:
+        n_rows: rows of the array.
+        chunk_rows: rows per chunk of the array (``zarr_array.chunks[0]``).
+        rank: this rank (default: the process group's).
+        world_size: number of ranks (default: the process group's).
+
+    Returns:
+        A ``range`` of row indices (empty when there are fewer chunks than ranks).
+
+    Example:
+        >>> [chunk_shard(7, 2, rank=r, world_size=3) for r in range(3)]
+        [range(0, 2), range(2, 4), range(4, 7)]
+    """
+    n_rows = _check_int("n_rows", n_rows, 0)
+    chunk_rows = _check_int("chunk_rows", chunk_rows, 1)
+    rank, world_size = _check_rank(rank, world_size)
+    n_chunks = -(-n_rows // chunk_rows)
+    first = rank * n_chunks // world_size
+    last = (rank + 1) * n_chunks // world_size
+    return range(min(n_rows, first * chunk_rows), min(n_rows, last * chunk_rows))
+
+
+def column_shard(
+    n_columns: int, *, rank: int | None = None, world_size: int | None = None
+) -> range:
+    """Columns ``[r w, (r + 1) w)`` with ``w = ceil(n_columns / world_size)``.
+
+    Every rank's block is one column chunk of width ``w`` of the score array,
+    so ranks writing their own columns never share a chunk file. The last
+    ranks may get fewer columns, or none.
+
+    Example:
+        >>> [column_shard(5, rank=r, world_size=3) for r in range(3)]
+        [range(0, 2), range(2, 4), range(4, 5)]
+    """
+    n_columns = _check_int("n_columns", n_columns, 0)
+    rank, world_size = _check_rank(rank, world_size)
+    width = -(-n_columns // world_size)
+    return range(min(n_columns, rank * width), min(n_columns, (rank + 1) * width))
+
+
+class ChunkShardSampler(Sampler[int]):
+    """A ``DistributedSampler`` for TRAK: this rank's chunk-aligned rows, in order.
+
+    Unlike ``torch.utils.data.DistributedSampler`` it never shuffles, pads or
+    interleaves: TRAK needs every row exactly once, in the store's row order,
+    and each rank's rows must fill whole chunks of the store.
+
+    Args:
+        n_rows: size of the dataset.
+        chunk_rows: rows per chunk of the store (``TRAKer(chunk_rows=...)``).
+        rank: this rank (default: the process group's).
+        world_size: number of ranks (default: the process group's).
+
+    Example:
+        >>> sampler = ChunkShardSampler(10, 4, rank=0, world_size=2)
+        >>> list(sampler), len(sampler)
+        ([0, 1, 2, 3, 4, 5, 6, 7], 8)
+    """
+
+    def __init__(
+        self,
+        n_rows: int,
+        chunk_rows: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.rows = chunk_shard(n_rows, chunk_rows, rank=rank, world_size=world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def owned_mask(n_rows: int, chunk_rows: int) -> np.ndarray:
+    """Boolean ``[n_rows]``: the rows of this rank's :func:`chunk_shard`."""
+    mask = np.zeros(n_rows, dtype=bool)
+    shard = chunk_shard(n_rows, chunk_rows)
+    mask[shard.start : shard.stop] = True
+    return mask
+
+
+def shard_loader(loader: Any, rows: np.ndarray) -> DataLoader[Any] | None:
+    """A loader over only ``rows`` of ``loader``'s dataset, or ``None`` if not possible.
+
+    Possible for a map-style ``DataLoader`` that reads its dataset in order
+    (no shuffling, no custom sampler, ``drop_last=False``): the new loader has
+    the same batch size, collate function and workers, so each rank loads
+    only the examples it featurizes.
+    """
+    if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, SequentialSampler):
+        return None
+    batches = loader.batch_sampler
+    if type(batches) is not BatchSampler or batches.drop_last or loader.batch_size is None:
+        return None
+    return DataLoader(
+        Subset(loader.dataset, rows.tolist()),
+        batch_size=loader.batch_size,
+        shuffle=False,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+    )
+
+
+def _comm_device() -> torch.device:
+    # NCCL only moves CUDA tensors; gloo moves CPU ones.
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum_(tensor: Tensor) -> Tensor:
+    """Sum ``tensor`` over ranks in place (``dist.all_reduce``); identity in one process.
+
+    With 2 ranks each entry is one IEEE addition ``a + b``, which is
+    commutative, so every rank gets bit-identical results. With more ranks
+    the backend's reduction order applies (the same on every rank).
+    """
+    if not is_distributed() or dist.get_world_size() == 1:
+        return tensor
+    dev = _comm_device()
+    buf = tensor if tensor.device == dev else tensor.to(dev)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    if buf is not tensor:
+        tensor.copy_(buf)
+    return tensor
+
+
+def all_gather_columns(local: Tensor, n_columns: int) -> Tensor:
+    """Concatenate every rank's :func:`column_shard` block of a ``[n, *]`` matrix.
+
+    Args:
+        local: ``[n, len(column_shard(n_columns))]`` this rank's columns.
+        n_columns: total columns m.
+
+    Returns:
+        ``[n, m]`` on every rank, on ``local``'s device (bits copied, no arithmetic).
+    """
+    rank, world = rank_and_world()
+    if world == 1:
+        return local
+    width = -(-n_columns // world)
+    dev = _comm_device()
+    padded = torch.zeros(local.shape[0], width, dtype=local.dtype, device=dev)
+    padded[:, : local.shape[1]] = local.to(dev)
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded)
+    return torch.cat(pieces, dim=1)[:, :n_columns].to(local.device)
+
+
+def require_same_across_ranks(value: Any, *, what: str) -> None:
+    """Raise :class:`DistributedMismatchError` unless every rank passes an equal ``value``.
+
+    Args:
+        value: a picklable value (a fingerprint, a size).
+        what: what it is, for the message.
+    """
+    rank, world = rank_and_world()
+    if world == 1:
+        return
+    values: list[Any] = [None] * world
+    dist.all_gather_object(values, value)
+    if any(v != values[0] for v in values[1:]):
+        listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        raise DistributedMismatchError(
+            f"{what} differs across ranks ({listing}); every rank must pass the same one. "
+            "Load the same checkpoint and settings on every rank (seed model construction "
+            "identically)."
+        )
+
+
+class RowWindow:
+    """Rows ``[start, stop)`` of a tensor, numpy or zarr array, read lazily.
+
+    Supports ``shape`` and slicing by a step-1 ``slice`` (what the streaming
+    kernels need), so a rank can stream its own rows of an on-disk array.
+    """
+
+    def __init__(self, array: Any, start: int, stop: int) -> None:
+        self.array, self.start, self.stop = array, int(start), int(stop)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``(stop - start, *array.shape[1:])``."""
+        return (self.stop - self.start, *(int(s) for s in self.array.shape[1:]))
+
+    def __getitem__(self, key: slice) -> Any:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"RowWindow supports step-1 slices only, got {key!r}.")
+        a, b, _ = key.indices(self.stop - self.start)
+        return self.array[self.start + a : self.start + max(a, b)]
+
+
+class ColumnWindow:
+    """Columns ``[start, stop)`` of a writable 2-d array (numpy or zarr), for writes."""
+
+    def __init__(self, array: Any, start: int, stop: int) -> None:
+        self.array, self.start, self.stop = array, int(start), int(stop)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(array.shape[0], stop - start)``."""
+        return (int(self.array.shape[0]), self.stop - self.start)
+
+    def __setitem__(self, key: tuple[slice, slice], value: Any) -> None:
+        rows, cols = key
+        a, b, _ = cols.indices(self.stop - self.start)
+        self.array[rows, self.start + a : self.start + b] = value
+
+
+def shard_checkpoint_targets(ckpts: Sequence[Any], cols: range) -> list[Any]:
+    """Copies of ``CheckpointGrads`` whose targets are only the rows ``cols``."""
+    import dataclasses
+
+    return [
+        dataclasses.replace(ck, targets=RowWindow(ck.targets, cols.start, cols.stop))
+        for ck in ckpts
+    ]

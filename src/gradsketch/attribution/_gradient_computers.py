@@ -1,0 +1,157 @@
+"""Per-example gradients of the model output, projected to TRAK features.
+
+The interface is TRAK's (``load_model_params``, ``compute_per_sample_grad``,
+``compute_loss_grad``) plus one derived method, :meth:`AbstractGradientComputer.project`,
+which is what :class:`TRAKer` calls. Its default computes per-example
+gradients and hands them to the projector; a computer that never materialises
+per-example gradients (layer hooks that project Kronecker factors directly)
+overrides ``project`` alone and plugs into TRAKer unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradsketch.attribution._modelout import AbstractModelOutput
+
+logger = logging.getLogger(__name__)
+
+
+class AbstractGradientComputer(ABC):
+    """Computes per-example gradients of a model output (TRAK's interface).
+
+    Args:
+        model: the model.
+        task: the model output function.
+        grad_dim: number of gradient coordinates (informative).
+        dtype: dtype of stored features.
+        device: where gradients are computed.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: AbstractModelOutput,
+        grad_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = model
+        self.modelout_fn = task
+        self.grad_dim = grad_dim
+        self.dtype = dtype
+        self.device = device
+
+    @abstractmethod
+    def load_model_params(self, model: nn.Module) -> None:
+        """Take the (new) checkpoint's parameters and buffers."""
+
+    @abstractmethod
+    def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
+        """``{parameter name: [batch, *param.shape]}`` gradients of the model output."""
+
+    @abstractmethod
+    def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
+        """``[batch, 1]`` out-to-loss terms Q."""
+
+    def project(self, batch: Sequence[Tensor], projector: Any, model_id: int | None) -> Tensor:
+        """``[batch, proj_dim]`` projected gradients of the model output.
+
+        Default: :meth:`compute_per_sample_grad`, then ``projector.project``.
+        Override to project without forming per-example gradients.
+        """
+        return projector.project(self.compute_per_sample_grad(batch), model_id=model_id)
+
+
+class FunctionalGradientComputer(AbstractGradientComputer):
+    """Per-example gradients with ``torch.func.vmap(torch.func.grad(...))``.
+
+    With ``grad_wrt``, the model is called through ``functional_call`` with
+    the selected parameters as the differentiated argument and every other
+    parameter passed as a constant, so gradients of the others are never
+    computed (TRAK computes all and then drops some).
+
+    Args:
+        model: the model (put it in eval mode for deterministic outputs).
+        task: the model output function.
+        grad_dim: number of gradient coordinates (informative).
+        dtype: dtype of stored features.
+        device: where gradients are computed.
+        grad_wrt: names of the parameters to differentiate (``None``: all).
+
+    Example:
+        >>> from gradsketch.attribution import ImageClassificationModelOutput
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        >>> gc = FunctionalGradientComputer(model, ImageClassificationModelOutput(), 15,
+        ...                                 torch.float32, "cpu", grad_wrt=["0.weight"])
+        >>> grads = gc.compute_per_sample_grad((torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])))
+        >>> {k: tuple(v.shape) for k, v in grads.items()}
+        {'0.weight': (5, 3, 4)}
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: AbstractModelOutput,
+        grad_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        grad_wrt: Iterable[str] | None = None,
+    ) -> None:
+        super().__init__(model, task, grad_dim, dtype, device)
+        names = [name for name, _ in model.named_parameters()]
+        if grad_wrt is None:
+            self.grad_wrt: list[str] | None = None
+        else:
+            wanted = list(grad_wrt)
+            unknown = [w for w in wanted if w not in names]
+            if unknown or not wanted:
+                raise ValueError(
+                    f"`grad_wrt` has names {unknown or wanted} that are not parameters of the "
+                    f"model; allowed names are {names}. Take them from "
+                    "model.named_parameters()."
+                )
+            # Model order, so coordinates are laid out the same way every time.
+            self.grad_wrt = [n for n in names if n in set(wanted)]
+        self._vmapped: dict[int, Callable[..., dict[str, Tensor]]] = {}
+        self.load_model_params(model)
+
+    def load_model_params(self, model: nn.Module) -> None:
+        """Split the parameters into differentiated weights and constants."""
+        self.model = model
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        keep = self.grad_wrt if self.grad_wrt is not None else list(params)
+        self.func_weights = {n: params[n] for n in keep}
+        frozen = {n: p for n, p in params.items() if n not in self.func_weights}
+        self.func_buffers = {**frozen, **{n: b.detach() for n, b in model.named_buffers()}}
+
+    def _output(
+        self, weights: dict[str, Tensor], buffers: dict[str, Tensor], *example: Any
+    ) -> Tensor:
+        return self.modelout_fn.get_output(self.model, weights, buffers, *example)
+
+    def _per_sample_fn(self, arity: int) -> Callable[..., dict[str, Tensor]]:
+        # Built once per batch arity and reused: no re-wrapping per batch.
+        if arity not in self._vmapped:
+            grad_fn = torch.func.grad(self._output, argnums=0)
+            self._vmapped[arity] = torch.func.vmap(
+                grad_fn, in_dims=(None, None, *([0] * arity)), randomness="different"
+            )
+        return self._vmapped[arity]
+
+    def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
+        """``{name: [batch, *shape]}`` for the differentiated parameters, in model order."""
+        fn = self._per_sample_fn(len(batch))
+        return fn(self.func_weights, self.func_buffers, *batch)
+
+    def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
+        """``[batch, 1]`` out-to-loss terms from the task."""
+        return self.modelout_fn.get_out_to_loss_grad(
+            self.model, self.func_weights, self.func_buffers, batch
+        )

@@ -1,0 +1,848 @@
+"""Per-example gradients from layer hooks, and factorized projection without them.
+
+One forward and one backward pass of the *batched* model output
+``F = sum_b f(z_b; θ)`` give, for every layer, its inputs ``a`` (forward hooks,
+stored detached) and the gradients ``g = dF/d(output)`` of its outputs (tensor
+hooks). Examples do not interact (eval mode, no batch statistics), so
+``g[b] = df(z_b)/d(output_b)`` exactly, and each layer's per-example
+parameter gradient is a closed form in ``(a[b], g[b])``: ``sum_t g_t a_t^T``
+for Linear, the same on im2col patches for Conv2d, a scatter for Embedding,
+``sum_t g_t * x_hat_t`` for LayerNorm (Goodfellow, "Efficient per-example
+gradient computations", 2015; the registry design follows opacus). Modules
+without a rule get per-example gradients of their own parameters from
+``torch.func`` on the stored inputs.
+
+With a :class:`gradsketch.sketch.FactorizedProjector`, Linear and Conv2d
+layers hand ``(a, g)`` to the projector, which returns
+``sum_t (P_out g_t) ⊗ (P_in a_t)``: per-example gradients of those layers
+are never built.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.hooks import RemovableHandle
+
+from gradsketch.attribution._gradient_computers import AbstractGradientComputer
+from gradsketch.attribution._modelout import (
+    AbstractModelOutput,
+    ImageClassificationModelOutput,
+    TextClassificationModelOutput,
+)
+from gradsketch.sketch import FactorizedProjector
+from gradsketch.sketch._factorized import FactorizedLayer, PlainParam, param_layout
+from gradsketch.sketch._validate import output_dtype
+
+logger = logging.getLogger(__name__)
+
+#: ``rule(module, inputs, grad_output) -> {local parameter name: [B, *shape]}``.
+GradSampler = Callable[[nn.Module, tuple[Any, ...], Tensor], dict[str, Tensor]]
+#: ``factors(module, inputs, grad_output) -> (a [B, T, d_in], g [B, T, d_out])``.
+LayerFactors = Callable[[nn.Module, tuple[Any, ...], Tensor], tuple[Tensor, Tensor]]
+#: ``rows(module, inputs, grad_output) -> {local name: (rows [B, n], values [B, n, width])}``:
+#: the per-example gradient is ``sum_j e_{rows[b, j]} ⊗ values[b, j]`` (row-sparse).
+RowSparseSampler = Callable[[nn.Module, tuple[Any, ...], Tensor], dict[str, tuple[Tensor, Tensor]]]
+#: ``batch_output(model, *batch) -> [B]`` per-example outputs of one batched forward.
+BatchOutput = Callable[..., Tensor]
+
+#: Per-example gradient rules, keyed by exact module type (a subclass may
+#: change ``forward``; register it explicitly).
+GRAD_SAMPLERS: dict[type[nn.Module], GradSampler] = {}
+#: Kronecker factors of the weight gradient, for the factorized projection.
+LAYER_FACTORS: dict[type[nn.Module], LayerFactors] = {}
+#: Row-sparse per-example gradients (embeddings), sketched without densifying.
+ROW_SPARSE_SAMPLERS: dict[type[nn.Module], RowSparseSampler] = {}
+#: Batched model outputs per task class (TRAK tasks define only a per-example one).
+BATCH_OUTPUTS: dict[type[AbstractModelOutput], BatchOutput] = {}
+
+
+class WrappedModelError(ValueError):
+    """Raised for a model wrapped in DataParallel / DDP / FSDP."""
+
+
+class HookComputationError(RuntimeError):
+    """Raised when a hooked forward / backward does not fit the per-example assumptions."""
+
+
+def _register(
+    table: dict[type[nn.Module], Any], module_types: Sequence[type[nn.Module]]
+) -> Callable[[Any], Any]:
+    for t in module_types:
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(f"`module_types` must be nn.Module subclasses, got {t!r}.")
+
+    def decorator(fn: Any) -> Any:
+        for t in module_types:
+            table[t] = fn
+        return fn
+
+    return decorator
+
+
+def register_grad_sampler(*module_types: type[nn.Module]) -> Callable[[GradSampler], GradSampler]:
+    """Decorator: ``fn(module, inputs, grad_output)`` gives per-example gradients.
+
+    Example:
+        >>> @register_grad_sampler(torch.nn.Linear)
+        ... def my_linear(module, inputs, grad_output):
+        ...     return linear_grad_sample(module, inputs, grad_output)
+        >>> GRAD_SAMPLERS[torch.nn.Linear] is my_linear
+        True
+        >>> _ = register_grad_sampler(torch.nn.Linear)(linear_grad_sample)  # restore
+    """
+    return _register(GRAD_SAMPLERS, module_types)
+
+
+def register_layer_factors(
+    *module_types: type[nn.Module],
+) -> Callable[[LayerFactors], LayerFactors]:
+    """Decorator: ``fn(module, inputs, grad_output)`` gives Kronecker factors ``(a, g)``."""
+    return _register(LAYER_FACTORS, module_types)
+
+
+def register_row_sparse_sampler(
+    *module_types: type[nn.Module],
+) -> Callable[[RowSparseSampler], RowSparseSampler]:
+    """Decorator: ``fn(module, inputs, grad_output)`` gives row-sparse per-example gradients."""
+    return _register(ROW_SPARSE_SAMPLERS, module_types)
+
+
+def register_batch_output(
+    *task_types: type[AbstractModelOutput],
+) -> Callable[[BatchOutput], BatchOutput]:
+    """Decorator: ``fn(model, *batch) -> [B]`` per-example outputs for a task class.
+
+    A task may instead define a method ``get_batch_output(model, *batch)``.
+    """
+    for t in task_types:
+        if not (isinstance(t, type) and issubclass(t, AbstractModelOutput)):
+            raise TypeError(f"`task_types` must be AbstractModelOutput subclasses, got {t!r}.")
+
+    def decorator(fn: BatchOutput) -> BatchOutput:
+        for t in task_types:
+            BATCH_OUTPUTS[t] = fn
+        return fn
+
+    return decorator
+
+
+# -- rules --------------------------------------------------------------------
+def _positions(t: Tensor, width: int) -> Tensor:
+    return t.reshape(t.shape[0], -1, width)
+
+
+@register_layer_factors(nn.Linear)
+def linear_factors(
+    module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``a [B, T, d_in]``, ``g [B, T, d_out]`` for inputs ``[B, ..., d_in]``."""
+    assert isinstance(module, nn.Linear)
+    return _positions(inputs[0], module.in_features), _positions(grad_output, module.out_features)
+
+
+@register_grad_sampler(nn.Linear)
+def linear_grad_sample(
+    module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
+) -> dict[str, Tensor]:
+    """``dW[b] = sum_t g_t a_t^T``, ``db[b] = sum_t g_t``."""
+    a, g = linear_factors(module, inputs, grad_output)
+    out = {"weight": torch.bmm(g.transpose(1, 2), a.to(g.dtype))}
+    if getattr(module, "bias", None) is not None:
+        out["bias"] = g.sum(1)
+    return out
+
+
+def conv2d_patches(module: nn.Conv2d, x: Tensor) -> Tensor:
+    """im2col: ``[B, C_in * kh * kw, L]`` patches exactly as ``module`` sees them."""
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        x = F.pad(x, _explicit_padding(module), mode=_pad_mode(module))
+        padding: Any = 0
+    else:
+        padding = module.padding
+    return F.unfold(
+        x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
+    )
+
+
+def _pad_mode(module: nn.Conv2d) -> str:
+    return "constant" if module.padding_mode == "zeros" else module.padding_mode
+
+
+def _explicit_padding(module: nn.Conv2d) -> list[int]:
+    """``F.pad`` widths ``[left, right, top, bottom]`` of ``module``'s padding."""
+    if module.padding == "valid":
+        return [0, 0, 0, 0]
+    if module.padding == "same":
+        widths: list[int] = []
+        for k, d in zip(reversed(module.kernel_size), reversed(module.dilation)):
+            total = d * (k - 1)
+            widths += [total // 2, total - total // 2]
+        return widths
+    assert isinstance(module.padding, tuple)
+    ph, pw = module.padding
+    return [pw, pw, ph, ph]
+
+
+@register_layer_factors(nn.Conv2d)
+def conv2d_factors(
+    module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``a [B, L, C_in kh kw]`` patches and ``g [B, L, C_out]`` (``groups=1``)."""
+    assert isinstance(module, nn.Conv2d)
+    if module.groups != 1:
+        raise HookComputationError(
+            f"Conv2d with groups={module.groups} has no single Kronecker factorization; it is "
+            "projected through its per-example gradient (FactorizedProjector.from_model puts it "
+            "in the rest block)."
+        )
+    patches = conv2d_patches(module, inputs[0])
+    g = grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1)
+    return patches.transpose(1, 2), g.transpose(1, 2)
+
+
+@register_grad_sampler(nn.Conv2d)
+def conv2d_grad_sample(
+    module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
+) -> dict[str, Tensor]:
+    """``dW[b] = sum_l g_l p_l^T`` over output positions ``l`` and im2col patches ``p_l``."""
+    assert isinstance(module, nn.Conv2d)
+    batch, groups = grad_output.shape[0], module.groups
+    patches = conv2d_patches(module, inputs[0]).to(grad_output.dtype)
+    g = grad_output.reshape(batch, groups, module.out_channels // groups, -1)
+    p = patches.reshape(batch, groups, patches.shape[1] // groups, -1)
+    weight = torch.einsum("bgol,bgil->bgoi", g, p).reshape(batch, *module.weight.shape)
+    out = {"weight": weight}
+    if module.bias is not None:
+        out["bias"] = grad_output.reshape(batch, module.out_channels, -1).sum(-1)
+    return out
+
+
+def _embedding_rows(
+    module: nn.Embedding, inputs: tuple[Any, ...], grad_output: Tensor
+) -> tuple[Tensor, Tensor]:
+    idx = inputs[0].reshape(inputs[0].shape[0], -1)
+    g = grad_output.reshape(idx.shape[0], idx.shape[1], module.embedding_dim)
+    if module.padding_idx is not None:
+        # The padding row gets no gradient (nn.Embedding's backward skips it).
+        g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    if module.scale_grad_by_freq:
+        counts = torch.zeros(idx.shape[0], module.num_embeddings, dtype=g.dtype, device=g.device)
+        counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=g.dtype))
+        g = g / counts.gather(1, idx).unsqueeze(-1)
+    return idx, g
+
+
+@register_row_sparse_sampler(nn.Embedding)
+def embedding_rows(
+    module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """Rows ``idx [B, T]`` and values ``g [B, T, D]``: ``dE[b] = sum_t e_{idx_t} g_t^T``."""
+    assert isinstance(module, nn.Embedding)
+    return {"weight": _embedding_rows(module, inputs, grad_output)}
+
+
+@register_grad_sampler(nn.Embedding)
+def embedding_grad_sample(
+    module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
+) -> dict[str, Tensor]:
+    """Dense ``[B, num_embeddings, D]`` scatter of the output gradients."""
+    assert isinstance(module, nn.Embedding)
+    idx, g = _embedding_rows(module, inputs, grad_output)
+    out = torch.zeros(idx.shape[0], *module.weight.shape, dtype=g.dtype, device=g.device)
+    out.scatter_add_(1, idx.unsqueeze(-1).expand_as(g), g)
+    return {"weight": out}
+
+
+@register_grad_sampler(nn.LayerNorm)
+def layer_norm_grad_sample(
+    module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
+) -> dict[str, Tensor]:
+    """``dw[b] = sum_t g_t * x_hat_t``, ``db[b] = sum_t g_t`` with ``x_hat`` recomputed."""
+    assert isinstance(module, nn.LayerNorm)
+    x = inputs[0]
+    shape = tuple(module.normalized_shape)
+    x_hat = F.layer_norm(x, shape, eps=module.eps).to(grad_output.dtype)
+    batch = x.shape[0]
+    out: dict[str, Tensor] = {}
+    if module.weight is not None:
+        out["weight"] = (grad_output * x_hat).reshape(batch, -1, *shape).sum(1)
+    if module.bias is not None:
+        out["bias"] = grad_output.reshape(batch, -1, *shape).sum(1)
+    return out
+
+
+def _margins(logits: Tensor, labels: Tensor) -> Tensor:
+    """``[B]`` margins ``logit_y - logsumexp_{j != y} logit_j`` for ``[B, C]`` logits."""
+    is_label = torch.arange(logits.shape[-1], device=logits.device) == labels.reshape(-1, 1)
+    correct = (logits * is_label).sum(-1)
+    return correct - logits.masked_fill(is_label, float("-inf")).logsumexp(-1)
+
+
+@register_batch_output(ImageClassificationModelOutput)
+def image_classification_batch_output(model: nn.Module, images: Tensor, labels: Tensor) -> Tensor:
+    """Margins of a batch, the batched twin of ``ImageClassificationModelOutput.get_output``."""
+    return _margins(model(images), labels)
+
+
+@register_batch_output(TextClassificationModelOutput)
+def text_classification_batch_output(
+    model: nn.Module,
+    input_ids: Tensor,
+    token_type_ids: Tensor,
+    attention_mask: Tensor,
+    labels: Tensor,
+) -> Tensor:
+    """Margins of a batch of tokenised examples (batched ``TextClassificationModelOutput``)."""
+    out = model(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
+    return _margins(out.logits if hasattr(out, "logits") else out, labels)
+
+
+def resolve_batch_output(task: AbstractModelOutput) -> BatchOutput:
+    """The batched output function of ``task`` (its method, else the registry)."""
+    method = getattr(task, "get_batch_output", None)
+    if callable(method):
+        return method
+    for cls in type(task).__mro__:
+        if cls in BATCH_OUTPUTS:
+            return BATCH_OUTPUTS[cls]
+    known = ", ".join(sorted(c.__name__ for c in BATCH_OUTPUTS))
+    raise ValueError(
+        f"`task` of type {type(task).__name__} has no batched output, which layer hooks need "
+        f"(known tasks: {known}). Give it a method `get_batch_output(model, *batch) -> [B]` or "
+        "register one with @register_batch_output(YourTask); or use FunctionalGradientComputer."
+    )
+
+
+# -- wrapped models ------------------------------------------------------------
+def _wrapper_types() -> tuple[type, ...]:
+    types: list[type] = [nn.DataParallel]
+    if torch.distributed.is_available():
+        from torch.nn.parallel import DistributedDataParallel
+
+        types.append(DistributedDataParallel)
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            types.append(FullyShardedDataParallel)
+        except ImportError:  # pragma: no cover - depends on the torch build
+            pass
+        try:
+            from torch.distributed.fsdp import FSDPModule
+
+            types.append(FSDPModule)
+        except ImportError:  # pragma: no cover - depends on the torch build
+            pass
+    return tuple(types)
+
+
+def refuse_wrapped(model: nn.Module) -> None:
+    """Raise :class:`WrappedModelError` if ``model`` or a submodule is DP / DDP / FSDP.
+
+    Their forward scatters, shards or synchronises: hooks would see shards or
+    replicas, not the batch, and the wrapper's own hooks would fire. Pass the
+    wrapped module instead (featurization shards *rows* across ranks, each
+    rank running the plain model).
+    """
+    wrappers = _wrapper_types()
+    for name, module in model.named_modules():
+        if isinstance(module, wrappers):
+            where = "the model" if not name else f"submodule {name!r}"
+            raise WrappedModelError(
+                f"{where} is wrapped in {type(module).__name__}; layer hooks need the plain "
+                "module. Pass `model.module` (for FSDP, the unwrapped model) to "
+                "HookGradientComputer / TRAKer, and split the training rows across ranks instead."
+            )
+
+
+# -- the hooked units ----------------------------------------------------------
+@dataclass
+class _Unit:
+    """A hooked module and the parameters whose gradients it produces."""
+
+    name: str
+    module: nn.Module
+    fallback: bool
+    params: dict[str, str]  # local name (relative to module) -> full parameter name
+
+
+@dataclass
+class _Call:
+    """One call of a unit during the hooked forward."""
+
+    unit: _Unit
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    grads: list[Tensor | None] = field(default_factory=list)
+    out_template: list[Tensor] = field(default_factory=list)
+
+
+class _Capture:
+    """State of one hooked forward + backward."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.calls: list[_Call] = []
+        self.dummies: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def dummy(self, like: Tensor) -> Tensor:
+        key = (like.dtype, like.device)
+        if key not in self.dummies:
+            self.dummies[key] = torch.zeros(
+                (), dtype=like.dtype, device=like.device, requires_grad=True
+            )
+        return self.dummies[key]
+
+
+def _detach(value: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+class HookGradientComputer(AbstractGradientComputer):
+    """Per-example gradients from layer hooks, one forward and one backward per batch.
+
+    Modules are visited from the root: a module whose exact type has a rule
+    in :data:`GRAD_SAMPLERS` (Linear, Conv2d, Embedding, LayerNorm, or any
+    type you register) is hooked; any other module owning parameters is
+    hooked as a whole and its parameters' per-example gradients come from
+    ``torch.func`` (``vmap`` of ``grad``) on its stored inputs; parameter-free
+    containers are descended into. The batched output
+    ``F = sum_b f(z_b)`` comes from :func:`resolve_batch_output`; the backward
+    computes only activation gradients (never the batch gradient of the
+    parameters), and parameters need not require grad.
+
+    Assumptions (as for any per-example method): the batch axis is dim 0 of
+    every hooked module's inputs and outputs, and examples do not interact
+    (eval-mode BatchNorm, no cross-example attention).
+
+    :meth:`project` with a :class:`gradsketch.sketch.FactorizedProjector`
+    returns projected features without per-example gradients of the factorized
+    layers; with any other projector it projects :meth:`compute_per_sample_grad`.
+
+    Hooks are installed on construction and stay idle outside this object's
+    calls; :meth:`remove_hooks` (idempotent, also ``with`` exit) takes them off.
+
+    Args:
+        model: the plain model (not DDP / FSDP wrapped).
+        task: the model output function.
+        grad_dim: number of gradient coordinates (informative).
+        dtype: dtype of stored features.
+        device: where gradients are computed.
+        grad_wrt: names of the parameters to differentiate (``None``: all).
+
+    Raises:
+        WrappedModelError: for DataParallel / DDP / FSDP models.
+
+    Example:
+        >>> from gradsketch.attribution import ImageClassificationModelOutput
+        >>> nn = torch.nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> gc = HookGradientComputer(model, ImageClassificationModelOutput())
+        >>> grads = gc.compute_per_sample_grad((torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])))
+        >>> {k: tuple(v.shape) for k, v in grads.items()}
+        {'0.weight': (5, 8, 4), '0.bias': (5, 8), '2.weight': (5, 3, 8), '2.bias': (5, 3)}
+        >>> gc.remove_hooks()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: AbstractModelOutput,
+        grad_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        grad_wrt: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(model, task, grad_dim, dtype, device)
+        self._batch_output = resolve_batch_output(task)
+        self._handles: list[RemovableHandle] = []
+        self._units_model: nn.Module | None = None
+        self._capture: _Capture | None = None
+        self._checked_layouts: set[str] = set()
+        self._grad_wrt_arg = None if grad_wrt is None else list(grad_wrt)
+        self.load_model_params(model)
+
+    # -- set-up --------------------------------------------------------------
+    def load_model_params(self, model: nn.Module) -> None:
+        """Take a (new) model; hooks move to it if it is another object."""
+        refuse_wrapped(model)
+        if model is not self._units_model:
+            self.remove_hooks()
+            self.model = model
+            self._names = [n for n, _ in model.named_parameters()]
+            if self._grad_wrt_arg is None:
+                self.grad_wrt: list[str] | None = None
+            else:
+                unknown = sorted(set(self._grad_wrt_arg) - set(self._names))
+                if unknown or not self._grad_wrt_arg:
+                    raise ValueError(
+                        f"`grad_wrt` has names {unknown or self._grad_wrt_arg} that are not "
+                        f"parameters of the model; allowed names are {self._names}. Take them "
+                        "from model.named_parameters()."
+                    )
+                self.grad_wrt = [n for n in self._names if n in set(self._grad_wrt_arg)]
+            self._units = self._find_units(model)
+            self._units_model = model
+            self._checked_layouts = set()
+            self.add_hooks()
+        self.func_weights = {n: p.detach() for n, p in model.named_parameters()}
+        self.func_buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def _wanted(self) -> set[str]:
+        return set(self._names if self.grad_wrt is None else self.grad_wrt)
+
+    def _find_units(self, model: nn.Module) -> list[_Unit]:
+        # named_parameters' canonical (first) name of each tensor, for tied weights.
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        wanted = self._wanted()
+        units: list[_Unit] = []
+
+        def full(prefix: str, local: str) -> str:
+            return f"{prefix}.{local}" if prefix else local
+
+        def visit(prefix: str, module: nn.Module) -> None:
+            direct = dict(module.named_parameters(recurse=False))
+            if type(module) in GRAD_SAMPLERS:
+                params = {k: canonical[id(p)] for k, p in direct.items()}
+                extra = [full(prefix, n) for n, _ in module.named_parameters() if n not in direct]
+                if extra:
+                    raise HookComputationError(
+                        f"module {prefix!r} ({type(module).__name__}) has a grad-sampler rule "
+                        f"but its children own parameters {extra[:5]}; register the rule on a "
+                        "leaf type."
+                    )
+                fallback = False
+            elif direct:
+                params = {k: canonical[id(p)] for k, p in module.named_parameters()}
+                fallback = True
+            else:
+                for child_name, child in module.named_children():
+                    visit(full(prefix, child_name), child)
+                return
+            params = {k: v for k, v in params.items() if v in wanted}
+            if params:
+                units.append(_Unit(prefix, module, fallback, params))
+
+        visit("", model)
+        for unit in units:
+            if unit.fallback:
+                logger.debug(
+                    "HookGradientComputer: %r (%s) has no rule; torch.func fallback",
+                    unit.name,
+                    type(unit.module).__name__,
+                )
+        return units
+
+    def add_hooks(self) -> None:
+        """Install the forward hooks (idempotent)."""
+        if self._handles:
+            return
+        for unit in self._units:
+            self._handles.append(
+                unit.module.register_forward_hook(self._make_hook(unit), with_kwargs=True)
+            )
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this computer installed (idempotent)."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    @property
+    def hooks_installed(self) -> bool:
+        """Whether hooks are currently installed."""
+        return bool(self._handles)
+
+    def __enter__(self) -> HookGradientComputer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove_hooks()
+
+    def _make_hook(self, unit: _Unit) -> Callable[..., Any]:
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> Any:
+            capture = self._capture
+            if capture is None:
+                return None
+            call = _Call(unit, _detach(args), _detach(kwargs))
+
+            def route(t: Any) -> Any:
+                # Adding a zero that requires grad makes every layer output a
+                # path to the dummies, so `autograd.grad(F, dummies)` computes
+                # activation gradients only, even for frozen parameters. The
+                # tensor hook is registered before any in-place op of the
+                # caller, so it sees the gradient of this value.
+                if not (isinstance(t, Tensor) and t.is_floating_point()):
+                    return t
+                if t.dim() == 0 or t.shape[0] != capture.batch_size:
+                    raise HookComputationError(
+                        f"module {unit.name!r} ({type(module).__name__}) returned shape "
+                        f"{tuple(t.shape)} for a batch of {capture.batch_size}; layer hooks "
+                        "need the batch on dim 0 (use batch_first=True), or use "
+                        "FunctionalGradientComputer."
+                    )
+                routed = t + capture.dummy(t)
+                index = len(call.grads)
+                call.grads.append(None)
+                call.out_template.append(t.detach())
+                routed.register_hook(lambda g: call.grads.__setitem__(index, g))
+                return routed
+
+            new_output = tree_map(route, output)
+            capture.calls.append(call)
+            return new_output
+
+        return hook
+
+    @contextmanager
+    def _capturing(self, batch_size: int) -> Iterator[_Capture]:
+        if self._capture is not None:
+            raise HookComputationError("a hooked computation is already running (re-entrant call).")
+        if not self._handles:
+            raise HookComputationError(
+                "hooks were removed; call add_hooks() (or build a new HookGradientComputer) first."
+            )
+        self._capture = _Capture(batch_size)
+        try:
+            yield self._capture
+        finally:
+            self._capture = None
+
+    def _run(self, batch: Sequence[Tensor]) -> _Capture:
+        """Hooked forward of ``F = sum_b f(z_b)`` and backward to every layer output."""
+        batch_size = int(batch[0].shape[0])
+        with self._capturing(batch_size) as capture, torch.enable_grad():
+            outputs = self._batch_output(self.model, *batch)
+            if outputs.shape != (batch_size,):
+                raise HookComputationError(
+                    f"the batched output has shape {tuple(outputs.shape)}; expected "
+                    f"({batch_size},) (one scalar per example)."
+                )
+            dummies = list(capture.dummies.values())
+            if dummies:
+                torch.autograd.grad(outputs.sum(), dummies, allow_unused=True)
+        return capture
+
+    # -- per-example gradients --------------------------------------------------
+    def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
+        """``{name: [B, *param.shape]}`` for the differentiated parameters, in model order."""
+        capture = self._run(batch)
+        grads: dict[str, Tensor] = {}
+        for call in capture.calls:
+            for name, g in self._call_grads(call, capture.batch_size).items():
+                grads[name] = grads[name] + g if name in grads else g
+        wanted = self._names if self.grad_wrt is None else self.grad_wrt
+        params = dict(self.model.named_parameters())
+        out: dict[str, Tensor] = {}
+        for name in wanted:
+            if name in grads:
+                out[name] = grads[name]
+            else:
+                # Unused in this forward: its gradient is exactly zero.
+                p = params[name]
+                out[name] = p.new_zeros(capture.batch_size, *p.shape)
+        return out
+
+    def _call_grads(self, call: _Call, batch_size: int) -> dict[str, Tensor]:
+        unit = call.unit
+        if unit.fallback:
+            local = _fallback_grads(call, batch_size)
+        else:
+            g = _single_grad(call)
+            local = {} if g is None else GRAD_SAMPLERS[type(unit.module)](unit.module, call.args, g)
+        return {unit.params[k]: v for k, v in local.items() if k in unit.params}
+
+    def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
+        """``[batch, 1]`` out-to-loss terms from the task."""
+        return self.modelout_fn.get_out_to_loss_grad(
+            self.model, self.func_weights, self.func_buffers, batch
+        )
+
+    # -- projected features ------------------------------------------------------
+    def project(self, batch: Sequence[Tensor], projector: Any, model_id: int | None) -> Tensor:
+        """``[batch, proj_dim]`` projected gradients of the model output.
+
+        With a :class:`FactorizedProjector`, Linear / Conv2d layers go through
+        their Kronecker factors, Embedding rows are count-sketched where they
+        are, and only the remaining parameters' per-example gradients are
+        formed; otherwise ``projector.project(compute_per_sample_grad(batch))``.
+        """
+        if not isinstance(projector, FactorizedProjector):
+            return projector.project(self.compute_per_sample_grad(batch), model_id=model_id)
+        self._check_layout(projector)
+        projector.set_model_id(model_id)
+        capture = self._run(batch)
+        dtype = output_dtype(next(iter(self.func_weights.values())).dtype)
+        out = torch.zeros(
+            capture.batch_size, projector.proj_dim, dtype=dtype, device=projector.device
+        )
+        layout = param_layout(projector)
+        for call in capture.calls:
+            self._project_call(call, projector, layout, out, capture.batch_size)
+        return out
+
+    def _project_call(
+        self,
+        call: _Call,
+        projector: FactorizedProjector,
+        layout: Mapping[str, Any],
+        out: Tensor,
+        batch_size: int,
+    ) -> None:
+        unit = call.unit
+        module_type = type(unit.module)
+        first = layout[next(iter(unit.params.values()))]
+        if isinstance(first, FactorizedLayer) and first.name == unit.name:
+            g = _single_grad(call)
+            if g is not None:
+                a, g3 = LAYER_FACTORS[module_type](unit.module, call.args, g)
+                projector.project_layer_into_(out, unit.name, a, g3)
+            return
+        if not unit.fallback and module_type in ROW_SPARSE_SAMPLERS:
+            g = _single_grad(call)
+            if g is None:
+                return
+            for local, (rows, values) in ROW_SPARSE_SAMPLERS[module_type](
+                unit.module, call.args, g
+            ).items():
+                if local not in unit.params:
+                    continue
+                width = values.shape[-1]
+                base = projector.rest_offset_of(unit.params[local])
+                cols = torch.arange(width, device=rows.device)
+                coords = (base + rows.unsqueeze(-1) * width + cols).reshape(batch_size, -1)
+                projector.project_rest_sparse_into_(out, coords, values.reshape(batch_size, -1))
+            return
+        for name, grad in self._call_grads(call, batch_size).items():
+            projector.project_rest_into_(
+                out, grad.reshape(batch_size, -1), projector.rest_offset_of(name)
+            )
+
+    def _check_layout(self, projector: FactorizedProjector) -> None:
+        """The projector must cover exactly this computer's parameters, layer by layer."""
+        key = projector.fingerprint.to_json()
+        if key in self._checked_layouts:
+            return
+        layout = param_layout(projector)
+        wanted = self._names if self.grad_wrt is None else self.grad_wrt
+        missing = [n for n in wanted if n not in layout]
+        extra = [n for n in layout if n not in set(wanted)]
+        if missing or extra:
+            raise ValueError(
+                f"`projector` does not match the model's differentiated parameters: missing "
+                f"{missing[:10]}, unexpected {extra[:10]}. Build it with "
+                "FactorizedProjector.from_model(model, grad_wrt=<the same grad_wrt>, ...)."
+            )
+        by_name = {u.name: u for u in self._units}
+        shapes = {n: p.numel() for n, p in self.model.named_parameters()}
+        for seg in projector.segments:
+            if isinstance(seg, PlainParam):
+                if shapes[seg.name] != seg.numel:
+                    raise ValueError(
+                        f"`projector` expects {seg.numel} coordinates for {seg.name!r}, the model "
+                        f"has {shapes[seg.name]}; rebuild it with FactorizedProjector.from_model."
+                    )
+                continue
+            unit = by_name.get(seg.name)
+            if unit is None or unit.fallback or type(unit.module) not in LAYER_FACTORS:
+                allowed = ", ".join(sorted(t.__name__ for t in LAYER_FACTORS))
+                raise ValueError(
+                    f"`projector` factorizes layer {seg.name!r}, which is not a hooked module with "
+                    f"Kronecker factors here (types with factors: {allowed}). Build it with "
+                    "FactorizedProjector.from_model(model, ...)."
+                )
+            if tuple(unit.params.values()) != seg.param_names:
+                raise ValueError(
+                    f"layer {seg.name!r}: `projector` expects parameters {seg.param_names}, the "
+                    f"model gives {tuple(unit.params.values())} (a tied or excluded weight?); "
+                    "factorized layers need their own weight."
+                )
+            expected = seg.numel
+            actual = sum(shapes[n] for n in seg.param_names)
+            if expected != actual:
+                raise ValueError(
+                    f"layer {seg.name!r}: `projector` expects {expected} coordinates, the model "
+                    f"has {actual}; rebuild it with FactorizedProjector.from_model(model, ...)."
+                )
+        tied = self._tied_factorized(projector)
+        if tied:
+            raise ValueError(
+                f"factorized layers {tied} share their weight with another module; their "
+                "gradient is not a single Kronecker product. Untie the weights or use a "
+                "CountSketchProjector."
+            )
+        self._checked_layouts.add(key)
+
+    def _tied_factorized(self, projector: FactorizedProjector) -> list[str]:
+        owners: dict[int, int] = {}
+        for _, module in self.model.named_modules(remove_duplicate=False):
+            for p in module.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        params = dict(self.model.named_parameters())
+        return [
+            layer.name
+            for layer in projector.layers
+            if owners.get(id(params[layer.param_names[0]]), 0) > 1
+        ]
+
+    def __repr__(self) -> str:
+        rules = sum(not u.fallback for u in self._units)
+        return (
+            f"HookGradientComputer(units={len(self._units)}, rules={rules}, "
+            f"fallback={len(self._units) - rules}, hooks_installed={self.hooks_installed})"
+        )
+
+
+def _single_grad(call: _Call) -> Tensor | None:
+    """The output gradient of a one-output module (``None``: output unused)."""
+    if len(call.grads) != 1:
+        raise HookComputationError(
+            f"module {call.unit.name!r} ({type(call.unit.module).__name__}) returned "
+            f"{len(call.grads)} floating tensors; its rule expects exactly one."
+        )
+    return call.grads[0]
+
+
+def _fallback_grads(call: _Call, batch_size: int) -> dict[str, Tensor]:
+    """Per-example gradients of a module's own parameters with ``torch.func``.
+
+    ``grad_b = d/dθ <module(x_b; θ), g_b>`` on the stored inputs, ``vmap``-ed
+    over the batch (each example keeps a batch axis of 1 inside).
+    """
+    if all(g is None for g in call.grads):
+        return {}
+    module = call.unit.module
+    params = {k: p.detach() for k, p in module.named_parameters() if k in call.unit.params}
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch_size for t in leaves]
+    inputs = [t for t, b in zip(leaves, batched) if b]
+    grads = [
+        g if g is not None else torch.zeros_like(t) for g, t in zip(call.grads, call.out_template)
+    ]
+
+    def contracted(p: dict[str, Tensor], xs: list[Tensor], gs: list[Tensor]) -> Tensor:
+        it = iter(xs)
+        full = [next(it).unsqueeze(0) if b else t for t, b in zip(leaves, batched)]
+        args, kwargs = tree_unflatten(full, spec)
+        out = torch.func.functional_call(module, p, args, kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+        return sum((o * g.unsqueeze(0)).sum() for o, g in zip(outs, gs))  # type: ignore[return-value]
+
+    per_example = torch.func.vmap(torch.func.grad(contracted), in_dims=(None, 0, 0))
+    with warnings.catch_warnings():
+        # vmap falls back to a loop for a few fused kernels (CPU flash
+        # attention) and says so; the result is exact and nothing is actionable.
+        warnings.filterwarnings(
+            "ignore", message="There is a performance drop", category=UserWarning
+        )
+        return per_example(params, inputs, grads)

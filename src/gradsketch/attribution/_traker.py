@@ -1,0 +1,880 @@
+"""TRAKer: TRAK's front end on a resumable zarr store with memory-bounded scoring."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from gradsketch._settings import SettingsMismatchError, read_record, write_record
+from gradsketch._store import RowStore, default_chunk_rows
+from gradsketch.attribution._distributed import (
+    ColumnWindow,
+    RowWindow,
+    all_gather_columns,
+    all_reduce_sum_,
+    barrier,
+    chunk_shard,
+    column_shard,
+    owned_mask,
+    rank_and_world,
+    rank_zero_first,
+    require_same_across_ranks,
+    shard_checkpoint_targets,
+    shard_loader,
+)
+from gradsketch.attribution._gradient_computers import (
+    FunctionalGradientComputer,
+)
+from gradsketch.attribution._linalg import block_plan, xtx_blocked
+from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
+from gradsketch.attribution._scores import (
+    CheckpointGrads,
+    check_lambda,
+    score_checkpoints,
+)
+from gradsketch.sketch import CountSketchProjector, CudaProjector, NoOpProjector
+
+
+class ModelIDException(RuntimeError):
+    """A checkpoint (model id) is missing, incomplete or inconsistent (TRAK's name)."""
+
+
+@dataclass
+class TRAKSettings:
+    """What determines the stored features; saved as ``settings.json`` in ``save_dir``.
+
+    Attributes:
+        train_set_size: number of training rows n.
+        proj_dim: feature dimension k.
+        projector: the projector's fingerprint (without the checkpoint id).
+        model: fingerprint of the architecture (parameter names, shapes, dtypes).
+        task: the model output class.
+        grad_wrt: differentiated parameters (``None``: all).
+        dtype: storage dtype of features.
+        normalize: features are divided by ``sqrt(num_coordinates)``.
+    """
+
+    train_set_size: int
+    proj_dim: int
+    projector: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
+    task: str = ""
+    grad_wrt: list[str] | None = None
+    dtype: str = "float32"
+    normalize: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("train_set_size", "proj_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        if self.dtype not in ("float16", "float32"):
+            raise ValueError(f"`dtype` must be 'float16' or 'float32', got {self.dtype!r}.")
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Hash of the architecture: parameter and buffer names, shapes and dtypes."""
+    h = hashlib.sha256()
+    for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in items:
+            h.update(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def checkpoint_fingerprint(state: Mapping[str, Any]) -> str:
+    """Hash of a checkpoint's values (so a model id cannot silently change weights)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        value = state[name]
+        h.update(name.encode())
+        if isinstance(value, Tensor):
+            h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(value).encode())
+    return h.hexdigest()[:16]
+
+
+def _projector_record(projector: Any, grad_dim: int) -> dict[str, Any]:
+    if isinstance(projector, NoOpProjector):
+        return {"kind": "noop", "input_dim": grad_dim, "output_dim": grad_dim}
+    fp = getattr(projector, "fingerprint", None)
+    if fp is None:
+        return {
+            "kind": type(projector).__name__,
+            "proj_dim": int(projector.proj_dim),
+            "seed": int(getattr(projector, "seed", -1)),
+        }
+    record = fp.to_dict()
+    record.pop("model_id", None)
+    return record
+
+
+def _resolve_inds(inds: Any, num_samples: int | None, last: int, n: int, what: str) -> np.ndarray:
+    if (inds is None) == (num_samples is None):
+        raise ValueError(
+            f"{what}: pass exactly one of `inds` (row indices) or `num_samples` (rows follow the "
+            f"previous batch), got inds={inds!r}, num_samples={num_samples!r}."
+        )
+    if num_samples is not None:
+        idx = np.arange(last, last + int(num_samples), dtype=np.int64)
+    else:
+        idx = np.asarray(inds.cpu() if isinstance(inds, Tensor) else inds, dtype=np.int64)
+        idx = idx.reshape(-1)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(
+            f"{what}: rows {idx.min()}..{idx.max()} fall outside [0, {n}); check `inds` / "
+            f"`num_samples` against the size given to the TRAKer ({n})."
+        )
+    if np.unique(idx).size != idx.size:
+        raise ValueError(f"{what}: `inds` has repeated rows; each row is written once.")
+    return idx
+
+
+class TRAKer:
+    """TRAK data attribution (Park et al., ICML 2023), API-compatible with ``trak.TRAKer``.
+
+    Features ``phi = P grad f(z; θ) / sqrt(d)`` are stored per checkpoint in a
+    zarr store under ``save_dir``; scores are
+    ``(1/C Σ_c Φ_c (Φ_cᵀΦ_c + λI)⁻¹ φ_c,targetᵀ) ⊙ mean_c Q_c`` (see
+    :func:`trak_scores` for the differences from traker).
+
+    Beyond traker: featurization resumes after a crash (rows are flagged done
+    only after their data is written, and only missing rows are recomputed);
+    reopening ``save_dir`` with other settings is refused with both shown;
+    ``memory_budget`` bounds the working memory of ``finalize_features`` and
+    ``finalize_scores`` (larger score matrices go to a zarr array on disk);
+    ``lambda_reg="auto"`` picks a damping.
+
+    Args:
+        model: the model.
+        task: a task name (``"image_classification"``, ``"text_classification"``)
+            or an :class:`AbstractModelOutput`.
+        train_set_size: number of training rows n.
+        save_dir: directory of the store.
+        load_from_save_dir: resume from rows already in ``save_dir``; ``False``
+            recomputes every row of each loaded checkpoint.
+        device: where gradients are computed (default: CUDA if available).
+        gradient_computer: gradient computer class.
+        projector: projector instance (default: :class:`CountSketchProjector`
+            on CPU, :class:`CudaProjector` on CUDA).
+        saver: must be ``None`` (features are stored in zarr).
+        score_computer: optional TRAK score-computer class; ``None`` uses the
+            streamed kernel of :func:`trak_scores`.
+        proj_dim: feature dimension k when ``projector`` is None.
+        logging_level: level of the TRAKer's logger.
+        use_half_precision: store float16 features (default: on CUDA only).
+        proj_max_batch_size: batch size of the CUDA projector.
+        projector_seed: seed of the default projector.
+        grad_wrt: parameter names to differentiate (``None``: all).
+        lambda_reg: ridge damping λ >= 0, or ``"auto"``.
+        memory_budget: bytes of working memory for finalize steps (``None``:
+            unbounded).
+        mask: optional :class:`gradsketch.masked.ParamMask` for the default
+            projector (only the selected entries are projected).
+        precision: GEMM precision of scoring (``"float32"``, ``"bf16x3"``, ``"auto"``).
+        progress: show tqdm bars.
+        chunk_rows: rows per chunk of the stored features (default: about
+            1 MiB per chunk). Chunks are the unit of resuming and of sharding
+            across ``torch.distributed`` ranks; an existing store keeps its own.
+
+    Distributed: when a ``torch.distributed`` process group is initialised
+    (``torchrun``), each rank featurizes and computes target features only for
+    its :func:`~gradsketch.attribution.chunk_shard` of the rows (whole chunks,
+    so ranks write disjoint chunk files of the same store), XᵀX is summed
+    with ``all_reduce``, and scoring splits the targets' columns across ranks.
+    Every rank calls the same methods in the same order; ``finalize_scores``
+    returns the full scores on every rank. With a batch size that divides
+    ``chunk_rows`` the stored features are bit-identical to a one-process run.
+
+    Example:
+        >>> import tempfile
+        >>> model = torch.nn.Linear(4, 3)
+        >>> x, y = torch.randn(12, 4), torch.arange(12) % 3
+        >>> traker = TRAKer(model, "image_classification", 12, save_dir=tempfile.mkdtemp(),
+        ...                 device="cpu", proj_dim=8, progress=False, logging_level=logging.WARNING)
+        >>> traker.load_checkpoint(model.state_dict(), model_id=0)
+        >>> traker.featurize((x, y), num_samples=12)
+        >>> traker.finalize_features()
+        >>> traker.start_scoring_checkpoint("test", model.state_dict(), model_id=0, num_targets=2)
+        >>> traker.score((x[:2], y[:2]), num_samples=2)
+        >>> traker.finalize_scores("test").shape
+        (12, 2)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: AbstractModelOutput | str,
+        train_set_size: int,
+        save_dir: str | Path = "./trak_results",
+        load_from_save_dir: bool = True,
+        device: torch.device | str | None = None,
+        gradient_computer: Any = FunctionalGradientComputer,
+        projector: Any = None,
+        saver: Any = None,
+        score_computer: Any = None,
+        proj_dim: int = 2048,
+        logging_level: int = logging.INFO,
+        use_half_precision: bool | None = None,
+        proj_max_batch_size: int = 32,
+        projector_seed: int = 0,
+        grad_wrt: Iterable[str] | None = None,
+        lambda_reg: float | str = 0.0,
+        *,
+        memory_budget: int | None = None,
+        mask: Any = None,
+        precision: str = "float32",
+        progress: bool = True,
+        chunk_rows: int | None = None,
+    ) -> None:
+        self.logger = logging.getLogger("gradsketch.attribution.TRAKer")
+        self.logger.setLevel(logging_level)
+        if saver is not None:
+            raise ValueError(
+                f"`saver`={saver!r} is not supported: gradsketch stores features in a resumable "
+                "zarr store under `save_dir`. Pass saver=None."
+            )
+        if memory_budget is not None and (
+            isinstance(memory_budget, bool)
+            or not isinstance(memory_budget, int)
+            or memory_budget <= 0
+        ):
+            raise ValueError(
+                f"`memory_budget` must be a positive number of bytes or None, got "
+                f"{memory_budget!r}."
+            )
+        self.model = model
+        self.task = resolve_task(task)
+        self.train_set_size = int(train_set_size)
+        self.device = torch.device(
+            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        if use_half_precision is None:
+            use_half_precision = self.device.type == "cuda"
+        self.dtype = torch.float16 if use_half_precision else torch.float32
+        self.lambda_reg = check_lambda(lambda_reg)
+        self.memory_budget = memory_budget
+        self.precision = precision
+        self.progress = progress
+        self.load_from_save_dir = bool(load_from_save_dir)
+        self.grad_wrt = None if grad_wrt is None else list(grad_wrt)
+
+        params = dict(model.named_parameters())
+        self.num_params = sum(p.numel() for p in params.values())
+        if self.grad_wrt is not None:
+            unknown = [n for n in self.grad_wrt if n not in params]
+            if unknown:
+                raise ValueError(
+                    f"`grad_wrt` names {unknown} are not parameters of the model; allowed names "
+                    f"are {list(params)}."
+                )
+            self.num_params_for_grad = sum(params[n].numel() for n in self.grad_wrt)
+        else:
+            self.num_params_for_grad = self.num_params
+        self.grad_dim = int(mask.numel) if mask is not None else self.num_params_for_grad
+        self.proj_seed = projector_seed
+        self._init_projector(projector, proj_dim, proj_max_batch_size, mask)
+        # TRAK divides by sqrt(d) so XᵀX stays well scaled.
+        self.normalize_factor = math.sqrt(self.grad_dim)
+
+        self.gradient_computer = gradient_computer(
+            model=self.model,
+            task=self.task,
+            grad_dim=self.num_params_for_grad,
+            dtype=self.dtype,
+            device=self.device,
+            grad_wrt=self.grad_wrt,
+        )
+        self.score_computer = (
+            None
+            if score_computer is None
+            else score_computer(
+                dtype=self.dtype,
+                device=self.device,
+                logging_level=logging_level,
+                lambda_reg=self.lambda_reg,
+            )
+        )
+        self.settings = TRAKSettings(
+            train_set_size=self.train_set_size,
+            proj_dim=self.proj_dim,
+            projector=_projector_record(self.projector, self.grad_dim),
+            model=model_fingerprint(model),
+            task=type(self.task).__name__,
+            grad_wrt=self.grad_wrt,
+            dtype=str(self.dtype).removeprefix("torch."),
+            normalize=self.normalize_factor,
+        )
+        self.save_dir = Path(save_dir).resolve()
+        # Rank 0 writes the settings record; the others then compare with it.
+        with rank_zero_first():
+            self.store = RowStore(self.save_dir, self.settings, what="TRAK store")
+        if chunk_rows is not None and (
+            isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
+        ):
+            raise ValueError(
+                f"`chunk_rows` must be a positive int or None (about 1 MiB per chunk), got "
+                f"{chunk_rows!r}."
+            )
+        self._chunk_rows = chunk_rows or default_chunk_rows(
+            (self.proj_dim,), np.dtype(self._np_dtype)
+        )
+        self._owned: np.ndarray | None = None
+        self._exp_owned: np.ndarray | None = None
+        self.ckpt_loaded: int | None = None
+        self._done: np.ndarray | None = None
+        self._last_ind = 0
+        self._exp: str | None = None
+        self._exp_model_id: int | None = None
+        self._exp_done: np.ndarray | None = None
+        self._last_ind_target = 0
+        self.scores: Any = None
+
+    # -- set-up ----------------------------------------------------------------
+    @property
+    def _np_dtype(self) -> Any:
+        return np.float16 if self.dtype == torch.float16 else np.float32
+
+    def _init_projector(
+        self, projector: Any, proj_dim: int, proj_max_batch_size: int, mask: Any
+    ) -> None:
+        if projector is not None:
+            self.projector = projector
+            self.proj_dim = (
+                self.grad_dim if isinstance(projector, NoOpProjector) else int(projector.proj_dim)
+            )
+            return
+        self.proj_dim = int(proj_dim)
+        if self.device.type == "cuda":
+            self.projector = CudaProjector(
+                self.grad_dim,
+                self.proj_dim,
+                self.proj_seed,
+                "rademacher",
+                self.device,
+                proj_max_batch_size,
+                mask=mask,
+            )
+        else:
+            # One index_add_ pass per batch, tables built once: the fast CPU choice.
+            self.projector = CountSketchProjector(
+                self.grad_dim, self.proj_dim, self.proj_seed, self.device, mask=mask
+            )
+        self.logger.info("Using %s", type(self.projector).__name__)
+
+    def _ckpt(self, model_id: int) -> str:
+        return f"checkpoints/{int(model_id)}"
+
+    def _ckpt_record(self, model_id: int) -> dict[str, Any]:
+        path = self.save_dir / self._ckpt(model_id) / "checkpoint.json"
+        return read_record(path) if path.exists() else {}
+
+    def _write_ckpt_record(self, model_id: int, record: Mapping[str, Any]) -> None:
+        path = self.save_dir / self._ckpt(model_id) / "checkpoint.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_record(path, record)
+
+    @property
+    def model_ids(self) -> list[int]:
+        """Checkpoints present in the store."""
+        root = self.save_dir / "checkpoints"
+        if not root.exists():
+            return []
+        return sorted(int(p.name) for p in root.iterdir() if (p / "checkpoint.json").exists())
+
+    def _load_weights(self, checkpoint: Mapping[str, Any], model_id: int) -> None:
+        self.model.load_state_dict(checkpoint)
+        self.model.eval()
+        self.gradient_computer.load_model_params(self.model)
+        self.projector.set_model_id(int(model_id))
+
+    def load_checkpoint(self, checkpoint: Mapping[str, Any], model_id: int) -> None:
+        """Load a checkpoint for featurizing; resumes rows already stored for ``model_id``.
+
+        Raises:
+            SettingsMismatchError: ``model_id`` was featurized from other weights.
+        """
+        sha = checkpoint_fingerprint(checkpoint)
+        require_same_across_ranks((int(model_id), sha), what="(model_id, checkpoint fingerprint)")
+        n, k = self.train_set_size, self.proj_dim
+        base = self._ckpt(model_id)
+        with rank_zero_first() as first:
+            record = self._ckpt_record(model_id)
+            if record and record.get("checkpoint") != sha:
+                raise SettingsMismatchError(
+                    f"model id {model_id} in `{self.save_dir}` was featurized from a checkpoint "
+                    f"with fingerprint {record.get('checkpoint')!r}, but the given checkpoint has "
+                    f"{sha!r}. Use a new model_id for new weights, or another save_dir."
+                )
+            if not record:
+                record = {"checkpoint": sha, "finalized": False}
+                self._write_ckpt_record(model_id, record)
+            grads = self.store.require_array(
+                f"{base}/grads", (n, k), self._np_dtype, chunk_rows=self._chunk_rows
+            )
+            self.store.require_array(
+                f"{base}/out_to_loss", (n, 1), np.float32, chunk_rows=self._chunk_rows
+            )
+            self.store.require_done(f"{base}/done", n, chunk_rows=self._chunk_rows)
+            if first and not self.load_from_save_dir:
+                self.store.array(f"{base}/done")[:] = np.zeros(n, dtype=np.uint8)
+                self._write_ckpt_record(model_id, {"checkpoint": sha, "finalized": False})
+        # The stored chunking decides the shards (a resumed store keeps its own).
+        self._owned = owned_mask(n, int(grads.chunks[0]))
+        self._done = self.store.done_rows(f"{base}/done")
+        if self._done.any():
+            self.logger.info(
+                "model id %d: resuming, %d of %d rows already featurized",
+                model_id,
+                int(self._done.sum()),
+                n,
+            )
+        self._load_weights(checkpoint, model_id)
+        self.ckpt_loaded = int(model_id)
+        self._last_ind = 0
+
+    def _features(self, batch: Sequence[Tensor], model_id: int) -> Tensor:
+        gc = self.gradient_computer
+        if hasattr(gc, "project"):
+            phi = gc.project(batch, self.projector, model_id)
+        else:
+            phi = self.projector.project(gc.compute_per_sample_grad(batch), model_id=model_id)
+        return phi / self.normalize_factor
+
+    # -- featurizing ------------------------------------------------------------
+    def featurize(
+        self, batch: Sequence[Tensor], inds: Any = None, num_samples: int | None = None
+    ) -> None:
+        """Compute and store features ``P grad f / sqrt(d)`` and Q for a batch of training rows.
+
+        Rows already stored (from an interrupted run) are skipped: their
+        gradients are not recomputed.
+
+        Args:
+            batch: tuple of ``[B, ...]`` tensors, as the task expects.
+            inds: ``[B]`` row indices in the training set.
+            num_samples: ``B``, when rows follow the previous batch.
+        """
+        if self.ckpt_loaded is None or self._done is None:
+            raise ModelIDException(
+                "no checkpoint loaded; call traker.load_checkpoint(state_dict, model_id) "
+                "before featurize."
+            )
+        idx = _resolve_inds(inds, num_samples, self._last_ind, self.train_set_size, "featurize")
+        if num_samples is not None:
+            self._last_ind += int(num_samples)
+        todo = ~self._done[idx]
+        if self._owned is not None:
+            todo &= self._owned[idx]
+        if not todo.any():
+            return
+        if not todo.all():
+            keep = torch.as_tensor(np.nonzero(todo)[0], device=batch[0].device)
+            batch = tuple(t.index_select(0, keep.to(t.device)) for t in batch)
+            idx = idx[todo]
+        phi = self._features(batch, self.ckpt_loaded)
+        q = self.gradient_computer.compute_loss_grad(batch)
+        base = self._ckpt(self.ckpt_loaded)
+        self.store.write_rows(
+            idx,
+            {
+                f"{base}/grads": phi.detach().to(self.dtype).cpu().numpy(),
+                f"{base}/out_to_loss": q.detach().float().reshape(-1, 1).cpu().numpy(),
+            },
+            done=f"{base}/done",
+        )
+        self._done[idx] = True
+
+    def featurize_loader(self, loader: Iterable[Sequence[Tensor]]) -> None:
+        """Featurize every batch of ``loader`` in order, with a progress bar.
+
+        Under ``torch.distributed``, an in-order map-style ``DataLoader`` is
+        re-batched over this rank's rows still to do, so each rank loads only
+        the examples it featurizes; other iterables are read in full and each
+        rank keeps its own rows.
+        """
+        if self._done is None or self._owned is None:
+            raise ModelIDException(
+                "no checkpoint loaded; call traker.load_checkpoint(state_dict, model_id) "
+                "before featurize_loader."
+            )
+        self._last_ind = self._run_loader(
+            loader, self.featurize, self._done, self._owned, self._last_ind,
+            f"featurizing model {self.ckpt_loaded}",
+        )
+
+    def _run_loader(
+        self,
+        loader: Iterable[Sequence[Tensor]],
+        step: Any,
+        done: np.ndarray,
+        owned: np.ndarray,
+        first_row: int,
+        desc: str,
+    ) -> int:
+        """Feed ``loader``'s batches to ``step``; returns the row after the last one."""
+        rank, world = rank_and_world()
+        disable = not self.progress or rank != 0
+        size = len(loader.dataset) if isinstance(loader, torch.utils.data.DataLoader) else None
+        sharded = None
+        if world > 1 and size is not None and first_row + size <= done.size:
+            window = slice(first_row, first_row + size)
+            rows = np.nonzero(owned[window] & ~done[window])[0]
+            sharded = shard_loader(loader, rows)
+        if sharded is None:
+            for batch in tqdm(loader, desc=desc, disable=disable):
+                step(batch, num_samples=int(batch[0].shape[0]))
+                first_row += int(batch[0].shape[0])
+            return first_row
+        start = 0
+        for batch in tqdm(sharded, desc=desc, disable=disable):
+            count = int(batch[0].shape[0])
+            step(batch, inds=first_row + rows[start : start + count])
+            start += count
+        assert size is not None
+        return first_row + size
+
+    def _row_block(self) -> int:
+        if self.memory_budget is None:
+            return self.train_set_size
+        return max(1, min(self.train_set_size, self.memory_budget // (8 * self.proj_dim)))
+
+    def finalize_features(
+        self, model_ids: Iterable[int] | None = None, del_grads: bool = False
+    ) -> None:
+        """Compute each checkpoint's XᵀX (streamed in row blocks) and mark it final.
+
+        The ``[n, k]`` features ``X (XᵀX + λI)⁻¹`` are only formed when
+        ``del_grads=True`` (then they replace the gradients); otherwise the
+        inverse is applied to the targets at scoring time, which is cheaper.
+        """
+        self.projector.free_memory()
+        # Every rank's rows must be on disk before anyone reads the flags.
+        barrier()
+        ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
+        rank, world = rank_and_world()
+        bar = tqdm(ids, desc="finalizing features", disable=not self.progress or rank != 0)
+        for model_id in bar:
+            record = self._ckpt_record(model_id)
+            if not record:
+                raise ModelIDException(
+                    f"model id {model_id} is not in `{self.save_dir}`; featurized ids are "
+                    f"{self.model_ids}."
+                )
+            base = self._ckpt(model_id)
+            done = self.store.done_rows(f"{base}/done")
+            # Ranks decide together, from the same flags, whether to go on.
+            require_same_across_ranks(bool(done.all()), what=f"model id {model_id} complete")
+            if not done.all():
+                missing = np.nonzero(~done)[0]
+                raise ModelIDException(
+                    f"model id {model_id} is not fully featurized: {missing.size} of "
+                    f"{done.size} rows missing (first: {missing[:5].tolist()}). Featurize them, "
+                    "then finalize."
+                )
+            if record.get("finalized"):
+                self.logger.info("model id %d already finalized; skipping", model_id)
+                continue
+            grads = self.store.array(f"{base}/grads")
+            dev = self.device
+            # XᵀX = Σ_r X_rᵀX_r: each rank multiplies its own rows, all_reduce adds.
+            mine = chunk_shard(self.train_set_size, int(grads.chunks[0]))
+            rows = grads if world == 1 else RowWindow(grads, mine.start, mine.stop)
+            if self.score_computer is not None:
+                xtx = self.score_computer.get_xtx(torch.as_tensor(rows[:], device=dev).float())
+            else:
+                xtx = xtx_blocked(rows, block_rows=self._row_block(), device=dev)
+            xtx = all_reduce_sum_(xtx)
+            if rank == 0:
+                xtx_arr = self.store.require_array(f"{base}/xtx", tuple(xtx.shape), np.float32)
+                xtx_arr[:] = xtx.float().cpu().numpy()
+            if del_grads:
+                self._form_features(model_id, xtx, mine)
+                barrier()
+                if rank == 0:
+                    self.store.delete(f"{base}/grads")
+            if rank == 0:
+                self._write_ckpt_record(
+                    model_id, {**record, "finalized": True, "features": del_grads}
+                )
+            barrier()
+
+    def _form_features(self, model_id: int, xtx: Tensor, rows: range) -> None:
+        from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, rows_as_tensor
+
+        base = self._ckpt(model_id)
+        grads = self.store.array(f"{base}/grads")
+        inv = damped_inverse(xtx.float(), resolve_lambda(self.lambda_reg, xtx.float()))
+        with rank_zero_first():
+            # Same chunks as the gradients, so each rank's rows fill whole chunks.
+            feats = self.store.require_array(
+                f"{base}/features", tuple(grads.shape), np.float32, chunk_rows=grads.chunks[0]
+            )
+        step = self._row_block()
+        for start in range(rows.start, rows.stop, step):
+            stop = min(rows.stop, start + step)
+            x = rows_as_tensor(grads, start, stop, device=self.device, dtype=torch.float32)
+            feats[start:stop] = (x @ inv).cpu().numpy()
+
+    # -- scoring ------------------------------------------------------------------
+    def _exp_dir(self, exp_name: str) -> str:
+        return f"experiments/{exp_name}"
+
+    def start_scoring_checkpoint(
+        self,
+        exp_name: str,
+        checkpoint: Mapping[str, Any],
+        model_id: int,
+        num_targets: int,
+    ) -> None:
+        """Load ``checkpoint`` to compute target features of experiment ``exp_name``.
+
+        Raises:
+            SettingsMismatchError: ``exp_name`` exists with another ``num_targets``.
+        """
+        if not exp_name or "/" in exp_name:
+            raise ValueError(f"`exp_name` must be a non-empty name without '/', got {exp_name!r}.")
+        if isinstance(num_targets, bool) or not isinstance(num_targets, int) or num_targets < 1:
+            raise ValueError(f"`num_targets` must be a positive int, got {num_targets!r}.")
+        require_same_across_ranks(
+            (exp_name, int(model_id), num_targets, checkpoint_fingerprint(checkpoint)),
+            what="(exp_name, model_id, num_targets, checkpoint fingerprint)",
+        )
+        exp_dir = self.save_dir / self._exp_dir(exp_name)
+        rec_path = exp_dir / "experiment.json"
+        requested = {"num_targets": num_targets}
+        base = f"{self._exp_dir(exp_name)}/{int(model_id)}"
+        with rank_zero_first():
+            exp_dir.mkdir(parents=True, exist_ok=True)
+            if rec_path.exists():
+                stored = read_record(rec_path)
+                if stored.get("num_targets") != num_targets:
+                    raise SettingsMismatchError(
+                        f"experiment {exp_name!r} in `{self.save_dir}` has num_targets="
+                        f"{stored.get('num_targets')}, requested {num_targets}. Use a new "
+                        "exp_name."
+                    )
+            else:
+                write_record(rec_path, requested)
+            targets = self.store.require_array(
+                f"{base}/grads",
+                (num_targets, self.proj_dim),
+                self._np_dtype,
+                chunk_rows=self._chunk_rows,
+            )
+            self.store.require_done(f"{base}/done", num_targets, chunk_rows=self._chunk_rows)
+        self._exp_owned = owned_mask(num_targets, int(targets.chunks[0]))
+        self._exp_done = self.store.done_rows(f"{base}/done")
+        self._load_weights(checkpoint, model_id)
+        self._exp, self._exp_model_id = exp_name, int(model_id)
+        self._exp_num_targets = num_targets
+        self._last_ind_target = 0
+
+    def score(
+        self, batch: Sequence[Tensor], inds: Any = None, num_samples: int | None = None
+    ) -> None:
+        """Compute and store the target features of a batch (see :meth:`featurize`)."""
+        if self._exp is None or self._exp_model_id is None or self._exp_done is None:
+            raise ModelIDException(
+                "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before score."
+            )
+        idx = _resolve_inds(
+            inds, num_samples, self._last_ind_target, self._exp_num_targets, "score"
+        )
+        if num_samples is not None:
+            self._last_ind_target += int(num_samples)
+        todo = ~self._exp_done[idx]
+        if self._exp_owned is not None:
+            todo &= self._exp_owned[idx]
+        if not todo.any():
+            return
+        if not todo.all():
+            keep = torch.as_tensor(np.nonzero(todo)[0])
+            batch = tuple(t.index_select(0, keep.to(t.device)) for t in batch)
+            idx = idx[todo]
+        phi = self._features(batch, self._exp_model_id)
+        base = f"{self._exp_dir(self._exp)}/{self._exp_model_id}"
+        self.store.write_rows(
+            idx, {f"{base}/grads": phi.detach().to(self.dtype).cpu().numpy()}, done=f"{base}/done"
+        )
+        self._exp_done[idx] = True
+
+    def score_loader(self, loader: Iterable[Sequence[Tensor]]) -> None:
+        """Score every batch of ``loader`` in order (sharded like :meth:`featurize_loader`)."""
+        if self._exp_done is None or self._exp_owned is None:
+            raise ModelIDException(
+                "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before "
+                "score_loader."
+            )
+        self._last_ind_target = self._run_loader(
+            loader, self.score, self._exp_done, self._exp_owned, self._last_ind_target,
+            f"scoring targets ({self._exp})",
+        )
+
+    def finalize_scores(
+        self,
+        exp_name: str,
+        model_ids: Iterable[int] | None = None,
+        allow_skip: bool = False,
+    ) -> Any:
+        """Ensemble the checkpoints' scores for experiment ``exp_name``.
+
+        Returns:
+            ``[train_set_size, num_targets]`` float32 scores: a numpy array, or
+            (when it exceeds ``memory_budget``) the zarr array
+            ``save_dir/scores/<exp_name>`` on disk. Both are also saved there.
+        """
+        # Every rank's target features must be on disk before anyone reads them.
+        barrier()
+        rec_path = self.save_dir / self._exp_dir(exp_name) / "experiment.json"
+        if not rec_path.exists():
+            raise ValueError(
+                f"experiment {exp_name!r} does not exist in `{self.save_dir}`; start it with "
+                "start_scoring_checkpoint(...) and score targets first."
+            )
+        num_targets = int(read_record(rec_path)["num_targets"])
+        ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
+        if not ids:
+            raise ModelIDException(f"no model ids to score in `{self.save_dir}`.")
+        ckpts: list[CheckpointGrads] = []
+        for model_id in ids:
+            record = self._ckpt_record(model_id)
+            base = f"{self._exp_dir(exp_name)}/{model_id}"
+            problem = None
+            if not record.get("finalized"):
+                problem = f"model id {model_id} is not finalized (call finalize_features)"
+            elif not self.store.has(f"{base}/done"):
+                problem = f"model id {model_id} has no target features for {exp_name!r}"
+            elif not self.store.done_rows(f"{base}/done").all():
+                problem = f"model id {model_id} has targets of {exp_name!r} not scored yet"
+            if problem is not None:
+                if allow_skip:
+                    self.logger.warning("%s; skipping it.", problem)
+                    continue
+                raise ModelIDException(problem + "; or pass allow_skip=True.")
+            cbase = self._ckpt(model_id)
+            has_features = bool(record.get("features"))
+            ckpts.append(
+                CheckpointGrads(
+                    train=self.store.array(
+                        f"{cbase}/features" if has_features else f"{cbase}/grads"
+                    ),
+                    targets=self.store.array(f"{base}/grads"),
+                    out_to_loss=self.store.array(f"{cbase}/out_to_loss"),
+                    xtx=torch.from_numpy(np.asarray(self.store.array(f"{cbase}/xtx")[:])),
+                    preconditioned=has_features,
+                )
+            )
+        if not ckpts:
+            raise ModelIDException(
+                f"every model id was skipped for {exp_name!r}; nothing to score."
+            )
+        n, m = self.train_set_size, num_targets
+        on_disk = self.memory_budget is not None and 4 * n * m > self.memory_budget
+        rank, world = rank_and_world()
+        if world > 1:
+            scores: Any = self._distributed_scores(exp_name, ckpts, n, m, on_disk)
+        elif self.score_computer is not None:
+            scores = self._scores_with_computer(ckpts)
+        else:
+            scores = score_checkpoints(
+                ckpts,
+                self.lambda_reg,
+                self.memory_budget,
+                out=str(self.save_dir / "scores" / exp_name) if on_disk else None,
+                precision=self.precision,
+                device=self.device,
+                progress=self.progress,
+            )
+        if rank == 0:
+            if not on_disk:
+                arr = self.store.require_array(f"scores/{exp_name}", (n, m), np.float32)
+                arr[:] = scores
+            (self.save_dir / "scores").mkdir(exist_ok=True)
+            (self.save_dir / "scores" / f"{exp_name}.json").write_text(
+                json.dumps({"model_ids": [int(i) for i in ids], "num_targets": m}) + "\n"
+            )
+        barrier()
+        self.scores = scores
+        return scores
+
+    def _distributed_scores(
+        self, exp_name: str, ckpts: Sequence[CheckpointGrads], n: int, m: int, on_disk: bool
+    ) -> Any:
+        """Each rank scores the targets of its :func:`column_shard`; columns are assembled.
+
+        Every score column depends on its own target only, so splitting the
+        targets splits the work with no communication until the end:
+        ``all_gather`` of the ``[n, m / W]`` blocks in memory, or each rank
+        writing its own column chunk of the on-disk zarr array.
+        """
+        rank, _ = rank_and_world()
+        cols = column_shard(m)
+        mine = shard_checkpoint_targets(ckpts, cols)
+        path = self.save_dir / "scores" / exp_name
+        out: Any = None
+        if on_disk:
+            width = len(column_shard(m, rank=0, world_size=rank_and_world()[1]))
+            k, c = self.proj_dim, len(ckpts)
+            n_block, _ = block_plan(n, width, k, c, self.memory_budget)
+            if rank == 0:
+                zarr.create_array(
+                    str(path),
+                    shape=(n, m),
+                    dtype="float32",
+                    chunks=(n_block, width),
+                    compressors=None,
+                    fill_value=0,
+                    overwrite=True,
+                )
+            barrier()
+            scores = zarr.open_array(str(path), mode="r+")
+            out = ColumnWindow(scores, cols.start, cols.stop)
+        if len(cols) == 0:
+            local = np.zeros((n, 0), dtype=np.float32)
+        elif self.score_computer is not None:
+            local = self._scores_with_computer(mine)
+            if out is not None:
+                out[:, :] = local
+        else:
+            local = score_checkpoints(
+                mine,
+                self.lambda_reg,
+                self.memory_budget,
+                out=out,
+                precision=self.precision,
+                device=self.device,
+                progress=self.progress and rank == 0,
+            )
+        if on_disk:
+            barrier()
+            return zarr.open_array(str(path), mode="r")
+        return all_gather_columns(torch.from_numpy(np.asarray(local)), m).numpy()
+
+    def _scores_with_computer(self, ckpts: Sequence[CheckpointGrads]) -> np.ndarray:
+        """TRAK's in-memory path through a user-supplied score computer."""
+        sc = self.score_computer
+        assert sc is not None
+        n = self.train_set_size
+        acc = torch.zeros(n, int(ckpts[0].targets.shape[0]))
+        q = np.zeros((n, 1), dtype=np.float32)
+        for ck in ckpts:
+            x = torch.as_tensor(np.asarray(ck.train[:]), device=self.device).float()
+            feats = x if ck.preconditioned else sc.get_x_xtx_inv(x, sc.get_xtx(x))
+            t = torch.as_tensor(np.asarray(ck.targets[:]), device=self.device).float()
+            sc.get_scores(feats, t, accumulator=acc)
+            q += np.asarray(ck.out_to_loss[:], dtype=np.float32)
+        c = len(ckpts)
+        return (acc.numpy() / c) * (q / c)

@@ -1,0 +1,103 @@
+"""The TRAK pipeline the torch.distributed tests run, in one process or under torchrun.
+
+``python -m torch.distributed.run --nproc_per_node 2 _dist_worker.py OUT`` runs
+:func:`pipeline` on every rank (gloo, one thread each) in ``OUT/store`` and
+saves each rank's returned arrays to ``OUT/rank{r}.npz``. The tests run the
+same :func:`pipeline` in one process and compare.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gradsketch.attribution import TRAKer
+
+N_TRAIN, N_TARGETS, PROJ_DIM = 100, 24, 16
+CHUNK_ROWS, BATCH = 16, 8  # BATCH divides CHUNK_ROWS: the same batches as one process
+#: 4 n m = 9,600 bytes of scores exceed it: scores go to disk in tiles.
+SMALL_BUDGET = 8_000
+QUIET = {"logging_level": logging.WARNING, "progress": False, "device": "cpu"}
+
+
+def problem():
+    """A tanh MLP, two checkpoints, training rows and targets (float32, seeded)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N_TRAIN + N_TARGETS, 6, generator=g)
+    y = torch.randint(0, 4, (N_TRAIN + N_TARGETS,), generator=g)
+    ckpts = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 4))
+        ckpts.append({k: v.detach().clone() for k, v in net.state_dict().items()})
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 4))
+    return model, ckpts, x[:N_TRAIN], y[:N_TRAIN], x[N_TRAIN:], y[N_TRAIN:]
+
+
+def pipeline(root: Path) -> dict[str, np.ndarray]:
+    """Featurize, finalize, score (in memory, on disk, and with ``del_grads``).
+
+    Checkpoint 0 goes through the loaders (sharded DataLoaders), checkpoint 1
+    through TRAK's ``featurize(batch, num_samples=...)`` loop (every rank
+    sees every batch and keeps its own rows).
+    """
+    model, ckpts, x, y, xt, yt = problem()
+    kw = {"proj_dim": PROJ_DIM, "chunk_rows": CHUNK_ROWS, "lambda_reg": 0.05, **QUIET}
+    traker = TRAKer(model, "image_classification", N_TRAIN, save_dir=root / "store", **kw)
+    for mid, state in enumerate(ckpts):
+        traker.load_checkpoint(state, model_id=mid)
+        if mid == 0:
+            traker.featurize_loader(DataLoader(TensorDataset(x, y), batch_size=BATCH))
+        else:
+            for s in range(0, N_TRAIN, BATCH):
+                traker.featurize((x[s : s + BATCH], y[s : s + BATCH]), num_samples=len(x[s : s + BATCH]))
+    traker.finalize_features()
+    for mid, state in enumerate(ckpts):
+        traker.start_scoring_checkpoint("exp", state, model_id=mid, num_targets=N_TARGETS)
+        if mid == 0:
+            traker.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
+        else:
+            traker.score((xt, yt), num_samples=N_TARGETS)
+    scores = np.array(traker.finalize_scores("exp"))
+
+    budget = TRAKer(
+        model, "image_classification", N_TRAIN, save_dir=root / "store", memory_budget=SMALL_BUDGET, **kw
+    )
+    disk = budget.finalize_scores("exp")
+    on_disk = not isinstance(disk, np.ndarray)
+    scores_disk = np.array(disk[:])
+
+    pre = TRAKer(model, "image_classification", N_TRAIN, save_dir=root / "pre", **kw)
+    pre.load_checkpoint(ckpts[0], model_id=0)
+    pre.featurize_loader(DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    pre.finalize_features(del_grads=True)
+    pre.start_scoring_checkpoint("exp", ckpts[0], model_id=0, num_targets=N_TARGETS)
+    pre.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
+    scores_pre = np.array(pre.finalize_scores("exp"))
+    return {
+        "scores": scores,
+        "scores_disk": scores_disk,
+        "on_disk": np.array(on_disk),
+        "scores_pre": scores_pre,
+    }
+
+
+def main(out: Path) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        result = pipeline(out)
+        np.savez(out / f"rank{dist.get_rank()}.npz", **result)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

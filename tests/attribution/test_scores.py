@@ -1,0 +1,208 @@
+"""trak_scores and score computers against float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from gradsketch.attribution import (
+    BasicScoreComputer,
+    BasicSingleBlockScoreComputer,
+    MemoryBudgetError,
+    trak_scores,
+)
+from gradsketch.attribution._linalg import (
+    bf16x3_error_bound,
+    block_plan,
+    matmul_nt,
+    resolve_lambda,
+    xtx_blocked,
+)
+
+
+def _data(n=60, k=6, m=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=g, dtype=torch.float64)
+    t = torch.randn(m, k, generator=g, dtype=torch.float64)
+    q = torch.rand(n, generator=g, dtype=torch.float64)
+    return x, t, q
+
+
+def _reference(x, t, q, lam=0.0):
+    """The formula, in float64: X (XᵀX + λI)⁻¹ Tᵀ ⊙ Q."""
+    a = x.T @ x + lam * torch.eye(x.shape[1], dtype=torch.float64)
+    return (x @ torch.linalg.solve(a, t.T)) * q[:, None]
+
+
+@pytest.mark.parametrize("order", ["auto", "targets", "train"])
+@pytest.mark.parametrize("lam", [0.0, 0.5])
+def test_trak_scores_matches_float64_formula(order, lam):
+    x, t, q = _data()
+    got = trak_scores(x.float(), t.float(), q.float(), lambda_reg=lam, apply_inverse_to=order)
+    ref = _reference(x, t, q, lam).numpy()
+    # float32 inputs (rel. 6e-8) through a well-conditioned solve (cond(XᵀX) < 10 here).
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_inverse_on_targets_equals_inverse_on_train():
+    x, t, q = _data(n=200, k=16, m=30, seed=1)
+    a = trak_scores(x.float(), t.float(), q.float(), apply_inverse_to="targets")
+    b = trak_scores(x.float(), t.float(), q.float(), apply_inverse_to="train")
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(a).max())
+
+
+def test_inputs_numpy_memmap_zarr_agree(tmp_path):
+    x, t, q = _data()
+    xs, ts, qs = x.float().numpy(), t.float().numpy(), q.float().numpy()
+    mm = np.lib.format.open_memmap(tmp_path / "x.npy", mode="w+", dtype=np.float32, shape=xs.shape)
+    mm[:] = xs
+    z = zarr.create_array(str(tmp_path / "x.zarr"), shape=xs.shape, dtype="float32", chunks=(7, 6))
+    z[:] = xs
+    base = trak_scores(torch.from_numpy(xs), torch.from_numpy(ts), torch.from_numpy(qs))
+    for train in (xs, mm, z):
+        np.testing.assert_array_equal(trak_scores(train, ts, qs[:, None]), base)
+
+
+def test_memory_budget_streams_to_disk(tmp_path):
+    x, t, q = _data(n=300, k=8, m=40, seed=2)
+    full = trak_scores(x.float(), t.float(), q.float())
+    matrix_bytes = 4 * 300 * 40
+    budget = 24 * 8 * 8 + 2_000  # far below the 48,000-byte score matrix
+    assert budget < matrix_bytes / 10
+    n_block, m_block = block_plan(300, 40, 8, 1, budget)
+    assert n_block < 300 and m_block < 40  # really tiled in both directions
+    out = trak_scores(x.float(), t.float(), q.float(), memory_budget=budget, out=tmp_path / "s")
+    assert isinstance(out, zarr.Array)
+    np.testing.assert_allclose(out[:], full, rtol=1e-5, atol=1e-6 * np.abs(full).max())
+
+
+def test_memory_budget_without_destination_is_refused():
+    x, t, q = _data(n=300, k=8, m=40)
+    with pytest.raises(MemoryBudgetError, match=r"needs 48000 bytes.*`memory_budget`=3536.*out="):
+        trak_scores(x.float(), t.float(), q.float(), memory_budget=24 * 64 + 2000)
+
+
+def test_memory_budget_too_small_for_proj_dim():
+    x, t, q = _data()
+    with pytest.raises(ValueError, match="`memory_budget`=10 bytes is too small"):
+        trak_scores(x.float(), t.float(), q.float(), memory_budget=10, out=np.zeros((60, 5)))
+
+
+def test_lambda_auto_is_tenth_of_mean_eigenvalue():
+    x, t, q = _data()
+    xtx = (x.T @ x).float()
+    lam = resolve_lambda("auto", xtx)
+    assert lam == pytest.approx(0.1 * torch.linalg.eigvalsh(x.T @ x).mean().item(), rel=1e-5)
+    got = trak_scores(x.float(), t.float(), q.float(), lambda_reg="auto")
+    np.testing.assert_allclose(got, _reference(x, t, q, lam).numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_rank_deficient_falls_back_to_pseudo_inverse(caplog):
+    x, t, q = _data(n=4, k=6)  # fewer rows than columns: XᵀX is singular
+    got = trak_scores(x.float(), t.float(), q.float())
+    ref = (x @ torch.linalg.pinv(x.T @ x) @ t.T * q[:, None]).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max())
+    assert "pseudo-inverse" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param(
+            {"lambda_reg": -1.0}, "`lambda_reg` must be a finite number >= 0", id="neg-lambda"
+        ),
+        pytest.param({"lambda_reg": "big"}, "`lambda_reg` must be", id="str-lambda"),
+        pytest.param({"apply_inverse_to": "both"}, "`apply_inverse_to` must be one of", id="order"),
+        pytest.param({"precision": "fp8"}, "`precision` must be one of", id="precision"),
+        pytest.param({"memory_budget": 0}, "`memory_budget` must be a positive", id="budget"),
+    ],
+)
+def test_trak_scores_argument_errors(kwargs, match):
+    x, t, q = _data()
+    with pytest.raises(ValueError, match=match):
+        trak_scores(x.float(), t.float(), q.float(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "match"),
+    [
+        pytest.param(((60, 6), (5, 7), (60,)), "`target_grads` has shape", id="target-k"),
+        pytest.param(((60, 6), (5, 6), (59,)), "`out_to_loss` has shape", id="q-len"),
+    ],
+)
+def test_trak_scores_shape_errors(shapes, match):
+    x, t, q = (torch.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        trak_scores(x, t, q)
+
+
+def test_out_with_wrong_shape():
+    x, t, q = _data()
+    with pytest.raises(ValueError, match="`out` has shape"):
+        trak_scores(x.float(), t.float(), q.float(), out=np.zeros((3, 3)))
+
+
+def test_xtx_blocked_symmetric_tiles_match_float64():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 50, generator=g, dtype=torch.float64)
+    got = xtx_blocked(x.float(), block_rows=10, device=torch.device("cpu"), tile=8)
+    ref = x.T @ x
+    # float32: relative rounding 6e-8 per product, 37 terms summed.
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=37 * 2**-23 * ref.abs().max().item())
+    assert torch.equal(got, got.T)
+
+
+def test_bf16x3_within_derived_bound():
+    """bf16x3 error bound (see matmul_nt): |err| <= (3·2^-16 + 2k·2^-24) (|A||B|ᵀ).
+
+    Each operand is split a = hi + lo + r with |r| <= 2^-16 |a| (two bfloat16
+    pieces hold 16 of 24 significand bits); the dropped products lo·lo, r·b and
+    a·r are each below 2^-16 |a||b|; float32 accumulation of k products adds at
+    most k·2^-24 |a||b| (twice, for the three-fold inner dimension, rounded
+    up). The bound is deterministic, so the test checks every entry.
+    """
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(64, 96, generator=g)
+    b = torch.randn(48, 96, generator=g)
+    got = matmul_nt(a, b, "bf16x3").double()
+    ref = a.double() @ b.double().T
+    assert torch.all((got - ref).abs() <= bf16x3_error_bound(a, b))
+
+
+def test_bf16x3_scores_close_to_float32():
+    x, t, q = _data(n=400, k=32, m=20, seed=5)
+    a = trak_scores(x.float(), t.float(), q.float(), precision="bf16x3")
+    b = trak_scores(x.float(), t.float(), q.float(), precision="float32")
+    for j in range(20):
+        assert np.corrcoef(a[:, j], b[:, j])[0, 1] > 0.99999
+
+
+@pytest.mark.parametrize("computer", [BasicScoreComputer, BasicSingleBlockScoreComputer])
+@pytest.mark.parametrize("lam", [0.0, 0.3])
+def test_score_computers_match_float64(computer, lam):
+    x, t, _ = _data()
+    kwargs = {"CUDA_MAX_DIM_SIZE": 7} if computer is BasicScoreComputer else {}
+    sc = computer(torch.float32, "cpu", lambda_reg=lam, **kwargs)
+    xtx = sc.get_xtx(x.float())
+    torch.testing.assert_close(xtx.double(), x.T @ x, rtol=1e-5, atol=1e-4)
+    feats = sc.get_x_xtx_inv(x.float(), xtx)
+    a = x.T @ x + lam * torch.eye(6, dtype=torch.float64)
+    torch.testing.assert_close(feats.double(), x @ torch.linalg.inv(a), rtol=1e-4, atol=1e-5)
+    acc = torch.zeros(60, 5)
+    sc.get_scores(feats, t.float(), accumulator=acc)
+    sc.get_scores(feats, t.float(), accumulator=acc)  # accumulates
+    torch.testing.assert_close(
+        acc.double(),
+        2 * _reference(x, t, torch.ones(60, dtype=torch.float64), lam),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+def test_basic_score_computer_errors():
+    with pytest.raises(ValueError, match="`CUDA_MAX_DIM_SIZE` must be a positive int"):
+        BasicScoreComputer(torch.float32, "cpu", CUDA_MAX_DIM_SIZE=0)
+    with pytest.raises(ValueError, match="`lambda_reg` must be"):
+        BasicScoreComputer(torch.float32, "cpu", lambda_reg=-2)

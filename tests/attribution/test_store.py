@@ -1,0 +1,81 @@
+"""The shared zarr row store and settings records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from gradsketch._settings import (
+    SettingsMismatchError,
+    read_record,
+    settings_diff,
+    settings_from_record,
+    settings_record,
+)
+from gradsketch._store import RowStore
+
+
+@dataclass
+class _S:
+    proj_dim: int = 4
+    name: str = "a"
+
+
+def test_settings_round_trip_and_versions():
+    rec = settings_record(_S(8, "b"))
+    assert rec["versions"]["numpy"] == np.__version__
+    assert settings_from_record(_S, rec) == _S(8, "b")
+    with pytest.raises(SettingsMismatchError, match=r"fields \['extra'\].*allowed fields"):
+        settings_from_record(_S, {**rec, "extra": 1})
+    with pytest.raises(TypeError, match="`settings` must be a dataclass"):
+        settings_record(3)
+
+
+def test_diff_ignores_versions_and_shows_both_values():
+    a = {"proj_dim": 4, "versions": {"torch": "1"}}
+    b = {"proj_dim": 8, "versions": {"torch": "2"}, "new": 1}
+    assert settings_diff(a, b) == [
+        "new: stored '<missing>', requested 1",
+        "proj_dim: stored 4, requested 8",
+    ]
+
+
+def test_reopen_refuses_other_settings(tmp_path):
+    RowStore(tmp_path, _S())
+    assert read_record(tmp_path / "settings.json")["proj_dim"] == 4
+    RowStore(tmp_path, _S())  # same settings: fine
+    with pytest.raises(SettingsMismatchError, match="name: stored 'a', requested 'b'"):
+        RowStore(tmp_path, _S(name="b"))
+
+
+def test_write_rows_data_then_flags(tmp_path):
+    store = RowStore(tmp_path, _S())
+    store.require_array("g", (10, 3), np.float32, chunk_rows=4)
+    store.require_array("q", (10, 1), np.float32, chunk_rows=4)
+    store.require_done("g.done", 10, chunk_rows=4)
+    store.write_rows(
+        np.array([7, 2, 5]),
+        {"g": np.arange(9.0).reshape(3, 3), "q": np.ones((3, 1))},
+        done="g.done",
+    )
+    store.write_rows(slice(0, 2), {"g": np.full((2, 3), 9.0), "q": np.ones((2, 1))}, done="g.done")
+    np.testing.assert_array_equal(store.done_rows("g.done"), [1, 1, 1, 0, 0, 1, 0, 1, 0, 0])
+    g = store.array("g")[:]
+    np.testing.assert_array_equal(g[7], [0, 1, 2])
+    np.testing.assert_array_equal(g[2], [3, 4, 5])
+    np.testing.assert_array_equal(g[0], [9, 9, 9])
+
+
+def test_store_errors(tmp_path):
+    store = RowStore(tmp_path, _S())
+    store.require_array("g", (10, 3), np.float32)
+    with pytest.raises(SettingsMismatchError, match=r"shape \(10, 3\).*shape \(10, 4\)"):
+        store.require_array("g", (10, 4), np.float32)
+    with pytest.raises(KeyError, match="is not in the store"):
+        store.array("missing")
+    with pytest.raises(IndexError, match=r"`rows` must lie in \[0, 10\)"):
+        store.write_rows(np.array([11]), {"g": np.zeros((1, 3))})
+    store.delete("g")
+    assert not store.has("g")

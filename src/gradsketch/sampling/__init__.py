@@ -1,0 +1,59 @@
+"""SGMCMC sampling with exact per-step metrics and sketches, and LLC estimation.
+
+The samplers split every step into its components (scaled and unscaled
+gradient, localization, weight decay, noise), record their norms and inner
+products exactly and their count-sketches from :mod:`gradsketch.sketch`, and
+drive the local learning coefficient estimator (Lau et al. 2023). The
+optimizer layer is call-compatible with devinterp 2.0's ``SGMCMC`` / ``SGLD``.
+"""
+
+from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
+from gradsketch.sampling._llc import (
+    default_nbeta,
+    estimate_learning_coeff,
+    estimate_learning_coeff_with_summary,
+    evaluate_ce,
+)
+from gradsketch.sampling._metrics import Metrics
+from gradsketch.sampling._plot import plot_trace
+from gradsketch.sampling._recording import LLCRecordSettings, SettingsMismatchError, open_draw_store
+from gradsketch.sampling._sgmcmc import (
+    PRECONDITIONERS,
+    SGLD,
+    SGMCMC,
+    AdamPreconditioner,
+    IdentityPreconditioner,
+    NoseHooverThermostat,
+    Preconditioner,
+    PreconditionerCoefs,
+    RMSpropPreconditioner,
+    register_preconditioner,
+)
+
+__all__ = [
+    # samplers
+    "SGMCMC",
+    "SGLD",
+    # per-step records
+    "Metrics",
+    # preconditioners (registry keyed by name)
+    "PRECONDITIONERS",
+    "Preconditioner",
+    "PreconditionerCoefs",
+    "IdentityPreconditioner",
+    "RMSpropPreconditioner",
+    "AdamPreconditioner",
+    "NoseHooverThermostat",
+    "register_preconditioner",
+    # local learning coefficient
+    "estimate_learning_coeff_with_summary",
+    "estimate_learning_coeff",
+    "estimate_learning_coeff_distributed",
+    "default_nbeta",
+    "evaluate_ce",
+    # recording and plots
+    "LLCRecordSettings",
+    "SettingsMismatchError",
+    "open_draw_store",
+    "plot_trace",
+]

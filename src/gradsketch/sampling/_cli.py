@@ -1,0 +1,119 @@
+"""``gradsketch llc CONFIG.py``: an LLC estimate from a small Python config file.
+
+The config file is plain Python that defines, at module level:
+
+* ``model``: the trained ``torch.nn.Module``;
+* ``loader``: an iterable of batches (usually a DataLoader);
+* optionally ``evaluate(model, batch)`` (default: cross-entropy on ``(x, y)``);
+* optionally ``settings``: a dict of keyword arguments for
+  :func:`~gradsketch.sampling.estimate_learning_coeff_with_summary`
+  (``num_chains``, ``num_draws``, ``optimizer_kwargs``, ``seed``, ``cores``,
+  ``store`` ...).
+
+The config's directory is put on ``sys.path`` and the file imported under its
+own name, so its functions pickle and ``cores > 1`` works.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradsketch.sampling._llc import estimate_learning_coeff_with_summary
+from gradsketch.sampling._plot import plot_trace
+
+__all__ = ["llc_command", "load_config"]
+
+SUMMARY_FILE = "llc_summary.json"
+PLOT_FILE = "llc_trace.png"
+_REQUIRED = ("model", "loader")
+_SETTINGS_ALLOWED = (
+    "sampling_method",
+    "optimizer_kwargs",
+    "num_draws",
+    "num_chains",
+    "num_burnin_steps",
+    "num_steps_bw_draws",
+    "init_loss",
+    "grad_accum_steps",
+    "cores",
+    "seed",
+    "device",
+    "online",
+    "verbose",
+    "store",
+)
+
+
+def load_config(config_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Import a config file and return ``{model, loader, evaluate, settings}``."""
+    path = Path(config_path).resolve()
+    if not path.is_file() or path.suffix != ".py":
+        raise FileNotFoundError(
+            f"`config_path` must be an existing .py file, got {str(config_path)!r}; see "
+            "examples/llc_config.py for a template."
+        )
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    module = importlib.import_module(path.stem)
+    if Path(getattr(module, "__file__", "") or "").resolve() != path:
+        module = importlib.reload(module)
+    missing = [name for name in _REQUIRED if not hasattr(module, name)]
+    if missing:
+        raise ValueError(
+            f"config {path.name} does not define {missing}; it must define {list(_REQUIRED)} "
+            "and may define `evaluate` and `settings`."
+        )
+    settings = dict(getattr(module, "settings", {}) or {})
+    unknown = sorted(set(settings) - set(_SETTINGS_ALLOWED))
+    if unknown:
+        raise ValueError(
+            f"config {path.name}: unknown keys {unknown} in `settings`; allowed: "
+            f"{list(_SETTINGS_ALLOWED)}."
+        )
+    return {
+        "model": module.model,
+        "loader": module.loader,
+        "evaluate": getattr(module, "evaluate", None),
+        "settings": settings,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def llc_command(config_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """Run the estimate a config file describes; write the summary JSON and the trace plot.
+
+    Args:
+        config_path: The config ``.py`` file (see the module docstring).
+        out_dir: Output directory (created): ``llc_summary.json`` and ``llc_trace.png``.
+
+    Returns:
+        Path of the summary JSON. Its ``llc/mean`` is also printed by the CLI.
+    """
+    config = load_config(config_path)
+    results = estimate_learning_coeff_with_summary(
+        config["model"], config["loader"], evaluate=config["evaluate"], **config["settings"]
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_trace(results, out / PLOT_FILE)
+    summary = {key: _jsonable(value) for key, value in results.items()}
+    summary["config"] = str(Path(config_path).resolve())
+    path = out / SUMMARY_FILE
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True, allow_nan=False))
+    return path

@@ -1,0 +1,343 @@
+"""LLC chains spread over ``torch.distributed`` ranks (launched with ``torchrun``).
+
+Chain ``c`` runs on rank ``c % world_size`` with exactly the seed, model copy
+and loader order it gets in one process, so the estimate equals
+``estimate_learning_coeff_with_summary(..., cores=1)`` for the same ``seed``.
+The per-chain loss traces are exchanged with ``all_gather_object`` (a few
+floats per draw); every rank returns the same summary.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from gradsketch.sampling._llc import (
+    Evaluate,
+    _chain_seed,
+    _ChainJob,
+    _check_count,
+    _diagnostics,
+    _initial_loss,
+    _method_name,
+    _resolve_method,
+    _run_chain,
+    default_nbeta,
+    evaluate_ce,
+)
+from gradsketch.sampling._recording import LLCRecordSettings, open_draw_store
+from gradsketch.sampling._sgmcmc import SGMCMC
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DistributedMismatchError", "estimate_learning_coeff_distributed"]
+
+
+class DistributedMismatchError(RuntimeError):
+    """Ranks of one job passed different models or settings."""
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def _broadcast(value: Any, world: int) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value: Any, world: int) -> list[Any]:
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _model_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of the weights and buffers: ranks must start every chain from the same w*."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_distributed_callbacks(callbacks: Sequence[Callable[..., Any]], world_size: int) -> None:
+    """Refuse callbacks with ``get_results`` across several ranks.
+
+    Each rank's callbacks only see that rank's chains, so results they
+    aggregate would differ between ranks and from one process.
+    """
+    aggregating = [
+        type(cb).__name__ for cb in callbacks if callable(getattr(cb, "get_results", None))
+    ]
+    if world_size > 1 and aggregating:
+        raise ValueError(
+            f"`callbacks` {aggregating} have get_results(), but with world_size={world_size} "
+            "each rank's callbacks see only the chains of that rank (chain c runs on rank "
+            "c % world_size), so their results cannot be merged. Record per-draw data with "
+            "`store=` instead, or run with one process."
+        )
+
+
+def _device_for_rank(device: str | torch.device) -> torch.device:
+    """``"cuda"`` without an index means this rank's GPU (``LOCAL_RANK``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return dev
+
+
+def estimate_learning_coeff_distributed(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    evaluate: Evaluate | None = None,
+    sampling_method: object = SGMCMC.sgld,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    num_draws: int = 100,
+    num_chains: int = 10,
+    num_burnin_steps: int = 0,
+    num_steps_bw_draws: int = 1,
+    init_loss: float | None = None,
+    grad_accum_steps: int = 1,
+    seed: int | None = None,
+    device: str | torch.device = "cpu",
+    callbacks: Sequence[Callable[..., Any]] = (),
+    online: bool = False,
+    verbose: bool = True,
+    *,
+    store: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """:func:`estimate_learning_coeff_with_summary` with its chains spread over ranks.
+
+    ``LLC = nbeta * (E_w[L(w)] - L(w*))`` (Lau, Furman, Wang, Murfet & Wei
+    2023). Run under ``torchrun``, after ``torch.distributed.init_process_group``
+    (gloo on CPU, NCCL on GPU); every rank calls it with the same arguments.
+    Chain ``c`` runs on rank ``c % world_size``; ``L(w*)`` and (when ``seed``
+    is None) the seed are computed on rank 0 and broadcast; the
+    ``[num_draws]`` loss traces are gathered with ``all_gather_object``. The
+    result equals the one-process ``cores=1`` result for the same ``seed``
+    (bit for bit on the same hardware and thread count) and is returned on
+    every rank. Without a process group it runs every chain in this process.
+
+    Args:
+        model: The trained network, identical on every rank (checked).
+        loader: Iterable of batches; each rank iterates its own copy.
+        evaluate: ``evaluate(model, batch)`` returning the loss (default
+            cross-entropy on ``(x, y)``).
+        sampling_method: Sampler factory (``SGMCMC.sgld`` ...), class or name.
+        optimizer_kwargs: Sampler keywords; ``nbeta`` defaults to
+            ``default_nbeta(loader)``.
+        num_draws: Draws per chain.
+        num_chains: Chains (more chains than ranks: ranks run several in turn).
+        num_burnin_steps: Steps discarded before the first draw.
+        num_steps_bw_draws: Steps between draws.
+        init_loss: ``L(w*)``; default: mean over the first 8 batches (rank 0).
+        grad_accum_steps: Micro-batches per step.
+        seed: Chain ``c``'s seed comes from ``(seed, c)``, as in one process.
+        device: Where chains run; ``"cuda"`` without an index is
+            ``cuda:LOCAL_RANK``.
+        callbacks: ``callback(chain=, draw=, loss=, model=, optimizer=)`` on the
+            rank running the chain; callbacks with ``get_results()`` need a
+            world of one rank.
+        online: Also return per-draw running estimates.
+        verbose: Progress bars (rank 0 only).
+        store: Directory of the zarr draw store shared by all ranks (each chain
+            writes its own chunks); finished chains are skipped on reruns.
+
+    Returns:
+        The dict of :func:`estimate_learning_coeff_with_summary`:
+        ``llc/mean``, ``llc/std``, ``llc-chain/{i}``, ``loss/trace``
+        ``[chains, draws]``, ``llc/ess``, ``llc/rhat``, ``init_loss``,
+        ``nbeta`` (+ online traces, ``store``).
+
+    Raises:
+        DistributedMismatchError: ranks passed different weights or settings.
+
+    Example:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> g = torch.Generator().manual_seed(0)
+        >>> data = TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,)))
+        >>> out = estimate_learning_coeff_distributed(  # no process group: one rank
+        ...     torch.nn.Linear(4, 2), DataLoader(data, batch_size=16), num_draws=5,
+        ...     num_chains=2, seed=0, verbose=False,
+        ...     optimizer_kwargs=dict(lr=1e-4, localization=100.0))
+        >>> out["loss/trace"].shape
+        (2, 5)
+    """
+    _check_count("num_draws", num_draws)
+    _check_count("num_chains", num_chains)
+    _check_count("num_steps_bw_draws", num_steps_bw_draws)
+    _check_count("grad_accum_steps", grad_accum_steps)
+    _check_count("num_burnin_steps", num_burnin_steps, allow_zero=True)
+    rank, world = _rank_and_world()
+    check_distributed_callbacks(callbacks, world)
+    evaluate = evaluate if evaluate is not None else evaluate_ce
+    method = _resolve_method(sampling_method)
+    kwargs = dict(optimizer_kwargs or {})
+    if "nbeta" not in kwargs:
+        if not isinstance(loader, DataLoader):
+            raise ValueError(
+                "`optimizer_kwargs` has no `nbeta` and `loader` is not a DataLoader to derive "
+                "it from; pass optimizer_kwargs={'nbeta': default_nbeta(batch_size)}."
+            )
+        kwargs["nbeta"] = default_nbeta(loader, grad_accum_steps)
+    nbeta = float(kwargs["nbeta"])
+    if seed is None:
+        # The same draw from the global generator as one process, made once.
+        seed = _broadcast(int(torch.randint(0, 2**31 - 1, ()).item()) if rank == 0 else None, world)
+    assert seed is not None
+    torch_device = _device_for_rank(device)
+
+    shared = (
+        _model_fingerprint(model),
+        seed,
+        num_chains,
+        num_draws,
+        num_burnin_steps,
+        num_steps_bw_draws,
+        grad_accum_steps,
+        nbeta,
+        _method_name(sampling_method),
+        None if store is None else str(Path(store).resolve()),
+    )
+    values = _gather(shared, world)
+    if any(v != values[0] for v in values[1:]):
+        names = "(model fingerprint, seed, chains, draws, burn-in, steps between draws, "
+        names += "grad accumulation, nbeta, sampler, store)"
+        listing = "\n  ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise DistributedMismatchError(
+            f"ranks disagree on {names}:\n  {listing}\nEvery rank must pass the same model "
+            "weights and arguments."
+        )
+
+    if init_loss is None and rank == 0:
+        init_loss = _initial_loss(
+            copy.deepcopy(model).to(torch_device).eval(), loader, evaluate, torch_device, seed
+        )
+    init_loss = float(_broadcast(init_loss, world))
+
+    store_settings = None
+    sketch_dim = kwargs.get("sketch_dim")
+    store_obj = None
+    if store is not None:
+        fingerprint = None
+        if sketch_dim is not None:
+            probe = method(copy.deepcopy(model).parameters(), **kwargs)
+            fingerprint = probe.sketch_fingerprint.to_json()  # type: ignore[attr-defined]
+        settings = LLCRecordSettings(
+            num_chains=num_chains,
+            num_draws=num_draws,
+            seed=seed,
+            nbeta=nbeta,
+            sampling_method=_method_name(sampling_method),
+            optimizer_kwargs=kwargs,
+            num_burnin_steps=num_burnin_steps,
+            num_steps_bw_draws=num_steps_bw_draws,
+            sketch_fingerprint=fingerprint,
+            record_metrics=bool(kwargs.get("save_metrics", False)),
+        )
+        # Rank 0 creates the arrays; the others open them once they exist.
+        if rank == 0:
+            store_obj = open_draw_store(store, settings, sketch_dim=sketch_dim)
+        _barrier(world)
+        if rank != 0:
+            store_obj = open_draw_store(store, settings, sketch_dim=sketch_dim)
+        store_settings = settings.to_dict()
+
+    num_steps = num_burnin_steps + num_draws * num_steps_bw_draws
+    mine = range(rank, num_chains, world)
+    local: dict[int, np.ndarray] = {}
+    progress = tqdm(total=len(mine), desc="LLC chains", disable=not verbose or rank != 0)
+    for chain in mine:
+        if store_obj is not None and store_obj.chain_done(chain):
+            local[chain] = store_obj.losses()[chain]
+        else:
+            job = _ChainJob(
+                chain=chain,
+                seed=_chain_seed(seed, chain),
+                model=model,
+                loader=loader,
+                evaluate=evaluate,
+                sampling_method=method,
+                optimizer_kwargs=kwargs,
+                num_steps=num_steps,
+                num_burnin_steps=num_burnin_steps,
+                num_steps_bw_draws=num_steps_bw_draws,
+                num_draws=num_draws,
+                grad_accum_steps=grad_accum_steps,
+                device=str(torch_device),
+                store_path=None if store is None else str(store),
+                store_settings=store_settings,
+                sketch_dim=sketch_dim,
+                verbose=verbose and rank == 0,
+                num_threads=None,
+                callbacks=callbacks,
+            )
+            _, local[chain] = _run_chain(job)
+        progress.update()
+    progress.close()
+
+    traces: dict[int, np.ndarray] = {}
+    for part in _gather(local, world):
+        traces.update(part)
+    results = _summary(np.stack([traces[c] for c in range(num_chains)]), init_loss, nbeta, online)
+    for callback in callbacks:
+        get_results = getattr(callback, "get_results", None)
+        if callable(get_results):
+            results.update(get_results())
+    if store is not None:
+        results["store"] = str(Path(store))
+    return results
+
+
+def _summary(
+    loss_trace: np.ndarray, init_loss: float, nbeta: float, online: bool
+) -> dict[str, Any]:
+    """The summary dict of ``estimate_learning_coeff_with_summary`` from a loss trace."""
+    num_chains, num_draws = loss_trace.shape
+    llc_trace = nbeta * (loss_trace - init_loss)
+    llc_per_chain = llc_trace.mean(axis=1)
+    ess, rhat = _diagnostics(llc_trace)
+    results: dict[str, Any] = {
+        "llc/mean": float(llc_per_chain.mean()),
+        "llc/std": float(llc_per_chain.std(ddof=1)) if num_chains > 1 else 0.0,
+        **{f"llc-chain/{i}": float(v) for i, v in enumerate(llc_per_chain)},
+        "loss/trace": loss_trace,
+        "llc/ess": ess,
+        "llc/rhat": rhat,
+        "init_loss": float(init_loss),
+        "nbeta": nbeta,
+    }
+    if online:
+        running = np.cumsum(loss_trace, axis=1) / np.arange(1, num_draws + 1)
+        online_trace = nbeta * (running - init_loss)
+        results["llc/trace"] = online_trace
+        results["llc/means"] = online_trace.mean(axis=0)
+        results["llc/stds"] = (
+            online_trace.std(axis=0, ddof=1) if num_chains > 1 else np.zeros(num_draws)
+        )
+    return results

@@ -225,3 +225,19 @@ def test_inner_products_unbiased_over_seeds():
     sample_var = float(x.var())
     m4 = float(((x - x.mean()) ** 4).mean())
     assert abs(sample_var - theory_var) < 5 * math.sqrt((m4 - sample_var**2) / n_seeds)
+
+
+def test_folded_table_sketches_a_stack_of_vectors_at_once():
+    """Stacked rows through one index_add_ equal separate scatter_into_ calls."""
+    from gradsketch.sketch._countsketch import accumulate_folded
+
+    cs = CountSketch.create(100, 8, seed=2)
+    block = torch.randn(3, 40, dtype=torch.float64)
+    out = torch.zeros(3, 8, dtype=torch.float64)
+    accumulate_folded(out, block, cs.folded_table(30, 40), 8, 1.0)
+    for row in range(3):
+        ref = torch.zeros(8, dtype=torch.float64)
+        cs.scatter_into_(ref, block[row], 30)
+        torch.testing.assert_close(out[row], ref)
+    with pytest.raises(ValueError, match="runs past input_dim=100"):
+        cs.folded_table(90, 20)

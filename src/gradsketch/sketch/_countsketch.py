@@ -139,6 +139,21 @@ class CountSketch:
             return self._table[offset : offset + length]
         return buckets_and_signs(self._key, offset, length, self._output_dim, self._device)
 
+    def folded_table(self, offset: int, length: int) -> torch.Tensor:
+        """Folded bucket/sign table of coordinates ``offset : offset + length``.
+
+        ``table[i] = bucket + output_dim * [sign < 0]``: the index of
+        coordinate ``offset + i`` in a ``2 * output_dim`` scratch row, as used
+        by :func:`accumulate_folded`. Callers that sketch several vectors of
+        the same coordinates at once (a ``[rows, n]`` block) use it to do all
+        of them in one ``index_add_``.
+
+        Returns:
+            int64 ``[length]`` on :attr:`device`.
+        """
+        check_range(offset, length, self._input_dim)
+        return self._folded(offset, length)
+
     @property
     def hash_indices(self) -> torch.Tensor:
         """Bucket of every coordinate, int64 ``[input_dim]`` (devinterp name)."""

@@ -29,6 +29,9 @@ def _setup_logging(verbose: bool) -> None:
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
     )
+    # Third-party chatter (ArviZ announces optional subpackages) is not progress.
+    for noisy in ("arviz", "matplotlib", "numcodecs"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @app.command()
@@ -73,7 +76,14 @@ def llc(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
     _setup_logging(verbose)
     from gradsketch.sampling._cli import llc_command
 
-    _echo_result(llc_command(config, out))
+    summary_path = Path(llc_command(config, out))
+    summary = json.loads(summary_path.read_text())
+    ess, rhat = summary.get("llc/ess", float("nan")), summary.get("llc/rhat", float("nan"))
+    typer.echo(
+        f"LLC = {summary['llc/mean']:.4g} +- {summary['llc/std']:.2g} "
+        f"(ESS {ess:.0f}, R-hat {rhat:.3f})"
+    )
+    typer.echo(f"summary: {summary_path}")
 
 
 @app.command()

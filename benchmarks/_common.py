@@ -25,7 +25,7 @@ DEFAULT_THREADS = 2
 
 
 def setup_torch(threads: int = DEFAULT_THREADS) -> None:
-    """Pin torch's intra-op threads (and BLAS's) before anything is timed."""
+    """Pin torch's intra-op threads before anything is timed."""
     import torch
 
     torch.set_num_threads(threads)

@@ -45,7 +45,7 @@ def demo(
     from gradsketch.attribution._demo import format_report, run_demo
 
     summary = run_demo(out, quick=quick)
-    typer.echo(format_report(summary))
+    typer.echo(summary.get("report") or format_report(summary))
 
 
 @app.command("sketch-demo")
@@ -67,7 +67,8 @@ def attribute(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) ->
     _setup_logging(verbose)
     from gradsketch.attribution._cli import attribute_command
 
-    _echo_result(attribute_command(config, out))
+    summary = attribute_command(config, out)
+    typer.echo(summary.get("report") or json.dumps(summary, indent=2, default=str))
 
 
 @app.command()

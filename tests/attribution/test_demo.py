@@ -355,6 +355,20 @@ def test_demo_refuses_out_dir_with_other_settings(tiny_demo):
     assert '"proj_dim": 16' in str(info.value)
 
 
+@pytest.mark.slow
+def test_quick_demo_uses_quick_sizes(tmp_path):
+    summary = run_demo(tmp_path, quick=True, proj_dim=16, report_auto=False, progress=False)
+    settings = summary["settings"]
+    assert {k: settings[k] for k in ("num_checkpoints", "num_targets", "lds_models")} == {
+        "num_checkpoints": 2,
+        "num_targets": 20,
+        "lds_models": 5,
+    }
+    assert settings["train"]["epochs"] == 5
+    assert set(summary["lds"]) == {"0.0"}
+    assert not (tmp_path / "scores_auto.npy").exists()
+
+
 def test_demo_rejects_too_many_targets(tmp_path):
     with pytest.raises(DemoSettingsError, match=r"`num_targets`=400 exceeds the 359 test digits"):
         run_demo(tmp_path, **{**TINY, "num_targets": 400})

@@ -9,6 +9,19 @@ Park et al., "TRAK: Attributing Model Behavior at Scale", ICML 2023.
 
 from gradsketch.attribution._cli import AttributeSettings, ConfigError, attribute_command
 from gradsketch.attribution._demo import DemoSettings, DemoSettingsError, run_demo
+from gradsketch.attribution._digits import (
+    TrainSettings,
+    build_cnn,
+    build_mlp,
+    load_digits_split,
+    train_digits_model,
+)
+from gradsketch.attribution._distributed import (
+    ChunkShardSampler,
+    DistributedMismatchError,
+    chunk_shard,
+    column_shard,
+)
 from gradsketch.attribution._gradient_computers import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
@@ -47,6 +60,10 @@ __all__ = [
     "AbstractScoreComputer",
     "BasicSingleBlockScoreComputer",
     "BasicScoreComputer",
+    # torch.distributed (torchrun): chunk-aligned shards
+    "chunk_shard",
+    "column_shard",
+    "ChunkShardSampler",
     # per-example gradients
     "AbstractGradientComputer",
     "FunctionalGradientComputer",
@@ -68,6 +85,11 @@ __all__ = [
     # demo and command line (`gradsketch demo`, `gradsketch attribute CONFIG.py`)
     "DemoSettings",
     "run_demo",
+    "load_digits_split",
+    "build_mlp",
+    "build_cnn",
+    "train_digits_model",
+    "TrainSettings",
     "AttributeSettings",
     "attribute_command",
     # errors
@@ -77,4 +99,5 @@ __all__ = [
     "UnknownTaskError",
     "DemoSettingsError",
     "ConfigError",
+    "DistributedMismatchError",
 ]

@@ -50,6 +50,14 @@ logger = logging.getLogger(__name__)
 #: Name of the TRAK experiment the demo scores.
 EXPERIMENT = "digits_test"
 
+#: Sizes ``run_demo(quick=True)`` uses: a smoke test of every step in seconds.
+QUICK: dict[str, Any] = {
+    "num_checkpoints": 2,
+    "num_targets": 20,
+    "lds_models": 5,
+    "train": TrainSettings(epochs=5),
+}
+
 #: Test digits shown in the gallery and proponents / opponents per digit.
 GALLERY_ROWS = 6
 GALLERY_TOP = 5
@@ -142,6 +150,7 @@ def run_demo(
     train: TrainSettings | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    quick: bool = False,
 ) -> dict[str, Any]:
     """Train, attribute and evaluate on digits; write a gallery and a summary.
 
@@ -172,6 +181,8 @@ def run_demo(
         overwrite: replace an earlier run in ``out_dir`` made with other
             settings (a rerun with the same settings always replaces it).
         progress: show tqdm progress bars.
+        quick: smoke-test sizes (:data:`QUICK`: 2 checkpoints, 20 targets,
+            5 LDS models, 5 epochs), replacing those four arguments.
 
     Returns:
         The summary (also in ``summary.json``); ``summary["report"]`` is a
@@ -186,17 +197,22 @@ def run_demo(
         >>> with tempfile.TemporaryDirectory() as d:  # doctest: +SKIP
         ...     print(run_demo(d, num_targets=10, lds_models=5)["report"])
     """
+    sizes: dict[str, Any] = {
+        "num_checkpoints": num_checkpoints,
+        "num_targets": num_targets,
+        "lds_models": lds_models,
+        "train": TrainSettings() if train is None else train,
+    }
+    if quick:
+        sizes.update(QUICK)
     settings = DemoSettings(
-        num_checkpoints=num_checkpoints,
-        num_targets=num_targets,
-        lds_models=lds_models,
         proj_dim=proj_dim,
         lambda_reg=lambda_reg,
         report_auto=report_auto,
         seed=seed,
         arch=arch,
         batch_size=batch_size,
-        train=TrainSettings() if train is None else train,
+        **sizes,
     )
     out = Path(out_dir)
     _claim_out_dir(out, settings, overwrite=overwrite)
@@ -234,7 +250,8 @@ def run_demo(
         )
     lds = {_lambda_key(settings.lambda_reg): _lds(scores, masks, outputs)}
 
-    if settings.report_auto and settings.lambda_reg != "auto":
+    with_auto = settings.report_auto and settings.lambda_reg != "auto"
+    if with_auto:
         auto_scores, auto_timings = attribute_digits(
             checkpoints,
             split,
@@ -265,6 +282,7 @@ def run_demo(
         "files": {
             "gallery": str(out / "gallery.png"),
             "scores": str(out / "scores.npy"),
+            **({"scores_auto": str(out / "scores_auto.npy")} if with_auto else {}),
             "summary": str(out / "summary.json"),
         },
     }

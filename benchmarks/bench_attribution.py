@@ -1,0 +1,507 @@
+"""TRAK attribution, gradsketch vs traker on CPU: scoring, featurization, LDS.
+
+Run ``python benchmarks/bench_attribution.py`` (``--section scoring``,
+``featurize`` or ``lds`` for one part; ``--quick`` for a smoke run at small
+sizes). Prints one JSON line per measurement; ratios compare numbers measured
+in the same run. Needs the ``bench`` extra (``make bench-setup``: traker is
+installed with ``--no-deps``; its modules used here do not import
+torchvision, so no stub is needed).
+
+Sections:
+
+- scoring: n training rows, k features, m targets (default 50,000 / 2,048 /
+  5,000). traker's ``BasicScoreComputer`` phases (get_xtx, get_x_xtx_inv,
+  get_scores, plus the out-to-loss weighting of ``finalize_scores``) against
+  gradsketch's ``trak_scores``, each in a fresh process (peak RSS measured),
+  median of repeats; scores compared after undoing traker's rescaling of the
+  inverse by its mean absolute entry.
+- featurize: examples/s of ``TRAKer.featurize`` on the digits MLP
+  (64-256-256-10) and the small CNN at proj_dim 2,048: gradsketch's CPU
+  default, traker's CPU default (BasicProjector, block_size 100) and traker
+  with one dense block; per-example gradients alone for both.
+- lds: digits, 3 MLP checkpoints, proj_dim 512, LDS over retrained half-data
+  models: traker vs gradsketch (lambda_reg=0 and "auto").
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine_info, median_time, run_isolated, setup_torch, time_once
+
+QUIET = logging.WARNING
+
+
+# -- scoring ----------------------------------------------------------------------
+
+
+def _scoring_data(n: int, k: int, m: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=gen)
+    t = torch.randn(m, k, generator=gen)
+    q = torch.rand(n, generator=gen)
+    return x, t, q
+
+
+def scoring_traker(n: int, k: int, m: int, repeats: int, out_path: str) -> dict:
+    """traker's BasicScoreComputer phases; saves ``c * scores`` (see module doc)."""
+    setup_torch()
+    from trak.score_computers import BasicScoreComputer
+
+    x, t, q = _scoring_data(n, k, m)
+    sc = BasicScoreComputer(dtype=torch.float32, device="cpu", logging_level=QUIET)
+    timings = {}
+    timings["get_xtx"] = median_time(lambda: sc.get_xtx(x), repeats, 0)
+    xtx = sc.get_xtx(x)
+    timings["get_x_xtx_inv"] = median_time(lambda: sc.get_x_xtx_inv(x, xtx), repeats, 0)
+    features = sc.get_x_xtx_inv(x, xtx)
+    acc = torch.zeros(n, m)
+
+    def scores() -> None:
+        acc.zero_()
+        sc.get_scores(features, t, accumulator=acc)
+
+    timings["get_scores"] = median_time(scores, repeats, 0)
+    scores()
+    # finalize_scores: mean over checkpoints (one here) times the mean Q.
+    timings["weight_q"] = median_time(lambda: acc.numpy() * q.numpy()[:, None], repeats, 0)
+    final = acc.numpy() * q.numpy()[:, None]
+    # traker divides the inverse by its mean absolute entry; undo it.
+    scale = float(torch.linalg.inv(xtx).abs().mean())
+    np.save(out_path, final * scale)
+    return timings
+
+
+def scoring_gradsketch(
+    n: int, k: int, m: int, repeats: int, out_path: str, precision: str = "float32"
+) -> dict:
+    """gradsketch's ``trak_scores`` on the same data."""
+    setup_torch()
+    from gradsketch.attribution import trak_scores
+
+    x, t, q = _scoring_data(n, k, m)
+
+    def run():
+        return trak_scores(x, t, q, precision=precision)
+
+    timings = {"trak_scores": median_time(run, repeats, 0)}
+    np.save(out_path, run())
+    return timings
+
+
+def scoring_traker_pipeline(n: int, k: int, m: int, repeats: int) -> dict:
+    """gradsketch TRAKer's finalize_features + finalize_scores at the same n, k, m.
+
+    Features come from a bias-free ``Linear(k // 2, 4)`` (2k gradient
+    coordinates, of rank 3k/2 since margin gradients of 4 classes span 3
+    directions per input) sketched to k by the default projector, so the
+    stored ``[n, k]`` and ``[m, k]`` matrices have the benchmark's sizes and
+    full rank; featurizing is not timed.
+    """
+    setup_torch()
+    from gradsketch.attribution import TRAKer
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(k // 2, 4, bias=False)
+    x = torch.randn(n, k // 2, generator=gen)
+    y = torch.randint(0, 4, (n,), generator=gen)
+    timings: dict[str, list[float]] = {"finalize_features": [], "finalize_scores": []}
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            traker = TRAKer(
+                model,
+                "image_classification",
+                n,
+                save_dir=tmp,
+                device="cpu",
+                proj_dim=k,
+                use_half_precision=False,
+                logging_level=QUIET,
+                progress=False,
+            )
+            traker.load_checkpoint(model.state_dict(), model_id=0)
+            for start in range(0, n, 5000):
+                traker.featurize(
+                    (x[start : start + 5000], y[start : start + 5000]),
+                    num_samples=min(5000, n - start),
+                )
+            timings["finalize_features"].append(time_once(traker.finalize_features)[0])
+            traker.start_scoring_checkpoint("bench", model.state_dict(), model_id=0, num_targets=m)
+            for start in range(0, m, 5000):
+                stop = min(m, start + 5000)
+                traker.score((x[start:stop], y[start:stop]), num_samples=stop - start)
+            seconds, scores = time_once(lambda t=traker: t.finalize_scores("bench"))
+            timings["finalize_scores"].append(seconds)
+            assert tuple(scores.shape) == (n, m)
+    return {phase: float(np.median(v)) for phase, v in timings.items()}
+
+
+def bench_scoring(n: int, k: int, m: int, repeats: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_path, our_path = f"{tmp}/traker.npy", f"{tmp}/gradsketch.npy"
+        ref = run_isolated("bench_attribution:scoring_traker", n, k, m, repeats, ref_path)
+        ours = {}
+        diffs = {}
+        for precision in ("float32", "bf16x3"):
+            ours[precision] = run_isolated(
+                "bench_attribution:scoring_gradsketch", n, k, m, repeats, our_path, precision
+            )
+            diffs[precision] = _max_rel_diff(ref_path, our_path, n)
+    pipeline = run_isolated("bench_attribution:scoring_traker_pipeline", n, k, m, repeats)
+    ref_t = ref["result"]
+    three = ref_t["get_xtx"] + ref_t["get_x_xtx_inv"] + ref_t["get_scores"]
+    full = three + ref_t["weight_q"]
+    emit(
+        {
+            "bench": "scoring",
+            "impl": "traker.BasicScoreComputer",
+            "n": n,
+            "k": k,
+            "m": m,
+            **{f"{p}_s": v for p, v in ref_t.items()},
+            "total_3_phases_s": three,
+            "total_s": full,
+            "peak_rss_mb": ref["peak_rss_mb"],
+            "repeats": repeats,
+        }
+    )
+    for precision, run in ours.items():
+        seconds = run["result"]["trak_scores"]
+        emit(
+            {
+                "bench": "scoring",
+                "impl": f"gradsketch.trak_scores(precision={precision!r})",
+                "n": n,
+                "k": k,
+                "m": m,
+                "total_s": seconds,
+                "speedup_vs_traker_3_phases": three / seconds,
+                "speedup_vs_traker_total": full / seconds,
+                "max_rel_diff": diffs[precision],
+                "peak_rss_mb": run["peak_rss_mb"],
+                "repeats": repeats,
+            }
+        )
+    phases = pipeline["result"]
+    total = phases["finalize_features"] + phases["finalize_scores"]
+    emit(
+        {
+            "bench": "scoring",
+            "impl": "gradsketch.TRAKer finalize_features + finalize_scores",
+            "n": n,
+            "k": k,
+            "m": m,
+            **{f"{p}_s": v for p, v in phases.items()},
+            "total_s": total,
+            "speedup_vs_traker_total": full / total,
+            "peak_rss_mb": pipeline["peak_rss_mb"],
+            "repeats": repeats,
+        }
+    )
+
+
+def _max_rel_diff(ref_path: str, our_path: str, n: int) -> float:
+    """``max |ours - ref| / max |ref|``, read in row blocks."""
+    a, b = np.load(ref_path, mmap_mode="r"), np.load(our_path, mmap_mode="r")
+    max_diff, max_ref = 0.0, 0.0
+    for start in range(0, n, 5000):
+        block_a = np.asarray(a[start : start + 5000], dtype=np.float64)
+        block_b = np.asarray(b[start : start + 5000], dtype=np.float64)
+        max_diff = max(max_diff, float(np.abs(block_a - block_b).max()))
+        max_ref = max(max_ref, float(np.abs(block_a).max()))
+    return max_diff / max_ref
+
+
+# -- featurization ------------------------------------------------------------------
+
+
+def _models():
+    from gradsketch.attribution._digits import build_cnn, build_mlp
+
+    return {"mlp": build_mlp(seed=0), "cnn": build_cnn(seed=0)}
+
+
+def _featurize_all(traker, x, y, batch: int) -> None:
+    n = x.shape[0]
+    for start in range(0, n, batch):
+        traker.featurize(
+            batch=(x[start : start + batch], y[start : start + batch]),
+            num_samples=min(batch, n - start),
+        )
+
+
+def _featurize_rate(make_traker, model, x, y, batch: int, repeats: int) -> float:
+    """Examples/s of TRAKer.featurize over (x, y), a fresh store per repeat."""
+    n = x.shape[0]
+    times = []
+    for r in range(repeats + 1):
+        with tempfile.TemporaryDirectory() as tmp:
+            traker = make_traker(model, n, tmp)
+            traker.load_checkpoint(model.state_dict(), model_id=0)
+            elapsed, _ = time_once(functools.partial(_featurize_all, traker, x, y, batch))
+            if r > 0:  # the first pass warms caches and builds tables
+                times.append(elapsed)
+    return n / float(np.median(times))
+
+
+def _grad_rate(make_traker, model, x, y, batch: int, repeats: int) -> float:
+    """Examples/s of the per-example gradients alone (the TRAKer's gradient computer)."""
+    n = x.shape[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        traker = make_traker(model, n, tmp)
+        traker.load_checkpoint(model.state_dict(), model_id=0)
+        gc = traker.gradient_computer
+
+        def run() -> None:
+            for start in range(0, n, batch):
+                gc.compute_per_sample_grad(
+                    batch=(x[start : start + batch], y[start : start + batch])
+                )
+
+        return n / median_time(run, repeats, 1)
+
+
+def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> None:
+    import trak
+    from trak.projectors import BasicProjector
+
+    from gradsketch.attribution import TRAKer
+    from gradsketch.attribution._digits import load_digits_split
+
+    split = load_digits_split(seed=0)
+    x, y = split.x_train, split.y_train
+
+    def ours(model, n, tmp):
+        return TRAKer(
+            model,
+            "image_classification",
+            n,
+            save_dir=tmp,
+            device="cpu",
+            proj_dim=proj_dim,
+            use_half_precision=False,
+            logging_level=QUIET,
+            progress=False,
+        )
+
+    def ref_default(model, n, tmp):
+        return trak.TRAKer(
+            model,
+            "image_classification",
+            n,
+            save_dir=tmp,
+            device="cpu",
+            proj_dim=proj_dim,
+            use_half_precision=False,
+            logging_level=QUIET,
+        )
+
+    def ref_dense(model, n, tmp):
+        grad_dim = sum(p.numel() for p in model.parameters())
+        projector = BasicProjector(
+            grad_dim=grad_dim,
+            proj_dim=proj_dim,
+            seed=0,
+            proj_type="normal",
+            device="cpu",
+            block_size=proj_dim,
+            dtype=torch.float32,
+        )
+        return trak.TRAKer(
+            model,
+            "image_classification",
+            n,
+            save_dir=tmp,
+            device="cpu",
+            projector=projector,
+            use_half_precision=False,
+            logging_level=QUIET,
+        )
+
+    for name, model in _models().items():
+        params = sum(p.numel() for p in model.parameters())
+        # Slow references run on fewer rows so the benchmark stays bounded.
+        n_ours = 256 if quick else x.shape[0]
+        n_default = 64 if quick else 2 * batch
+        n_dense = 128 if quick else 4 * batch
+        rates = {
+            "gradsketch.TRAKer (CountSketchProjector)": _featurize_rate(
+                ours, model, x[:n_ours], y[:n_ours], batch, repeats
+            ),
+            "traker.TRAKer (BasicProjector, block_size=100)": _featurize_rate(
+                ref_default, model, x[:n_default], y[:n_default], batch, 1 if quick else 2
+            ),
+            "traker.TRAKer (BasicProjector, one dense block)": _featurize_rate(
+                ref_dense, model, x[:n_dense], y[:n_dense], batch, repeats
+            ),
+        }
+        grad_rates = {
+            "gradsketch": _grad_rate(ours, model, x[:n_ours], y[:n_ours], batch, repeats),
+            "traker": _grad_rate(ref_default, model, x[:n_ours], y[:n_ours], batch, repeats),
+        }
+        ours_rate = rates["gradsketch.TRAKer (CountSketchProjector)"]
+        for impl, rate in rates.items():
+            emit(
+                {
+                    "bench": "featurize",
+                    "model": name,
+                    "params": params,
+                    "proj_dim": proj_dim,
+                    "batch": batch,
+                    "impl": impl,
+                    "examples_per_s": rate,
+                    "gradsketch_speedup": ours_rate / rate,
+                }
+            )
+        for impl, rate in grad_rates.items():
+            emit(
+                {
+                    "bench": "per_example_grads",
+                    "model": name,
+                    "params": params,
+                    "batch": batch,
+                    "impl": impl,
+                    "examples_per_s": rate,
+                }
+            )
+
+
+# -- LDS ----------------------------------------------------------------------------
+
+
+def _trak_loop(traker, checkpoints, split, num_targets: int, batch: int) -> np.ndarray:
+    """The TRAK script both packages run unchanged (only the TRAKer differs)."""
+    from gradsketch.attribution._demo import to_numpy
+
+    x, y = split.x_train, split.y_train
+    for model_id, ckpt in enumerate(checkpoints):
+        traker.load_checkpoint(ckpt, model_id=model_id)
+        for start in range(0, x.shape[0], batch):
+            traker.featurize(
+                batch=(x[start : start + batch], y[start : start + batch]),
+                num_samples=min(batch, x.shape[0] - start),
+            )
+    traker.finalize_features()
+    xt, yt = split.x_test[:num_targets], split.y_test[:num_targets]
+    for model_id, ckpt in enumerate(checkpoints):
+        traker.start_scoring_checkpoint(
+            exp_name="lds", checkpoint=ckpt, model_id=model_id, num_targets=num_targets
+        )
+        for start in range(0, num_targets, batch):
+            traker.score(
+                batch=(xt[start : start + batch], yt[start : start + batch]),
+                num_samples=min(batch, num_targets - start),
+            )
+    return to_numpy(traker.finalize_scores(exp_name="lds"))
+
+
+def bench_lds(proj_dim: int, lds_models: int, num_targets: int, batch: int) -> None:
+    import trak
+
+    from gradsketch.attribution import TRAKer, linear_datamodeling_score
+    from gradsketch.attribution._demo import (
+        DemoSettings,
+        _train_checkpoints,
+        digits_lds_ground_truth,
+    )
+    from gradsketch.attribution._digits import build_mlp, load_digits_split
+
+    split = load_digits_split(seed=0)
+    settings = DemoSettings(
+        num_checkpoints=3, num_targets=num_targets, lds_models=lds_models, proj_dim=proj_dim
+    )
+    checkpoints, accuracies = _train_checkpoints(split, settings, progress=False)
+    xt, yt = split.x_test[:num_targets], split.y_test[:num_targets]
+    masks, outputs = digits_lds_ground_truth(split, xt, yt, settings, progress=False)
+    n = split.n_train
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def make_ref():
+            return trak.TRAKer(
+                build_mlp(seed=0),
+                "image_classification",
+                n,
+                save_dir=f"{tmp}/ref",
+                device="cpu",
+                proj_dim=proj_dim,
+                use_half_precision=False,
+                logging_level=QUIET,
+            )
+
+        def make_ours(lam):
+            return TRAKer(
+                build_mlp(seed=0),
+                "image_classification",
+                n,
+                save_dir=f"{tmp}/ours_{lam}",
+                device="cpu",
+                proj_dim=proj_dim,
+                use_half_precision=False,
+                logging_level=QUIET,
+                lambda_reg=lam,
+                progress=False,
+            )
+
+        runs["traker (lambda_reg=0)"] = time_once(
+            lambda: _trak_loop(make_ref(), checkpoints, split, num_targets, batch)
+        )
+        runs["gradsketch (lambda_reg=0)"] = time_once(
+            lambda: _trak_loop(make_ours(0.0), checkpoints, split, num_targets, batch)
+        )
+        runs["gradsketch (lambda_reg='auto')"] = time_once(
+            lambda: _trak_loop(make_ours("auto"), checkpoints, split, num_targets, batch)
+        )
+    ref_lds = linear_datamodeling_score(runs["traker (lambda_reg=0)"][1], masks, outputs)
+    for impl, (seconds, scores) in runs.items():
+        lds = linear_datamodeling_score(scores, masks, outputs)
+        emit(
+            {
+                "bench": "lds",
+                "impl": impl,
+                "checkpoints": 3,
+                "proj_dim": proj_dim,
+                "lds_models": lds_models,
+                "targets": num_targets,
+                "checkpoint_accuracy": accuracies,
+                "lds": lds,
+                "lds_minus_traker": lds - ref_lds,
+                "pipeline_s": seconds,
+            }
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=["all", "scoring", "featurize", "lds"], default="all")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    setup_torch()
+    logging.basicConfig(level=logging.WARNING)
+    emit({"bench": "machine", **machine_info(), "torchvision_stub": False})
+    if args.section in ("all", "scoring"):
+        if args.quick:
+            bench_scoring(5_000, 256, 500, args.repeats)
+        else:
+            bench_scoring(50_000, 2048, 5_000, args.repeats)
+    if args.section in ("all", "featurize"):
+        bench_featurize(2048, 128, args.repeats, args.quick)
+    if args.section in ("all", "lds"):
+        if args.quick:
+            bench_lds(512, lds_models=5, num_targets=50, batch=256)
+        else:
+            bench_lds(512, lds_models=30, num_targets=359, batch=256)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Config for `gradsketch attribute examples/attribute_config.py --out attribute_out`.
+
+A config is plain Python: it defines the model, its checkpoints, the loaders
+and the task (see `gradsketch.attribution._cli` for every name). This one
+trains two small digits MLPs on the spot (about a second each) so it runs
+anywhere; in your own config, point `checkpoints` at saved state dicts:
+
+    checkpoints = ["runs/seed0/model.pt", "runs/seed1/model.pt"]
+"""
+
+from gradsketch.attribution._digits import (
+    build_mlp,
+    load_digits_split,
+    make_loader,
+    train_digits_model,
+)
+
+_split = load_digits_split(seed=0)
+_x, _y = _split.x_train[:600], _split.y_train[:600]
+
+# The architecture the checkpoints belong to.
+model = build_mlp(seed=0)
+
+# Independently trained models; TRAK averages its scores over them.
+checkpoints = [train_digits_model(_x, _y, seed=seed).state_dict() for seed in (0, 1)]
+
+# Row order matters: scores[i, j] refers to the i-th training row and the
+# j-th target row as these loaders yield them, so they must not shuffle.
+train_loader = make_loader(_x, _y, batch_size=200)
+target_loader = make_loader(_split.x_test[:50], _split.y_test[:50], batch_size=50)
+
+task = "image_classification"
+proj_dim = 256  # below the 600 training rows, so lambda_reg = 0 is well posed
+lambda_reg = 0.0

@@ -1,0 +1,41 @@
+"""The one exception type of :mod:`gradsketch.masked` and message helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+__all__ = ["MaskError", "describe", "name_list"]
+
+
+class MaskError(ValueError):
+    """A mask does not fit what it is applied to.
+
+    Raised for masks with the wrong dtype, shape or device, masks keyed by
+    tensors an optimizer does not hold, and parameter names a
+    :class:`~gradsketch.masked.ParamMask` does not know. It subclasses
+    :class:`ValueError`, so ``except ValueError`` catches it too.
+    """
+
+
+def describe(obj: object) -> str:
+    """Say what ``obj`` is in a few words, for error messages."""
+    if isinstance(obj, Tensor):
+        layout = "" if obj.layout == torch.strided else f", layout={obj.layout}"
+        return (
+            f"{type(obj).__name__}(shape={tuple(obj.shape)}, dtype={obj.dtype}, "
+            f"device={obj.device}{layout})"
+        )
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def name_list(names: Iterable[str], limit: int = 12) -> str:
+    """Format names for a message, eliding all but the first ``limit``."""
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    if len(names) > limit:
+        shown += f", ... ({len(names) - limit} more)"
+    return f"[{shown}]"

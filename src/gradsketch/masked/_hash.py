@@ -5,20 +5,19 @@ with device, chunking and call order). Instead every entry's bits come from
 hashing ``(seed, parameter name, flat index)`` with integer arithmetic that
 gives identical results in Python and in torch int64 on any device.
 
-The mixer is Chris Wellons' ``lowbias32`` (xorshift-multiply, a bijection on
-32-bit words with low avalanche bias). Products are formed from 16-bit halves
-of the constant so that every intermediate stays below 2**49 and int64
-arithmetic never overflows.
+The mixer (``lowbias32``, overflow-free in int64) is the ground-floor
+:mod:`gradsketch._hash`, shared with the sketches.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from gradsketch._hash import GOLDEN, MASK32, mix32, mix32_numpy_
 
 __all__ = [
     "MASK32",
@@ -30,32 +29,7 @@ __all__ = [
     "random_bits",
 ]
 
-MASK32 = 0xFFFFFFFF
-_C1 = 0x7FEB352D
-_C2 = 0x846CA68B
-_GOLDEN = 0x9E3779B9
-
-T = TypeVar("T", int, Tensor)
-
-
-def _mul32(x: T, c: int) -> T:
-    """``(x * c) mod 2**32`` for ``0 <= x < 2**32`` without leaving 2**49."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
-
-
-def mix32(x: T) -> T:
-    """Hash a 32-bit unsigned value (a Python int or an int64 tensor).
-
-    Example:
-        >>> mix32(1) == int(mix32(torch.tensor(1)))
-        True
-    """
-    x = x ^ (x >> 16)
-    x = _mul32(x, _C1)
-    x = x ^ (x >> 15)
-    x = _mul32(x, _C2)
-    return x ^ (x >> 16)
+_GOLDEN = GOLDEN
 
 
 def name_key(seed: int, name: str) -> int:
@@ -87,15 +61,6 @@ def entry_hash_py(key: int, index: int) -> int:
     return mix32(mix32(low ^ key) ^ mix32((high + _GOLDEN) & MASK32) ^ (key >> 1))
 
 
-def _mix32_numpy(x: np.ndarray) -> None:
-    """:func:`mix32` in place on a uint32 array (numpy wraps uint32 products)."""
-    x ^= x >> np.uint32(16)
-    x *= np.uint32(_C1)
-    x ^= x >> np.uint32(15)
-    x *= np.uint32(_C2)
-    x ^= x >> np.uint32(16)
-
-
 def chunk_bits(
     key: int, start: int, stop: int, threshold: int, device: torch.device, *, use_numpy: bool
 ) -> Tensor:
@@ -115,9 +80,9 @@ def chunk_bits(
     if use_numpy:
         x = np.arange(low_start, low_start + (stop - start), dtype=np.uint32)
         x ^= np.uint32(key)
-        _mix32_numpy(x)
+        mix32_numpy_(x)
         x ^= np.uint32(high_key)
-        _mix32_numpy(x)
+        mix32_numpy_(x)
         flags = x < threshold if threshold <= MASK32 else np.ones(x.shape, dtype=bool)
         return torch.from_numpy(flags).to(device)
     low = torch.arange(low_start, low_start + (stop - start), device=device)

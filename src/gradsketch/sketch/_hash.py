@@ -6,13 +6,9 @@ arithmetic. Nothing depends on how the work is split into blocks, on the
 device, or on a generator's internal state, which is what makes promise 1 of
 the design ("same fingerprint, same map") hold.
 
-The integer arithmetic is carried out in ``int64`` tensors holding values in
-``[0, 2**32)``. Products are split into 16-bit halves so that no intermediate
-exceeds 2**49: signed overflow never happens, so CPU, CUDA and Triton agree
-bit for bit.
-
-The mixer is the ``lowbias32`` finaliser (xor-shift / multiply rounds), a
-bijection on 32-bit words with good avalanche behaviour.
+The mixer and its overflow-free int64 arithmetic live in
+:mod:`gradsketch._hash` (shared with random parameter masks), so CPU, CUDA and
+Triton agree bit for bit.
 """
 
 from __future__ import annotations
@@ -21,25 +17,11 @@ import math
 
 import torch
 
-MASK32 = 0xFFFFFFFF
-_M1 = 0x7FEB352D
-_M2 = 0x846CA68B
-_GOLDEN = 0x9E3779B9
+from gradsketch._hash import GOLDEN, MASK32, mix32
 
 #: Version of the hash scheme, recorded in every fingerprint. Bump it if the
 #: functions below ever change, so that old sketches are refused, not mixed.
 HASH_VERSION = 1
-
-
-def _mix_int(h: int) -> int:
-    """``lowbias32`` on a Python int (used for keys, never on tensors)."""
-    h &= MASK32
-    h ^= h >> 16
-    h = (h * _M1) & MASK32
-    h ^= h >> 15
-    h = (h * _M2) & MASK32
-    h ^= h >> 16
-    return h
 
 
 def derive_key(*parts: int) -> int:
@@ -55,7 +37,7 @@ def derive_key(*parts: int) -> int:
     for part in parts:
         value = part % (1 << 64)
         for word in (value & MASK32, value >> 32):
-            h = _mix_int((h ^ word) + _GOLDEN)
+            h = mix32(((h ^ word) + GOLDEN) & MASK32)
     return h
 
 
@@ -83,22 +65,6 @@ def dense_key(seed: int, model_id: int) -> int:
     return derive_key(seed, model_id, _DENSE_STREAM)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for ``x`` in ``[0, 2**32)`` without int64 overflow."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & MASK32
-
-
-def mix32(h: torch.Tensor) -> torch.Tensor:
-    """``lowbias32`` applied elementwise to an int64 tensor of 32-bit words."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, _M1)
-    h = h ^ (h >> 15)
-    h = _mul32(h, _M2)
-    return h ^ (h >> 16)
-
-
 def hash_indices(key: int, index: torch.Tensor) -> torch.Tensor:
     """Hash coordinates ``index`` (int64, >= 0) under ``key`` to 32-bit words.
 
@@ -116,7 +82,7 @@ def hash_indices(key: int, index: torch.Tensor) -> torch.Tensor:
     h = mix32((index & MASK32) ^ key)
     if index.numel() and int(index.max()) > MASK32:
         high = index >> 32
-        h = torch.where(high > 0, mix32(h ^ mix32(high ^ _mix_int(key + 1))), h)
+        h = torch.where(high > 0, mix32(h ^ mix32(high ^ mix32((key + 1) & MASK32))), h)
     return h
 
 
@@ -173,13 +139,13 @@ def dense_block(
         words = torch.arange(
             first_word, ((col_stop - 1) >> 5) + 1, dtype=torch.int64, device=device
         )
-        word_keys = mix32(words ^ _mix_int(key ^ RADEMACHER_SALT)).unsqueeze(0)
+        word_keys = mix32(words ^ mix32(key ^ RADEMACHER_SALT)).unsqueeze(0)
         packed = mix32(rows ^ word_keys).index_select(1, (cols >> 5) - first_word)
         bits = (packed >> (cols & 31)) & 1
         return (1 - 2 * bits).to(dtype)
-    pair_keys = mix32((cols >> 1) ^ _mix_int(key ^ PAIR_SALT)).unsqueeze(0)
+    pair_keys = mix32((cols >> 1) ^ mix32(key ^ PAIR_SALT)).unsqueeze(0)
     h1 = mix32(rows ^ pair_keys)
-    h2 = mix32(h1 ^ _mix_int(key ^ AUX_SALT))
+    h2 = mix32(h1 ^ mix32(key ^ AUX_SALT))
     work = torch.float64 if dtype == torch.float64 else torch.float32
     # 24 high bits give u1 in (0, 1]: log(u1) is finite, radius <= 5.8.
     u1 = ((h1 >> 8) + 1).to(work) * (1.0 / (1 << 24))

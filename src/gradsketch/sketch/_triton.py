@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from gradsketch.sketch._hash import AUX_SALT, MASK32, PAIR_SALT, RADEMACHER_SALT, _mix_int
+from gradsketch._hash import MASK32, mix32
+from gradsketch.sketch._hash import AUX_SALT, PAIR_SALT, RADEMACHER_SALT
 from gradsketch.sketch._validate import check_dim, check_float_tensor
 
 try:  # optional: the `gpu` extra
@@ -415,7 +416,7 @@ def triton_count_sketch(
             block.stride(1),
             scratch.stride(0),
             key,
-            _mix_int(key + 1),
+            mix32((key + 1) & MASK32),
             offset,
             proj_dim,
             WIDE=offset + n > MASK32,
@@ -512,9 +513,9 @@ def triton_dense_project(
             part.stride(0),
             part.stride(1),
             key,
-            _mix_int(key + 1),
-            _mix_int(key ^ col_salt),
-            _mix_int(key ^ _AUX_SALT),
+            mix32((key + 1) & MASK32),
+            mix32(key ^ col_salt),
+            mix32(key ^ _AUX_SALT),
             offset,
             NORMAL=normal,
             WIDE=offset + n > MASK32,

@@ -185,9 +185,9 @@ class ChunkShardSampler(Sampler[int]):
         world_size: number of ranks (default: the process group's).
 
     Example:
-        >>> sampler = ChunkShardSampler(10, 4, rank=0, world_size=2)
+        >>> sampler = ChunkShardSampler(10, 4, rank=1, world_size=2)
         >>> list(sampler), len(sampler)
-        ([0, 1, 2, 3, 4, 5, 6, 7], 8)
+        ([4, 5, 6, 7, 8, 9], 6)
     """
 
     def __init__(
@@ -215,18 +215,28 @@ def owned_mask(n_rows: int, chunk_rows: int) -> np.ndarray:
     return mask
 
 
-def shard_loader(loader: Any, rows: np.ndarray) -> DataLoader[Any] | None:
-    """A loader over only ``rows`` of ``loader``'s dataset, or ``None`` if not possible.
+def shardable_size(loader: Any) -> int | None:
+    """``len(dataset)`` of a loader :func:`shard_loader` can split, else ``None``.
 
-    Possible for a map-style ``DataLoader`` that reads its dataset in order
-    (no shuffling, no custom sampler, ``drop_last=False``): the new loader has
-    the same batch size, collate function and workers, so each rank loads
-    only the examples it featurizes.
+    Splittable: a map-style ``DataLoader`` that reads its dataset in order
+    (no shuffling, no custom sampler, ``drop_last=False``).
     """
     if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, SequentialSampler):
         return None
     batches = loader.batch_sampler
     if type(batches) is not BatchSampler or batches.drop_last or loader.batch_size is None:
+        return None
+    return len(loader.sampler)
+
+
+def shard_loader(loader: Any, rows: np.ndarray) -> DataLoader[Any] | None:
+    """A loader over only ``rows`` of ``loader``'s dataset, or ``None`` if not possible.
+
+    Possible when :func:`shardable_size` is not ``None``: the new loader has
+    the same batch size, collate function and workers, so each rank loads
+    only the examples it featurizes.
+    """
+    if shardable_size(loader) is None:
         return None
     return DataLoader(
         Subset(loader.dataset, rows.tolist()),
@@ -272,7 +282,7 @@ def all_gather_columns(local: Tensor, n_columns: int) -> Tensor:
     Returns:
         ``[n, m]`` on every rank, on ``local``'s device (bits copied, no arithmetic).
     """
-    rank, world = rank_and_world()
+    world = rank_and_world()[1]
     if world == 1:
         return local
     width = -(-n_columns // world)
@@ -291,7 +301,7 @@ def require_same_across_ranks(value: Any, *, what: str) -> None:
         value: a picklable value (a fingerprint, a size).
         what: what it is, for the message.
     """
-    rank, world = rank_and_world()
+    world = rank_and_world()[1]
     if world == 1:
         return
     values: list[Any] = [None] * world

@@ -33,6 +33,7 @@ from gradsketch.attribution._distributed import (
     require_same_across_ranks,
     shard_checkpoint_targets,
     shard_loader,
+    shardable_size,
 )
 from gradsketch.attribution._gradient_computers import (
     FunctionalGradientComputer,
@@ -195,8 +196,13 @@ class TRAKer:
     so ranks write disjoint chunk files of the same store), XᵀX is summed
     with ``all_reduce``, and scoring splits the targets' columns across ranks.
     Every rank calls the same methods in the same order; ``finalize_scores``
-    returns the full scores on every rank. With a batch size that divides
-    ``chunk_rows`` the stored features are bit-identical to a one-process run.
+    returns the full scores on every rank. Each rank skips rows outside its
+    shard, so give every rank every batch (the TRAK loop, or
+    ``featurize_loader`` which re-batches an in-order ``DataLoader``) or
+    exactly the rows of its :class:`~gradsketch.attribution.ChunkShardSampler`;
+    torch's ``DistributedSampler`` interleaves rows and leaves rows undone.
+    With a batch size that divides ``chunk_rows`` the stored features are
+    bit-identical to a one-process run.
 
     Example:
         >>> import tempfile
@@ -511,7 +517,11 @@ class TRAKer:
                 "before featurize_loader."
             )
         self._last_ind = self._run_loader(
-            loader, self.featurize, self._done, self._owned, self._last_ind,
+            loader,
+            self.featurize,
+            self._done,
+            self._owned,
+            self._last_ind,
             f"featurizing model {self.ckpt_loaded}",
         )
 
@@ -527,9 +537,9 @@ class TRAKer:
         """Feed ``loader``'s batches to ``step``; returns the row after the last one."""
         rank, world = rank_and_world()
         disable = not self.progress or rank != 0
-        size = len(loader.dataset) if isinstance(loader, torch.utils.data.DataLoader) else None
+        size = shardable_size(loader) if world > 1 else None
         sharded = None
-        if world > 1 and size is not None and first_row + size <= done.size:
+        if size is not None and first_row + size <= done.size:
             window = slice(first_row, first_row + size)
             rows = np.nonzero(owned[window] & ~done[window])[0]
             sharded = shard_loader(loader, rows)
@@ -564,6 +574,7 @@ class TRAKer:
         # Every rank's rows must be on disk before anyone reads the flags.
         barrier()
         ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
+        require_same_across_ranks(ids, what="the model ids to finalize")
         rank, world = rank_and_world()
         bar = tqdm(ids, desc="finalizing features", disable=not self.progress or rank != 0)
         for model_id in bar:
@@ -719,7 +730,11 @@ class TRAKer:
                 "score_loader."
             )
         self._last_ind_target = self._run_loader(
-            loader, self.score, self._exp_done, self._exp_owned, self._last_ind_target,
+            loader,
+            self.score,
+            self._exp_done,
+            self._exp_owned,
+            self._last_ind_target,
             f"scoring targets ({self._exp})",
         )
 
@@ -746,6 +761,7 @@ class TRAKer:
             )
         num_targets = int(read_record(rec_path)["num_targets"])
         ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
+        require_same_across_ranks((exp_name, ids), what="(exp_name, model ids) to score")
         if not ids:
             raise ModelIDException(f"no model ids to score in `{self.save_dir}`.")
         ckpts: list[CheckpointGrads] = []

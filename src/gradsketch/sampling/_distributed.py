@@ -159,7 +159,9 @@ def estimate_learning_coeff_distributed(
         grad_accum_steps: Micro-batches per step.
         seed: Chain ``c``'s seed comes from ``(seed, c)``, as in one process.
         device: Where chains run; ``"cuda"`` without an index is
-            ``cuda:LOCAL_RANK``.
+            ``cuda:LOCAL_RANK`` (with NCCL also call
+            ``torch.cuda.set_device(local_rank)``: its object collectives use
+            the current device).
         callbacks: ``callback(chain=, draw=, loss=, model=, optimizer=)`` on the
             rank running the chain; callbacks with ``get_results()`` need a
             world of one rank.
@@ -222,12 +224,11 @@ def estimate_learning_coeff_distributed(
         grad_accum_steps,
         nbeta,
         _method_name(sampling_method),
-        None if store is None else str(Path(store).resolve()),
     )
     values = _gather(shared, world)
     if any(v != values[0] for v in values[1:]):
         names = "(model fingerprint, seed, chains, draws, burn-in, steps between draws, "
-        names += "grad accumulation, nbeta, sampler, store)"
+        names += "grad accumulation, nbeta, sampler)"
         listing = "\n  ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise DistributedMismatchError(
             f"ranks disagree on {names}:\n  {listing}\nEvery rank must pass the same model "

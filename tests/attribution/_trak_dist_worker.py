@@ -1,6 +1,6 @@
 """The TRAK pipeline the torch.distributed tests run, in one process or under torchrun.
 
-``python -m torch.distributed.run --nproc_per_node 2 _dist_worker.py OUT`` runs
+``python -m torch.distributed.run --nproc_per_node 2 _trak_dist_worker.py OUT`` runs
 :func:`pipeline` on every rank (gloo, one thread each) in ``OUT/store`` and
 saves each rank's returned arrays to ``OUT/rank{r}.npz``. The tests run the
 same :func:`pipeline` in one process and compare.
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradsketch.attribution import TRAKer
+from gradsketch.attribution import BasicScoreComputer, TRAKer
 
 N_TRAIN, N_TARGETS, PROJ_DIM = 100, 24, 16
 CHUNK_ROWS, BATCH = 16, 8  # BATCH divides CHUNK_ROWS: the same batches as one process
@@ -55,7 +55,9 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
             traker.featurize_loader(DataLoader(TensorDataset(x, y), batch_size=BATCH))
         else:
             for s in range(0, N_TRAIN, BATCH):
-                traker.featurize((x[s : s + BATCH], y[s : s + BATCH]), num_samples=len(x[s : s + BATCH]))
+                traker.featurize(
+                    (x[s : s + BATCH], y[s : s + BATCH]), num_samples=len(x[s : s + BATCH])
+                )
     traker.finalize_features()
     for mid, state in enumerate(ckpts):
         traker.start_scoring_checkpoint("exp", state, model_id=mid, num_targets=N_TARGETS)
@@ -66,7 +68,12 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
     scores = np.array(traker.finalize_scores("exp"))
 
     budget = TRAKer(
-        model, "image_classification", N_TRAIN, save_dir=root / "store", memory_budget=SMALL_BUDGET, **kw
+        model,
+        "image_classification",
+        N_TRAIN,
+        save_dir=root / "store",
+        memory_budget=SMALL_BUDGET,
+        **kw,
     )
     disk = budget.finalize_scores("exp")
     on_disk = not isinstance(disk, np.ndarray)
@@ -79,7 +86,24 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
     pre.start_scoring_checkpoint("exp", ckpts[0], model_id=0, num_targets=N_TARGETS)
     pre.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
     scores_pre = np.array(pre.finalize_scores("exp"))
+
+    # TRAK's own score-computer interface: XᵀX reduced, score columns split.
+    sc = TRAKer(
+        model,
+        "image_classification",
+        N_TRAIN,
+        save_dir=root / "sc",
+        score_computer=BasicScoreComputer,
+        **kw,
+    )
+    sc.load_checkpoint(ckpts[1], model_id=0)
+    sc.featurize_loader(DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    sc.finalize_features()
+    sc.start_scoring_checkpoint("exp", ckpts[1], model_id=0, num_targets=N_TARGETS)
+    sc.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
+    scores_sc = np.array(sc.finalize_scores("exp"))
     return {
+        "scores_sc": scores_sc,
         "scores": scores,
         "scores_disk": scores_disk,
         "on_disk": np.array(on_disk),
@@ -90,10 +114,19 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
 def main(out: Path) -> None:
     import torch.distributed as dist
 
+    from gradsketch.attribution import DistributedMismatchError
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         result = pipeline(out)
+        model, ckpts, *_ = problem()
+        traker = TRAKer(model, "image_classification", N_TRAIN, save_dir=out / "mismatch", **QUIET)
+        try:
+            traker.load_checkpoint(ckpts[dist.get_rank() % 2], model_id=7)
+            result["mismatch"] = np.array("no error")
+        except DistributedMismatchError as err:
+            result["mismatch"] = np.array(str(err))
         np.savez(out / f"rank{dist.get_rank()}.npz", **result)
     finally:
         dist.destroy_process_group()

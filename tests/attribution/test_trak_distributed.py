@@ -1,0 +1,444 @@
+"""TRAKer under torch.distributed: 2 gloo ranks against one process, bit for bit.
+
+One ``torchrun --nproc_per_node 2`` launch (module fixture) runs the pipeline
+of ``_trak_dist_worker.py``; the same pipeline runs here in one process with one
+thread. Where the arithmetic is the same (features, target features, the
+reduction of per-rank partial products, per-column scoring) the results must
+be bit-identical; where the summation order legitimately differs (XᵀX summed
+as X₀ᵀX₀ + X₁ᵀX₁ rather than in one product) the tolerance is derived below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import zarr
+from _trak_dist_worker import (
+    BATCH,
+    CHUNK_ROWS,
+    N_TARGETS,
+    N_TRAIN,
+    PROJ_DIM,
+    QUIET,
+    SMALL_BUDGET,
+    pipeline,
+    problem,
+)
+from torch.utils.data import DataLoader, TensorDataset
+
+from gradsketch.attribution import (
+    BasicScoreComputer,
+    ChunkShardSampler,
+    DistributedMismatchError,
+    TRAKer,
+    chunk_shard,
+    column_shard,
+)
+from gradsketch.attribution import _distributed as D
+from gradsketch.attribution._linalg import damped_inverse, xtx_blocked
+from gradsketch.attribution._scores import CheckpointGrads, score_checkpoints
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _launch import torchrun
+
+WORLD = 2
+LAMBDA = 0.05
+U = 2.0**-24  # unit roundoff of float32
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Single-threaded BLAS, like every torchrun rank, so GEMMs round the same way."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def gamma(n: int) -> float:
+    """Higham's γ_n = n u / (1 - n u): relative error bound of an n-term float32 sum."""
+    return n * U / (1 - n * U)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    dist_root = tmp_path_factory.mktemp("dist")
+    single_root = tmp_path_factory.mktemp("single")
+    model, ckpts, x, y, _, _ = problem()
+    with one_thread():
+        # One process featurizes the first chunk of checkpoint 0; the ranks resume.
+        first = TRAKer(
+            model,
+            "image_classification",
+            N_TRAIN,
+            save_dir=dist_root / "store",
+            proj_dim=PROJ_DIM,
+            chunk_rows=CHUNK_ROWS,
+            lambda_reg=LAMBDA,
+            **QUIET,
+        )
+        first.load_checkpoint(ckpts[0], model_id=0)
+        first.featurize((x[:CHUNK_ROWS], y[:CHUNK_ROWS]), num_samples=CHUNK_ROWS)
+        single = pipeline(single_root)
+    torchrun(Path(__file__).with_name("_trak_dist_worker.py"), str(dist_root), nproc=WORLD)
+    ranks = [dict(np.load(dist_root / f"rank{r}.npz")) for r in range(WORLD)]
+    return {"dist": dist_root, "single": single_root, "ranks": ranks, "ref": single}
+
+
+def _array(root: Path, name: str) -> np.ndarray:
+    return np.asarray(zarr.open_array(str(root / name), mode="r")[:])
+
+
+def test_every_rank_returns_the_same_scores(runs):
+    rank0, rank1 = runs["ranks"]
+    for key in ("scores", "scores_disk", "scores_pre", "scores_sc"):
+        assert np.array_equal(rank0[key], rank1[key]), key
+    assert bool(rank0["on_disk"]), "the small budget must send the scores to disk"
+
+
+def test_ranks_loading_different_weights_are_refused(runs):
+    for rank, result in enumerate(runs["ranks"]):
+        message = str(result["mismatch"])
+        assert message.startswith("(model_id, checkpoint fingerprint) differs across ranks")
+        assert "rank 0: (7, '" in message and "rank 1: (7, '" in message, rank
+
+
+@pytest.mark.parametrize("model_id", [0, 1])
+def test_features_bit_equal_to_one_process(runs, model_id):
+    for name in ("grads", "out_to_loss", "done"):
+        a = _array(runs["dist"], f"store/checkpoints/{model_id}/{name}")
+        b = _array(runs["single"], f"store/checkpoints/{model_id}/{name}")
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert _array(runs["dist"], f"store/checkpoints/{model_id}/done").all()
+    for name in ("grads", "done"):
+        a = _array(runs["dist"], f"store/experiments/exp/{model_id}/{name}")
+        b = _array(runs["single"], f"store/experiments/exp/{model_id}/{name}")
+        assert np.array_equal(a, b), name
+
+
+@pytest.mark.parametrize("model_id", [0, 1])
+def test_xtx_is_the_all_reduce_of_rank_partials(runs, model_id):
+    """Same arithmetic: each rank's one-GEMM X_rᵀX_r, then one float32 addition."""
+    x = _array(runs["dist"], f"store/checkpoints/{model_id}/grads")
+    stored = _array(runs["dist"], f"store/checkpoints/{model_id}/xtx")
+    with one_thread():
+        parts = []
+        for rank in range(WORLD):
+            rows = chunk_shard(N_TRAIN, CHUNK_ROWS, rank=rank, world_size=WORLD)
+            parts.append(xtx_blocked(x[rows.start : rows.stop], block_rows=N_TRAIN, device="cpu"))
+    assert np.array_equal(stored, (parts[0] + parts[1]).numpy())
+
+
+@pytest.mark.parametrize("model_id", [0, 1])
+def test_xtx_within_the_summation_bound_of_one_process(runs, model_id):
+    """Tolerance: both runs sum the same n products in different orders.
+
+    Any order of a float32 sum of n terms p_l has |fl(Σ p) - Σ p| <= γ_n Σ|p|
+    (Higham, Accuracy and Stability, eq. 4.4; products of float32 numbers
+    are exact in the float32 -> float32 GEMM's fused or rounded multiply, and
+    a rounded multiply adds one u, covered by using γ_{n+1}). Each run is
+    within that of the exact XᵀX, so they differ by at most
+    2 γ_{n+1} (|X|ᵀ|X|)_ij (the final add of the two partials is one of the n
+    additions, already counted).
+    """
+    x = _array(runs["dist"], f"store/checkpoints/{model_id}/grads").astype(np.float64)
+    a = _array(runs["dist"], f"store/checkpoints/{model_id}/xtx").astype(np.float64)
+    b = _array(runs["single"], f"store/checkpoints/{model_id}/xtx").astype(np.float64)
+    bound = 2 * gamma(N_TRAIN + 1) * (np.abs(x).T @ np.abs(x))
+    assert np.all(np.abs(a - b) <= bound)
+
+
+def _checkpoints(root: Path, *, preconditioned: bool = False) -> list[CheckpointGrads]:
+    base = "pre" if preconditioned else "store"
+    ids = [0] if preconditioned else [0, 1]
+    train = "features" if preconditioned else "grads"
+    return [
+        CheckpointGrads(
+            train=_array(root, f"{base}/checkpoints/{m}/{train}"),
+            targets=_array(root, f"{base}/experiments/exp/{m}/grads"),
+            out_to_loss=_array(root, f"{base}/checkpoints/{m}/out_to_loss"),
+            xtx=torch.from_numpy(_array(root, f"{base}/checkpoints/{m}/xtx")),
+            preconditioned=preconditioned,
+        )
+        for m in ids
+    ]
+
+
+def _column_sharded(ckpts: list[CheckpointGrads], budget: int | None) -> np.ndarray:
+    """One process scoring each rank's columns exactly as that rank does."""
+    blocks = []
+    with one_thread():
+        for rank in range(WORLD):
+            cols = column_shard(N_TARGETS, rank=rank, world_size=WORLD)
+            mine = D.shard_checkpoint_targets(ckpts, cols)
+            out = np.empty((N_TRAIN, len(cols)), dtype=np.float32) if budget else None
+            blocks.append(score_checkpoints(mine, LAMBDA, budget, out=out, progress=False))
+    return np.concatenate(blocks, axis=1)
+
+
+@pytest.mark.parametrize(
+    ("key", "budget", "preconditioned"),
+    [("scores", None, False), ("scores_disk", SMALL_BUDGET, False), ("scores_pre", None, True)],
+    ids=["in-memory", "on-disk-tiles", "del-grads"],
+)
+def test_scores_bit_equal_to_column_sharded_reference(runs, key, budget, preconditioned):
+    ckpts = _checkpoints(runs["dist"], preconditioned=preconditioned)
+    assert np.array_equal(runs["ranks"][0][key], _column_sharded(ckpts, budget))
+
+
+def test_score_computer_path_bit_equal_to_column_sharded_reference(runs):
+    """With TRAK's BasicScoreComputer: XᵀX reduced for the store, scores split by column."""
+    root = runs["dist"] / "sc"
+    model, *_ = problem()
+    kw = {"proj_dim": PROJ_DIM, "chunk_rows": CHUNK_ROWS, "lambda_reg": LAMBDA, **QUIET}
+    reader = TRAKer(
+        model,
+        "image_classification",
+        N_TRAIN,
+        save_dir=root,
+        score_computer=BasicScoreComputer,
+        **kw,
+    )
+    ckpts = [
+        CheckpointGrads(
+            train=_array(root, "checkpoints/0/grads"),
+            targets=_array(root, "experiments/exp/0/grads"),
+            out_to_loss=_array(root, "checkpoints/0/out_to_loss"),
+        )
+    ]
+    with one_thread():
+        blocks = [
+            reader._scores_with_computer(
+                D.shard_checkpoint_targets(ckpts, column_shard(N_TARGETS, rank=r, world_size=WORLD))
+            )
+            for r in range(WORLD)
+        ]
+    assert np.array_equal(runs["ranks"][0]["scores_sc"], np.concatenate(blocks, axis=1))
+    x = ckpts[0].train
+    with one_thread():
+        parts = [
+            torch.from_numpy(x[s.start : s.stop]).T @ torch.from_numpy(x[s.start : s.stop])
+            for s in (chunk_shard(N_TRAIN, CHUNK_ROWS, rank=r, world_size=WORLD) for r in range(2))
+        ]
+    assert np.array_equal(_array(root, "checkpoints/0/xtx"), (parts[0] + parts[1]).numpy())
+
+
+def test_del_grads_features_bit_equal_to_row_sharded_reference(runs):
+    """Each rank writes X_r (XᵀX + λI)⁻¹ for its own rows; same arithmetic here."""
+    root = runs["dist"]
+    assert not (root / "pre/checkpoints/0/grads").exists()
+    feats = _array(root, "pre/checkpoints/0/features")
+    grads = _array(runs["single"], "store/checkpoints/0/grads")  # bit-equal to the ranks'
+    xtx = torch.from_numpy(_array(root, "pre/checkpoints/0/xtx"))
+    inv = damped_inverse(xtx, LAMBDA)
+    with one_thread():
+        for rank in range(WORLD):
+            rows = chunk_shard(N_TRAIN, CHUNK_ROWS, rank=rank, world_size=WORLD)
+            ref = torch.from_numpy(grads[rows.start : rows.stop]) @ inv
+            assert np.array_equal(feats[rows.start : rows.stop], ref.numpy())
+
+
+def _score_tolerance(
+    ckpts: list[CheckpointGrads], xtx_dist: list[np.ndarray], xtx_single: list[np.ndarray]
+) -> np.ndarray:
+    """Entrywise bound on |scores_2-rank - scores_1-process| (derivation in the caller)."""
+    n_ck, k = len(ckpts), PROJ_DIM
+    q = sum(np.asarray(ck.out_to_loss, dtype=np.float64).reshape(-1) for ck in ckpts)
+    w = (q / n_ck / n_ck)[:, None]  # the row weight mean_c(Q_c) / C
+    exact_gap = np.zeros((N_TRAIN, N_TARGETS))
+    rounding = np.zeros((N_TRAIN, N_TARGETS))
+    per_run = 2 * gamma(k) + 3 * U + gamma(n_ck)
+    for ck, b, a in zip(ckpts, xtx_dist, xtx_single):
+        x = np.asarray(ck.train, dtype=np.float64)
+        t = np.asarray(ck.targets, dtype=np.float64)
+        a_inv = np.linalg.inv(a.astype(np.float64) + LAMBDA * np.eye(k))
+        b_inv = np.linalg.inv(b.astype(np.float64) + LAMBDA * np.eye(k))
+        exact_gap += w * (x @ (b_inv - a_inv) @ t.T)
+        rounding += np.abs(w) * (np.abs(x) @ (np.abs(a_inv) + np.abs(b_inv)) @ np.abs(t).T)
+    # 1e-12 relative slack for the float64 evaluation of this very bound.
+    return np.abs(exact_gap) + per_run * rounding * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("key", ["scores", "scores_disk"], ids=["in-memory", "on-disk-tiles"])
+def test_scores_within_derived_tolerance_of_one_process(runs, key):
+    """Tolerance: the exact effect of the only differing input, plus float32 rounding.
+
+    scores_ij = Σ_c w_i x_ci A_c⁻¹ t_cjᵀ with A_c = X_cᵀX_c + λI and
+    w = mean_c(Q_c) / C. The two runs read bit-identical X, T, Q (tested
+    above); their stored XᵀX differ (within the summation bound tested
+    above). In exact arithmetic the scores then differ by
+    Σ_c w_i x_ci (B_c⁻¹ - A_c⁻¹) t_cjᵀ, evaluated here in float64 from the
+    two stored matrices (float64 error ~1e-16 relative, negligible). On top,
+    each run rounds: float32 cast of its float64 inverse (u), T A⁻¹ (γ_k),
+    x * w (u), the final GEMM (γ_k), the sum over C checkpoints (γ_C) and the
+    float32 result (u): at most (2 γ_k + 3 u + γ_C) |w_i| |x_i| |A⁻¹| |t_j|ᵀ
+    per run (entrywise absolute values; Higham eq. 3.13 for dot products).
+    The float64 Cholesky inverse's own error (about k κ 2⁻⁵³ relative, κ <=
+    ||A|| / λ here) is far below u.
+    """
+    ckpts = _checkpoints(runs["dist"])
+    xtx_dist = [_array(runs["dist"], f"store/checkpoints/{m}/xtx") for m in (0, 1)]
+    xtx_single = [_array(runs["single"], f"store/checkpoints/{m}/xtx") for m in (0, 1)]
+    tol = _score_tolerance(ckpts, xtx_dist, xtx_single)
+    diff = np.abs(runs["ranks"][0][key].astype(np.float64) - runs["ref"][key])
+    assert np.all(diff <= tol)
+    # The bound is informative, not vacuous: far below the scores themselves.
+    assert tol.max() < 1e-3 * np.abs(runs["ref"][key]).max()
+
+
+def test_on_disk_scores_are_the_stored_zarr_array(runs):
+    arr = _array(runs["dist"], "store/scores/exp")
+    assert np.array_equal(arr, runs["ranks"][0]["scores_disk"])
+    assert zarr.open_array(str(runs["dist"] / "store/scores/exp")).chunks[1] == len(
+        column_shard(N_TARGETS, rank=0, world_size=WORLD)
+    )
+
+
+# -- helpers, in one process ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "chunk", "world"), [(100, 16, 2), (7, 2, 3), (5, 10, 2), (0, 4, 2), (33, 1, 4)]
+)
+def test_chunk_shards_partition_rows_on_chunk_boundaries(n, chunk, world):
+    shards = [chunk_shard(n, chunk, rank=r, world_size=world) for r in range(world)]
+    assert [i for s in shards for i in s] == list(range(n))
+    for s in shards:
+        assert s.start % chunk == 0 and (s.stop % chunk == 0 or s.stop == n)
+    sizes = [-(-len(s) // chunk) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(("m", "world"), [(24, 2), (5, 3), (1, 4), (0, 2)])
+def test_column_shards_partition_columns(m, world):
+    shards = [column_shard(m, rank=r, world_size=world) for r in range(world)]
+    assert [j for s in shards for j in s] == list(range(m))
+
+
+def test_chunk_shard_sampler_yields_this_ranks_rows():
+    sampler = ChunkShardSampler(10, 3, rank=1, world_size=2)
+    assert list(sampler) == [6, 7, 8, 9] and len(sampler) == 4
+    assert list(ChunkShardSampler(10, 3)) == list(range(10))  # no process group: everything
+
+
+BAD_SHARDS = [
+    ({"n_rows": -1, "chunk_rows": 2}, "`n_rows` must be a non-negative int, got -1"),
+    ({"n_rows": 4, "chunk_rows": 0}, "`chunk_rows` must be a positive int, got 0"),
+    ({"n_rows": 4, "chunk_rows": 2, "rank": 2, "world_size": 2}, r"`rank` must lie in \[0, 2\)"),
+    ({"n_rows": 4, "chunk_rows": 2, "rank": 0}, "pass both `rank` and `world_size`"),
+    ({"n_rows": 4, "chunk_rows": 2, "rank": 0, "world_size": 0}, "`world_size` must be a positive"),
+    ({"n_rows": 4.0, "chunk_rows": 2}, "`n_rows` must be a non-negative int, got 4.0"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), BAD_SHARDS, ids=lambda v: str(v)[:40])
+def test_chunk_shard_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        chunk_shard(**kwargs)
+
+
+def test_column_shard_errors():
+    with pytest.raises(ValueError, match="`n_columns` must be a non-negative int"):
+        column_shard(-3)
+
+
+def test_traker_chunk_rows_error(tmp_path):
+    model, *_ = problem()
+    with pytest.raises(ValueError, match=r"`chunk_rows` must be a positive int or None.*got 0"):
+        TRAKer(model, "image_classification", 10, save_dir=tmp_path, chunk_rows=0, **QUIET)
+
+
+def test_row_window_refuses_strided_slices():
+    window = D.RowWindow(np.arange(10), 2, 8)
+    assert window.shape == (6,) and window[1:3].tolist() == [3, 4]
+    with pytest.raises(TypeError, match="step-1 slices only"):
+        window[::2]
+
+
+def test_mismatch_across_ranks_names_every_rank(monkeypatch):
+    monkeypatch.setattr(D, "rank_and_world", lambda: (0, 2))
+
+    def gather(out, value):
+        out[:] = [value, "other"]
+
+    monkeypatch.setattr(D.dist, "all_gather_object", gather)
+    D.require_same_across_ranks("other", what="fingerprint")  # equal: no error
+    with pytest.raises(
+        DistributedMismatchError, match=r"fingerprint differs across ranks \(rank 0: 'a', rank 1"
+    ):
+        D.require_same_across_ranks("a", what="fingerprint")
+
+
+def test_shard_loader_only_for_in_order_map_style_loaders():
+    data = TensorDataset(torch.arange(10.0), torch.arange(10))
+    loader = D.shard_loader(DataLoader(data, batch_size=3), np.array([4, 5, 6, 7]))
+    assert loader is not None
+    assert [b[1].tolist() for b in loader] == [[4, 5, 6], [7]]
+    assert D.shard_loader(DataLoader(data, batch_size=3, shuffle=True), np.arange(3)) is None
+    assert D.shard_loader(DataLoader(data, batch_size=3, drop_last=True), np.arange(3)) is None
+    assert D.shard_loader([(torch.zeros(2),)], np.arange(2)) is None
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A real gloo process group of one rank, in this process."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_group_equals_no_group(tmp_path, one_rank_group):
+    """With a process group of one rank the distributed code path is the plain one."""
+    assert D.is_distributed() and D.rank_and_world() == (0, 1)
+    model, ckpts, x, y, xt, yt = problem()
+    kw = {"proj_dim": PROJ_DIM, "chunk_rows": CHUNK_ROWS, "lambda_reg": LAMBDA, **QUIET}
+    out = []
+    for name in ("group", "plain"):
+        if name == "plain":
+            dist.destroy_process_group()
+        traker = TRAKer(model, "image_classification", N_TRAIN, save_dir=tmp_path / name, **kw)
+        traker.load_checkpoint(ckpts[0], model_id=0)
+        traker.featurize_loader(DataLoader(TensorDataset(x, y), batch_size=BATCH))
+        traker.finalize_features()
+        traker.start_scoring_checkpoint("e", ckpts[0], model_id=0, num_targets=N_TARGETS)
+        traker.score((xt, yt), num_samples=N_TARGETS)
+        out.append(traker.finalize_scores("e"))
+        if name == "plain":
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert np.array_equal(out[0], out[1])
+    t = torch.arange(6.0).reshape(2, 3)
+    assert D.all_reduce_sum_(t.clone()).equal(t)
+    assert D.all_gather_columns(t, 3).equal(t)
+
+
+def test_no_group_helpers_are_identities():
+    assert not D.is_distributed()
+    assert D.rank_and_world() == (0, 1)
+    D.barrier()
+    with D.rank_zero_first() as first:
+        assert first
+    t = torch.ones(2, 2)
+    assert D.all_reduce_sum_(t) is t
+    D.require_same_across_ranks(object(), what="anything")
+
+
+@pytest.mark.slow
+def test_example_runs_under_torchrun(tmp_path):
+    """``torchrun --nproc_per_node 2 examples/distributed_trak.py`` as the README shows it."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "distributed_trak.py"
+    out = torchrun(example, "--save-dir", str(tmp_path / "trak"), nproc=WORLD, timeout=300)
+    assert "2 rank(s): scores (1438, 128)" in out
+    scores = zarr.open_array(str(tmp_path / "trak" / "scores" / "test"), mode="r")
+    assert scores.shape == (1438, 128) and np.isfinite(scores[:]).all()

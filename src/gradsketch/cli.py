@@ -93,7 +93,7 @@ def factorize(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) ->
     _setup_logging(verbose)
     from gradsketch.factorize._cli import factorize_command
 
-    _echo_result(factorize_command(config, out))
+    typer.echo(str(factorize_command(config, out, progress=verbose)))
 
 
 @app.command()

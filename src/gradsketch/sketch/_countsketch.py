@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -89,8 +90,15 @@ class CountSketch:
         materialize: bool = True,
         device: torch.device | str = "cpu",
         chunk_size: int = DEFAULT_CHUNK,
+        mask: Any = None,
     ) -> None:
         self._input_dim = check_dim("input_dim", input_dim)
+        if mask is not None and mask.numel != self._input_dim:
+            raise ValueError(
+                f"`input_dim`={input_dim} but the mask selects {mask.numel} entries; with a "
+                "mask, pass input_dim=mask.numel."
+            )
+        self.mask = mask
         self._output_dim = check_dim("output_dim", output_dim)
         self.seed = check_seed("seed", seed)
         self.chunk_size = check_dim("chunk_size", chunk_size)
@@ -110,9 +118,16 @@ class CountSketch:
         *,
         materialize: bool = True,
         device: torch.device | str = "cpu",
+        mask: Any = None,
     ) -> CountSketch:
-        """Build the sketch for ``input_dim`` coordinates into ``output_dim`` buckets."""
-        return cls(input_dim, output_dim, seed, materialize=materialize, device=device)
+        """Build the sketch for ``input_dim`` coordinates into ``output_dim`` buckets.
+
+        With ``mask`` (a :class:`gradsketch.masked.ParamMask`), only the
+        selected entries are coordinates: ``input_dim`` must be ``mask.numel``
+        and the fingerprint carries the mask's, so sketches made under
+        different masks are refused as incompatible.
+        """
+        return cls(input_dim, output_dim, seed, materialize=materialize, device=device, mask=mask)
 
     @property
     def input_dim(self) -> int:
@@ -132,7 +147,13 @@ class CountSketch:
     @property
     def fingerprint(self) -> Fingerprint:
         """The map's identity; equal fingerprints mean equal sketches."""
-        return Fingerprint("count_sketch", self.seed, self._input_dim, self._output_dim)
+        return Fingerprint(
+            "count_sketch",
+            self.seed,
+            self._input_dim,
+            self._output_dim,
+            mask=None if self.mask is None else self.mask.fingerprint,
+        )
 
     def _folded(self, offset: int, length: int) -> torch.Tensor:
         if self._table is not None:
@@ -181,6 +202,21 @@ class CountSketch:
         result = torch.zeros(self._output_dim, dtype=torch.float32, device=self._device)
         self.scatter_into_(result, v, 0)
         return result
+
+    def sketch_named(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Sketch the mask's selected entries of named tensors (e.g. a model's gradients).
+
+        Equals ``sketch(mask.select(tensors))``: float32 ``[output_dim]``.
+
+        Raises:
+            ValueError: if the sketch was created without a ``mask``.
+        """
+        if self.mask is None:
+            raise ValueError(
+                "`sketch_named` needs a CountSketch created with `mask=ParamMask(...)`; for "
+                "unmasked vectors use `sketch(torch.cat([t.reshape(-1) for t in tensors]))`."
+            )
+        return self.sketch(self.mask.select(tensors))
 
     def scatter_into_(self, result: torch.Tensor, v: torch.Tensor, offset: int) -> None:
         """Accumulate ``v`` (flattened) as coordinates ``offset, offset+1, ...`` into ``result``.

@@ -14,6 +14,7 @@ GPT?", 2024; FactGraSS: Hu et al., 2025).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -346,15 +347,7 @@ class FactorizedProjector(AbstractProjector):
         extra = json.dumps(
             {"segments": layout, "rest_proj_dim": self.rest_proj_dim}, separators=(",", ":")
         )
-        return Fingerprint(
-            kind=self.kind,
-            seed=self.seed,
-            input_dim=self.grad_dim,
-            output_dim=self.proj_dim,
-            proj_type=self._proj_type_value(),
-            model_id=self.model_id,
-            extra=extra,
-        )
+        return dataclasses.replace(super().fingerprint, extra=extra)
 
     def _on_model_change(self) -> None:
         self.free_memory()

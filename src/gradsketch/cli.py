@@ -65,19 +65,30 @@ def sketch_demo(
 def attribute(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
     """Run TRAK for your own model, checkpoints and loaders defined in CONFIG.py."""
     _setup_logging(verbose)
+    from gradsketch._distributed import process_group_from_env, rank
     from gradsketch.attribution._cli import attribute_command
 
-    summary = attribute_command(config, out)
-    typer.echo(summary.get("report") or json.dumps(summary, indent=2, default=str))
+    # Under torchrun (RANK/WORLD_SIZE set) the TRAKer shards the work across ranks.
+    with process_group_from_env():
+        summary = attribute_command(config, out, progress=rank() == 0)
+        if rank() == 0:
+            typer.echo(summary.get("report") or json.dumps(summary, indent=2, default=str))
 
 
 @app.command()
 def llc(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
     """Estimate the local learning coefficient of the model in CONFIG.py; writes JSON and a plot."""
     _setup_logging(verbose)
+    from gradsketch._distributed import barrier, process_group_from_env, rank
     from gradsketch.sampling._cli import llc_command
 
-    summary_path = Path(llc_command(config, out))
+    with process_group_from_env():
+        summary_path = Path(llc_command(config, out))
+        # Every rank writes the summary: rank 0 reads it once all have finished.
+        barrier()
+        first = rank() == 0
+    if not first:
+        return
     summary = json.loads(summary_path.read_text())
     ess, rhat = summary.get("llc/ess", float("nan")), summary.get("llc/rhat", float("nan"))
     typer.echo(

@@ -33,6 +33,7 @@ from _trak_dist_worker import (
 )
 from torch.utils.data import DataLoader, TensorDataset
 
+from gradsketch import _distributed as common
 from gradsketch.attribution import (
     BasicScoreComputer,
     ChunkShardSampler,
@@ -365,12 +366,7 @@ def test_row_window_refuses_strided_slices():
 
 
 def test_mismatch_across_ranks_names_every_rank(monkeypatch):
-    monkeypatch.setattr(D, "rank_and_world", lambda: (0, 2))
-
-    def gather(out, value):
-        out[:] = [value, "other"]
-
-    monkeypatch.setattr(D.dist, "all_gather_object", gather)
+    monkeypatch.setattr(common, "all_gather_object", lambda value: [value, "other"])
     D.require_same_across_ranks("other", what="fingerprint")  # equal: no error
     with pytest.raises(
         DistributedMismatchError, match=r"fingerprint differs across ranks \(rank 0: 'a', rank 1"

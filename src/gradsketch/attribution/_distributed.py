@@ -1,8 +1,9 @@
 """torch.distributed support for TRAK: chunk-aligned row shards and the collectives.
 
 Launch any TRAKer script with ``torchrun`` (gloo on CPU, NCCL on GPU) and call
-``torch.distributed.init_process_group`` before building the :class:`TRAKer`;
-it then splits the work by itself:
+``torch.distributed.init_process_group`` (or
+:func:`gradsketch._distributed.init_from_env`) before building the
+:class:`TRAKer`; it then splits the work by itself:
 
 * **featurizing** (and computing target features): rank ``r`` computes only
   the rows of its :func:`chunk_shard`, a contiguous run of whole chunks of the
@@ -17,7 +18,9 @@ it then splits the work by itself:
   score array (when it exceeds ``memory_budget``).
 
 Nothing here is needed in a single process: every helper falls back to rank
-0 of a world of 1 when no process group is initialised.
+0 of a world of 1 when no process group is initialised. Rank, barrier and
+agreement checks come from the ground-floor :mod:`gradsketch._distributed`
+(re-exported here under their old names); the sharding is TRAK's own.
 
 Example:
     >>> chunk_shard(10, 3, rank=0, world_size=2), chunk_shard(10, 3, rank=1, world_size=2)
@@ -30,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,6 +41,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, Subset
+
+from gradsketch import _distributed as _common
+from gradsketch._distributed import (
+    DistributedMismatchError,
+    barrier,
+    is_distributed,
+    rank_and_world,
+    rank_zero_first,
+)
 
 __all__ = [
     "ChunkShardSampler",
@@ -55,43 +66,25 @@ __all__ = [
 ]
 
 
-class DistributedMismatchError(RuntimeError):
-    """Ranks of one job disagree on something that must be identical (weights, sizes)."""
+def require_same_across_ranks(value: Any, *, what: str) -> None:
+    """:func:`gradsketch._distributed.require_same_across_ranks` with TRAK's argument order.
 
+    Kept for the TRAKer's calls; new code calls the ground-floor
+    ``require_same_across_ranks(name, value)`` directly.
 
-def is_distributed() -> bool:
-    """Whether a ``torch.distributed`` process group is initialised in this process."""
-    return dist.is_available() and dist.is_initialized()
+    Args:
+        value: a picklable value (a fingerprint, a size).
+        what: what it is, for the message.
 
-
-def rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one."""
-    if not is_distributed():
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()
-
-
-def barrier() -> None:
-    """Wait for every rank (no-op without a process group)."""
-    if is_distributed() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-@contextlib.contextmanager
-def rank_zero_first() -> Iterator[bool]:
-    """Run the block on rank 0, then on the other ranks; yields ``rank == 0``.
-
-    For creating shared files (the settings record, zarr arrays, checkpoint
-    records): rank 0 creates them while the others wait, then the others find
-    them in place and only open them. The block must write only when the
-    yielded flag is true, or when the file is still absent.
+    Raises:
+        DistributedMismatchError: the ranks' values differ.
     """
-    rank, world = rank_and_world()
-    if world > 1 and rank != 0:
-        dist.barrier()
-    yield rank == 0
-    if world > 1 and rank == 0:
-        dist.barrier()
+    _common.require_same_across_ranks(
+        what,
+        value,
+        fix="Load the same checkpoint and settings on every rank (seed model construction "
+        "identically).",
+    )
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -292,27 +285,6 @@ def all_gather_columns(local: Tensor, n_columns: int) -> Tensor:
     pieces = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(pieces, padded)
     return torch.cat(pieces, dim=1)[:, :n_columns].to(local.device)
-
-
-def require_same_across_ranks(value: Any, *, what: str) -> None:
-    """Raise :class:`DistributedMismatchError` unless every rank passes an equal ``value``.
-
-    Args:
-        value: a picklable value (a fingerprint, a size).
-        what: what it is, for the message.
-    """
-    world = rank_and_world()[1]
-    if world == 1:
-        return
-    values: list[Any] = [None] * world
-    dist.all_gather_object(values, value)
-    if any(v != values[0] for v in values[1:]):
-        listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-        raise DistributedMismatchError(
-            f"{what} differs across ranks ({listing}); every rank must pass the same one. "
-            "Load the same checkpoint and settings on every rank (seed model construction "
-            "identically)."
-        )
 
 
 class RowWindow:

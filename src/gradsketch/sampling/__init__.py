@@ -7,6 +7,7 @@ drive the local learning coefficient estimator (Lau et al. 2023). The
 optimizer layer is call-compatible with devinterp 2.0's ``SGMCMC`` / ``SGLD``.
 """
 
+from gradsketch._distributed import DistributedMismatchError
 from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
 from gradsketch.sampling._llc import (
     default_nbeta,
@@ -49,6 +50,7 @@ __all__ = [
     "estimate_learning_coeff_with_summary",
     "estimate_learning_coeff",
     "estimate_learning_coeff_distributed",
+    "DistributedMismatchError",
     "default_nbeta",
     "evaluate_ce",
     # recording and plots

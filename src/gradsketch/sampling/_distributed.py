@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from gradsketch import _distributed as _common
+from gradsketch._distributed import DistributedMismatchError
 from gradsketch.sampling._llc import (
     Evaluate,
     _chain_seed,
@@ -42,38 +43,6 @@ from gradsketch.sampling._sgmcmc import SGMCMC
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedMismatchError", "estimate_learning_coeff_distributed"]
-
-
-class DistributedMismatchError(RuntimeError):
-    """Ranks of one job passed different models or settings."""
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
-
-
-def _broadcast(value: Any, world: int) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(value: Any, world: int) -> list[Any]:
-    if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _model_fingerprint(model: torch.nn.Module) -> str:
@@ -107,7 +76,7 @@ def _device_for_rank(device: str | torch.device) -> torch.device:
     """``"cuda"`` without an index means this rank's GPU (``LOCAL_RANK``)."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", _common.local_rank())
     return dev
 
 
@@ -195,7 +164,7 @@ def estimate_learning_coeff_distributed(
     _check_count("num_steps_bw_draws", num_steps_bw_draws)
     _check_count("grad_accum_steps", grad_accum_steps)
     _check_count("num_burnin_steps", num_burnin_steps, allow_zero=True)
-    rank, world = _rank_and_world()
+    rank, world = _common.rank_and_world()
     check_distributed_callbacks(callbacks, world)
     evaluate = evaluate if evaluate is not None else evaluate_ce
     method = _resolve_method(sampling_method)
@@ -210,36 +179,33 @@ def estimate_learning_coeff_distributed(
     nbeta = float(kwargs["nbeta"])
     if seed is None:
         # The same draw from the global generator as one process, made once.
-        seed = _broadcast(int(torch.randint(0, 2**31 - 1, ()).item()) if rank == 0 else None, world)
+        seed = _common.broadcast_object(
+            int(torch.randint(0, 2**31 - 1, ()).item()) if rank == 0 else None
+        )
     assert seed is not None
     torch_device = _device_for_rank(device)
 
-    shared = (
-        _model_fingerprint(model),
-        seed,
-        num_chains,
-        num_draws,
-        num_burnin_steps,
-        num_steps_bw_draws,
-        grad_accum_steps,
-        nbeta,
-        _method_name(sampling_method),
+    _common.require_same_across_ranks(
+        "LLC settings",
+        {
+            "model fingerprint": _model_fingerprint(model),
+            "seed": seed,
+            "num_chains": num_chains,
+            "num_draws": num_draws,
+            "num_burnin_steps": num_burnin_steps,
+            "num_steps_bw_draws": num_steps_bw_draws,
+            "grad_accum_steps": grad_accum_steps,
+            "nbeta": nbeta,
+            "sampling_method": _method_name(sampling_method),
+        },
+        fix="Every rank must pass the same model weights and arguments.",
     )
-    values = _gather(shared, world)
-    if any(v != values[0] for v in values[1:]):
-        names = "(model fingerprint, seed, chains, draws, burn-in, steps between draws, "
-        names += "grad accumulation, nbeta, sampler)"
-        listing = "\n  ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-        raise DistributedMismatchError(
-            f"ranks disagree on {names}:\n  {listing}\nEvery rank must pass the same model "
-            "weights and arguments."
-        )
 
     if init_loss is None and rank == 0:
         init_loss = _initial_loss(
             copy.deepcopy(model).to(torch_device).eval(), loader, evaluate, torch_device, seed
         )
-    init_loss = float(_broadcast(init_loss, world))
+    init_loss = float(_common.broadcast_object(init_loss))
 
     store_settings = None
     sketch_dim = kwargs.get("sketch_dim")
@@ -262,10 +228,7 @@ def estimate_learning_coeff_distributed(
             record_metrics=bool(kwargs.get("save_metrics", False)),
         )
         # Rank 0 creates the arrays; the others open them once they exist.
-        if rank == 0:
-            store_obj = open_draw_store(store, settings, sketch_dim=sketch_dim)
-        _barrier(world)
-        if rank != 0:
+        with _common.rank_zero_first():
             store_obj = open_draw_store(store, settings, sketch_dim=sketch_dim)
         store_settings = settings.to_dict()
 
@@ -303,7 +266,7 @@ def estimate_learning_coeff_distributed(
     progress.close()
 
     traces: dict[int, np.ndarray] = {}
-    for part in _gather(local, world):
+    for part in _common.all_gather_object(local):
         traces.update(part)
     results = _summary(np.stack([traces[c] for c in range(num_chains)]), init_loss, nbeta, online)
     for callback in callbacks:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import torch
 
 
 def free_port() -> int:
@@ -41,3 +45,14 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 120.0) -
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{output[-6000:]}"
     return output
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Single-threaded torch, like every torchrun rank, so GEMMs and steps round the same way."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

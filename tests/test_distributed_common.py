@@ -11,7 +11,6 @@ equal the one-process command's bit for bit.
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import sys
 import textwrap
@@ -29,7 +28,7 @@ import gradsketch.attribution._distributed
 import gradsketch.sampling._distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import free_port, torchrun
+from _launch import free_port, one_thread, torchrun
 
 WORLD = 2
 
@@ -54,17 +53,6 @@ target_loader = make_loader(_split.x_test[:6], _split.y_test[:6], batch_size=4)
 task = "image_classification"
 proj_dim = 16
 """
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Single-threaded BLAS, like every torchrun rank, so GEMMs round the same way."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ as X₀ᵀX₀ + X₁ᵀX₁ rather than in one product) the tolerance is derive
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,22 +46,11 @@ from gradsketch.attribution._linalg import damped_inverse, xtx_blocked
 from gradsketch.attribution._scores import CheckpointGrads, score_checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _launch import torchrun
+from _launch import one_thread, torchrun
 
 WORLD = 2
 LAMBDA = 0.05
 U = 2.0**-24  # unit roundoff of float32
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Single-threaded BLAS, like every torchrun rank, so GEMMs round the same way."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def gamma(n: int) -> float:

@@ -8,11 +8,9 @@ close.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import pickle
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,20 +29,9 @@ from gradsketch.sampling._recording import METRIC_FIELDS
 from gradsketch.sketch import SKETCH_QUANTITIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _launch import torchrun
+from _launch import one_thread, torchrun
 
 WORLD = 2
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """One thread, like every torchrun rank, so each step rounds the same way."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def assert_same_summary(a: dict, b: dict) -> None:

@@ -4,7 +4,15 @@ Prints one JSON line per (implementation, setting) with the median step time
 over repeats and ratios against devinterp measured in the same run, then the
 wall time of a 4-chain LLC estimate on a digits MLP with cores=1 and cores=2.
 
-Run: ``.venv/bin/python benchmarks/bench_sampling.py [--repeats 30] [--skip-llc]``.
+Every optimizer is stepped in turn inside one loop (interleaved), so all of
+them see the same machine load. Two clocks are reported: wall time
+(``median_ms``) and process CPU time (``cpu_ms``). On a shared machine the
+wall clock includes time spent descheduled; CPU time does not, so the
+overhead ratios in ``cpu_overhead_vs_own_plain`` are the stable ones there.
+With several torch threads on a loaded machine every parallel op also waits
+for its slowest thread: ``--threads 1`` measures the work itself.
+
+Run: ``.venv/bin/python benchmarks/bench_sampling.py [--repeats 30] [--threads 1] [--skip-llc]``.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import copy
 import itertools
 import json
 import logging
+import os
 import statistics
 import time
 import warnings
@@ -37,24 +46,31 @@ def mlp(widths: list[int]) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers[:-1])
 
 
-def time_interleaved(opts: dict[str, torch.optim.Optimizer], repeats: int) -> dict[str, float]:
-    """Median step time of each optimizer, alternating them every repeat.
+def time_interleaved(
+    opts: dict[str, torch.optim.Optimizer], repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall and CPU time (ms) of each optimizer's step, alternating them every repeat.
 
     The machine is shared: alternating puts every implementation under the
     same load, so the ratios stay meaningful even when absolute times drift.
     """
-    times: dict[str, list[float]] = {name: [] for name in opts}
+    wall: dict[str, list[float]] = {name: [] for name in opts}
+    cpu: dict[str, list[float]] = {name: [] for name in opts}
     gens = {name: torch.Generator().manual_seed(0) for name in opts}
     for i in range(repeats + 3):
         for name, opt in opts.items():
-            start = time.perf_counter()
+            cpu_start, start = time.process_time(), time.perf_counter()
             if isinstance(opt, torch.optim.SGD):
                 opt.step()
             else:
                 opt.step(noise_generator=gens[name])
             if i >= 3:  # warm-up: lazy state, allocator, first-touch pages
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - cpu_start)
+    return (
+        {name: statistics.median(ts) * 1e3 for name, ts in wall.items()},
+        {name: statistics.median(ts) * 1e3 for name, ts in cpu.items()},
+    )
 
 
 def bench_step(repeats: int) -> list[dict]:
@@ -85,7 +101,7 @@ def bench_step(repeats: int) -> list[dict]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 opts[f"devinterp/{setting}"] = DevSGMCMC.sgld(fresh().parameters(), **kw, **extra)
-    ms = time_interleaved(opts, repeats)
+    ms, cpu = time_interleaved(opts, repeats)
     rows = []
     for setting in SETTINGS:
         ours = ms[f"gradsketch/{setting}"]
@@ -94,19 +110,24 @@ def bench_step(repeats: int) -> list[dict]:
             "impl": "gradsketch",
             "setting": setting,
             "numel": numel,
+            "threads": torch.get_num_threads(),
+            "load_avg_1min": round(os.getloadavg()[0], 2),
             "median_ms": round(ours, 3),
+            "cpu_ms": round(cpu[f"gradsketch/{setting}"], 3),
             "torch_sgd_ms": round(ms["sgd"], 3),
         }
         if f"devinterp/{setting}" in ms:
             row["devinterp_ms"] = round(ms[f"devinterp/{setting}"], 3)
+            row["devinterp_cpu_ms"] = round(cpu[f"devinterp/{setting}"], 3)
             row["speedup_vs_devinterp"] = round(ms[f"devinterp/{setting}"] / ours, 2)
+            row["cpu_speedup_vs_devinterp"] = round(
+                cpu[f"devinterp/{setting}"] / cpu[f"gradsketch/{setting}"], 2
+            )
+        row["overhead_vs_own_plain"] = round(ours / ms["gradsketch/plain"] - 1.0, 3)
+        row["cpu_overhead_vs_own_plain"] = round(
+            cpu[f"gradsketch/{setting}"] / cpu["gradsketch/plain"] - 1.0, 3
+        )
         rows.append(row)
-    plain = next(
-        r["median_ms"] for r in rows if r["impl"] == "gradsketch" and r["setting"] == "plain"
-    )
-    for r in rows:
-        if r["impl"] == "gradsketch":
-            r["overhead_vs_own_plain"] = round(r["median_ms"] / plain - 1.0, 3)
     return rows
 
 
@@ -156,7 +177,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--skip-llc", action="store_true")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     rows = bench_step(args.repeats)
     if not args.skip_llc:
         rows += bench_llc()

@@ -354,6 +354,35 @@ def test_store_without_sketches_or_metrics_says_how_to_record(tmp_path: Path):
         store.metrics("noise")
 
 
+def test_draw_store_is_a_shared_row_store(tmp_path: Path):
+    """The recording sits on the ground-floor RowStore and settings record: one
+    SettingsMismatchError class for the whole package, package versions recorded
+    (never compared), one chain per chunk so processes writing different chains
+    never share a file, and arrays of another shape refused with both shapes."""
+    import gradsketch._settings
+    from gradsketch._store import RowStore
+
+    assert SettingsMismatchError is gradsketch._settings.SettingsMismatchError
+    settings = LLCRecordSettings(num_chains=3, num_draws=4, seed=0, nbeta=2.0, record_metrics=True)
+    store = open_draw_store(tmp_path / "s", settings, sketch_dim=8)
+    assert isinstance(store.rows, RowStore) and store.sketch_dim == 8
+    record = json.loads((tmp_path / "s" / "settings.json").read_text())
+    assert record["num_draws"] == 4 and "torch" in record["versions"]
+    for name in ("loss", "sketch/noise", "metrics/distance", "chains.done"):
+        assert store.rows.array(name).chunks[0] == 1, name
+    sketches = np.arange(4 * 5 * 8, dtype=np.float32).reshape(4, 5, 8)
+    metrics = np.arange(4 * 9, dtype=np.float64).reshape(4, 9)
+    store.write_chain(1, np.arange(4.0), sketches, metrics)
+    assert [store.chain_done(c) for c in range(3)] == [False, True, False]
+    np.testing.assert_array_equal(store.sketches("weight_decay")[1], sketches[:, 3])
+    np.testing.assert_array_equal(store.metrics("dot_grad_noise")[1], metrics[:, 7])
+    assert np.isnan(store.losses()[0]).all() and np.isnan(store.sketches("noise")[2]).all()
+    with pytest.raises(SettingsMismatchError, match=r"shape \(3, 4, 8\).*shape \(3, 4, 16\)"):
+        open_draw_store(tmp_path / "s", settings, sketch_dim=16)
+    with pytest.raises(SettingsMismatchError, match=r"seed: stored 0, requested 1"):
+        LLCRecordSettings(num_chains=3, num_draws=4, seed=1, nbeta=2.0).require_same(settings)
+
+
 def test_plot_trace_writes_png(tmp_path: Path):
     res = {
         "loss/trace": np.random.default_rng(0).normal(size=(3, 20)),
@@ -502,7 +531,7 @@ LLC_ERRORS = [
     pytest.param(
         lambda: LLCRecordSettings.from_dict({"num_chains": 1, "bogus": 2}),
         ValueError,
-        r"unknown settings fields \['bogus'\]",
+        r"fields \['bogus'\] that LLCRecordSettings does not know",
         id="settings-unknown",
     ),
 ]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gradsketch.sampling import PRECONDITIONERS, SGLD, SGMCMC, Metrics
+from gradsketch.sampling import _sgmcmc as sgmcmc_module
 from gradsketch.sketch import CountSketch
 
 QUANTITIES = ("scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise")
@@ -189,8 +190,16 @@ def ref_kwargs_for(method, kwargs):
     return out
 
 
+@pytest.fixture(params=[sgmcmc_module.REDUCE_TILE, 7], ids=["one-tile", "tiles-of-7"])
+def tile(request, monkeypatch):
+    """The fused Gram/sketch pass at its real tile size and at 7 columns, so that tile
+    boundaries fall inside parameters and between them (the small model has 59 coordinates)."""
+    monkeypatch.setattr(sgmcmc_module, "REDUCE_TILE", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize(("method", "kwargs", "ref_extra"), CASES)
-def test_matches_float64_reference(method, kwargs, ref_extra):
+def test_matches_float64_reference(method, kwargs, ref_extra, tile):
     """Trajectory, metrics and numel equal the reference loop (float64, same noise stream)."""
     ours_model, ref_model = small_model(), small_model()
     kwargs = dict(kwargs)
@@ -224,7 +233,7 @@ def test_matches_float64_reference(method, kwargs, ref_extra):
 
 
 @pytest.mark.parametrize(("method", "kwargs", "ref_extra"), CASES)
-def test_sketch_of_each_component_equals_scatter_into(method, kwargs, ref_extra):
+def test_sketch_of_each_component_equals_scatter_into(method, kwargs, ref_extra, tile):
     """Exact identity: sketch(component) == CountSketch.scatter_into_ at each parameter's offset.
 
     Under a mask the sketch runs over the selected coordinates only, in order.
@@ -267,6 +276,39 @@ def test_sketch_of_each_component_equals_scatter_into(method, kwargs, ref_extra)
             scale = max(float(want.abs().max()), 1e-30)
             # float32 buffer: relative error ~ a few float32 ulps of the largest bucket.
             torch.testing.assert_close(got.as_dict()[q].double(), want, rtol=0, atol=1e-6 * scale)
+
+
+def test_changed_hyperparameters_between_steps_are_recorded():
+    """The coefficient matrix is cached per group; changing lr, nbeta or the prior
+    strength between steps (a schedule) must rebuild it: metrics and sketches keep
+    matching the float64 reference and scatter_into_ after every change."""
+    ours_model, ref_model = small_model(), small_model()
+    params = list(ours_model.parameters())
+    opt = SGMCMC.sgld(
+        params, lr=1e-3, nbeta=10.0, localization=3.0, save_metrics=True, sketch_dim=8
+    )
+    ref = Reference(ref_model.parameters(), lr=1e-3, nbeta=10.0, localization=3.0)
+    cs = CountSketch.create(sum(p.numel() for p in params), 8)
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    schedule = [{}, {"lr": 2e-3}, {"nbeta": 4.0}, {"localization": 0.5, "weight_decay": 0.2}]
+    for step, change in enumerate(schedule):
+        opt.param_groups[0].update(change)
+        for name, value in change.items():
+            setattr(ref, {"localization": "gamma", "weight_decay": "lam"}.get(name, name), value)
+        set_grads(ours_model, step)
+        set_grads(ref_model, step)
+        opt.step(noise_generator=g1)
+        comps = ref.step(g2)
+        got, want = opt.get_metrics(), Reference.metrics(comps)
+        for name, value in want.items():
+            assert float(getattr(got, name)) == pytest.approx(value, rel=1e-10, abs=1e-14), name
+        for q in QUANTITIES:
+            exact = torch.zeros(8, dtype=torch.float64)
+            cs.scatter_into_(exact, torch.cat([c.flatten() for c in comps[q]]), 0)
+            scale = max(float(exact.abs().max()), 1e-30)
+            torch.testing.assert_close(
+                opt.get_sketches().as_dict()[q].double(), exact, rtol=0, atol=1e-6 * scale
+            )
 
 
 def test_parameter_without_grad_advances_offset_and_buffer_is_zeroed():

@@ -1,16 +1,19 @@
 """Per-draw recording of an LLC run: loss trace, sketches and metrics in a zarr v3 store.
 
-Layout of the store (a directory)::
+The store is a :class:`gradsketch._store.RowStore` (one row per chain) with
+the run's :class:`LLCRecordSettings` as its settings record. Layout::
 
-    settings.json                     the LLCRecordSettings that made it
+    settings.json                     the settings record (+ package versions)
     loss          [chains, draws]     float64 sampled loss per draw
     sketch/<q>    [chains, draws, k]  float32, q in SKETCH_QUANTITIES (when sketched)
     metrics/<m>   [chains, draws]     float64, m in Metrics fields (when recorded)
-    chain_done    [chains]            bool; a rerun skips finished chains
+    chains.done   [chains]            uint8; 1 = every array holds the chain
 
 Every array is chunked one chain per chunk, so processes running different
-chains write disjoint chunks and a killed run resumes at the first unfinished
-chain. Reopening with different settings is refused, showing both.
+chains write disjoint chunks, and a chain's flag is set only after all its
+rows are on disk: a killed run resumes at the first unfinished chain.
+Reopening with different settings raises
+:class:`~gradsketch._settings.SettingsMismatchError` showing both values.
 """
 
 from __future__ import annotations
@@ -19,23 +22,26 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
 
+from gradsketch._settings import (
+    SettingsMismatchError,
+    require_same_settings,
+    settings_from_record,
+)
+from gradsketch._store import RowStore
 from gradsketch.sampling._metrics import DOT_FIELDS, NORM_FIELDS
 from gradsketch.sketch import SKETCH_QUANTITIES
 
 __all__ = ["DrawStore", "LLCRecordSettings", "SettingsMismatchError", "open_draw_store"]
 
-SETTINGS_FILE = "settings.json"
+#: Metric arrays, in the order of :meth:`DrawStore.write_chain`'s ``metrics`` columns.
 METRIC_FIELDS: tuple[str, ...] = (*NORM_FIELDS, *DOT_FIELDS)
 
-
-class SettingsMismatchError(ValueError):
-    """A store was reopened with settings that differ from the ones that wrote it."""
+#: Name of the per-chain completion flags.
+DONE = "chains.done"
 
 
 @dataclass
@@ -92,53 +98,46 @@ class LLCRecordSettings:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LLCRecordSettings:
-        """Inverse of :meth:`to_dict`; unknown fields are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"`data` has unknown settings fields {unknown}; allowed: {sorted(known)}."
-            )
-        return cls(**data)
+        """Inverse of :meth:`to_dict`; also reads a store's ``settings.json`` (versions ignored).
+
+        Raises:
+            SettingsMismatchError: ``data`` has fields this class does not know.
+        """
+        return settings_from_record(cls, data)  # type: ignore[no-any-return]
 
     def require_same(self, other: LLCRecordSettings) -> None:
-        """Raise :class:`SettingsMismatchError` listing both values of every differing field."""
-        if self == other:
-            return
-        diffs = [
-            f"  {f.name}: stored {getattr(other, f.name)!r}, requested {getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        ]
-        raise SettingsMismatchError(
-            "the store was written with different settings:\n"
-            + "\n".join(diffs)
-            + "\nUse a new store path, delete the old store, or rerun with the stored settings."
-        )
+        """Raise :class:`SettingsMismatchError` listing both values of every differing field.
+
+        ``other`` is the stored side, ``self`` the requested one.
+        """
+        require_same_settings(other.to_dict(), self.to_dict(), where="the LLC draw store")
 
 
 class DrawStore:
-    """A zarr v3 group holding one LLC run's draws (see the module docstring for the layout)."""
+    """One LLC run's draws on a :class:`~gradsketch._store.RowStore` (layout: module docstring).
 
-    def __init__(self, path: Path, settings: LLCRecordSettings, group: zarr.Group) -> None:
-        self.path = path
+    Attributes:
+        path: Directory of the store.
+        settings: The settings it was opened with (equal to the stored ones).
+        rows: The underlying row store.
+    """
+
+    def __init__(self, rows: RowStore, settings: LLCRecordSettings) -> None:
+        self.rows = rows
+        self.path = rows.path
         self.settings = settings
-        self._group = group
-
-    def _array(self, name: str) -> Any:
-        # zarr's Group.__getitem__ is typed for groups and arrays alike; ours are arrays.
-        return self._group[name]
 
     @property
     def sketch_dim(self) -> int | None:
         """Size k of the stored sketches, or None."""
-        if "sketch" not in self._group:
+        name = f"sketch/{SKETCH_QUANTITIES[0]}"
+        if not self.rows.has(name):
             return None
-        return int(self._array(f"sketch/{SKETCH_QUANTITIES[0]}").shape[-1])
+        return int(self.rows.array(name).shape[-1])
 
     def chain_done(self, chain: int) -> bool:
         """Whether ``chain`` was written completely."""
-        return bool(self._array("chain_done")[chain])
+        return bool(self.rows.done_rows(DONE)[chain])
 
     def write_chain(
         self,
@@ -155,18 +154,18 @@ class DrawStore:
             sketches: ``[draws, 5, k]`` in :data:`SKETCH_QUANTITIES` order, or None.
             metrics: ``[draws, 9]`` in norm-then-dot field order, or None.
         """
-        self._array("loss")[chain, :] = np.asarray(losses, dtype=np.float64)
+        data: dict[str, np.ndarray] = {"loss": np.asarray(losses, dtype=np.float64)[None]}
         if sketches is not None:
             for i, q in enumerate(SKETCH_QUANTITIES):
-                self._array(f"sketch/{q}")[chain, :, :] = sketches[:, i, :].astype(np.float32)
+                data[f"sketch/{q}"] = sketches[None, :, i, :].astype(np.float32)
         if metrics is not None:
             for i, name in enumerate(METRIC_FIELDS):
-                self._array(f"metrics/{name}")[chain, :] = metrics[:, i]
-        self._array("chain_done")[chain] = True
+                data[f"metrics/{name}"] = np.asarray(metrics[None, :, i], dtype=np.float64)
+        self.rows.write_rows(slice(chain, chain + 1), data, done=DONE)
 
     def losses(self) -> np.ndarray:
         """``[chains, draws]`` loss trace (NaN where not yet written)."""
-        return np.asarray(self._array("loss")[:])
+        return np.asarray(self.rows.array("loss")[:])
 
     def sketches(self, quantity: str) -> np.ndarray:
         """``[chains, draws, k]`` sketches of one component."""
@@ -174,21 +173,24 @@ class DrawStore:
             raise ValueError(
                 f"`quantity` must be one of {list(SKETCH_QUANTITIES)}, got {quantity!r}."
             )
-        if "sketch" not in self._group:
+        if self.sketch_dim is None:
             raise RuntimeError(
                 "this store holds no sketches; record with optimizer_kwargs={'sketch_dim': k}."
             )
-        return np.asarray(self._array(f"sketch/{quantity}")[:])
+        return np.asarray(self.rows.array(f"sketch/{quantity}")[:])
 
     def metrics(self, name: str) -> np.ndarray:
         """``[chains, draws]`` values of one metric."""
         if name not in METRIC_FIELDS:
             raise ValueError(f"`name` must be one of {list(METRIC_FIELDS)}, got {name!r}.")
-        if "metrics" not in self._group:
+        if not self.rows.has(f"metrics/{name}"):
             raise RuntimeError(
                 "this store holds no metrics; record with optimizer_kwargs={'save_metrics': True}."
             )
-        return np.asarray(self._array(f"metrics/{name}")[:])
+        return np.asarray(self.rows.array(f"metrics/{name}")[:])
+
+    def __repr__(self) -> str:
+        return f"DrawStore({str(self.path)!r}, chains={self.settings.num_chains})"
 
 
 def open_draw_store(
@@ -205,44 +207,32 @@ def open_draw_store(
         The store.
 
     Raises:
-        SettingsMismatchError: ``path`` holds a store with other settings.
+        SettingsMismatchError: ``path`` holds a store with other settings, or
+            arrays of another shape (both shown).
 
     Example:
         >>> import tempfile
         >>> s = LLCRecordSettings(num_chains=2, num_draws=3, seed=0, nbeta=1.0)
         >>> with tempfile.TemporaryDirectory() as d:
-        ...     store = open_draw_store(Path(d) / "run", s)
+        ...     store = open_draw_store(os.path.join(d, "run"), s)
         ...     store.write_chain(0, np.arange(3.0))
-        ...     reopened = open_draw_store(Path(d) / "run", s)
+        ...     reopened = open_draw_store(os.path.join(d, "run"), s)
         ...     reopened.chain_done(0), reopened.chain_done(1)
         (True, False)
     """
-    root = Path(path)
-    settings_path = root / SETTINGS_FILE
-    if settings_path.exists():
-        stored = LLCRecordSettings.from_dict(json.loads(settings_path.read_text()))
-        settings.require_same(stored)
-        return DrawStore(root, settings, zarr.open_group(str(root), mode="r+"))
-    root.mkdir(parents=True, exist_ok=True)
-    group = zarr.open_group(str(root), mode="w")
+    rows = RowStore(os.fspath(path), settings, what="LLC draw store")
     c, d = settings.num_chains, settings.num_draws
-    group.create_array("loss", shape=(c, d), chunks=(1, d), dtype="float64", fill_value=np.nan)
-    group.create_array("chain_done", shape=(c,), chunks=(1,), dtype="bool", fill_value=False)
+    # One chain per chunk (data and flags): writers of different chains never share a file.
+    rows.require_array("loss", (c, d), np.float64, chunk_rows=1, fill_value=np.nan)
     if sketch_dim is not None:
         for q in SKETCH_QUANTITIES:
-            group.create_array(
-                f"sketch/{q}",
-                shape=(c, d, sketch_dim),
-                chunks=(1, d, sketch_dim),
-                dtype="float32",
-                fill_value=np.nan,
+            rows.require_array(
+                f"sketch/{q}", (c, d, sketch_dim), np.float32, chunk_rows=1, fill_value=np.nan
             )
     if settings.record_metrics:
         for name in METRIC_FIELDS:
-            group.create_array(
-                f"metrics/{name}", shape=(c, d), chunks=(1, d), dtype="float64", fill_value=np.nan
+            rows.require_array(
+                f"metrics/{name}", (c, d), np.float64, chunk_rows=1, fill_value=np.nan
             )
-    group.attrs["settings"] = settings.to_dict()
-    # settings.json last: its presence means the arrays exist.
-    settings_path.write_text(json.dumps(settings.to_dict(), indent=2, sort_keys=True))
-    return DrawStore(root, settings, group)
+    rows.require_done(DONE, c, chunk_rows=1)
+    return DrawStore(rows, settings)

@@ -305,13 +305,30 @@ _PRIOR_FORMS = (
 )
 
 
+#: Columns per tile of the fused Gram/sketch pass: a ``[r, tile]`` float32 tile and
+#: its int64 table stay in a core's L2 cache while both reductions read them, and
+#: tiles bound the float32 partial sums of the Gram (accumulated in float64).
+REDUCE_TILE = 1 << 16
+
+
 @dataclass
 class _GroupPlan:
-    """What a parameter group's step needs, fixed at construction."""
+    """What a parameter group's step needs; fixed at construction or cached between steps."""
 
     numel: int
     offset: int  # first coordinate of the group in the sketch's index space
     folded: torch.Tensor | None = None  # [numel] count-sketch table (2k = trash bucket)
+    # Workspace [r, numel] and, per parameter, its rows as views shaped like the parameter.
+    workspace: torch.Tensor | None = None
+    workspace_names: tuple[str, ...] = ()
+    views: list[dict[str, torch.Tensor]] | None = None
+    # Coefficients C[6, r] turning the workspace rows into the six components,
+    # valid while `coef_key` (the hyperparameters) is unchanged.
+    coef_key: tuple[Any, ...] | None = None
+    coef: torch.Tensor | None = None
+    sketch_rows: int = 0  # leading workspace rows that feed a sketched component
+    sketch_coef: torch.Tensor | None = None  # C[:5, :sketch_rows] in float32
+    scratch: torch.Tensor | None = None  # [sketch_rows, 2k + 1] index_add_ target
 
 
 class SGMCMC(Optimizer):
@@ -342,9 +359,18 @@ class SGMCMC(Optimizer):
     first five, where ``S`` is one :class:`~gradsketch.sketch.CountSketch`
     over all parameters of all groups in order (under a mask, over the
     selected coordinates only; the fingerprint then carries the mask), so
-    ``E<S a, S b> = <a, b>``. Both are computed from one ``[r, n]`` block of
-    the distinct vectors per group: the Gram matrix gives every norm and dot
-    product in one matmul, one ``index_add_`` sketches every row.
+    ``E<S a, S b> = <a, b>``. Both come from one preallocated ``[r, n]`` block
+    per group into which the update writes the ``r`` distinct vectors
+    (identity preconditioner: gradient, noise, distance and, when used, the
+    weights; otherwise the five components). One pass over column tiles of
+    the block then gives the Gram matrix (every norm and inner product,
+    accumulated in float64) and, with one ``index_add_`` per tile through
+    :meth:`CountSketch.folded_table`, the sketch of every row; a ``[6, r]``
+    coefficient matrix maps both to the components.
+
+    Cost: drawing the noise bounds a plain step from below, and a count
+    sketch of ``r`` rows costs about ``r / 3`` of that draw on CPU (a scalar
+    scatter per coordinate), so ``sketch_dim`` adds most of the overhead.
 
     Args:
         params: Parameters or parameter-group dicts, as for any optimizer.
@@ -573,12 +599,12 @@ class SGMCMC(Optimizer):
         trash = 2 * k
         for group, plan in zip(self.param_groups, self._plans):
             if group["masks"] is None:
-                plan.folded = self._sketch._folded(plan.offset, plan.numel)
+                plan.folded = self._sketch.folded_table(plan.offset, plan.numel)
                 continue
             sel = torch.cat([m.reshape(-1) for m in group["masks"]])
             table = torch.full((plan.numel,), trash, dtype=torch.int64, device=device)
             count = int(sel.sum())
-            table[sel] = self._sketch._folded(plan.offset, count)
+            table[sel] = self._sketch.folded_table(plan.offset, count)
             plan.folded = table
 
     @property
@@ -655,28 +681,22 @@ class SGMCMC(Optimizer):
         else:
             names = ["scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise"]
             names.append("distance")
-        row = {n: i for i, n in enumerate(names)}
         block: torch.Tensor | None = None
+        views: list[dict[str, torch.Tensor]] | None = None
         if record:
-            dtype = torch.promote_types(params[0].dtype, torch.float32) if params else torch.float32
-            block = self._workspace(group, len(names), plan.numel, dtype, params)
+            block, views = self._workspace(group, plan, names, params)
         numel = 0
         energy = torch.zeros((), dtype=torch.float64)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            cols = slice(offset, offset + n)
-            offset += n
+        for i, p in enumerate(params):
             if p.grad is None:
-                if block is not None:
-                    block[:, cols].zero_()
+                if views is not None:
+                    for view in views[i].values():
+                        view.zero_()
                 continue
             state = self.state[p]
-            rows = (
-                None if block is None else {k: block[i, cols].view(p.shape) for k, i in row.items()}
-            )
+            rows = None if views is None else views[i]
             if fast:
-                numel += n
+                numel += p.numel()
                 self._update_identity(p, state, group, rows, gen)
             else:
                 numel += self._update_general(p, state, group, precond, rows, gen, half, root)
@@ -694,7 +714,65 @@ class SGMCMC(Optimizer):
             group["thermostat"] += energy / plan.numel - lr
         if block is None:
             return None, numel
+        coef = self._coefficients(
+            plan, names, fast, half=half, root=root, nbeta=nbeta, gamma=gamma, lam=lam
+        )
+        small = self._reduce(block, plan)
+        gram = None if small is None else coef @ small @ coef.T
+        return gram, numel
 
+    def _workspace(
+        self,
+        group: dict[str, Any],
+        plan: _GroupPlan,
+        names: list[str],
+        params: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """The group's ``[r, numel]`` rows and per-parameter views, allocated once.
+
+        The update writes every recorded vector straight into its row (no
+        block copy afterwards); the views are cached because building ``r``
+        views per parameter per step is measurable Python overhead.
+        """
+        dtype = torch.promote_types(params[0].dtype, torch.float32) if params else torch.float32
+        device = params[0].device if params else torch.device("cpu")
+        ws = plan.workspace
+        if (
+            ws is None
+            or ws.shape != (len(names), plan.numel)
+            or ws.dtype != dtype
+            or ws.device != device
+            or plan.views is None
+            or plan.workspace_names != tuple(names)
+        ):
+            ws = torch.empty(len(names), plan.numel, dtype=dtype, device=device)
+            views: list[dict[str, torch.Tensor]] = []
+            offset = 0
+            for p in params:
+                cols = slice(offset, offset + p.numel())
+                views.append({name: ws[i, cols].view(p.shape) for i, name in enumerate(names)})
+                offset += p.numel()
+            plan.workspace, plan.views, plan.workspace_names = ws, views, tuple(names)
+        assert plan.views is not None
+        return ws, plan.views
+
+    def _coefficients(
+        self,
+        plan: _GroupPlan,
+        names: list[str],
+        fast: bool,
+        *,
+        half: float,
+        root: float,
+        nbeta: float,
+        gamma: float,
+        lam: float,
+    ) -> torch.Tensor:
+        """``C[6, r]`` (float64) with ``components = C @ rows``; cached per hyperparameters."""
+        key = (fast, tuple(names), half, root, nbeta, gamma, lam)
+        if plan.coef_key == key and plan.coef is not None:
+            return plan.coef
+        row = {n: i for i, n in enumerate(names)}
         coef = torch.zeros(6, len(names), dtype=torch.float64)
         if fast:
             coef[0, row["grad"]] = coef[1, row["grad"]] = half * nbeta
@@ -705,40 +783,57 @@ class SGMCMC(Optimizer):
             coef[5, row["distance"]] = 1.0
         else:
             coef[:, :] = torch.eye(6, dtype=torch.float64)
+        # Rows feeding a sketched component always form a prefix of the block
+        # (distance, which no sketch needs, comes last), so one contiguous
+        # slice is sketched; an unused row inside it only gets a zero coefficient.
+        used = (coef[:5] != 0).any(0).nonzero().flatten().tolist()
+        plan.sketch_rows = used[-1] + 1 if used else 0
+        plan.coef_key, plan.coef = key, coef
+        if self._sketch is not None:
+            device = self._sketch.device
+            plan.sketch_coef = coef[:5, : plan.sketch_rows].to(device, torch.float32)
+            plan.scratch = None  # its shape follows sketch_rows and the block dtype
+        return coef
+
+    def _reduce(self, block: torch.Tensor, plan: _GroupPlan) -> torch.Tensor | None:
+        """Fused pass over column tiles: Gram of the rows (returned) and sketch of the rows.
+
+        Per tile, ``rows @ rows.T`` gives every norm and inner product (in
+        float64 across tiles) and one ``index_add_`` into a ``[rows, 2k + 1]``
+        scratch sketches every row at once (signs folded into the bucket
+        index, see :meth:`CountSketch.folded_table`); the tile is still in
+        cache for the second read. The sketch rows are then combined into the
+        five components with one small matmul.
+        """
+        rows = plan.sketch_rows if self._sketch is not None else 0
+        scratch = None
+        if rows:
+            assert self._sketch is not None and plan.folded is not None
+            k = self._sketch.output_dim
+            scratch = plan.scratch
+            if scratch is None or scratch.dtype != block.dtype:
+                scratch = torch.zeros(rows, 2 * k + 1, dtype=block.dtype, device=block.device)
+                plan.scratch = scratch
+            else:
+                scratch.zero_()
         gram = None
         if self.save_metrics:
-            small = block @ block.T  # one fused pass gives every norm and inner product
-            gram = coef @ small.double() @ coef.T
-        if self.save_sketches:
-            self._sketch_block(block, coef, plan)
-        return gram, numel
-
-    def _workspace(
-        self, group: dict[str, Any], r: int, n: int, dtype: torch.dtype, params: list[torch.Tensor]
-    ) -> torch.Tensor:
-        ws = group.get("_workspace")
-        device = params[0].device if params else torch.device("cpu")
-        if ws is None or ws.shape != (r, n) or ws.dtype != dtype or ws.device != device:
-            ws = torch.empty(r, n, dtype=dtype, device=device)
-            group["_workspace"] = ws
-        return ws
-
-    def _sketch_block(self, block: torch.Tensor, coef: torch.Tensor, plan: _GroupPlan) -> None:
-        assert self._sketch is not None and self._sketch_rows is not None
-        assert plan.folded is not None
-        k = self._sketch.output_dim
-        # Only rows that feed one of the five sketched components (distance does not).
-        used = (coef[:5] != 0).any(0).nonzero().flatten().tolist()
-        if not used:
-            return
-        if used == list(range(used[-1] + 1)):
-            src = block[: used[-1] + 1]
-        else:
-            src = block[used]
-        scratch = torch.zeros(src.shape[0], 2 * k + 1, dtype=torch.float32, device=block.device)
-        scratch.index_add_(1, plan.folded, src.to(torch.float32))
-        sk = scratch[:, :k] - scratch[:, k : 2 * k]
-        self._sketch_rows.add_(coef[:5, used].to(sk) @ sk)
+            gram = torch.zeros(
+                block.shape[0], block.shape[0], dtype=torch.float64, device=block.device
+            )
+        for start in range(0, block.shape[1], REDUCE_TILE):
+            tile = block[:, start : start + REDUCE_TILE]
+            if gram is not None:
+                gram += (tile @ tile.T).to(torch.float64)
+            if scratch is not None:
+                assert plan.folded is not None
+                scratch.index_add_(1, plan.folded[start : start + REDUCE_TILE], tile[:rows])
+        if scratch is not None:
+            assert self._sketch_rows is not None and plan.sketch_coef is not None
+            k = self._sketch.output_dim  # type: ignore[union-attr]
+            sk = (scratch[:, :k] - scratch[:, k : 2 * k]).to(torch.float32)
+            self._sketch_rows.add_(plan.sketch_coef @ sk)
+        return None if gram is None else gram.cpu()
 
     def _update_identity(
         self,

@@ -84,7 +84,7 @@ def llc(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
 
     with process_group_from_env():
         summary_path = Path(llc_command(config, out))
-        # Every rank writes the summary: rank 0 reads it once all have finished.
+        # Rank 0 writes the summary; the others wait so the job ends together.
         barrier()
         first = rank() == 0
     if not first:

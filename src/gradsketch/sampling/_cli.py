@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from gradsketch._distributed import is_distributed, rank
+from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
 from gradsketch.sampling._llc import estimate_learning_coeff_with_summary
 from gradsketch.sampling._plot import plot_trace
 
@@ -102,14 +104,28 @@ def llc_command(config_path: str | os.PathLike[str], out_dir: str | os.PathLike[
         config_path: The config ``.py`` file (see the module docstring).
         out_dir: Output directory (created): ``llc_summary.json`` and ``llc_trace.png``.
 
+    Under ``torchrun`` (a process group is initialised), chains are spread
+    over ranks with :func:`estimate_learning_coeff_distributed` (``cores`` is
+    ignored) and only rank 0 writes.
+
     Returns:
         Path of the summary JSON. Its ``llc/mean`` is also printed by the CLI.
     """
     config = load_config(config_path)
-    results = estimate_learning_coeff_with_summary(
-        config["model"], config["loader"], evaluate=config["evaluate"], **config["settings"]
-    )
     out = Path(out_dir)
+    if is_distributed():
+        # Under torchrun the chains spread over ranks; every rank gets the same
+        # summary and rank 0 alone writes the files.
+        settings = {k: v for k, v in config["settings"].items() if k != "cores"}
+        results = estimate_learning_coeff_distributed(
+            config["model"], config["loader"], evaluate=config["evaluate"], **settings
+        )
+        if rank() != 0:
+            return out / SUMMARY_FILE
+    else:
+        results = estimate_learning_coeff_with_summary(
+            config["model"], config["loader"], evaluate=config["evaluate"], **config["settings"]
+        )
     out.mkdir(parents=True, exist_ok=True)
     plot_trace(results, out / PLOT_FILE)
     summary = {key: _jsonable(value) for key, value in results.items()}

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zarr
 
 import gradsketch.attribution as attribution
 from gradsketch.attribution._cli import (
@@ -132,6 +133,11 @@ def test_missing_model_lists_both_spellings():
         ({"lambda_reg": -0.5}, r"`lambda_reg` must be a finite number >= 0 or 'auto', got -0.5"),
         ({"lambda_reg": "ridge"}, r"`lambda_reg` must be .* got 'ridge'"),
         ({"projector_seed": 1.5}, r"`projector_seed` must be an int, got 1.5"),
+        (
+            {"memory_budget": 0},
+            r"`memory_budget` must be a positive number of bytes or None, got 0",
+        ),
+        ({"memory_budget": 1.5e9}, r"`memory_budget` must be .* got 1500000000.0"),
     ],
     ids=[
         "model-type",
@@ -145,6 +151,8 @@ def test_missing_model_lists_both_spellings():
         "lambda-neg",
         "lambda-str",
         "seed",
+        "budget-zero",
+        "budget-float",
     ],
 )
 def test_invalid_config_values(overrides, match):
@@ -255,3 +263,33 @@ def test_example_config_runs(tmp_path):
     summary = attribute_command(EXAMPLES / "attribute_config.py", tmp_path, progress=False)
     assert summary["scores_shape"] == [600, 50]
     assert "scored 50 targets" in summary["report"]
+
+
+def test_attribute_command_keeps_scores_over_budget_on_disk(tmp_path):
+    """A score matrix above `memory_budget` stays in the store's zarr array, never loaded.
+
+    proj_dim 4 makes the smallest valid budget (about 450 bytes for the
+    inverse and one row) smaller than the 40 x 6 float32 scores (960 bytes).
+    """
+    base = TINY_CONFIG.format(ckpt_path=str(tmp_path / "c.pt"), lambda_reg=0.0)
+    base = base.replace("proj_dim = 16", "proj_dim = 4")
+    in_memory = attribute_command(
+        write_config(tmp_path, base, "mem.py"), tmp_path / "mem", progress=False
+    )
+    assert not in_memory["scores_on_disk"]
+    out = tmp_path / "disk"
+    (out).mkdir()
+    np.save(out / "scores.npy", np.zeros(1))  # a stale file from an earlier run
+    summary = attribute_command(
+        write_config(tmp_path, base + "\nmemory_budget = 600\n", "disk.py"), out, progress=False
+    )
+    where = out / "trak_store" / "scores" / "targets"
+    assert summary["scores_on_disk"] and summary["settings"]["memory_budget"] == 600
+    assert summary["files"]["scores"] == str(where)
+    assert f"zarr array {where}" in summary["report"]
+    assert not (out / "scores.npy").exists()
+    on_disk = zarr.open_array(str(where), mode="r")[:]
+    # Same scores up to the tiling of the GEMMs (float32 sums in another order).
+    ref = np.load(tmp_path / "mem" / "scores.npy")
+    np.testing.assert_allclose(on_disk, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    assert summary["top_proponents"]["0"] == np.argsort(-on_disk[:, 0], kind="stable")[:5].tolist()

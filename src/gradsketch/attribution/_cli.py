@@ -22,12 +22,17 @@ name                required  meaning
 ``num_targets``     no        rows of ``target_loader`` (default likewise)
 ``projector_seed``  no        seed of the projection (default 0)
 ``device``          no        torch device (default ``"cpu"``)
+``memory_budget``   no        bytes of working memory for the finalize steps
+                              (default ``None``: unbounded)
 ==================  ========  ================================================
 
 Outputs in ``out_dir``: ``scores.npy`` (``[train_set_size, num_targets]``
 float32), ``summary.json`` (settings, timings, the strongest proponents of
 the first targets) and the resumable TRAK store under ``trak_store/``: a
-rerun after an interruption featurizes only the rows that are missing.
+rerun after an interruption featurizes only the rows that are missing. When
+the score matrix is larger than ``memory_budget`` it is never loaded into
+memory: it stays in the zarr array ``trak_store/scores/targets`` (no
+``scores.npy``), and the summary and report say so.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zarr
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -65,6 +71,7 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
     "num_targets": None,
     "projector_seed": 0,
     "device": "cpu",
+    "memory_budget": None,
 }
 
 #: TRAK experiment name used for the config's targets.
@@ -90,6 +97,8 @@ class AttributeSettings:
         num_targets: number of target rows.
         projector_seed: seed of the projection.
         device: torch device name.
+        memory_budget: bytes of working memory for the finalize steps
+            (``None``: unbounded); larger score matrices stay on disk.
     """
 
     proj_dim: int
@@ -98,6 +107,7 @@ class AttributeSettings:
     num_targets: int
     projector_seed: int = 0
     device: str = "cpu"
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("proj_dim", "train_set_size", "num_targets"):
@@ -111,6 +121,14 @@ class AttributeSettings:
             raise ConfigError(
                 f"`projector_seed` must be an int, got {self.projector_seed!r}; "
                 "set e.g. `projector_seed = 0` in the config."
+            )
+        budget = self.memory_budget
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
+        ):
+            raise ConfigError(
+                f"`memory_budget` must be a positive number of bytes or None, got {budget!r}; "
+                "set e.g. `memory_budget = 2 * 1024**3` in the config, or leave it out."
             )
         lam = self.lambda_reg
         if not (
@@ -269,6 +287,7 @@ def attribute_command(
         lambda_reg=settings.lambda_reg,
         logging_level=logging.WARNING,
         progress=progress,
+        memory_budget=settings.memory_budget,
     )
     checkpoints = config["checkpoints"]
     t0 = time.perf_counter()
@@ -315,29 +334,42 @@ def attribute_command(
     timings["score"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    scores = to_numpy(traker.finalize_scores(exp_name=EXPERIMENT)).astype(np.float32)
+    result = traker.finalize_scores(exp_name=EXPERIMENT)
     timings["finalize_scores"] = time.perf_counter() - t0
-    np.save(out / "scores.npy", scores)
+    on_disk = isinstance(result, zarr.Array)
+    if on_disk:
+        # Over the memory budget: the zarr array TRAKer wrote is the result.
+        scores_path = Path(traker.save_dir) / "scores" / EXPERIMENT
+        scores_where = f"zarr array {scores_path} (larger than memory_budget, kept on disk)"
+        # A scores.npy from an earlier in-memory run would no longer match.
+        (out / "scores.npy").unlink(missing_ok=True)
+    else:
+        scores_path = out / "scores.npy"
+        scores_where = str(scores_path)
+        np.save(scores_path, to_numpy(result).astype(np.float32))
     timings["total"] = time.perf_counter() - start
 
-    shown = min(SUMMARY_TARGETS, scores.shape[1])
+    shown = min(SUMMARY_TARGETS, int(result.shape[1]))
+    # Only the first targets' columns are read (a small slice even on disk).
+    head = np.asarray(result[:, :shown], dtype=np.float32)
     summary: dict[str, Any] = {
         "config": str(Path(config_path).resolve()),
         "settings": settings.to_dict(),
         "num_checkpoints": len(checkpoints),
-        "scores_shape": list(scores.shape),
+        "scores_shape": [int(s) for s in result.shape],
+        "scores_on_disk": on_disk,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
         "top_proponents": {
-            str(t): np.argsort(-scores[:, t], kind="stable")[:SUMMARY_TOP].tolist()
+            str(t): np.argsort(-head[:, t], kind="stable")[:SUMMARY_TOP].tolist()
             for t in range(shown)
         },
-        "files": {"scores": str(out / "scores.npy"), "summary": str(out / "summary.json")},
+        "files": {"scores": str(scores_path), "summary": str(out / "summary.json")},
     }
     summary["report"] = (
         f"gradsketch attribute: scored {settings.num_targets} targets against "
         f"{settings.train_set_size} training rows with {len(checkpoints)} checkpoint(s) "
         f"(k={settings.proj_dim}, lambda_reg={settings.lambda_reg}) in {timings['total']:.1f} s\n"
-        f"  scores: {out / 'scores.npy'} {tuple(scores.shape)}\n"
+        f"  scores: {scores_where} {tuple(int(s) for s in result.shape)}\n"
         f"  summary: {out / 'summary.json'}"
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -8,9 +8,11 @@ score features held in memory or on disk.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,6 +31,11 @@ SYRK_TILE = 512
 #: Allowed values of ``precision``.
 PRECISIONS = ("float32", "bf16x3", "auto")
 
+#: Bytes of one row block read at once when no memory budget is given: large
+#: enough that every GEMM runs at full speed, small enough to stay far below
+#: the size of an ``[n, k]`` store (50,000 x 2,048 float32 is 400 MB).
+DEFAULT_BLOCK_BYTES = 64 << 20
+
 
 def rows_as_tensor(
     array: Any, start: int, stop: int, *, device: torch.device, dtype: torch.dtype
@@ -39,6 +46,84 @@ def rows_as_tensor(
     else:
         block = torch.from_numpy(np.ascontiguousarray(np.asarray(array[start:stop])))
     return block.to(device=device, dtype=dtype)
+
+
+def default_block_rows(n: int, k: int, itemsize: int = 4) -> int:
+    """Rows of ``k`` columns in :data:`DEFAULT_BLOCK_BYTES` (at least 1, at most ``n``)."""
+    return max(1, min(max(n, 1), DEFAULT_BLOCK_BYTES // max(1, itemsize * k)))
+
+
+def iter_row_blocks(
+    array: Any,
+    block_rows: int,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    start: int = 0,
+    stop: int | None = None,
+    prefetch: bool = True,
+) -> Generator[tuple[int, int, Tensor], None, None]:
+    """``(i0, i1, rows i0:i1 as a tensor)`` over ``start:stop`` in blocks of ``block_rows``.
+
+    For arrays that live outside torch (zarr, memmaps, numpy) the next block is
+    read in a background thread while the caller multiplies the current one,
+    so reading a store from disk overlaps the GEMMs instead of adding to them.
+    At most two blocks are held at once (one without ``prefetch``, for
+    callers that budget memory for a single block).
+    """
+    stop = int(array.shape[0]) if stop is None else stop
+    edges = [*range(start, stop, max(1, block_rows)), stop]
+    spans = list(itertools.pairwise(edges))
+    if not prefetch or isinstance(array, Tensor) or len(spans) < 2:
+        for i0, i1 in spans:
+            yield i0, i1, rows_as_tensor(array, i0, i1, device=device, dtype=dtype)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsketch-read") as pool:
+
+        def read(span: tuple[int, int]) -> Tensor:
+            return rows_as_tensor(array, span[0], span[1], device=device, dtype=dtype)
+
+        pending: Future[Tensor] = pool.submit(read, spans[0])
+        for i, (i0, i1) in enumerate(spans):
+            block = pending.result()
+            if i + 1 < len(spans):
+                pending = pool.submit(read, spans[i + 1])
+            yield i0, i1, block
+
+
+class BackgroundWriter:
+    """Writes row blocks into an array in a background thread, one write in flight.
+
+    Used for destinations outside memory (zarr arrays on disk): the write of
+    one tile overlaps the multiplication of the next. :meth:`close` waits for
+    the last write and re-raises its error, if any.
+    """
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsketch-write")
+        self._pending: Future[None] | None = None
+
+    def _store(self, rows: slice, cols: slice, values: np.ndarray) -> None:
+        self.array[rows, cols] = values
+
+    def write(self, rows: slice, cols: slice, values: np.ndarray) -> None:
+        """Queue ``array[rows, cols] = values`` (``values`` must not be modified later)."""
+        self.wait()
+        self._pending = self._pool.submit(self._store, rows, cols, values)
+
+    def wait(self) -> None:
+        """Block until the queued write is done."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        """Finish the last write and stop the thread."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 def num_rows(array: Any) -> int:
@@ -53,6 +138,7 @@ def xtx_blocked(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     tile: int = SYRK_TILE,
+    prefetch: bool = True,
 ) -> Tensor:
     """``XᵀX`` streamed over row blocks, multiplying only tiles on or above the diagonal.
 
@@ -67,6 +153,8 @@ def xtx_blocked(
         device: where to multiply.
         dtype: accumulation dtype.
         tile: column tile size.
+        prefetch: read the next block while multiplying this one (two blocks
+            in memory); see :func:`iter_row_blocks`.
 
     Returns:
         ``[k, k]`` symmetric matrix.
@@ -74,8 +162,8 @@ def xtx_blocked(
     n, k = int(x.shape[0]), int(x.shape[1])
     out = torch.zeros(k, k, dtype=dtype, device=device)
     edges = [*range(0, k, tile), k]
-    for start in range(0, n, block_rows):
-        xb = rows_as_tensor(x, start, min(n, start + block_rows), device=device, dtype=dtype)
+    blocks = iter_row_blocks(x, block_rows, device=device, dtype=dtype, stop=n, prefetch=prefetch)
+    for _, _, xb in blocks:
         if len(edges) <= 3:
             # One or two tiles: the full product is as cheap and one call.
             out.addmm_(xb.T, xb)
@@ -113,10 +201,24 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
     If the matrix is not positive definite (fewer rows than columns with
     λ = 0), falls back to the eigendecomposition pseudo-inverse and logs it.
 
+    Coordinates whose column of X is identically zero (a count-sketch bucket
+    that no gradient coordinate hashes to, when ``grad_dim`` is not much
+    larger than ``proj_dim``) have zero rows and columns in XᵀX; with λ = 0
+    the pseudo-inverse is the inverse of the remaining block padded with
+    zeros, so that block is factorised directly (no eigendecomposition).
+
     Returns:
         ``[k, k]`` inverse in ``xtx``'s dtype.
     """
     k = xtx.shape[0]
+    if lam == 0:
+        live = torch.diagonal(xtx) != 0
+        if 0 < int(live.sum()) < k:
+            idx = torch.nonzero(live).reshape(-1)
+            inner = damped_inverse(xtx.index_select(0, idx).index_select(1, idx), lam)
+            out = torch.zeros_like(xtx)
+            out[idx.reshape(-1, 1), idx.reshape(1, -1)] = inner
+            return out
     a = xtx.double() + lam * torch.eye(k, dtype=torch.float64, device=xtx.device)
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:

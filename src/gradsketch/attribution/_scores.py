@@ -35,9 +35,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from gradsketch.attribution._linalg import (
+    BackgroundWriter,
     block_plan,
     ceil_div,
     damped_inverse,
+    default_block_rows,
+    iter_row_blocks,
     matmul_nt,
     resolve_lambda,
     resolve_precision,
@@ -157,8 +160,14 @@ def score_checkpoints(
     precision: str = "float32",
     device: torch.device | str | None = None,
     progress: bool = True,
+    copy_to: Any = None,
 ) -> Any:
     """Ensemble TRAK scores over checkpoints (module docstring formula), in tiles.
+
+    Every checkpoint's rows are read once per target block, one row block at
+    a time (without a budget: blocks of about 64 MB), the next block being
+    read from disk while the current one is multiplied; tiles bound for disk
+    are written in the background while the next tile is multiplied.
 
     Args:
         checkpoints: one :class:`CheckpointGrads` per checkpoint.
@@ -171,6 +180,9 @@ def score_checkpoints(
         precision: ``"float32"``, ``"bf16x3"`` or ``"auto"`` for the large GEMM.
         device: where to multiply (default: CPU, or the inputs' device).
         progress: show a tqdm bar over tiles.
+        copy_to: optional second ``[n, m]`` destination (say a zarr array
+            that keeps the in-memory result on disk) filled tile by tile in
+            the background.
 
     Returns:
         ``[n, m]`` float32 scores: ``out`` (or the new numpy array).
@@ -194,6 +206,16 @@ def score_checkpoints(
     prec = resolve_precision(precision, dev)
     cks = len(checkpoints)
     n_block, m_block = block_plan(n, m, k, cks, memory_budget)
+    if memory_budget is None:
+        # Unbounded memory still reads in blocks: a whole [n, k] store at once
+        # would double the peak memory for no speed (each block's GEMM is large).
+        n_block = default_block_rows(n, k)
+    if copy_to is not None and tuple(copy_to.shape) != (n, m):
+        raise ValueError(f"`copy_to` has shape {tuple(copy_to.shape)}; the scores need ({n}, {m}).")
+    chunk = getattr(copy_to, "chunks", None)
+    if chunk and n_block > int(chunk[0]):
+        # Whole chunks per tile, so that no two tile writes share a chunk file.
+        n_block -= n_block % int(chunk[0])
     result = _prepare_out(out, n, m, n_block, m_block, memory_budget)
     order = apply_inverse_to
     if order == "auto":
@@ -212,7 +234,9 @@ def score_checkpoints(
             continue
         xtx = ck.xtx
         if xtx is None:
-            xtx = xtx_blocked(ck.train, block_rows=n_block, device=dev)
+            xtx = xtx_blocked(
+                ck.train, block_rows=n_block, device=dev, prefetch=memory_budget is None
+            )
         xtx = xtx.to(device=dev, dtype=torch.float32)
         lam = resolve_lambda(lam_setting, xtx)
         logger.debug("damping λ = %g (lambda_reg=%r)", lam, lambda_reg)
@@ -223,30 +247,57 @@ def score_checkpoints(
     bar = tqdm(total=n_tiles, desc="scoring tiles", disable=not progress or n_tiles < 2)
     # The row weights Q/C scale X's rows (n k work) rather than the scores (n m).
     row_weight = (q_mean / cks).to(dev)
-    direct = isinstance(result, np.ndarray) and dev.type == "cpu" and m_block == m
-    for j0 in range(0, m, m_block):
-        j1 = min(m, j0 + m_block)
-        # Right-hand sides for these targets: (A_c⁻¹ T_cᵀ)ᵀ = T_c A_c⁻¹ ([mj, k]).
-        rhs = []
-        for ck, inv in zip(checkpoints, inverses):
-            t = rows_as_tensor(ck.targets, j0, j1, device=dev, dtype=torch.float32)
-            rhs.append(t @ inv if order == "targets" and inv is not None else t)
-        for i0 in range(0, n, n_block):
-            i1 = min(n, i0 + n_block)
-            if direct:
-                # Multiply straight into the result's memory: no temporary, no copy.
-                acc = torch.from_numpy(result[i0:i1])
-            else:
-                acc = torch.empty(i1 - i0, j1 - j0, dtype=torch.float32, device=dev)
-            for c, (ck, inv, r) in enumerate(zip(checkpoints, inverses, rhs)):
-                x = rows_as_tensor(ck.train, i0, i1, device=dev, dtype=torch.float32)
-                x = x * row_weight[i0:i1, None]
-                if order == "train" and inv is not None:
-                    x = x @ inv
-                matmul_nt(x, r, prec, out=acc, accumulate=c > 0)
-            if not direct:
-                result[i0:i1, j0:j1] = acc.cpu().numpy()
-            bar.update(1)
+    in_memory = isinstance(result, np.ndarray)
+    direct = in_memory and dev.type == "cpu" and m_block == m
+    writers = [BackgroundWriter(a) for a in ((copy_to,) if copy_to is not None else ())]
+    if not in_memory:
+        writers.append(BackgroundWriter(result))
+    try:
+        for j0 in range(0, m, m_block):
+            j1 = min(m, j0 + m_block)
+            # Right-hand sides for these targets: (A_c⁻¹ T_cᵀ)ᵀ = T_c A_c⁻¹ ([mj, k]).
+            rhs = []
+            for ck, inv in zip(checkpoints, inverses):
+                t = rows_as_tensor(ck.targets, j0, j1, device=dev, dtype=torch.float32)
+                rhs.append(t @ inv if order == "targets" and inv is not None else t)
+            streams = [
+                iter_row_blocks(
+                    ck.train,
+                    n_block,
+                    device=dev,
+                    dtype=torch.float32,
+                    prefetch=memory_budget is None,
+                )
+                for ck in checkpoints
+            ]
+            for i0 in range(0, n, n_block):
+                i1 = min(n, i0 + n_block)
+                if direct:
+                    # Multiply straight into the result's memory: no temporary, no copy.
+                    acc = torch.from_numpy(result[i0:i1])
+                else:
+                    acc = torch.empty(i1 - i0, j1 - j0, dtype=torch.float32, device=dev)
+                for c, (stream, inv, r) in enumerate(zip(streams, inverses, rhs)):
+                    _, _, x = next(stream)
+                    if isinstance(checkpoints[c].train, zarr.Array):
+                        x.mul_(row_weight[i0:i1, None])  # a fresh copy read from disk
+                    else:
+                        x = x * row_weight[i0:i1, None]  # may be a view of the caller's data
+                    if order == "train" and inv is not None:
+                        x = x @ inv
+                    matmul_nt(x, r, prec, out=acc, accumulate=c > 0)
+                tile = acc.cpu().numpy()
+                if in_memory and not direct:
+                    result[i0:i1, j0:j1] = tile
+                for writer in writers:
+                    # The tile is not touched again, so the thread may read it later.
+                    writer.write(slice(i0, i1), slice(j0, j1), tile)
+                bar.update(1)
+            for stream in streams:
+                stream.close()
+    finally:
+        for writer in writers:
+            writer.close()
     bar.close()
     return result
 

@@ -38,7 +38,7 @@ from gradsketch.attribution._distributed import (
 from gradsketch.attribution._gradient_computers import (
     FunctionalGradientComputer,
 )
-from gradsketch.attribution._linalg import block_plan, xtx_blocked
+from gradsketch.attribution._linalg import block_plan, default_block_rows, xtx_blocked
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._scores import (
     CheckpointGrads,
@@ -558,7 +558,7 @@ class TRAKer:
 
     def _row_block(self) -> int:
         if self.memory_budget is None:
-            return self.train_set_size
+            return default_block_rows(self.train_set_size, self.proj_dim)
         return max(1, min(self.train_set_size, self.memory_budget // (8 * self.proj_dim)))
 
     def finalize_features(
@@ -606,7 +606,12 @@ class TRAKer:
             if self.score_computer is not None:
                 xtx = self.score_computer.get_xtx(torch.as_tensor(rows[:], device=dev).float())
             else:
-                xtx = xtx_blocked(rows, block_rows=self._row_block(), device=dev)
+                xtx = xtx_blocked(
+                    rows,
+                    block_rows=self._row_block(),
+                    device=dev,
+                    prefetch=self.memory_budget is None,
+                )
             xtx = all_reduce_sum_(xtx)
             if rank == 0:
                 xtx_arr = self.store.require_array(f"{base}/xtx", tuple(xtx.shape), np.float32)
@@ -813,9 +818,14 @@ class TRAKer:
                 precision=self.precision,
                 device=self.device,
                 progress=self.progress,
+                # The in-memory scores are saved tile by tile while the next
+                # tile is multiplied, not in one pass at the end.
+                copy_to=None
+                if on_disk
+                else self.store.require_array(f"scores/{exp_name}", (n, m), np.float32),
             )
         if rank == 0:
-            if not on_disk:
+            if not on_disk and (world > 1 or self.score_computer is not None):
                 arr = self.store.require_array(f"scores/{exp_name}", (n, m), np.float32)
                 arr[:] = scores
             (self.save_dir / "scores").mkdir(exist_ok=True)

@@ -124,6 +124,9 @@ class RowStore:
             write_record(settings_path, record)
             self.settings = record
         self.root = zarr.open_group(str(self.path), mode="a")
+        # Opened arrays, by name: a lookup through the group re-reads metadata
+        # from disk (~1.5 ms), and an array's shape never changes once created.
+        self._arrays: dict[str, zarr.Array] = {}
 
     # -- arrays -------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -132,6 +135,9 @@ class RowStore:
 
     def array(self, name: str) -> zarr.Array:
         """The existing array ``name``."""
+        cached = self._arrays.get(name)
+        if cached is not None:
+            return cached
         if name not in self.root:
             raise KeyError(
                 f"`name`={name!r} is not in the {self.what} at `{self.path}`; it holds "
@@ -140,6 +146,7 @@ class RowStore:
         node = self.root[name]
         if not isinstance(node, zarr.Array):
             raise KeyError(f"`name`={name!r} in `{self.path}` is a group, not an array.")
+        self._arrays[name] = node
         return node
 
     def _entries(self) -> list[str]:
@@ -185,7 +192,7 @@ class RowStore:
         group = self.root.require_group(parent) if parent else self.root
         # Floating-point gradients barely compress; skipping the codec keeps
         # row writes at memcpy speed.
-        return group.create_array(
+        created = group.create_array(
             leaf,
             shape=shape,
             dtype=dtype,
@@ -193,10 +200,15 @@ class RowStore:
             compressors=None,
             fill_value=fill_value,
         )
+        self._arrays[name] = created
+        return created
 
     def delete(self, name: str) -> None:
         """Remove an array or group (no error if absent)."""
         target = self.path / name
+        # Forget cached arrays at or below ``name``.
+        for key in [k for k in self._arrays if k == name or k.startswith(f"{name}/")]:
+            del self._arrays[key]
         if target.exists():
             shutil.rmtree(target)
             self.root = zarr.open_group(str(self.path), mode="a")

@@ -100,3 +100,21 @@ def test_numpy_dense_generator_equals_torch_twin(kind, dtype, offset, length, co
         assert torch.equal(fast, ref)
     else:
         torch.testing.assert_close(fast, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_chunked_table_equals_one_pass():
+    """Tables longer than the hashing chunk are built in pieces with the same values."""
+    from gradsketch.sketch import _hash
+
+    cpu = torch.device("cpu")
+    n = _hash._TABLE_CHUNK * 2 + 17
+    whole = buckets_and_signs(5, 3, n, 100, cpu)
+    pieces = torch.cat(
+        [
+            buckets_and_signs(5, 3 + s, min(_hash._TABLE_CHUNK, n - s), 100, cpu)
+            for s in range(0, n, _hash._TABLE_CHUNK)
+        ]
+    )
+    assert torch.equal(whole, pieces)
+    h = hash_indices(5, torch.arange(3, 3 + n, dtype=torch.int64))
+    assert torch.equal(whole, ((h >> 1) * 100 >> 31) + 100 * (h & 1))

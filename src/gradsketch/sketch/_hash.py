@@ -20,6 +20,9 @@ import torch
 
 from gradsketch._hash import GOLDEN, MASK32, mix32, mix32_numpy_
 
+#: Coordinates hashed at once when a whole table is built.
+_TABLE_CHUNK = 1 << 18
+
 #: Version of the hash scheme, recorded in every fingerprint. Bump it if the
 #: functions below ever change, so that old sketches are refused, not mixed.
 HASH_VERSION = 1
@@ -106,6 +109,16 @@ def buckets_and_signs(
     Returns:
         int64 tensor ``[length]`` with values in ``[0, 2 * num_buckets)``.
     """
+    if length > _TABLE_CHUNK:
+        # Hash a chunk at a time into the result, so the int64 temporaries of
+        # the mixer stay O(chunk) instead of several times the table.
+        table = torch.empty(length, dtype=torch.int64, device=device)
+        for start in range(0, length, _TABLE_CHUNK):
+            stop = min(start + _TABLE_CHUNK, length)
+            table[start:stop] = buckets_and_signs(
+                key, offset + start, stop - start, num_buckets, device
+            )
+        return table
     h = hash_indices(key, coordinate_range(offset, length, device))
     bucket = ((h >> 1) * num_buckets) >> 31
     return bucket + num_buckets * (h & 1)

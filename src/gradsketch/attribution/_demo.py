@@ -266,9 +266,14 @@ def run_demo(
         np.save(out / "scores_auto.npy", auto_scores)
         lds["auto"] = _lds(auto_scores, masks, outputs)
 
+    # The gallery shows the scores the LDS validates best, so the picture a
+    # user sees is the most trustworthy attribution the run produced.
+    gallery_key, gallery_scores = _lambda_key(settings.lambda_reg), scores
+    if with_auto and lds["auto"] > lds[gallery_key]:
+        gallery_key, gallery_scores = "auto", auto_scores
     with _timed(timings, "gallery"):
         rows = _gallery_rows(y_target, GALLERY_ROWS)
-        write_gallery(out / "gallery.png", scores, split, rows, top=GALLERY_TOP)
+        write_gallery(out / "gallery.png", gallery_scores, split, rows, top=GALLERY_TOP)
     timings["total"] = time.perf_counter() - start
 
     summary: dict[str, Any] = {
@@ -278,6 +283,7 @@ def run_demo(
         "num_params": sum(p.numel() for p in build_model(settings.arch).parameters()),
         "checkpoint_test_accuracy": accuracies,
         "lds": lds,
+        "gallery_lambda_reg": gallery_key,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
         "files": {
             "gallery": str(out / "gallery.png"),
@@ -533,7 +539,10 @@ def format_report(summary: Mapping[str, Any]) -> str:
         lines.append("  time: " + ", ".join(f"{k} {timings[k]:.1f} s" for k in phases))
     lines.append(f"  total time: {timings['total']:.1f} s")
     if "files" in summary:
-        lines.append(f"  gallery: {summary['files']['gallery']}")
+        lines.append(
+            f"  gallery: {summary['files']['gallery']} "
+            f"(lambda_reg={summary.get('gallery_lambda_reg', '?')})"
+        )
         lines.append(f"  summary: {summary['files']['summary']}")
     return "\n".join(lines)
 

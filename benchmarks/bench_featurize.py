@@ -16,17 +16,25 @@ each, the median time (over repeats, after a warm-up) of:
   ``FunctionalGradientComputer`` and a normal ``BasicProjector``), plus Q.
 
 Every method produces ``proj_dim``-wide features. Target: hooks +
-FactorizedProjector <= 2x forward+backward. One JSON line per (model, method).
+FactorizedProjector <= 2x forward+backward. The gradsketch methods and the
+plain step are timed round-robin (interleaved), so a load swing on a shared
+machine hits them alike; each record carries ``os.getloadavg()`` before and
+after. One JSON line per (model, method).
 
     python benchmarks/bench_featurize.py            # both models, 5 repeats
     python benchmarks/bench_featurize.py --quick    # 2 repeats, traker skipped on the transformer
+
+Scaling over torch.distributed ranks is measured by `bench_distributed.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -161,14 +169,40 @@ def _methods(
     return methods
 
 
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+) -> dict[str, float]:
+    """Median wall time of each function, timed round-robin so load swings hit all alike."""
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be >= 1, got {repeats!r}.")
+    for fn in fns.values():
+        for _ in range(max(0, warmup)):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
 def run(workload: str, repeats: int, with_traker: bool, traker_repeats: int) -> None:
     model, batch, dims = _workloads(workload)
     methods = _methods(model, batch, dims, with_traker)
     grad_dim = sum(p.numel() for p in model.parameters())
-    times = {}
-    for name, (fn, proj_dim) in methods.items():
+    load_before = os.getloadavg()
+    # gradsketch methods and the plain step are interleaved (their ratio is
+    # the target); traker is timed on its own, it can take minutes per batch.
+    times = interleaved_medians(
+        {name: fn for name, (fn, _) in methods.items() if not name.startswith("traker")}, repeats
+    )
+    if "traker vmap+BasicProjector" in methods:
+        fn = methods["traker vmap+BasicProjector"][0]
+        times["traker vmap+BasicProjector"] = median_time(fn, repeats=traker_repeats, warmup=1)
+    load = [round(x, 2) for x in (*load_before, *os.getloadavg())]
+    for name, (_, proj_dim) in methods.items():
         n = traker_repeats if name.startswith("traker") else repeats
-        times[name] = median_time(fn, repeats=n, warmup=1)
         record: dict[str, Any] = {
             "bench": "featurize",
             "model": workload,
@@ -180,6 +214,7 @@ def run(workload: str, repeats: int, with_traker: bool, traker_repeats: int) -> 
             "median_s": times[name],
             "examples_per_s": batch[0].shape[0] / times[name],
             "x_forward_backward": times[name] / times["forward+backward"],
+            "loadavg_1_5_15_before_after": load,
         }
         if name.startswith("gradsketch hooks"):
             record["target_x_forward_backward"] = TARGET_RATIO
@@ -199,23 +234,6 @@ def run(workload: str, repeats: int, with_traker: bool, traker_repeats: int) -> 
         )
 
 
-def distributed_scaling(
-    world_sizes: tuple[int, ...] = (1, 2), threads_per_rank: int = 1
-) -> list[dict[str, Any]]:
-    """Throughput of sharded featurization over ``torchrun`` gloo ranks (issue 7, later task).
-
-    Planned: launch ``torchrun --nproc-per-node=W`` for each ``W`` in
-    ``world_sizes``, each rank featurizing a disjoint row shard of the digits
-    training set with ``threads_per_rank`` intra-op threads into one store, and
-    report examples/s and the parallel efficiency against ``W = 1`` (target:
-    2 ranks >= 1.7x one rank). Not implemented yet; ``--distributed`` says so.
-    """
-    raise NotImplementedError(
-        "distributed featurization scaling is a later part of issue 7; this function is the hook "
-        "it will fill (see its docstring)."
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -231,14 +249,9 @@ def main() -> None:
         choices=["digits_mlp", "transformer"],
     )
     parser.add_argument("--no-traker", action="store_true", help="skip the traker reference")
-    parser.add_argument("--distributed", action="store_true", help="(later task) rank scaling")
     args = parser.parse_args()
     setup_torch()
     emit({"bench": "featurize", "machine": machine_info()})
-    if args.distributed:
-        for record in distributed_scaling():
-            emit(record)
-        return
     repeats = 2 if args.quick else args.repeats
     for workload in args.models:
         # traker's BasicProjector regenerates a grad_dim x 2048 Gaussian matrix
@@ -246,7 +259,10 @@ def main() -> None:
         # gets one timed repeat there (and none with --quick).
         with_traker = not args.no_traker and not (args.quick and workload == "transformer")
         traker_repeats = repeats if workload == "digits_mlp" else 1
-        run(workload, repeats, with_traker, traker_repeats)
+        # A digits step takes ~1 ms: ten times the rounds keep its median
+        # stable against scheduler noise on a shared machine.
+        rounds = 10 * repeats if workload == "digits_mlp" else repeats
+        run(workload, rounds, with_traker, traker_repeats)
 
 
 if __name__ == "__main__":

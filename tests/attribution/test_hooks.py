@@ -24,8 +24,9 @@ from gradsketch.attribution._hooks import (
     WrappedModelError,
     register_batch_output,
     register_grad_sampler,
+    register_loss_grad_from_output,
 )
-from gradsketch.attribution._modelout import AbstractModelOutput
+from gradsketch.attribution._modelout import AbstractModelOutput, TextClassificationModelOutput
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector
 
 F64 = torch.float64
@@ -133,6 +134,8 @@ CASES = {
     "transformer": (TinyTransformer, lambda: token_batch()),
     "torch-encoder": (TorchEncoder, lambda: token_batch()),
     "reused-inplace-frozen": (Reused, lambda: image_batch(width=6)),
+    # No output requires grad: every layer output needs the zero-add path.
+    "all-frozen": (lambda: build_mlp(hidden=16, seed=0).requires_grad_(False), image_batch),
 }
 
 
@@ -186,6 +189,127 @@ def test_factorized_projection_equals_projection_of_functional_gradients(case):
     torch.testing.assert_close(
         gc.project(batch, cs, 0), cs.project(gc.compute_per_sample_grad(batch), 0)
     )
+
+
+# -- out-to-loss terms from the hooked forward ---------------------------------------
+class _Counted:
+    """Counts calls of a model's forward (a hook, removed by ``close``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.calls = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *args) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _task_q(task, model, batch):
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+    return task.get_out_to_loss_grad(model, weights, buffers, batch)
+
+
+@pytest.mark.parametrize("case", ["mlp", "transformer", "reused-inplace-frozen", "all-frozen"])
+@pytest.mark.parametrize("through", ["project", "per_sample"])
+def test_loss_grad_reuses_the_hooked_forward_exactly(case, through):
+    """Q after project / compute_per_sample_grad of the same batch: no second forward, same bits."""
+    make, data = CASES[case]
+    model = _seeded(make)
+    batch = data()
+    task = ImageClassificationModelOutput(temperature=1.7)
+    expected = _task_q(task, model, batch)
+    gc = HookGradientComputer(model, task)
+    projector = FactorizedProjector.from_model(model, k_in=3, k_out=3, seed=0)
+    counted = _Counted(model)
+    for _ in range(2):  # the reuse works batch after batch
+        if through == "project":
+            gc.project(batch, projector, 0)
+        else:
+            gc.compute_per_sample_grad(batch)
+        before = counted.calls
+        q = gc.compute_loss_grad(batch)
+        assert counted.calls == before, "compute_loss_grad ran another forward"
+        assert q.shape == (batch[0].shape[0], 1)
+        assert torch.equal(q, expected)
+    # Used once: asking again runs the task's own forward, with the same result.
+    before = counted.calls
+    assert torch.equal(gc.compute_loss_grad(batch), expected)
+    assert counted.calls == before + 1
+    counted.close()
+
+
+def test_loss_grad_not_reused_when_weights_batch_or_task_differ():
+    model = _seeded(lambda: build_mlp(hidden=16, seed=0))
+    batch = image_batch()
+    gc = HookGradientComputer(model, TASK)
+    counted = _Counted(model)
+
+    # New weights (in place, as load_state_dict does) after the hooked forward.
+    gc.compute_per_sample_grad(batch)
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.5)
+    before = counted.calls
+    q = gc.compute_loss_grad(batch)
+    assert counted.calls == before + 1
+    assert torch.equal(q, _task_q(TASK, model, batch))
+
+    # Another batch object with equal values, or the same batch edited in place.
+    gc.compute_per_sample_grad(batch)
+    clone = tuple(t.clone() for t in batch)
+    before = counted.calls
+    assert torch.equal(gc.compute_loss_grad(clone), _task_q(TASK, model, clone))
+    assert counted.calls == before + 2  # the fallback and the reference
+    gc.compute_per_sample_grad(batch)
+    batch[0].mul_(-1.0)
+    before = counted.calls
+    assert torch.equal(gc.compute_loss_grad(batch), _task_q(TASK, model, batch))
+    assert counted.calls == before + 2
+
+    # A subclass may override get_out_to_loss_grad: the registry is keyed by exact type.
+    class Halved(ImageClassificationModelOutput):
+        def get_out_to_loss_grad(self, model, weights, buffers, batch):
+            return super().get_out_to_loss_grad(model, weights, buffers, batch) / 2
+
+    sub = HookGradientComputer(model, Halved())
+    sub.compute_per_sample_grad(batch)
+    before = counted.calls
+    assert torch.equal(sub.compute_loss_grad(batch), _task_q(TASK, model, batch) / 2)
+    assert counted.calls == before + 2
+    counted.close()
+
+
+class _LogitsBox:
+    """A Hugging Face style output: an object with ``.logits``."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class _TextModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TinyTransformer()
+
+    def forward(self, input_ids, token_type_ids, attention_mask):
+        return _LogitsBox(self.net(input_ids * attention_mask + token_type_ids))
+
+
+def test_loss_grad_reuse_for_text_classification_with_logits_attribute():
+    model = _seeded(_TextModel)
+    tokens, labels = token_batch()
+    batch = (tokens, torch.zeros_like(tokens), torch.ones_like(tokens), labels)
+    task = TextClassificationModelOutput()
+    expected = _task_q(task, model, batch)
+    gc = HookGradientComputer(model, task)
+    counted = _Counted(model)
+    gc.project(batch, FactorizedProjector.from_model(model, k_in=2, k_out=2, seed=0), 0)
+    before = counted.calls
+    assert torch.equal(gc.compute_loss_grad(batch), expected)
+    assert counted.calls == before
+    counted.close()
 
 
 def test_grad_wrt_restricts_gradients_and_factorized_layout():
@@ -415,6 +539,12 @@ ERRORS = [
         lambda: register_batch_output(nn.Linear),
         TypeError,
         "`task_types` must be AbstractModelOutput subclasses",
+    ),
+    (
+        "register-loss-grad-non-task",
+        lambda: register_loss_grad_from_output(nn.Linear),
+        TypeError,
+        "`task_types` must be AbstractModelOutput subclasses, got <class",
     ),
 ]
 

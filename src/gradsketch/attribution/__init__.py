@@ -27,11 +27,13 @@ from gradsketch.attribution._gradient_computers import (
     FunctionalGradientComputer,
 )
 from gradsketch.attribution._hooks import (
+    LOSS_GRAD_FROM_OUTPUT,
     HookGradientComputer,
     WrappedModelError,
     register_batch_output,
     register_grad_sampler,
     register_layer_factors,
+    register_loss_grad_from_output,
     register_row_sparse_sampler,
 )
 from gradsketch.attribution._lds import LDSGroundTruth, lds_ground_truth, linear_datamodeling_score
@@ -72,6 +74,8 @@ __all__ = [
     "register_layer_factors",
     "register_row_sparse_sampler",
     "register_batch_output",
+    "register_loss_grad_from_output",
+    "LOSS_GRAD_FROM_OUTPUT",
     # model outputs
     "AbstractModelOutput",
     "ImageClassificationModelOutput",

@@ -2,8 +2,11 @@
 
 One forward and one backward pass of the *batched* model output
 ``F = sum_b f(z_b; θ)`` give, for every layer, its inputs ``a`` (forward hooks,
-stored detached) and the gradients ``g = dF/d(output)`` of its outputs (tensor
-hooks). Examples do not interact (eval mode, no batch statistics), so
+stored detached) and the gradients ``g = dF/d(output)`` of its outputs (one
+``autograd.grad`` asked for the gradient edge of every layer output, so no
+parameter gradient is computed and no output is copied). The out-to-loss
+terms Q reuse the logits of that same forward. Examples do not interact
+(eval mode, no batch statistics), so
 ``g[b] = df(z_b)/d(output_b)`` exactly, and each layer's per-example
 parameter gradient is a closed form in ``(a[b], g[b])``: ``sum_t g_t a_t^T``
 for Linear, the same on im2col patches for Conv2d, a scatter for Embedding,
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
@@ -38,6 +42,7 @@ from gradsketch.attribution._modelout import (
     AbstractModelOutput,
     ImageClassificationModelOutput,
     TextClassificationModelOutput,
+    _one_minus_p,
 )
 from gradsketch.sketch import FactorizedProjector
 from gradsketch.sketch._factorized import FactorizedLayer, PlainParam, param_layout
@@ -55,6 +60,10 @@ RowSparseSampler = Callable[[nn.Module, tuple[Any, ...], Tensor], dict[str, tupl
 #: ``batch_output(model, *batch) -> [B]`` per-example outputs of one batched forward.
 BatchOutput = Callable[..., Tensor]
 
+#: ``loss_grad(task, root_output, batch) -> [B, 1]``: the task's out-to-loss terms
+#: from the (detached) output of the model's forward on ``batch``.
+LossGradFromOutput = Callable[[Any, Any, Sequence[Tensor]], Tensor]
+
 #: Per-example gradient rules, keyed by exact module type (a subclass may
 #: change ``forward``; register it explicitly).
 GRAD_SAMPLERS: dict[type[nn.Module], GradSampler] = {}
@@ -64,6 +73,9 @@ LAYER_FACTORS: dict[type[nn.Module], LayerFactors] = {}
 ROW_SPARSE_SAMPLERS: dict[type[nn.Module], RowSparseSampler] = {}
 #: Batched model outputs per task class (TRAK tasks define only a per-example one).
 BATCH_OUTPUTS: dict[type[AbstractModelOutput], BatchOutput] = {}
+#: Out-to-loss terms from the hooked forward's model output, keyed by exact task
+#: type (a subclass may override ``get_out_to_loss_grad``; register it explicitly).
+LOSS_GRAD_FROM_OUTPUT: dict[type[AbstractModelOutput], LossGradFromOutput] = {}
 
 
 class WrappedModelError(ValueError):
@@ -307,6 +319,50 @@ def text_classification_batch_output(
     return _margins(out.logits if hasattr(out, "logits") else out, labels)
 
 
+def register_loss_grad_from_output(
+    *task_types: type[AbstractModelOutput],
+) -> Callable[[LossGradFromOutput], LossGradFromOutput]:
+    """Decorator: ``fn(task, model_output, batch) -> [B, 1]`` out-to-loss terms.
+
+    It must equal ``task.get_out_to_loss_grad(model, weights, buffers, batch)``
+    when ``model_output`` is ``model(...)`` on that batch; registered tasks
+    then reuse the hooked forward instead of running a second one.
+
+    Example:
+        >>> rule = LOSS_GRAD_FROM_OUTPUT[ImageClassificationModelOutput]
+        >>> rule(ImageClassificationModelOutput(), torch.zeros(2, 4), (None, torch.tensor([0, 3])))
+        tensor([[0.7500],
+                [0.7500]])
+    """
+    for t in task_types:
+        if not (isinstance(t, type) and issubclass(t, AbstractModelOutput)):
+            raise TypeError(f"`task_types` must be AbstractModelOutput subclasses, got {t!r}.")
+
+    def decorator(fn: LossGradFromOutput) -> LossGradFromOutput:
+        for t in task_types:
+            LOSS_GRAD_FROM_OUTPUT[t] = fn
+        return fn
+
+    return decorator
+
+
+@register_loss_grad_from_output(ImageClassificationModelOutput)
+def image_classification_loss_grad(
+    task: ImageClassificationModelOutput, logits: Any, batch: Sequence[Tensor]
+) -> Tensor:
+    """``1 - p_y`` from the logits of ``model(images)``."""
+    return _one_minus_p(logits, batch[1], task.loss_temperature)
+
+
+@register_loss_grad_from_output(TextClassificationModelOutput)
+def text_classification_loss_grad(
+    task: TextClassificationModelOutput, output: Any, batch: Sequence[Tensor]
+) -> Tensor:
+    """``1 - p_y`` from ``model(input_ids=..., ...)`` (logits or an object with ``.logits``)."""
+    logits = output.logits if hasattr(output, "logits") else output
+    return _one_minus_p(logits, batch[3], task.loss_temperature)
+
+
 def resolve_batch_output(task: AbstractModelOutput) -> BatchOutput:
     """The batched output function of ``task`` (its method, else the registry)."""
     method = getattr(task, "get_batch_output", None)
@@ -384,6 +440,7 @@ class _Call:
     kwargs: dict[str, Any]
     grads: list[Tensor | None] = field(default_factory=list)
     out_template: list[Tensor] = field(default_factory=list)
+    edges: list[GradientEdge] = field(default_factory=list)
 
 
 class _Capture:
@@ -393,6 +450,8 @@ class _Capture:
         self.batch_size = batch_size
         self.calls: list[_Call] = []
         self.dummies: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        #: Outputs of the root module's calls (for the out-to-loss terms).
+        self.root_outputs: list[Any] = []
 
     def dummy(self, like: Tensor) -> Tensor:
         key = (like.dtype, like.device)
@@ -468,6 +527,7 @@ class HookGradientComputer(AbstractGradientComputer):
         self._units_model: nn.Module | None = None
         self._capture: _Capture | None = None
         self._checked_layouts: set[str] = set()
+        self._remembered: tuple[tuple[Any, ...], tuple[Any, ...], Any] | None = None
         self._grad_wrt_arg = None if grad_wrt is None else list(grad_wrt)
         self.load_model_params(model)
 
@@ -494,6 +554,7 @@ class HookGradientComputer(AbstractGradientComputer):
             self._units_model = model
             self._checked_layouts = set()
             self.add_hooks()
+        self._remembered = None
         self.func_weights = {n: p.detach() for n, p in model.named_parameters()}
         self.func_buffers = {n: b.detach() for n, b in model.named_buffers()}
 
@@ -577,11 +638,13 @@ class HookGradientComputer(AbstractGradientComputer):
             call = _Call(unit, _detach(args), _detach(kwargs))
 
             def route(t: Any) -> Any:
-                # Adding a zero that requires grad makes every layer output a
-                # path to the dummies, so `autograd.grad(F, dummies)` computes
-                # activation gradients only, even for frozen parameters. The
-                # tensor hook is registered before any in-place op of the
-                # caller, so it sees the gradient of this value.
+                # The backward asks for the gradient at each output's autograd
+                # edge, taken here before any in-place op of the caller, so it
+                # is the gradient of this value; the engine then computes
+                # activation gradients only (no parameter gradients) and
+                # outputs are neither copied nor replaced. An output that does
+                # not require grad (frozen parameters so far) gets a path by
+                # adding a zero that does.
                 if not (isinstance(t, Tensor) and t.is_floating_point()):
                     return t
                 if t.dim() == 0 or t.shape[0] != capture.batch_size:
@@ -591,11 +654,10 @@ class HookGradientComputer(AbstractGradientComputer):
                         "need the batch on dim 0 (use batch_first=True), or use "
                         "FunctionalGradientComputer."
                     )
-                routed = t + capture.dummy(t)
-                index = len(call.grads)
+                routed = t if t.requires_grad else t + capture.dummy(t)
                 call.grads.append(None)
                 call.out_template.append(t.detach())
-                routed.register_hook(lambda g: call.grads.__setitem__(index, g))
+                call.edges.append(get_gradient_edge(routed))
                 return routed
 
             new_output = tree_map(route, output)
@@ -613,14 +675,21 @@ class HookGradientComputer(AbstractGradientComputer):
                 "hooks were removed; call add_hooks() (or build a new HookGradientComputer) first."
             )
         self._capture = _Capture(batch_size)
+        root_hook = self.model.register_forward_hook(self._capture_root)
         try:
             yield self._capture
         finally:
+            root_hook.remove()
             self._capture = None
+
+    def _capture_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._capture is not None:
+            self._capture.root_outputs.append(_detach(output))
 
     def _run(self, batch: Sequence[Tensor]) -> _Capture:
         """Hooked forward of ``F = sum_b f(z_b)`` and backward to every layer output."""
         batch_size = int(batch[0].shape[0])
+        self._remembered = None
         with self._capturing(batch_size) as capture, torch.enable_grad():
             outputs = self._batch_output(self.model, *batch)
             if outputs.shape != (batch_size,):
@@ -628,10 +697,47 @@ class HookGradientComputer(AbstractGradientComputer):
                     f"the batched output has shape {tuple(outputs.shape)}; expected "
                     f"({batch_size},) (one scalar per example)."
                 )
-            dummies = list(capture.dummies.values())
-            if dummies:
-                torch.autograd.grad(outputs.sum(), dummies, allow_unused=True)
+            slots = [(call, i) for call in capture.calls for i in range(len(call.edges))]
+            if slots:
+                grads = torch.autograd.grad(
+                    outputs.sum(),
+                    [call.edges[i] for call, i in slots],
+                    allow_unused=True,
+                )
+                for (call, i), g in zip(slots, grads):
+                    call.grads[i] = g
+            for call in capture.calls:
+                call.edges.clear()
+        self._remember_output(batch, capture)
         return capture
+
+    # -- out-to-loss terms from the hooked forward --------------------------------
+    def _state_key(self, batch: Sequence[Tensor]) -> tuple[Any, ...]:
+        # In-place changes bump `_version`: new weights or an edited batch
+        # invalidate the remembered logits.
+        return (
+            tuple(t._version if isinstance(t, Tensor) else t for t in batch),
+            tuple(p._version for p in self.model.parameters()),
+            tuple(b._version for b in self.model.buffers()),
+        )
+
+    def _remember_output(self, batch: Sequence[Tensor], capture: _Capture) -> None:
+        rule = LOSS_GRAD_FROM_OUTPUT.get(type(self.modelout_fn))
+        if rule is None or len(capture.root_outputs) != 1:
+            # A root called twice (or not at all) has no single output to reuse.
+            self._remembered = None
+            return
+        self._remembered = (tuple(batch), self._state_key(batch), capture.root_outputs[0])
+
+    def _take_remembered_output(self, batch: Sequence[Tensor]) -> Any:
+        remembered, self._remembered = self._remembered, None
+        if remembered is None:
+            return None
+        old_batch, key, output = remembered
+        same = len(old_batch) == len(batch) and all(a is b for a, b in zip(old_batch, batch))
+        if not same or key != self._state_key(batch):
+            return None
+        return output
 
     # -- per-example gradients --------------------------------------------------
     def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
@@ -663,7 +769,16 @@ class HookGradientComputer(AbstractGradientComputer):
         return {unit.params[k]: v for k, v in local.items() if k in unit.params}
 
     def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
-        """``[batch, 1]`` out-to-loss terms from the task."""
+        """``[batch, 1]`` out-to-loss terms from the task.
+
+        Right after :meth:`project` / :meth:`compute_per_sample_grad` of the
+        same batch objects (unchanged weights, buffers and batch), a task in
+        :data:`LOSS_GRAD_FROM_OUTPUT` reuses the model output of that hooked
+        forward instead of running another one; the result is the same.
+        """
+        output = self._take_remembered_output(batch)
+        if output is not None:
+            return LOSS_GRAD_FROM_OUTPUT[type(self.modelout_fn)](self.modelout_fn, output, batch)
         return self.modelout_fn.get_out_to_loss_grad(
             self.model, self.func_weights, self.func_buffers, batch
         )

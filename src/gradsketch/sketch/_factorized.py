@@ -444,14 +444,26 @@ class FactorizedProjector(AbstractProjector):
             check_device(arg_name, t, self.device)
         self.set_model_id(model_id)
         p_in_t, p_out_t = self._factor_t(index, out.dtype)
-        # [B, T, k_in]: the bias is a constant-1 input, i.e. the last row of P_in^T.
-        pa = a3.to(out.dtype) @ p_in_t[: layer.d_in]
+        batch, positions = a3.shape[:2]
+        # [B*T, k_in]: the bias is a constant-1 input, i.e. the last row of P_in^T.
+        a2 = a3.to(out.dtype).reshape(batch * positions, layer.d_in)
         if layer.bias:
-            pa = pa + p_in_t[layer.d_in]
-        pg = g3.to(out.dtype) @ p_out_t  # [B, T, k_out]
-        block = torch.bmm(pg.transpose(1, 2), pa)  # [B, k_out, k_in] = sum_t pg_t pa_t^T
-        view = out[:, self.output_slice(name)]
-        view.add_(block.reshape(block.shape[0], -1), alpha=self.scale(name))
+            pa = torch.addmm(p_in_t[layer.d_in], a2, p_in_t[: layer.d_in])
+        else:
+            pa = a2 @ p_in_t
+        pg = g3.to(out.dtype).reshape(batch * positions, layer.d_out) @ p_out_t  # [B*T, k_out]
+        # The layer's columns viewed as [B, k_out, k_in] (splitting the last
+        # axis keeps it a view): the contraction accumulates in place, no
+        # temporary block and no copy.
+        view = out[:, self.output_slice(name)].view(batch, layer.k_out, layer.k_in)
+        scale = self.scale(name)
+        if positions == 1:
+            # One position: an outer product, cheaper than B tiny matmuls.
+            view.addcmul_(pg.unsqueeze(2), pa.unsqueeze(1), value=scale)
+        else:
+            # sum_t pg_t pa_t^T, one batched matmul over all positions.
+            pg3 = pg.view(batch, positions, layer.k_out)
+            view.baddbmm_(pg3.transpose(1, 2), pa.view(batch, positions, layer.k_in), alpha=scale)
         return out
 
     def project_rest_into_(self, out: Tensor, block: Tensor, rest_offset: int) -> Tensor:

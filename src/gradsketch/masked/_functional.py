@@ -236,11 +236,21 @@ def _adagrad_reference(
 # where it exists and for what it supports, with plain ops as the fallback.
 _FUSED_ADAGRAD = getattr(torch, "_fused_adagrad_", None)
 _FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+# Below torch's parallel grain size the plain in-place ops run inline, while
+# the fused kernel always dispatches to the thread pool: after the numpy scan
+# the pool is asleep and waking it costs milliseconds (measured 3.5-10 ms for
+# 16k gathered entries against 0.03 ms inline).
+_FUSED_MIN_NUMEL = 1 << 15
 
 
 def _adagrad_update(p: Tensor, g: Tensor, s: Tensor, *, clr: float, eps: float) -> None:
     """``s += g*g; p -= clr * g / (sqrt(s) + eps)`` in place, all entries."""
-    if _FUSED_ADAGRAD is not None and p.device.type == "cpu" and p.dtype in _FUSED_DTYPES:
+    if (
+        _FUSED_ADAGRAD is not None
+        and p.device.type == "cpu"
+        and p.dtype in _FUSED_DTYPES
+        and p.numel() >= _FUSED_MIN_NUMEL
+    ):
         # lr_decay is already folded into clr; the step tensor is then unused.
         one = torch.ones((), dtype=torch.float32)
         _FUSED_ADAGRAD(

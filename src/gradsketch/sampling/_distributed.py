@@ -14,12 +14,10 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from gradsketch import _distributed as _common
@@ -28,16 +26,15 @@ from gradsketch.sampling._llc import (
     Evaluate,
     _chain_seed,
     _ChainJob,
-    _check_count,
-    _diagnostics,
+    _finish,
     _initial_loss,
     _method_name,
-    _resolve_method,
+    _record_settings,
+    _resolve_run,
     _run_chain,
-    default_nbeta,
-    evaluate_ce,
+    _summary,
 )
-from gradsketch.sampling._recording import LLCRecordSettings, open_draw_store
+from gradsketch.sampling._recording import open_draw_store
 from gradsketch.sampling._sgmcmc import SGMCMC
 
 logger = logging.getLogger(__name__)
@@ -159,24 +156,19 @@ def estimate_learning_coeff_distributed(
         >>> out["loss/trace"].shape
         (2, 5)
     """
-    _check_count("num_draws", num_draws)
-    _check_count("num_chains", num_chains)
-    _check_count("num_steps_bw_draws", num_steps_bw_draws)
-    _check_count("grad_accum_steps", grad_accum_steps)
-    _check_count("num_burnin_steps", num_burnin_steps, allow_zero=True)
     rank, world = _common.rank_and_world()
     check_distributed_callbacks(callbacks, world)
-    evaluate = evaluate if evaluate is not None else evaluate_ce
-    method = _resolve_method(sampling_method)
-    kwargs = dict(optimizer_kwargs or {})
-    if "nbeta" not in kwargs:
-        if not isinstance(loader, DataLoader):
-            raise ValueError(
-                "`optimizer_kwargs` has no `nbeta` and `loader` is not a DataLoader to derive "
-                "it from; pass optimizer_kwargs={'nbeta': default_nbeta(batch_size)}."
-            )
-        kwargs["nbeta"] = default_nbeta(loader, grad_accum_steps)
-    nbeta = float(kwargs["nbeta"])
+    evaluate, method, kwargs, nbeta = _resolve_run(
+        loader,
+        evaluate,
+        sampling_method,
+        optimizer_kwargs,
+        num_draws=num_draws,
+        num_chains=num_chains,
+        num_burnin_steps=num_burnin_steps,
+        num_steps_bw_draws=num_steps_bw_draws,
+        grad_accum_steps=grad_accum_steps,
+    )
     if seed is None:
         # The same draw from the global generator as one process, made once.
         seed = _common.broadcast_object(
@@ -211,21 +203,17 @@ def estimate_learning_coeff_distributed(
     sketch_dim = kwargs.get("sketch_dim")
     store_obj = None
     if store is not None:
-        fingerprint = None
-        if sketch_dim is not None:
-            probe = method(copy.deepcopy(model).parameters(), **kwargs)
-            fingerprint = probe.sketch_fingerprint.to_json()  # type: ignore[attr-defined]
-        settings = LLCRecordSettings(
-            num_chains=num_chains,
-            num_draws=num_draws,
+        settings = _record_settings(
+            model,
+            method,
+            sampling_method,
+            kwargs,
             seed=seed,
             nbeta=nbeta,
-            sampling_method=_method_name(sampling_method),
-            optimizer_kwargs=kwargs,
+            num_chains=num_chains,
+            num_draws=num_draws,
             num_burnin_steps=num_burnin_steps,
             num_steps_bw_draws=num_steps_bw_draws,
-            sketch_fingerprint=fingerprint,
-            record_metrics=bool(kwargs.get("save_metrics", False)),
         )
         # Rank 0 creates the arrays; the others open them once they exist.
         with _common.rank_zero_first():
@@ -269,39 +257,4 @@ def estimate_learning_coeff_distributed(
     for part in _common.all_gather_object(local):
         traces.update(part)
     results = _summary(np.stack([traces[c] for c in range(num_chains)]), init_loss, nbeta, online)
-    for callback in callbacks:
-        get_results = getattr(callback, "get_results", None)
-        if callable(get_results):
-            results.update(get_results())
-    if store is not None:
-        results["store"] = str(Path(store))
-    return results
-
-
-def _summary(
-    loss_trace: np.ndarray, init_loss: float, nbeta: float, online: bool
-) -> dict[str, Any]:
-    """The summary dict of ``estimate_learning_coeff_with_summary`` from a loss trace."""
-    num_chains, num_draws = loss_trace.shape
-    llc_trace = nbeta * (loss_trace - init_loss)
-    llc_per_chain = llc_trace.mean(axis=1)
-    ess, rhat = _diagnostics(llc_trace)
-    results: dict[str, Any] = {
-        "llc/mean": float(llc_per_chain.mean()),
-        "llc/std": float(llc_per_chain.std(ddof=1)) if num_chains > 1 else 0.0,
-        **{f"llc-chain/{i}": float(v) for i, v in enumerate(llc_per_chain)},
-        "loss/trace": loss_trace,
-        "llc/ess": ess,
-        "llc/rhat": rhat,
-        "init_loss": float(init_loss),
-        "nbeta": nbeta,
-    }
-    if online:
-        running = np.cumsum(loss_trace, axis=1) / np.arange(1, num_draws + 1)
-        online_trace = nbeta * (running - init_loss)
-        results["llc/trace"] = online_trace
-        results["llc/means"] = online_trace.mean(axis=0)
-        results["llc/stds"] = (
-            online_trace.std(axis=0, ddof=1) if num_chains > 1 else np.zeros(num_draws)
-        )
-    return results
+    return _finish(results, callbacks, store)

@@ -283,6 +283,116 @@ def _diagnostics(trace: np.ndarray) -> tuple[float, float]:
     return ess, rhat
 
 
+def _resolve_run(
+    loader: Iterable[Any],
+    evaluate: Evaluate | None,
+    sampling_method: object,
+    optimizer_kwargs: dict[str, Any] | None,
+    *,
+    num_draws: int,
+    num_chains: int,
+    num_burnin_steps: int,
+    num_steps_bw_draws: int,
+    grad_accum_steps: int,
+) -> tuple[Evaluate, Callable[..., torch.optim.Optimizer], dict[str, Any], float]:
+    """Check the counts; return ``(evaluate, method, optimizer_kwargs, nbeta)``.
+
+    ``nbeta`` defaults to :func:`default_nbeta` of a DataLoader. Shared by the
+    one-process and the distributed estimators, so both read arguments alike.
+    """
+    _check_count("num_draws", num_draws)
+    _check_count("num_chains", num_chains)
+    _check_count("num_steps_bw_draws", num_steps_bw_draws)
+    _check_count("grad_accum_steps", grad_accum_steps)
+    _check_count("num_burnin_steps", num_burnin_steps, allow_zero=True)
+    kwargs = dict(optimizer_kwargs or {})
+    if "nbeta" not in kwargs:
+        if not isinstance(loader, DataLoader):
+            raise ValueError(
+                "`optimizer_kwargs` has no `nbeta` and `loader` is not a DataLoader to derive "
+                "it from; pass optimizer_kwargs={'nbeta': default_nbeta(batch_size)}."
+            )
+        kwargs["nbeta"] = default_nbeta(loader, grad_accum_steps)
+    resolved_evaluate = evaluate if evaluate is not None else evaluate_ce
+    return resolved_evaluate, _resolve_method(sampling_method), kwargs, float(kwargs["nbeta"])
+
+
+def _record_settings(
+    model: torch.nn.Module,
+    method: Callable[..., torch.optim.Optimizer],
+    sampling_method: object,
+    kwargs: dict[str, Any],
+    *,
+    seed: int,
+    nbeta: float,
+    num_chains: int,
+    num_draws: int,
+    num_burnin_steps: int,
+    num_steps_bw_draws: int,
+) -> LLCRecordSettings:
+    """The settings record of a draw store (with the sketch fingerprint when sketching)."""
+    fingerprint = None
+    if kwargs.get("sketch_dim") is not None:
+        probe = method(copy.deepcopy(model).parameters(), **kwargs)
+        fingerprint = probe.sketch_fingerprint.to_json()  # type: ignore[attr-defined]
+    return LLCRecordSettings(
+        num_chains=num_chains,
+        num_draws=num_draws,
+        seed=seed,
+        nbeta=nbeta,
+        sampling_method=_method_name(sampling_method),
+        optimizer_kwargs=kwargs,
+        num_burnin_steps=num_burnin_steps,
+        num_steps_bw_draws=num_steps_bw_draws,
+        sketch_fingerprint=fingerprint,
+        record_metrics=bool(kwargs.get("save_metrics", False)),
+    )
+
+
+def _summary(
+    loss_trace: np.ndarray, init_loss: float, nbeta: float, online: bool
+) -> dict[str, Any]:
+    """The summary dict of the LLC estimators from a ``[chains, draws]`` loss trace."""
+    num_chains, num_draws = loss_trace.shape
+    llc_trace = nbeta * (loss_trace - init_loss)
+    llc_per_chain = llc_trace.mean(axis=1)
+    ess, rhat = _diagnostics(llc_trace)
+    results: dict[str, Any] = {
+        "llc/mean": float(llc_per_chain.mean()),
+        "llc/std": float(llc_per_chain.std(ddof=1)) if num_chains > 1 else 0.0,
+        **{f"llc-chain/{i}": float(v) for i, v in enumerate(llc_per_chain)},
+        "loss/trace": loss_trace,
+        "llc/ess": ess,
+        "llc/rhat": rhat,
+        "init_loss": float(init_loss),
+        "nbeta": nbeta,
+    }
+    if online:
+        running = np.cumsum(loss_trace, axis=1) / np.arange(1, num_draws + 1)
+        online_trace = nbeta * (running - init_loss)
+        results["llc/trace"] = online_trace
+        results["llc/means"] = online_trace.mean(axis=0)
+        results["llc/stds"] = (
+            online_trace.std(axis=0, ddof=1) if num_chains > 1 else np.zeros(num_draws)
+        )
+    return results
+
+
+def _finish(
+    results: dict[str, Any],
+    callbacks: Sequence[Callable[..., Any]],
+    store: str | os.PathLike[str] | None,
+) -> dict[str, Any]:
+    """Merge the callbacks' ``get_results()`` and the store path into ``results``."""
+    for callback in callbacks:
+        get_results = getattr(callback, "get_results", None)
+        if callable(get_results):
+            results.update(get_results())
+    if store is not None:
+        results["store"] = str(Path(store))
+    return results
+
+
 def estimate_learning_coeff_with_summary(
     model: torch.nn.Module,
     loader: Iterable[Any],
@@ -357,28 +467,23 @@ def estimate_learning_coeff_with_summary(
         >>> out["loss/trace"].shape
         (2, 5)
     """
-    _check_count("num_draws", num_draws)
-    _check_count("num_chains", num_chains)
-    _check_count("num_steps_bw_draws", num_steps_bw_draws)
-    _check_count("grad_accum_steps", grad_accum_steps)
     _check_count("cores", cores)
-    _check_count("num_burnin_steps", num_burnin_steps, allow_zero=True)
     if cores > 1 and callbacks:
         raise ValueError(
             f"`callbacks` run in the calling process and need `cores=1`, got cores={cores} with "
             f"{len(callbacks)} callbacks; drop them or use cores=1 (record with `store=` instead)."
         )
-    evaluate = evaluate if evaluate is not None else evaluate_ce
-    method = _resolve_method(sampling_method)
-    kwargs = dict(optimizer_kwargs or {})
-    if "nbeta" not in kwargs:
-        if not isinstance(loader, DataLoader):
-            raise ValueError(
-                "`optimizer_kwargs` has no `nbeta` and `loader` is not a DataLoader to derive "
-                "it from; pass optimizer_kwargs={'nbeta': default_nbeta(batch_size)}."
-            )
-        kwargs["nbeta"] = default_nbeta(loader, grad_accum_steps)
-    nbeta = float(kwargs["nbeta"])
+    evaluate, method, kwargs, nbeta = _resolve_run(
+        loader,
+        evaluate,
+        sampling_method,
+        optimizer_kwargs,
+        num_draws=num_draws,
+        num_chains=num_chains,
+        num_burnin_steps=num_burnin_steps,
+        num_steps_bw_draws=num_steps_bw_draws,
+        grad_accum_steps=grad_accum_steps,
+    )
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
     torch_device = torch.device(device)
@@ -392,21 +497,17 @@ def estimate_learning_coeff_with_summary(
     sketch_dim = kwargs.get("sketch_dim")
     store_obj = None
     if store is not None:
-        fingerprint = None
-        if sketch_dim is not None:
-            probe = method(copy.deepcopy(model).parameters(), **kwargs)
-            fingerprint = probe.sketch_fingerprint.to_json()  # type: ignore[attr-defined]
-        settings = LLCRecordSettings(
-            num_chains=num_chains,
-            num_draws=num_draws,
+        settings = _record_settings(
+            model,
+            method,
+            sampling_method,
+            kwargs,
             seed=seed,
             nbeta=nbeta,
-            sampling_method=_method_name(sampling_method),
-            optimizer_kwargs=kwargs,
+            num_chains=num_chains,
+            num_draws=num_draws,
             num_burnin_steps=num_burnin_steps,
             num_steps_bw_draws=num_steps_bw_draws,
-            sketch_fingerprint=fingerprint,
-            record_metrics=bool(kwargs.get("save_metrics", False)),
         )
         store_obj = open_draw_store(store, settings, sketch_dim=sketch_dim)
         store_settings = settings.to_dict()
@@ -456,35 +557,8 @@ def estimate_learning_coeff_with_summary(
                 progress.update()
     progress.close()
 
-    loss_trace = np.stack([traces[c] for c in range(num_chains)])
-    llc_trace = nbeta * (loss_trace - init_loss)
-    llc_per_chain = llc_trace.mean(axis=1)
-    ess, rhat = _diagnostics(llc_trace)
-    results: dict[str, Any] = {
-        "llc/mean": float(llc_per_chain.mean()),
-        "llc/std": float(llc_per_chain.std(ddof=1)) if num_chains > 1 else 0.0,
-        **{f"llc-chain/{i}": float(v) for i, v in enumerate(llc_per_chain)},
-        "loss/trace": loss_trace,
-        "llc/ess": ess,
-        "llc/rhat": rhat,
-        "init_loss": float(init_loss),
-        "nbeta": nbeta,
-    }
-    if online:
-        running = np.cumsum(loss_trace, axis=1) / np.arange(1, num_draws + 1)
-        online_trace = nbeta * (running - init_loss)
-        results["llc/trace"] = online_trace
-        results["llc/means"] = online_trace.mean(axis=0)
-        results["llc/stds"] = (
-            online_trace.std(axis=0, ddof=1) if num_chains > 1 else np.zeros(num_draws)
-        )
-    for callback in callbacks:
-        get_results = getattr(callback, "get_results", None)
-        if callable(get_results):
-            results.update(get_results())
-    if store is not None:
-        results["store"] = str(Path(store))
-    return results
+    results = _summary(np.stack([traces[c] for c in range(num_chains)]), init_loss, nbeta, online)
+    return _finish(results, callbacks, store)
 
 
 def estimate_learning_coeff(

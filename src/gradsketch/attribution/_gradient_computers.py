@@ -69,6 +69,34 @@ class AbstractGradientComputer(ABC):
         return projector.project(self.compute_per_sample_grad(batch), model_id=model_id)
 
 
+def resolve_grad_wrt(names: Sequence[str], grad_wrt: Iterable[str] | None) -> list[str] | None:
+    """Check ``grad_wrt`` against a model's parameter ``names``; return them in model order.
+
+    Model order lays coordinates out the same way every time, whatever order
+    the user listed them in. ``None`` means every parameter.
+
+    Raises:
+        ValueError: an empty selection or a name that is not a parameter
+            (the allowed names are listed).
+
+    Example:
+        >>> resolve_grad_wrt(["0.weight", "0.bias"], ["0.bias", "0.weight"])
+        ['0.weight', '0.bias']
+    """
+    if grad_wrt is None:
+        return None
+    wanted = list(grad_wrt)
+    unknown = [w for w in wanted if w not in names]
+    if unknown or not wanted:
+        raise ValueError(
+            f"`grad_wrt` has names {unknown or wanted} that are not parameters of the "
+            f"model; allowed names are {list(names)}. Take them from "
+            "model.named_parameters()."
+        )
+    chosen = set(wanted)
+    return [n for n in names if n in chosen]
+
+
 class FunctionalGradientComputer(AbstractGradientComputer):
     """Per-example gradients with ``torch.func.vmap(torch.func.grad(...))``.
 
@@ -106,19 +134,7 @@ class FunctionalGradientComputer(AbstractGradientComputer):
     ) -> None:
         super().__init__(model, task, grad_dim, dtype, device)
         names = [name for name, _ in model.named_parameters()]
-        if grad_wrt is None:
-            self.grad_wrt: list[str] | None = None
-        else:
-            wanted = list(grad_wrt)
-            unknown = [w for w in wanted if w not in names]
-            if unknown or not wanted:
-                raise ValueError(
-                    f"`grad_wrt` has names {unknown or wanted} that are not parameters of the "
-                    f"model; allowed names are {names}. Take them from "
-                    "model.named_parameters()."
-                )
-            # Model order, so coordinates are laid out the same way every time.
-            self.grad_wrt = [n for n in names if n in set(wanted)]
+        self.grad_wrt: list[str] | None = resolve_grad_wrt(names, grad_wrt)
         self._vmapped: dict[int, Callable[..., dict[str, Tensor]]] = {}
         self.load_model_params(model)
 

@@ -37,7 +37,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from gradsketch.attribution._gradient_computers import AbstractGradientComputer
+from gradsketch.attribution._gradient_computers import AbstractGradientComputer, resolve_grad_wrt
 from gradsketch.attribution._modelout import (
     AbstractModelOutput,
     ImageClassificationModelOutput,
@@ -539,17 +539,7 @@ class HookGradientComputer(AbstractGradientComputer):
             self.remove_hooks()
             self.model = model
             self._names = [n for n, _ in model.named_parameters()]
-            if self._grad_wrt_arg is None:
-                self.grad_wrt: list[str] | None = None
-            else:
-                unknown = sorted(set(self._grad_wrt_arg) - set(self._names))
-                if unknown or not self._grad_wrt_arg:
-                    raise ValueError(
-                        f"`grad_wrt` has names {unknown or self._grad_wrt_arg} that are not "
-                        f"parameters of the model; allowed names are {self._names}. Take them "
-                        "from model.named_parameters()."
-                    )
-                self.grad_wrt = [n for n in self._names if n in set(self._grad_wrt_arg)]
+            self.grad_wrt: list[str] | None = resolve_grad_wrt(self._names, self._grad_wrt_arg)
             self._units = self._find_units(model)
             self._units_model = model
             self._checked_layouts = set()

@@ -74,15 +74,33 @@ def force_path(path: str, monkeypatch: pytest.MonkeyPatch) -> str:
         monkeypatch.setattr(specified_mod, "_SKIP_WORDS_BELOW", 2.0)
         monkeypatch.setattr(specified_mod, "_DENSE_WORD_OCCUPANCY", 2.0)
         monkeypatch.setattr(specified_mod, "_ADAGRAD_DENSE_WORD_OCCUPANCY", 2.0)
+    elif path in ("windows", "windows_mixed"):
+        # Windows of 16 entries on worker threads, index chunks of 3 and the
+        # numpy word scan: every boundary of the windowed path is crossed.
+        monkeypatch.setattr(specified_mod, "_SCAN_MIN", 8)
+        monkeypatch.setattr(specified_mod, "_WINDOW", 16)
+        monkeypatch.setattr(specified_mod, "_INDEX_CHUNK", 3)
+        monkeypatch.setattr(specified_mod, "_PARALLEL_MIN_HITS", 1)
+        monkeypatch.setattr(specified_mod, "_NUMPY_WORD_SCAN_BELOW", 2.0)
+        # Mixed: windows with both of their 8-byte words occupied
+        # take the masked dense pass, the others gather.
+        occupancy = 0.5 if path == "windows_mixed" else 2.0
+        monkeypatch.setattr(specified_mod, "_DENSE_WORD_OCCUPANCY", occupancy)
+        monkeypatch.setattr(specified_mod, "_ADAGRAD_DENSE_WORD_OCCUPANCY", occupancy)
     return path
 
 
-@pytest.fixture(params=["gather", "dense_pass", "word_scan"])
+WINDOWED = ["windows", "windows_mixed"]
+
+
+@pytest.fixture(params=["gather", "dense_pass", "word_scan", *WINDOWED])
 def fast_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     return force_path(request.param, monkeypatch)
 
 
-@pytest.fixture(params=["gather", "dense_pass", "word_scan", "unfused", "dense_pass_torch"])
+@pytest.fixture(
+    params=["gather", "dense_pass", "word_scan", "unfused", "dense_pass_torch", *WINDOWED]
+)
 def adagrad_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Adagrad also has torch's fused kernel and a plain-ops fallback."""
     return force_path(request.param, monkeypatch)

@@ -53,17 +53,6 @@ def _check_lists(**lists: Sequence[object]) -> int:
     return next(iter(lengths.values()))
 
 
-# Masked dense passes run in chunks of this many entries: temporaries of a
-# few MB are recycled by the allocator, while tensor-sized ones (64 MB for
-# 4096x4096 float32) are fresh mappings whose page faults cost more than the
-# arithmetic.
-_CHUNK = 1 << 21
-
-
-def _chunks(n: int) -> list[slice]:
-    return [slice(start, min(start + _CHUNK, n)) for start in range(0, n, _CHUNK)]
-
-
 def _zero_unspecified(values: Tensor, mask: Tensor) -> Tensor:
     """``torch.where(mask, values, 0)`` for 1-D ``values`` and boolean ``mask``.
 
@@ -89,27 +78,69 @@ def _zero_unspecified(values: Tensor, mask: Tensor) -> Tensor:
     return out
 
 
-def _apply(kernel: Callable[..., None], spec: Specified, tensors: list[Tensor]) -> None:
+def _apply(
+    kernel: Callable[..., None],
+    spec: Specified,
+    tensors: list[Tensor],
+    *,
+    dense_occupancy: float | None = None,
+    dense_window: Callable[[Tensor, Tensor, list[Tensor]], None] | None = None,
+) -> None:
     """Run ``kernel(g, *tensors)`` on the specified entries of ``tensors`` only.
 
-    ``kernel`` updates its tensor arguments in place and only reads ``g``.
+    ``kernel`` is elementwise, updates its tensor arguments in place and
+    only reads ``g``. A boolean mask is handled window by window (see
+    :func:`~gradsketch.masked._specified.for_each_window`): sparse windows gather,
+    update and scatter their entries; dense ones (more than
+    ``dense_occupancy`` of their 8-byte words occupied) take
+    ``dense_window(g, mask, tensors)`` on the window's slices, by default
+    the kernel on copies followed by a select.
     """
     flats = [t.view(-1) for t in tensors]
     if spec.index is not None:
-        if spec.index.numel() == 0:
-            return
-        picked = [gather(f, spec.index) for f in flats]
-        kernel(spec.values, *picked)
-        for flat, new in zip(flats, picked):
-            scatter_(flat, spec.index, new)
+        _apply_index(kernel, spec.values, spec.index, flats)
     elif spec.mask is not None:
-        for part in _chunks(spec.mask.numel()):
-            updated = [f[part].clone() for f in flats]
-            kernel(spec.values[part], *updated)
-            for flat, new in zip(flats, updated):
-                torch.where(spec.mask[part], new, flat[part], out=flat[part])
+        if dense_occupancy is None:
+            dense_occupancy = specified._DENSE_WORD_OCCUPANCY
+        occupancy = dense_occupancy
+        mask, values = spec.mask, spec.values
+
+        def run(part: slice) -> int:
+            index = specified.window_index(mask[part], occupancy)
+            views = [f[part] for f in flats]
+            if index is None:
+                (dense_window or _dense_window(kernel))(values[part], mask[part], views)
+                return part.stop - part.start
+            if index.numel():
+                _apply_index(kernel, gather(values[part], index), index, views)
+            return index.numel()
+
+        specified.for_each_window(run, mask.numel(), mask.device)
     else:
         kernel(spec.values, *flats)
+
+
+def _apply_index(
+    kernel: Callable[..., None], values: Tensor, index: Tensor, flats: list[Tensor]
+) -> None:
+    """Gather, update and scatter the entries at ``index``, a cache-sized chunk at a time."""
+    step = specified._INDEX_CHUNK
+    for start in range(0, index.numel(), step):
+        chunk = index[start : start + step]
+        picked = [gather(f, chunk) for f in flats]
+        kernel(values[start : start + step], *picked)
+        for flat, new in zip(flats, picked):
+            scatter_(flat, chunk, new)
+
+
+def _dense_window(kernel: Callable[..., None]) -> Callable[[Tensor, Tensor, list[Tensor]], None]:
+    def run(g: Tensor, mask: Tensor, views: list[Tensor]) -> None:
+        updated = [v.clone() for v in views]
+        kernel(g, *updated)
+        for view, new in zip(views, updated):
+            torch.where(mask, new, view, out=view)
+
+    return run
 
 
 def _use_fast(fast: bool, tensors: Sequence[Tensor]) -> bool:
@@ -278,21 +309,24 @@ def _adagrad_fast(
         g = _prepare_grad(g, p, weight_decay=weight_decay, maximize=maximize)
         _adagrad_update(p, g.contiguous(), s, clr=clr, eps=eps)
 
-    spec = resolve(param, grad, mask, dense_occupancy=specified._ADAGRAD_DENSE_WORD_OCCUPANCY)
-    if spec.mask is not None and eps > 0:
-        # Dense mask: a zero gradient leaves Adagrad's (non-negative) sum
+    dense_window = None
+    if eps > 0:
+        # Dense window: a zero gradient leaves Adagrad's (non-negative) sum
         # unchanged and, with eps > 0, moves the parameter by exactly -0.0, so
-        # zeroing the unspecified entries replaces gather/scatter and the
-        # final selects: one select plus one fused pass.
-        p, s = param.view(-1), state_sum.view(-1)
-        for part in _chunks(p.numel()):
-            g = _prepare_grad(
-                spec.values[part], p[part], weight_decay=weight_decay, maximize=maximize
-            )
-            g = _zero_unspecified(g, spec.mask[part])
-            _adagrad_update(p[part], g, s[part], clr=clr, eps=eps)
-        return
-    _apply(kernel, spec, [param, state_sum])
+        # zeroing the unspecified entries replaces copies and the final
+        # selects: one select plus one fused pass.
+        def dense_window(g: Tensor, mask: Tensor, views: list[Tensor]) -> None:
+            p, s = views
+            g = _prepare_grad(g, p, weight_decay=weight_decay, maximize=maximize)
+            _adagrad_update(p, _zero_unspecified(g, mask), s, clr=clr, eps=eps)
+
+    _apply(
+        kernel,
+        resolve(param, grad, mask),
+        [param, state_sum],
+        dense_occupancy=specified._ADAGRAD_DENSE_WORD_OCCUPANCY,
+        dense_window=dense_window,
+    )
 
 
 # --------------------------------------------------------------------------- adam

@@ -11,9 +11,10 @@ intersection:
 
 Two resolvers turn these into something to compute with. :func:`dense_view`
 gives a dense boolean mask and a dense gradient (the readable reference
-path). :func:`resolve` gives flat indices plus the gradient values gathered
-there, or a dense mask when so many entries are specified that gathering
-would cost more than a masked dense pass (the fast path).
+path). :func:`resolve` gives flat indices plus the gradient values there, or
+a boolean mask that is scanned window by window into indices, or
+leaves as a mask where so many entries are specified that gathering would
+cost more than a masked dense pass (the fast path).
 
 On CPU the index work (finding, gathering and scattering specified entries)
 runs in numpy on raw bits: single-threaded, SIMD and exact, it is as fast as
@@ -24,6 +25,8 @@ processes load the cores.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +45,20 @@ __all__ = [
     "resolve",
     "scatter_",
     "validate_mask",
+    "for_each_window",
+    "window_index",
 ]
 
+# Boolean masks are scanned and applied in windows of this many entries (a
+# 1 MB slice of the mask and 4 MB of each float32 tensor): the entries a
+# window gathers are still cached when they are scattered back.
+_WINDOW = 1 << 20
+# Index paths gather, update and scatter this many entries at a time, for
+# the same reason.
+_INDEX_CHUNK = 1 << 14
+# Windows run on parallel threads when the first one updated this many entries
+# (density >= 0.4 % for full windows).
+_PARALLEL_MIN_HITS = 1 << 12
 # Below this many entries a plain `nonzero` is as fast as the word scan.
 _SCAN_MIN = 1 << 15
 # A word of 8 mask bytes is occupied with probability 1 - (1 - d)^8 at
@@ -57,6 +72,9 @@ _DENSE_WORD_OCCUPANCY = 0.9
 # Adagrad's masked dense pass is one select plus torch's fused kernel, so it
 # wins from d > 6 % on (occupancy 0.4).
 _ADAGRAD_DENSE_WORD_OCCUPANCY = 0.4
+# numpy's word scan expands occupied words one by one; below this share of
+# occupied words (density < 0.25 %) that beats `flatnonzero` on the bytes.
+_NUMPY_WORD_SCAN_BELOW = 0.02
 # On CPU, numpy's single-threaded count_nonzero / flatnonzero (SIMD, skipping
 # zero bytes) match the torch word scan on an idle machine and, having no
 # thread barriers, stay fast when other processes load the cores.
@@ -238,12 +256,7 @@ def _scan(flags: Tensor, dense_occupancy: float | None) -> Tensor | None:
     if n < _SCAN_MIN:
         return flags.nonzero().squeeze(1)
     if _USE_NUMPY and flags.device.type == "cpu":
-        array = flags.numpy()
-        if dense_occupancy is not None:
-            density = np.count_nonzero(array) / n
-            if 1 - (1 - density) ** 8 > dense_occupancy:
-                return None
-        return torch.from_numpy(np.flatnonzero(array).astype(np.int64, copy=False))
+        return _scan_numpy(flags.numpy(), dense_occupancy)
     if not flags.is_contiguous() or flags.storage_offset() % 8:
         return flags.nonzero().squeeze(1)
     words = flags[:n8].view(torch.int64)
@@ -265,6 +278,37 @@ def _scan(flags: Tensor, dense_occupancy: float | None) -> Tensor | None:
     if n8 < n:
         index = torch.cat([index, flags[n8:].nonzero().squeeze(1) + n8])
     return index
+
+
+def _scan_numpy(array: np.ndarray, dense_occupancy: float | None) -> Tensor | None:
+    """:func:`_scan` for a 1-D numpy boolean array (CPU).
+
+    One streaming pass compares 8-byte words with zero; their count decides
+    the path. A dense mask returns ``None``; a very sparse one expands only
+    its occupied words; otherwise ``flatnonzero`` on the bytes, whose cost
+    grows with the number of hits, not with the skipped zeros.
+    """
+    n = array.size
+    n8 = n - n % 8
+    if not array.flags.c_contiguous or n8 == 0:
+        if dense_occupancy is not None and n:
+            density = np.count_nonzero(array) / n
+            if 1 - (1 - density) ** 8 > dense_occupancy:
+                return None
+        return torch.from_numpy(np.flatnonzero(array).astype(np.int64, copy=False))
+    words = array[:n8].view(np.uint64)
+    occupied = words != 0
+    share = np.count_nonzero(occupied) / words.size
+    if dense_occupancy is not None and share > dense_occupancy:
+        return None
+    if share > _NUMPY_WORD_SCAN_BELOW:
+        return torch.from_numpy(np.flatnonzero(array).astype(np.int64, copy=False))
+    at = np.flatnonzero(occupied)
+    rows, cols = np.nonzero(words[at].view(np.uint8).reshape(-1, 8))
+    index = at[rows] * 8 + cols
+    if n8 < n:
+        index = np.concatenate([index, np.flatnonzero(array[n8:]) + n8])
+    return torch.from_numpy(index.astype(np.int64, copy=False))
 
 
 def dense_mask_index(mask: Tensor, *, dense_occupancy: float = _DENSE_WORD_OCCUPANCY) -> Tensor:
@@ -323,7 +367,8 @@ class Specified:
     - ``index`` set: 1-D int64 flat indices ``[k]`` and ``values`` ``[k]``,
       the gradient there;
     - ``mask`` set: boolean ``[numel]`` and ``values`` the full flat
-      gradient ``[numel]`` (garbage where unspecified);
+      gradient ``[numel]`` (garbage where unspecified); the update scans it
+      window by window (see :func:`for_each_window`);
     - neither: every entry, ``values`` the full flat gradient ``[numel]``.
     """
 
@@ -332,22 +377,17 @@ class Specified:
     mask: Tensor | None = None
 
 
-def resolve(
-    param: Tensor,
-    grad: Tensor,
-    mask: Tensor | None,
-    *,
-    dense_occupancy: float = _DENSE_WORD_OCCUPANCY,
-) -> Specified:
+def resolve(param: Tensor, grad: Tensor, mask: Tensor | None) -> Specified:
     """Resolve the specified entries of ``param`` for the fast path.
+
+    A boolean mask is kept as a mask: it is scanned window by window when
+    the update runs (see :func:`for_each_window`), so that the index of each window
+    is used while its entries are still in cache.
 
     Args:
         param: Parameter ``[*shape]``.
         grad: Gradient: dense, sparse COO or MaskedTensor ``[*shape]``.
         mask: Explicit mask (see :func:`validate_mask`) or ``None``.
-        dense_occupancy: Share of occupied 8-byte words of a boolean mask
-            above which a dense mask is returned instead of indices; an
-            algorithm with a cheap masked dense pass passes a lower value.
 
     Returns:
         A :class:`Specified`.
@@ -374,8 +414,73 @@ def resolve(
         return Specified(values=flat_grad)
     if mask.dtype != torch.bool:
         return Specified(values=gather(flat_grad, mask), index=mask)
-    flags = mask.reshape(-1)
-    found = _scan(flags, dense_occupancy=dense_occupancy)
-    if found is None:
-        return Specified(values=flat_grad, mask=flags)
-    return Specified(values=gather(flat_grad, found), index=found)
+    return Specified(values=flat_grad, mask=mask.reshape(-1))
+
+
+def window_index(flags: Tensor, dense_occupancy: float) -> Tensor | None:
+    """Window-local flat indices of ``flags`` (1-D boolean), or ``None`` if dense.
+
+    ``None`` means more than ``dense_occupancy`` of the window's 8-byte words
+    are occupied, so a masked dense pass over the window is cheaper than
+    gathering.
+    """
+    return _scan(flags, dense_occupancy=dense_occupancy)
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def for_each_window(fn: Callable[[slice], int], n: int, device: torch.device) -> None:
+    """Call ``fn(part)`` for consecutive windows covering ``range(n)``.
+
+    ``fn`` handles the entries of one window and returns how many it
+    updated. Windows touch disjoint entries, so the first window sets the
+    pace for the others:
+
+    - busy (at least :data:`_PARALLEL_MIN_HITS` entries updated): windows of
+      :data:`_WINDOW` entries, spread over ``torch.get_num_threads()`` worker
+      threads. Small windows keep a window's mask, index and gathered
+      entries in cache between scan, gather, update and scatter, and numpy
+      and torch release the GIL in their loops, so the single-threaded
+      numpy scans, gathers and scatters use every core;
+    - sparse: windows of ``4 * _WINDOW`` entries, in turn: their work is too
+      short for threads to pay (the Python between calls contends for the
+      GIL), and fewer windows cost less Python.
+
+    Off CPU the whole range is one window (each scan synchronises with the
+    device). The first exception raised by ``fn`` is re-raised.
+
+    Example:
+        >>> seen = []
+        >>> for_each_window(lambda part: seen.append(part) or 0, 10, torch.device("cpu"))
+        >>> seen
+        [slice(0, 10, None)]
+    """
+    global _pool
+    if device.type != "cpu":
+        if n:
+            fn(slice(0, n))
+        return
+    first = slice(0, min(_WINDOW, n))
+    if n == 0:
+        return
+    busy = fn(first) >= _PARALLEL_MIN_HITS
+    threads = torch.get_num_threads()
+    step = _WINDOW if busy else 4 * _WINDOW
+    parts = [slice(start, min(start + step, n)) for start in range(first.stop, n, step)]
+    if not busy or threads < 2 or len(parts) < 2:
+        for part in parts:
+            fn(part)
+        return
+    if _pool is None or _pool[0] != threads:
+        if _pool is not None:
+            _pool[1].shutdown(wait=False)
+        _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="gradsketch-mask"))
+    grad_enabled = torch.is_grad_enabled()  # thread-local: carry it to the workers
+
+    def call(part: slice) -> int:
+        with torch.set_grad_enabled(grad_enabled):
+            return fn(part)
+
+    for _ in _pool[1].map(call, parts):
+        pass

@@ -126,6 +126,22 @@ def test_count_sketch_projector_is_scaled_count_sketch_and_sparse_nnz1():
     torch.testing.assert_close(s1.project(v[None], 0), p.project(v[None], 0))
 
 
+@pytest.mark.parametrize("nnz", [1, 3])
+def test_column_tiles_for_many_rows_equal_one_pass(nnz, monkeypatch):
+    """A batch of >= _TILE_MIN_ROWS rows is sketched in column tiles; same numbers."""
+    from gradsketch.sketch import _projectors
+
+    monkeypatch.setattr(_projectors, "_TILE_COLUMNS", 7)
+    rows, d, k = _projectors._TILE_MIN_ROWS + 1, 60, 16
+    grads = torch.randn(rows, d, dtype=torch.float64)
+    p = SparseProjector(d, k, 3, nnz, "cpu")
+    tiled = p.project(grads, 0)
+    expected = grads @ matrix_of(p, d)
+    torch.testing.assert_close(tiled, expected, rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(_projectors, "_TILE_MIN_ROWS", rows + 1)
+    torch.testing.assert_close(p.project(grads, 0), tiled, rtol=1e-12, atol=1e-12)
+
+
 def test_sparse_projector_equals_loop_reference():
     """Reference: add sign_r(i) * sqrt(k / nnz) at bucket_r(i) for each row r, in float64."""
     d, k, nnz = 50, 32, 4

@@ -300,6 +300,15 @@ class NoOpProjector(AbstractProjector):
         out[:, offset : offset + block.shape[1]] += block.to(out.dtype)
 
 
+# torch's CPU index_add_ along dim 1 walks each row over the whole index; with
+# many rows the int64 index (8 bytes per coordinate) is re-read from memory
+# once per row. Tiles of this many columns keep the index slice in L2 across
+# the rows: 32 rows of 2^20 take 17.7 ms instead of 19.9 ms. With few rows
+# the per-call overhead outweighs it.
+_TILE_COLUMNS = 1 << 14
+_TILE_MIN_ROWS = 16
+
+
 class SparseProjector(AbstractProjector):
     """Sparse JL: every input coordinate has ``nnz`` entries ``±sqrt(proj_dim / nnz)``.
 
@@ -399,7 +408,12 @@ class SparseProjector(AbstractProjector):
         scratch = out.new_zeros(out.shape[0], 2 * k)
         for block in blocks:
             n = block.shape[1]
-            step = self.chunk_size if not self.materialize else max(n, 1)
+            if not self.materialize:
+                step = self.chunk_size
+            elif out.shape[0] >= _TILE_MIN_ROWS:
+                step = _TILE_COLUMNS
+            else:
+                step = max(n, 1)
             for start in range(0, n, step):
                 part = block[:, start : start + step].to(out.dtype)
                 for row in range(self.nnz):

@@ -18,6 +18,13 @@ Rules that make runs resumable:
   ``settings.json`` differs from the requested settings raises
   :class:`~gradsketch._settings.SettingsMismatchError` with both values of every
   differing field (package versions are recorded, never compared).
+* **Write-behind keeps the order.** ``write_rows(..., background=True)``
+  hands the write to one writer thread and returns at once, so the next
+  batch is computed while zarr writes this one. The thread writes in call
+  order, data before flags, so the first rule still holds: a kill loses at
+  most the queued rows, unflagged. Every read (:meth:`RowStore.array`,
+  :meth:`RowStore.done_rows`, ...) first waits for the queue
+  (:meth:`RowStore.flush`), and a failed background write is raised there.
 * **Several writers.** Processes may write disjoint rows concurrently when
   they split the work on chunk boundaries (``chunk_rows``): two writers never
   touch the same chunk file, of the data or of the flags.
@@ -38,8 +45,12 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import logging
+import queue
 import shutil
+import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -127,14 +138,82 @@ class RowStore:
         # Opened arrays, by name: a lookup through the group re-reads metadata
         # from disk (~1.5 ms), and an array's shape never changes once created.
         self._arrays: dict[str, zarr.Array] = {}
+        self._queue: queue.Queue[tuple[Any, dict[str, np.ndarray], str | None] | None] | None
+        self._queue = None
+        self._writer: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    # -- write-behind -------------------------------------------------------
+    def flush(self) -> None:
+        """Wait until every background write is on disk; raise the first that failed.
+
+        Raises:
+            RuntimeError: a background write failed (the original exception is
+                chained); its rows stay unflagged and are redone by a rerun.
+        """
+        if self._queue is not None and threading.current_thread() is not self._writer:
+            self._queue.join()
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise RuntimeError(
+                f"a background write to the {self.what} at `{self.path}` failed: "
+                f"{failure!r}. Its rows were not flagged done; rerun to redo them."
+            ) from failure
+
+    def close(self) -> None:
+        """Flush, then stop the writer thread (a later background write starts a new one)."""
+        try:
+            self.flush()
+        finally:
+            if self._queue is not None and self._writer is not None:
+                self._queue.put(None)
+                self._writer.join()
+            self._queue, self._writer = None, None
+
+    def _start_writer(self) -> queue.Queue[tuple[Any, dict[str, np.ndarray], str | None] | None]:
+        if self._queue is not None:
+            return self._queue
+        # Two queued batches: enough to overlap compute with writing, while a
+        # kill loses little and memory stays bounded.
+        work: queue.Queue[tuple[Any, dict[str, np.ndarray], str | None] | None]
+        work = queue.Queue(maxsize=2)
+        store_ref = weakref.ref(self)
+
+        def run() -> None:
+            while True:
+                item = work.get()
+                try:
+                    store = store_ref()
+                    if item is None or store is None:
+                        return
+                    if store._failure is None:  # after a failure, write nothing more
+                        try:
+                            store.write_rows(item[0], item[1], done=item[2])
+                        except BaseException as exc:  # re-raised by flush()
+                            store._failure = exc
+                    del store
+                finally:
+                    work.task_done()
+
+        name = f"gradsketch-store-{id(self):x}"
+        self._writer = threading.Thread(target=run, name=name, daemon=True)
+        self._queue = work
+        self._writer.start()
+        atexit.register(_flush_at_exit, weakref.ref(self))
+        return work
 
     # -- arrays -------------------------------------------------------------
     def has(self, name: str) -> bool:
         """Whether an array (or group) called ``name`` exists."""
+        self.flush()
         return name in self.root
 
     def array(self, name: str) -> zarr.Array:
-        """The existing array ``name``."""
+        """The existing array ``name`` (after any background writes are on disk)."""
+        self.flush()
+        return self._array(name)
+
+    def _array(self, name: str) -> zarr.Array:
         cached = self._arrays.get(name)
         if cached is not None:
             return cached
@@ -175,10 +254,11 @@ class RowStore:
             SettingsMismatchError: an array of that name exists with another
                 shape or dtype (both shown).
         """
+        self.flush()
         shape = tuple(int(s) for s in shape)
         dtype = np.dtype(dtype)
         if name in self.root:
-            arr = self.array(name)
+            arr = self._array(name)
             if tuple(arr.shape) != shape or np.dtype(arr.dtype) != dtype:
                 raise SettingsMismatchError(
                     f"array {name!r} in the {self.what} at `{self.path}` has shape "
@@ -205,6 +285,7 @@ class RowStore:
 
     def delete(self, name: str) -> None:
         """Remove an array or group (no error if absent)."""
+        self.flush()
         target = self.path / name
         # Forget cached arrays at or below ``name``.
         for key in [k for k in self._arrays if k == name or k.startswith(f"{name}/")]:
@@ -232,6 +313,7 @@ class RowStore:
         data: Mapping[str, Any],
         *,
         done: str | None = None,
+        background: bool = False,
     ) -> None:
         """Write the same rows of several arrays, then flag them done.
 
@@ -240,11 +322,22 @@ class RowStore:
                 error of the caller).
             data: ``{array_name: values}`` with ``values.shape[0]`` rows each.
             done: name of the flags to set once every array is written.
+            background: return at once and let the writer thread write (in
+                call order; see the module docstring). The values are copied
+                first, so the caller may reuse its buffers.
         """
+        if background:
+            if self._failure is not None:
+                self.flush()  # raises
+            copies = {name: np.array(values, copy=True) for name, values in data.items()}
+            if isinstance(rows, np.ndarray):
+                rows = rows.copy()
+            self._start_writer().put((rows, copies, done))
+            return
         names = list(data)
         if not names:
             return
-        n = self.array(names[0]).shape[0]
+        n = self._array(names[0]).shape[0]
         sel = _rows_selection(rows, n)
         order: np.ndarray | None = None
         if isinstance(sel, np.ndarray) and sel.size:
@@ -255,13 +348,22 @@ class RowStore:
             values = np.asarray(data[name])
             if order is not None:
                 values = values[order]
-            arr = self.array(name)
+            arr = self._array(name)
+            count = sel.stop - sel.start if isinstance(sel, slice) else sel.size
+            expected = (count, *arr.shape[1:])
+            if values.shape != expected:
+                # zarr would broadcast or reshape some mismatches silently.
+                raise ValueError(
+                    f"`data[{name!r}]` has shape {values.shape}, but {count} rows of array "
+                    f"{name!r} (shape {tuple(arr.shape)}) take shape {expected}. Fix: pass "
+                    "one row of values per selected row."
+                )
             if isinstance(sel, slice):
                 arr[sel] = values
             elif sel.size:
                 arr.oindex[sel] = values
         if done is not None:
-            flags = self.array(done)
+            flags = self._array(done)
             if isinstance(sel, slice):
                 flags[sel] = np.ones(sel.stop - sel.start, dtype=np.uint8)
             elif sel.size:
@@ -269,3 +371,13 @@ class RowStore:
 
     def __repr__(self) -> str:
         return f"RowStore({str(self.path)!r}, what={self.what!r})"
+
+
+def _flush_at_exit(ref: weakref.ref[RowStore]) -> None:
+    """Write what is queued before the interpreter exits (daemon threads are not joined)."""
+    store = ref()
+    if store is not None:
+        try:
+            store.close()
+        except RuntimeError as exc:
+            logger.error("%s", exc)

@@ -79,3 +79,40 @@ def test_store_errors(tmp_path):
         store.write_rows(np.array([11]), {"g": np.zeros((1, 3))})
     store.delete("g")
     assert not store.has("g")
+
+
+def test_background_writes_equal_synchronous_writes(tmp_path):
+    """Write-behind: same bytes on disk as synchronous writes, once flushed."""
+    rng = np.random.default_rng(0)
+    batches = [(np.array(rng.permutation(40)[:7]), rng.normal(size=(7, 3))) for _ in range(5)]
+    stores = {}
+    for mode in ("sync", "background"):
+        store = RowStore(tmp_path / mode, {"k": 3})
+        store.require_array("x", (40, 3), np.float64, chunk_rows=4)
+        store.require_done("x.done", 40, chunk_rows=4)
+        for rows, values in batches:
+            buffer = values.copy()
+            store.write_rows(rows, {"x": buffer}, done="x.done", background=mode == "background")
+            buffer[:] = np.nan  # the caller may reuse its buffer at once
+        stores[mode] = store
+    for name in ("x", "x.done"):  # reads flush first
+        expected = stores["sync"].array(name)[:]
+        np.testing.assert_array_equal(stores["background"].array(name)[:], expected)
+    stores["background"].close()
+    assert stores["background"]._writer is None
+
+
+def test_failed_background_write_raises_at_flush_and_flags_nothing(tmp_path):
+    store = RowStore(tmp_path, {"k": 3})
+    store.require_array("x", (8, 3), np.float64, chunk_rows=4)
+    store.require_done("x.done", 8, chunk_rows=4)
+    store.write_rows(np.array([0, 1]), {"x": np.ones((2, 3))}, done="x.done", background=True)
+    # Wrong row width: refused inside the writer thread.
+    store.write_rows(np.array([4, 5]), {"x": np.ones((2, 5))}, done="x.done", background=True)
+    with pytest.raises(RuntimeError, match=r"background write .* failed") as info:
+        store.flush()
+    assert info.value.__cause__ is not None
+    assert store.done_rows("x.done").nonzero()[0].tolist() == [0, 1]
+    store.flush()  # reported once
+    with pytest.raises(ValueError, match=r"`data\['x'\]` has shape \(2, 5\)"):
+        store.write_rows(np.array([4, 5]), {"x": np.ones((2, 5))})

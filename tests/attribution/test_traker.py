@@ -178,7 +178,11 @@ CHILD = textwrap.dedent(
     traker.load_checkpoint(logreg_checkpoints(count=1)[0], 0)
     for s in range(0, 200, 5):
         traker.featurize((x[s:s + 5], y[s:s + 5]), num_samples=5)
-        print(s + 5, flush=True)
+        if s % 10 == 5:
+            # featurize writes behind; flush() is the point where rows are
+            # on disk. Every other batch is still queued when printing.
+            traker.store.flush()
+            print(s + 5, flush=True)
         time.sleep(0.05)
     """
 )

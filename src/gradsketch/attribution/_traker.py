@@ -500,6 +500,7 @@ class TRAKer:
                 f"{base}/out_to_loss": q.detach().float().reshape(-1, 1).cpu().numpy(),
             },
             done=f"{base}/done",
+            background=True,  # written while the next batch is computed
         )
         self._done[idx] = True
 
@@ -524,6 +525,7 @@ class TRAKer:
             self._last_ind,
             f"featurizing model {self.ckpt_loaded}",
         )
+        self.store.flush()
 
     def _run_loader(
         self,
@@ -572,6 +574,7 @@ class TRAKer:
         """
         self.projector.free_memory()
         # Every rank's rows must be on disk before anyone reads the flags.
+        self.store.flush()
         barrier()
         ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
         require_same_across_ranks(ids, what="the model ids to finalize")
@@ -723,7 +726,10 @@ class TRAKer:
         phi = self._features(batch, self._exp_model_id)
         base = f"{self._exp_dir(self._exp)}/{self._exp_model_id}"
         self.store.write_rows(
-            idx, {f"{base}/grads": phi.detach().to(self.dtype).cpu().numpy()}, done=f"{base}/done"
+            idx,
+            {f"{base}/grads": phi.detach().to(self.dtype).cpu().numpy()},
+            done=f"{base}/done",
+            background=True,
         )
         self._exp_done[idx] = True
 
@@ -742,6 +748,7 @@ class TRAKer:
             self._last_ind_target,
             f"scoring targets ({self._exp})",
         )
+        self.store.flush()
 
     def finalize_scores(
         self,
@@ -757,6 +764,7 @@ class TRAKer:
             ``save_dir/scores/<exp_name>`` on disk. Both are also saved there.
         """
         # Every rank's target features must be on disk before anyone reads them.
+        self.store.flush()
         barrier()
         rec_path = self.save_dir / self._exp_dir(exp_name) / "experiment.json"
         if not rec_path.exists():

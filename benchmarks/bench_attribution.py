@@ -237,6 +237,9 @@ def _featurize_all(traker, x, y, batch: int) -> None:
             batch=(x[start : start + batch], y[start : start + batch]),
             num_samples=min(batch, n - start),
         )
+    flush = getattr(getattr(traker, "store", None), "flush", None)
+    if flush is not None:  # gradsketch writes behind: time the rows until they are on disk
+        flush()
 
 
 def _featurize_rate(make_traker, model, x, y, batch: int, repeats: int) -> float:

@@ -71,6 +71,9 @@ logger = logging.getLogger(__name__)
 #: File name of the settings record at the store's root.
 SETTINGS_FILE = "settings.json"
 
+#: One queued background write: ``(rows, {array_name: values}, done)``.
+_Job = tuple[Any, dict[str, np.ndarray], str | None]
+
 #: Default bytes per chunk when ``chunk_rows`` is not given.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -138,8 +141,7 @@ class RowStore:
         # Opened arrays, by name: a lookup through the group re-reads metadata
         # from disk (~1.5 ms), and an array's shape never changes once created.
         self._arrays: dict[str, zarr.Array] = {}
-        self._queue: queue.Queue[tuple[Any, dict[str, np.ndarray], str | None] | None] | None
-        self._queue = None
+        self._queue: queue.Queue[_Job | None] | None = None
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
 
@@ -170,13 +172,12 @@ class RowStore:
                 self._writer.join()
             self._queue, self._writer = None, None
 
-    def _start_writer(self) -> queue.Queue[tuple[Any, dict[str, np.ndarray], str | None] | None]:
+    def _start_writer(self) -> queue.Queue[_Job | None]:
         if self._queue is not None:
             return self._queue
         # Two queued batches: enough to overlap compute with writing, while a
         # kill loses little and memory stays bounded.
-        work: queue.Queue[tuple[Any, dict[str, np.ndarray], str | None] | None]
-        work = queue.Queue(maxsize=2)
+        work: queue.Queue[_Job | None] = queue.Queue(maxsize=2)
         store_ref = weakref.ref(self)
 
         def run() -> None:

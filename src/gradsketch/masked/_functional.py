@@ -100,16 +100,15 @@ def _apply(
     if spec.index is not None:
         _apply_index(kernel, spec.values, spec.index, flats)
     elif spec.mask is not None:
-        if dense_occupancy is None:
-            dense_occupancy = specified._DENSE_WORD_OCCUPANCY
-        occupancy = dense_occupancy
+        occupancy = specified._DENSE_WORD_OCCUPANCY if dense_occupancy is None else dense_occupancy
+        dense = dense_window or _dense_window(kernel)
         mask, values = spec.mask, spec.values
 
         def run(part: slice) -> int:
             index = specified.window_index(mask[part], occupancy)
             views = [f[part] for f in flats]
             if index is None:
-                (dense_window or _dense_window(kernel))(values[part], mask[part], views)
+                dense(values[part], mask[part], views)
                 return part.stop - part.start
             if index.numel():
                 _apply_index(kernel, gather(values[part], index), index, views)

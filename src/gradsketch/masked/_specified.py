@@ -461,9 +461,9 @@ def for_each_window(fn: Callable[[slice], int], n: int, device: torch.device) ->
         if n:
             fn(slice(0, n))
         return
-    first = slice(0, min(_WINDOW, n))
     if n == 0:
         return
+    first = slice(0, min(_WINDOW, n))
     busy = fn(first) >= _PARALLEL_MIN_HITS
     threads = torch.get_num_threads()
     step = _WINDOW if busy else 4 * _WINDOW

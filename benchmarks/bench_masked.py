@@ -2,8 +2,11 @@
 
 Methods, all updating the same parameter shape:
 
-- ``masked_adagrad_bool_mask``: MaskedAdagrad, dense gradient + boolean mask
-  (the mask is converted to indices inside every step, nothing cached);
+- ``masked_adagrad_bool_mask``: MaskedAdagrad, dense gradient + the same
+  boolean mask passed to every ``step(masks=...)`` (its scan is cached
+  between steps, as torch's COO gradient is prebuilt);
+- ``masked_adagrad_fresh_mask``: the same, but every step gets a different
+  mask tensor (two copies, alternated), so every step scans the mask;
 - ``masked_adagrad_group_mask``: MaskedAdagrad with the mask as the param
   group's static ``"mask"`` (its scan is cached between steps);
 - ``masked_adagrad_coo``: MaskedAdagrad fed the same sparse COO gradient as torch;
@@ -15,8 +18,9 @@ Methods, all updating the same parameter shape:
 - ``maskedtensor_seed``: the MaskedTensor formulation of
   shared/seeds/maskedtensor_adagrad.txt (prebuilt dense gradient and mask).
 
-Methods are timed round-robin, one step each per round, so that load from
-other processes spreads over all of them. Prints one JSON line per
+Methods are timed round-robin, one step each per round (in a new random
+order every round), so that load from other processes spreads over all of
+them and every step starts with caches another method has filled. Prints one JSON line per
 (density, method) with the median (and minimum) over the rounds, plus the
 load average before and after: on a shared machine, other processes' load
 inflates multi-threaded torch ops far more than single-threaded ones.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import time
 import warnings
@@ -67,6 +72,19 @@ def make_methods(density: float, seed: int) -> dict[str, Callable[[], None]]:
         lambda ps: MaskedAdagrad(ps, lr=LR, eps=EPS),
         dense_grad,
         masks=lambda p: {p: mask},
+    )
+    copies = [mask, mask.clone()]
+    calls = [0]
+
+    def fresh_mask(p):
+        calls[0] += 1
+        return {p: copies[calls[0] % 2]}
+
+    add_optimizer(
+        "masked_adagrad_fresh_mask",
+        lambda ps: MaskedAdagrad(ps, lr=LR, eps=EPS),
+        dense_grad,
+        masks=fresh_mask,
     )
     add_optimizer(
         "masked_adagrad_group_mask",
@@ -131,8 +149,15 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in methods}
         for step in methods.values():
             step()  # warm-up: lazy state, allocator
+        order = random.Random(0)
         for round_ in range(args.rounds):
-            for name, step in methods.items():
+            # A new order every round: what ran just before a step (a
+            # multi-threaded dense pass, say) costs it, so no method may
+            # always follow the same one.
+            names = list(methods)
+            order.shuffle(names)
+            for name in names:
+                step = methods[name]
                 if name == "maskedtensor_seed" and round_ >= args.slow_rounds:
                     continue
                 start = time.perf_counter()

@@ -87,10 +87,18 @@ def force_path(path: str, monkeypatch: pytest.MonkeyPatch) -> str:
         occupancy = 0.5 if path == "windows_mixed" else 2.0
         monkeypatch.setattr(specified_mod, "_DENSE_WORD_OCCUPANCY", occupancy)
         monkeypatch.setattr(specified_mod, "_ADAGRAD_DENSE_WORD_OCCUPANCY", occupancy)
+    elif path == "index_parallel":
+        # Index paths split into parts of 2 entries on worker threads, index
+        # chunks of 3 within each part.
+        monkeypatch.setattr(functional_mod, "_PARALLEL_MIN_PART", 2)
+        monkeypatch.setattr(specified_mod, "_INDEX_CHUNK", 3)
+        if torch.get_num_threads() < 2:
+            # The worker pool's size follows torch's thread count.
+            monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     return path
 
 
-WINDOWED = ["windows", "windows_mixed"]
+WINDOWED = ["windows", "windows_mixed", "index_parallel"]
 
 
 @pytest.fixture(params=["gather", "dense_pass", "word_scan", *WINDOWED])

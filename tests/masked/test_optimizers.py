@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import gradsketch.masked._optimizers as optimizers_mod
 from gradsketch.masked import MaskedAdagrad, MaskedAdam, MaskedSGD, MaskError, ParamMask
 
 SHAPE = (6, 5)
@@ -278,6 +279,31 @@ def test_group_mask_edits_in_place_are_seen():
     static[3] = True
     opt.step()
     assert p.detach().tolist() == [-2.0, 0.0, 0.0, -1.0]
+
+
+def test_step_mask_scan_is_cached_per_tensor_version(monkeypatch):
+    """A boolean mask passed to every step is scanned once per object and version."""
+    scans = []
+    real = optimizers_mod.dense_mask_index
+
+    def counting(mask, **kw):
+        scans.append(mask)
+        return real(mask, **kw)
+
+    monkeypatch.setattr(optimizers_mod, "dense_mask_index", counting)
+    p = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    opt = MaskedSGD([p], lr=1.0)
+    mask = torch.tensor([True, False, False, False])
+    p.grad = torch.ones(4, dtype=torch.float64)
+    opt.step(masks={p: mask})
+    opt.step(masks={p: mask})
+    assert len(scans) == 1
+    mask[3] = True  # in place: bumps the version, so the cached index is dropped
+    opt.step(masks={p: mask})
+    assert len(scans) == 2
+    opt.step(masks={p: mask.clone()})  # another object: scanned afresh
+    assert len(scans) == 3
+    assert p.detach().tolist() == [-4.0, 0.0, 0.0, -2.0]
 
 
 def test_param_mask_with_named_parameters():

@@ -78,6 +78,11 @@ def _zero_unspecified(values: Tensor, mask: Tensor) -> Tensor:
     return out
 
 
+# Index paths with at least twice this many entries are split into parts of
+# at least this size, two per thread, updated on parallel threads.
+_PARALLEL_MIN_PART = 1 << 15
+
+
 def _apply(
     kernel: Callable[..., None],
     spec: Specified,
@@ -98,7 +103,21 @@ def _apply(
     """
     flats = [t.view(-1) for t in tensors]
     if spec.index is not None:
-        _apply_index(kernel, spec.values, spec.index, flats)
+        index, values, n = spec.index, spec.values, spec.index.numel()
+        threads = torch.get_num_threads()
+        if index.device.type != "cpu" or threads < 2 or n < 2 * _PARALLEL_MIN_PART:
+            _apply_index(kernel, values, index, flats, gathered=spec.gathered)
+            return
+
+        def run_part(part: slice) -> None:
+            chunk = index[part]
+            picked = values[part] if spec.gathered else values
+            _apply_index(kernel, picked, chunk, flats, gathered=spec.gathered)
+
+        # Parts touch disjoint entries; numpy's take/put and torch's kernels
+        # release the GIL, so the cold random accesses overlap across cores.
+        step = max(_PARALLEL_MIN_PART, -(-n // (2 * threads)))
+        specified.run_parallel(run_part, [slice(a, min(a + step, n)) for a in range(0, n, step)])
     elif spec.mask is not None:
         occupancy = specified._DENSE_WORD_OCCUPANCY if dense_occupancy is None else dense_occupancy
         dense = dense_window or _dense_window(kernel)
@@ -111,7 +130,7 @@ def _apply(
                 dense(values[part], mask[part], views)
                 return part.stop - part.start
             if index.numel():
-                _apply_index(kernel, gather(values[part], index), index, views)
+                _apply_index(kernel, values[part], index, views, gathered=False)
             return index.numel()
 
         specified.for_each_window(run, mask.numel(), mask.device)
@@ -120,14 +139,24 @@ def _apply(
 
 
 def _apply_index(
-    kernel: Callable[..., None], values: Tensor, index: Tensor, flats: list[Tensor]
+    kernel: Callable[..., None],
+    values: Tensor,
+    index: Tensor,
+    flats: list[Tensor],
+    *,
+    gathered: bool = True,
 ) -> None:
-    """Gather, update and scatter the entries at ``index``, a cache-sized chunk at a time."""
+    """Gather, update and scatter the entries at ``index``, a cache-sized chunk at a time.
+
+    ``values`` holds the gradient at ``index`` (``gathered``) or everywhere
+    (flat, gathered here chunk by chunk).
+    """
     step = specified._INDEX_CHUNK
     for start in range(0, index.numel(), step):
         chunk = index[start : start + step]
         picked = [gather(f, chunk) for f in flats]
-        kernel(values[start : start + step], *picked)
+        g = values[start : start + step] if gathered else gather(values, chunk)
+        kernel(g, *picked)
         for flat, new in zip(flats, picked):
             scatter_(flat, chunk, new)
 

@@ -176,22 +176,29 @@ class _MaskedOptimizer(Optimizer):
             out[id(key)] = mask
         return out
 
-    def _static(self, p: Tensor, mask: Tensor | None) -> Tensor | None:
-        """A group mask, converted to flat indices once per mask version.
+    def _indexed(self, p: Tensor, mask: Tensor | None, slot: str) -> Tensor | None:
+        """A boolean mask converted to flat indices once per mask version.
 
-        Group masks are static, so the scan over a boolean mask is done once
-        and reused while the mask tensor (identity and ``_version``) is
-        unchanged. Masks changed through ``.data`` or foreign views are not
-        noticed; replace the tensor instead.
+        The scan of a boolean mask costs a pass over it, as much as the
+        update itself at low density. Masks are usually reused step after
+        step (a group's static ``"mask"``, or the same tensor passed to
+        :meth:`step` each time), so the result is kept per parameter and
+        ``slot`` and reused while the mask tensor is the same object with
+        the same ``_version``. Any in-place torch operation on the mask
+        bumps its version; writes through ``.data``, ``.numpy()`` or other
+        foreign views do not, so replace the tensor instead of writing
+        into it that way.
         """
         if mask is None or mask.dtype != torch.bool:
             return mask
-        cache: dict[int, tuple[Tensor, int, Tensor]] = self.__dict__.setdefault("_static_cache", {})
-        hit = cache.get(id(p))
+        cache: dict[tuple[int, str], tuple[Tensor, int, Tensor]] = self.__dict__.setdefault(
+            "_index_cache", {}
+        )
+        hit = cache.get((id(p), slot))
         if hit is not None and hit[0] is mask and hit[1] == mask._version:
             return hit[2]
         value = dense_mask_index(mask, dense_occupancy=getattr(specified, self._DENSE_OCCUPANCY))
-        cache[id(p)] = (mask, mask._version, value)
+        cache[(id(p), slot)] = (mask, mask._version, value)
         return value
 
     def _gather(
@@ -205,7 +212,9 @@ class _MaskedOptimizer(Optimizer):
             grads.append(p.grad)
             step_mask = step_masks.get(id(p))
             if step_mask is None:
-                masks.append(self._static(p, static))
+                masks.append(self._indexed(p, static, "group"))
+            elif static is None:
+                masks.append(self._indexed(p, step_mask, "step"))
             else:
                 masks.append(_intersect(static, step_mask, p))
         return params, grads, masks

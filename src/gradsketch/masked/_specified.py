@@ -46,6 +46,7 @@ __all__ = [
     "scatter_",
     "validate_mask",
     "for_each_window",
+    "run_parallel",
     "window_index",
 ]
 
@@ -365,7 +366,8 @@ class Specified:
     Exactly one representation is used:
 
     - ``index`` set: 1-D int64 flat indices ``[k]`` and ``values`` ``[k]``,
-      the gradient there;
+      the gradient there (``gathered``), or the full flat gradient
+      ``[numel]``, gathered by the update chunk by chunk (not ``gathered``);
     - ``mask`` set: boolean ``[numel]`` and ``values`` the full flat
       gradient ``[numel]`` (garbage where unspecified); the update scans it
       window by window (see :func:`for_each_window`);
@@ -375,6 +377,7 @@ class Specified:
     values: Tensor
     index: Tensor | None = None
     mask: Tensor | None = None
+    gathered: bool = True
 
 
 def resolve(param: Tensor, grad: Tensor, mask: Tensor | None) -> Specified:
@@ -413,7 +416,7 @@ def resolve(param: Tensor, grad: Tensor, mask: Tensor | None) -> Specified:
     if mask is None:
         return Specified(values=flat_grad)
     if mask.dtype != torch.bool:
-        return Specified(values=gather(flat_grad, mask), index=mask)
+        return Specified(values=flat_grad, index=mask, gathered=False)
     return Specified(values=flat_grad, mask=mask.reshape(-1))
 
 
@@ -456,7 +459,6 @@ def for_each_window(fn: Callable[[slice], int], n: int, device: torch.device) ->
         >>> seen
         [slice(0, 10, None)]
     """
-    global _pool
     if device.type != "cpu":
         if n:
             fn(slice(0, n))
@@ -465,10 +467,32 @@ def for_each_window(fn: Callable[[slice], int], n: int, device: torch.device) ->
         return
     first = slice(0, min(_WINDOW, n))
     busy = fn(first) >= _PARALLEL_MIN_HITS
-    threads = torch.get_num_threads()
     step = _WINDOW if busy else 4 * _WINDOW
     parts = [slice(start, min(start + step, n)) for start in range(first.stop, n, step)]
-    if not busy or threads < 2 or len(parts) < 2:
+    if busy:
+        run_parallel(fn, parts)
+    else:
+        for part in parts:
+            fn(part)
+
+
+def run_parallel(fn: Callable[[slice], object], parts: list[slice]) -> None:
+    """Call ``fn(part)`` for every part on ``torch.get_num_threads()`` worker threads.
+
+    The parts must touch disjoint entries. ``fn`` runs with the caller's
+    grad mode (thread-local in torch). With one thread or one part the calls
+    run in turn on the calling thread. The first exception raised by ``fn``
+    is re-raised.
+
+    Example:
+        >>> seen = []
+        >>> run_parallel(lambda part: seen.append(part.start), [slice(0, 2), slice(2, 4)])
+        >>> sorted(seen)
+        [0, 2]
+    """
+    global _pool
+    threads = torch.get_num_threads()
+    if threads < 2 or len(parts) < 2:
         for part in parts:
             fn(part)
         return
@@ -478,7 +502,7 @@ def for_each_window(fn: Callable[[slice], int], n: int, device: torch.device) ->
         _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="gradsketch-mask"))
     grad_enabled = torch.is_grad_enabled()  # thread-local: carry it to the workers
 
-    def call(part: slice) -> int:
+    def call(part: slice) -> object:
         with torch.set_grad_enabled(grad_enabled):
             return fn(part)
 

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradsketch._parallel import run_parallel
+
 from . import _specified as specified
 from ._errors import MaskError
 from ._specified import Specified, dense_view, gather, resolve, scatter_
@@ -117,7 +119,7 @@ def _apply(
         # Parts touch disjoint entries; numpy's take/put and torch's kernels
         # release the GIL, so the cold random accesses overlap across cores.
         step = max(_PARALLEL_MIN_PART, -(-n // (2 * threads)))
-        specified.run_parallel(run_part, [slice(a, min(a + step, n)) for a in range(0, n, step)])
+        run_parallel(run_part, [slice(a, min(a + step, n)) for a in range(0, n, step)])
     elif spec.mask is not None:
         occupancy = specified._DENSE_WORD_OCCUPANCY if dense_occupancy is None else dense_occupancy
         dense = dense_window or _dense_window(kernel)

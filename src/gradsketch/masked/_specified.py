@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from gradsketch._parallel import run_parallel
 
 from ._errors import MaskError, describe
 
@@ -46,7 +47,6 @@ __all__ = [
     "scatter_",
     "validate_mask",
     "for_each_window",
-    "run_parallel",
     "window_index",
 ]
 
@@ -430,9 +430,6 @@ def window_index(flags: Tensor, dense_occupancy: float) -> Tensor | None:
     return _scan(flags, dense_occupancy=dense_occupancy)
 
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-
-
 def for_each_window(fn: Callable[[slice], int], n: int, device: torch.device) -> None:
     """Call ``fn(part)`` for consecutive windows covering ``range(n)``.
 
@@ -474,37 +471,3 @@ def for_each_window(fn: Callable[[slice], int], n: int, device: torch.device) ->
     else:
         for part in parts:
             fn(part)
-
-
-def run_parallel(fn: Callable[[slice], object], parts: list[slice]) -> None:
-    """Call ``fn(part)`` for every part on ``torch.get_num_threads()`` worker threads.
-
-    The parts must touch disjoint entries. ``fn`` runs with the caller's
-    grad mode (thread-local in torch). With one thread or one part the calls
-    run in turn on the calling thread. The first exception raised by ``fn``
-    is re-raised.
-
-    Example:
-        >>> seen = []
-        >>> run_parallel(lambda part: seen.append(part.start), [slice(0, 2), slice(2, 4)])
-        >>> sorted(seen)
-        [0, 2]
-    """
-    global _pool
-    threads = torch.get_num_threads()
-    if threads < 2 or len(parts) < 2:
-        for part in parts:
-            fn(part)
-        return
-    if _pool is None or _pool[0] != threads:
-        if _pool is not None:
-            _pool[1].shutdown(wait=False)
-        _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="gradsketch-mask"))
-    grad_enabled = torch.is_grad_enabled()  # thread-local: carry it to the workers
-
-    def call(part: slice) -> object:
-        with torch.set_grad_enabled(grad_enabled):
-            return fn(part)
-
-    for _ in _pool[1].map(call, parts):
-        pass

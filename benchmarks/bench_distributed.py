@@ -14,6 +14,12 @@ timed. Launches alternate 1 rank / 2 ranks for ``--rounds`` rounds so both
 see the same background load; each launch times ``--repeats`` passes after
 one warm-up pass; the reported time is the median over all passes.
 
+Both configurations run twice: with every rank's process bound to its own
+core (``cores: one core per rank``, the measure of parallel efficiency: a
+"1 rank of 1 thread" baseline that lets the store's writer thread and zarr's
+I/O loop run on the spare core uses more than one core), and unpinned, as
+torchrun starts ranks by default.
+
 Target: speed-up >= 1.7x (parallel efficiency >= 85%) on 2 cores. One JSON
 line per configuration, then one with the ratios. On a shared machine the
 wall-clock ratio moves with the other processes' load, so the CPU time of
@@ -57,8 +63,16 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def worker(out: Path, repeats: int) -> None:
-    """Time featurization on this rank; rank 0 writes ``out`` (JSON)."""
+def worker(out: Path, repeats: int, pin: bool) -> None:
+    """Time featurization on this rank; rank 0 writes ``out`` (JSON).
+
+    With ``pin`` the rank's process is bound to one core (its local rank),
+    before any thread starts, so its helper threads (the store's writer,
+    zarr's I/O loop, gloo) share that core instead of using a spare one.
+    """
+    if pin:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
     import torch
     import torch.distributed as dist
 
@@ -125,12 +139,14 @@ def worker(out: Path, repeats: int) -> None:
         dist.destroy_process_group()
 
 
-def launch(world: int, repeats: int) -> dict:
+def launch(world: int, repeats: int, pin: bool) -> dict:
     """Run :func:`worker` on ``world`` ranks (plain process for 1) and read rank 0's JSON."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         script = [str(Path(__file__).resolve()), "--worker", str(out), "--repeats", str(repeats)]
+        if pin:
+            script.append("--pin")
         if world == 1:
             cmd = [sys.executable, *script]
         else:
@@ -157,22 +173,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.repeats)
+        worker(args.worker, args.repeats, args.pin)
         return
+    for pin in (True, False):
+        measure(pin, args.rounds, args.repeats)
+
+
+def measure(pin: bool, rounds: int, repeats: int) -> None:
+    """Alternate 1-rank and 2-rank launches; emit one line per world size and the ratios."""
     times: dict[int, dict[str, list[float]]] = {
         w: {"featurize": [], "finalize": [], "featurize_cpu": []} for w in (1, 2)
     }
     rows = 0
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for world in (1, 2):
-            result = launch(world, args.repeats)
+            result = launch(world, repeats, pin)
             rows = result["rows"]
             for key in ("featurize", "finalize", "featurize_cpu"):
                 times[world][key] += result[key]
     info = machine_info()
     medians = {w: {k: statistics.median(v) for k, v in t.items()} for w, t in times.items()}
+    cores = "one core per rank" if pin else "unpinned"
     for world in (1, 2):
         emit(
             {
@@ -182,6 +206,7 @@ def main() -> None:
                 "proj_dim": PROJ_DIM,
                 "ranks": world,
                 "threads_per_rank": 1,
+                "cores": cores,
                 "rows": rows,
                 "featurize_s": medians[world]["featurize"],
                 "featurize_s_all": sorted(times[world]["featurize"]),
@@ -197,6 +222,7 @@ def main() -> None:
     emit(
         {
             "bench": "distributed_featurize_scaling",
+            "cores": cores,
             "speedup_2_vs_1": speedup,
             "efficiency": speedup / 2,
             "target_speedup": TARGET_SPEEDUP,

@@ -17,6 +17,14 @@ import argparse
 import logging
 import os
 
+if "LOCAL_RANK" in os.environ and hasattr(os, "sched_setaffinity"):
+    # CPU ranks scale best on their own cores: bind this rank's share of the
+    # cores before torch, zarr or gloo start their threads (they inherit it).
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = len(cores) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
+    first = int(os.environ["LOCAL_RANK"]) * per_rank % len(cores)
+    os.sched_setaffinity(0, cores[first : first + per_rank])
+
 import numpy as np
 import torch
 import torch.distributed as dist

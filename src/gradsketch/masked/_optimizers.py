@@ -182,24 +182,32 @@ class _MaskedOptimizer(Optimizer):
         The scan of a boolean mask costs a pass over it, as much as the
         update itself at low density. Masks are usually reused step after
         step (a group's static ``"mask"``, or the same tensor passed to
-        :meth:`step` each time), so the result is kept per parameter and
-        ``slot`` and reused while the mask tensor is the same object with
-        the same ``_version``. Any in-place torch operation on the mask
-        bumps its version; writes through ``.data``, ``.numpy()`` or other
-        foreign views do not, so replace the tensor instead of writing
-        into it that way.
+        :meth:`step` each time), so from its second use on a mask is scanned
+        once and its indices are kept per parameter and ``slot``, reused
+        while the mask tensor is the same object with the same ``_version``.
+        Any in-place torch operation on the mask bumps its version; writes
+        through ``.data``, ``.numpy()`` or other foreign views do not, so
+        replace the tensor instead of writing into it that way.
         """
         if mask is None or mask.dtype != torch.bool:
             return mask
-        cache: dict[tuple[int, str], tuple[Tensor, int, Tensor]] = self.__dict__.setdefault(
+        cache: dict[tuple[int, str], tuple[Tensor, int, Tensor | None]] = self.__dict__.setdefault(
             "_index_cache", {}
         )
-        hit = cache.get((id(p), slot))
-        if hit is not None and hit[0] is mask and hit[1] == mask._version:
-            return hit[2]
-        value = dense_mask_index(mask, dense_occupancy=getattr(specified, self._DENSE_OCCUPANCY))
-        cache[(id(p), slot)] = (mask, mask._version, value)
-        return value
+        key = (id(p), slot)
+        hit = cache.get(key)
+        if hit is None or hit[0] is not mask or hit[1] != mask._version:
+            # First sight: the update scans the mask window by window (cheaper
+            # than a whole scan up front), and only a mask seen again is indexed.
+            cache[key] = (mask, mask._version, None)
+            return mask
+        if hit[2] is None:
+            index = dense_mask_index(
+                mask, dense_occupancy=getattr(specified, self._DENSE_OCCUPANCY)
+            )
+            cache[key] = (mask, mask._version, index)
+            return index
+        return hit[2]
 
     def _gather(
         self, group: dict[str, Any], step_masks: dict[int, Tensor]

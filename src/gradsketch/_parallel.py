@@ -1,13 +1,19 @@
-"""One process-wide worker pool for loops whose iterations release the GIL.
+"""Worker threads for loops whose iterations release the GIL.
 
 torch and numpy kernels release the GIL, so a few Python threads can keep
 every core busy on independent parts of one operation (disjoint rows of an
 output, disjoint entries of a parameter) without torch's own intra-op
-parallelism, which many CPU kernels (``index_add_``, numpy's ``take``) lack.
+parallelism, which many CPU kernels (``index_add_``, numpy's ``take``,
+``normal_``) lack.
+
+Executors are created per process: a child started by ``fork`` inherits the
+parent's executor objects but not their threads, so each is rebuilt when the
+process id changes.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,11 +21,14 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["run_parallel"]
+__all__ = ["background", "in_background", "run_parallel"]
 
 T = TypeVar("T")
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+# (process id, size, executor)
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None
+_ordered: tuple[int, ThreadPoolExecutor] | None = None
+_lock = threading.Lock()
 _worker = threading.local()  # .active is set on the pool's threads
 
 
@@ -43,10 +52,13 @@ def run_parallel(fn: Callable[[T], object], parts: Sequence[T]) -> None:
         for part in parts:
             fn(part)
         return
-    if _pool is None or _pool[0] != threads:
-        if _pool is not None:
-            _pool[1].shutdown(wait=False)
-        _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="gradsketch"))
+    with _lock:
+        if _pool is None or _pool[:2] != (os.getpid(), threads):
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=False)
+            executor = ThreadPoolExecutor(threads, thread_name_prefix="gradsketch")
+            _pool = (os.getpid(), threads, executor)
+        executor = _pool[2]
     grad_enabled = torch.is_grad_enabled()  # thread-local: carry it to the workers
 
     def call(part: T) -> object:
@@ -54,5 +66,41 @@ def run_parallel(fn: Callable[[T], object], parts: Sequence[T]) -> None:
         with torch.set_grad_enabled(grad_enabled):
             return fn(part)
 
-    for _ in _pool[1].map(call, parts):
+    for _ in executor.map(call, parts):
         pass
+
+
+def background() -> ThreadPoolExecutor:
+    """A one-thread executor of this process: tasks submitted to it run in order.
+
+    For pipelines where the calling thread produces data and a second core
+    reduces what is ready (see :class:`gradsketch.sampling.SGMCMC`). Tasks
+    run with grad mode off and with one intra-op thread.
+
+    Example:
+        >>> background().submit(lambda: 1 + 1).result()
+        2
+    """
+    global _ordered
+    with _lock:
+        if _ordered is None or _ordered[0] != os.getpid():
+            threads = torch.get_num_threads()
+            executor = ThreadPoolExecutor(1, thread_name_prefix="gradsketch-ordered")
+            # Its ops run on one core, so that torch's intra-op threads do not
+            # contend with the caller's. torch.set_num_threads also sets the
+            # default that threads started later read: put that back.
+            executor.submit(_single_core).result()
+            torch.set_num_threads(threads)
+            _ordered = (os.getpid(), executor)
+        return _ordered[1]
+
+
+def _single_core() -> None:
+    _worker.background = True
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(1)
+
+
+def in_background() -> bool:
+    """Whether the calling thread is :func:`background`'s (which must not wait on itself)."""
+    return getattr(_worker, "background", False)

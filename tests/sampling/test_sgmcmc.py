@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gradsketch.sampling import PRECONDITIONERS, SGLD, SGMCMC, Metrics
+from gradsketch.sampling import _reduce as reduce_module
 from gradsketch.sampling import _sgmcmc as sgmcmc_module
 from gradsketch.sketch import CountSketch
 
@@ -190,12 +191,27 @@ def ref_kwargs_for(method, kwargs):
     return out
 
 
-@pytest.fixture(params=[sgmcmc_module.REDUCE_TILE, 7], ids=["one-tile", "tiles-of-7"])
+@pytest.fixture(
+    params=[reduce_module.REDUCE_TILE, 7, "pipeline"], ids=["one-tile", "tiles-of-7", "pipeline"]
+)
 def tile(request, monkeypatch):
     """The fused Gram/sketch pass at its real tile size and at 7 columns, so that tile
-    boundaries fall inside parameters and between them (the small model has 59 coordinates)."""
-    monkeypatch.setattr(sgmcmc_module, "REDUCE_TILE", request.param)
-    return request.param
+    boundaries fall inside parameters and between them (the small model has 59 coordinates),
+    and on the background thread (tiles of 7, noise in pieces of 16)."""
+    size = request.param
+    if size == "pipeline":
+        size = 7
+        force_pipeline(monkeypatch)
+    monkeypatch.setattr(reduce_module, "REDUCE_TILE", size)
+    return size
+
+
+def force_pipeline(monkeypatch):
+    """Reduce on the background thread at any size, with noise drawn 16 entries at a time."""
+    monkeypatch.setattr(reduce_module, "PIPELINE_MIN_COLUMNS", 0)
+    monkeypatch.setattr(reduce_module, "NOISE_CHUNK", 16)
+    if torch.get_num_threads() < 2:
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
 
 
 @pytest.mark.parametrize(("method", "kwargs", "ref_extra"), CASES)
@@ -590,3 +606,75 @@ def test_param_mask_equals_tensor_masks_and_names_the_sketch():
     assert opt_a.sketch_fingerprint.mask == pm.fingerprint
     assert opt_a.sketch.input_dim == pm.numel == opt_a.get_metrics().numel
     torch.testing.assert_close(opt_a.get_sketches().noise, opt_b.get_sketches().noise)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [16, 47, 64, 100, 1000])
+def test_chunked_noise_equals_one_draw(dtype, n, monkeypatch):
+    """Noise drawn in pieces of 16 (reporting each) equals one ``normal_`` call, bit for bit."""
+    monkeypatch.setattr(reduce_module, "NOISE_CHUNK", 16)
+    whole = torch.empty(n, dtype=dtype).normal_(
+        0.0, 0.3, generator=torch.Generator().manual_seed(1)
+    )
+    pieces, seen = torch.empty(n, dtype=dtype), []
+    reduce_module.chunked_normal_(
+        pieces, 0.3, torch.Generator().manual_seed(1), seen.append, offset=5
+    )
+    assert torch.equal(whole, pieces)
+    assert seen == sorted(seen) and (not seen or seen[-1] == 5 + n)
+    if n >= 32:
+        assert len(seen) == n // 16  # the last piece takes the remainder
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"save_metrics": True, "sketch_dim": 64},
+        {"save_metrics": True},
+        {"sketch_dim": 64, "weight_decay": 0.01},
+    ],
+    ids=["both", "metrics", "sketch+wd"],
+)
+def test_pipeline_equals_serial_reduction(extra, monkeypatch):
+    """With parameters split into noise pieces, the background reduction is bit-identical."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+    data = torch.randn(16, 30)
+
+    def run():
+        m = copy.deepcopy(model)
+        opt = SGMCMC.sgld(m.parameters(), lr=1e-3, nbeta=10.0, localization=5.0, **extra)
+        gen = torch.Generator().manual_seed(4)
+        out = []
+        for _ in range(3):
+            m.zero_grad()
+            m(data).square().mean().backward()
+            opt.step(noise_generator=gen)
+            out.append(
+                (
+                    [p.detach().clone() for p in m.parameters()],
+                    opt.get_metrics() if opt.save_metrics else None,
+                    opt.get_sketches() if opt.save_sketches else None,
+                )
+            )
+        return out
+
+    monkeypatch.setattr(reduce_module, "REDUCE_TILE", 50)  # tiles inside parameters
+    serial = run()
+    started = []
+
+    class Counting(reduce_module.Pipeline):
+        def __init__(self, reduction):
+            started.append(reduction.n)
+            super().__init__(reduction)
+
+    with monkeypatch.context() as patch:
+        force_pipeline(patch)
+        patch.setattr(sgmcmc_module, "Pipeline", Counting)
+        piped = run()
+    assert started == [1363] * 3  # one pipeline per step, over every column
+    for (ps, ms, ss), (pp, mp, sp) in zip(serial, piped):
+        assert all(torch.equal(a, b) for a, b in zip(ps, pp))
+        assert ms == mp
+        if ss is not None:
+            assert all(torch.equal(getattr(ss, q), getattr(sp, q)) for q in ss.QUANTITIES)

@@ -27,7 +27,10 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
+from gradsketch._parallel import in_background
+from gradsketch.sampling import _reduce
 from gradsketch.sampling._metrics import Metrics
+from gradsketch.sampling._reduce import Pipeline, Reduction, chunked_normal_
 from gradsketch.sketch import CountSketch, Fingerprint, SketchBuffer
 
 _ParamMask: Any
@@ -305,19 +308,13 @@ _PRIOR_FORMS = (
 )
 
 
-#: Columns per tile of the fused Gram/sketch pass: a ``[r, tile]`` float32 tile and
-#: its int64 table stay in a core's L2 cache while both reductions read them, and
-#: tiles bound the float32 partial sums of the Gram (accumulated in float64).
-REDUCE_TILE = 1 << 16
-
-
 @dataclass
 class _GroupPlan:
     """What a parameter group's step needs; fixed at construction or cached between steps."""
 
     numel: int
     offset: int  # first coordinate of the group in the sketch's index space
-    folded: torch.Tensor | None = None  # [numel] count-sketch table (2k = trash bucket)
+    folded: torch.Tensor | None = None  # [numel] int16/32 count-sketch table (2k = trash)
     # Workspace [r, numel] and, per parameter, its rows as views shaped like the parameter.
     workspace: torch.Tensor | None = None
     workspace_names: tuple[str, ...] = ()
@@ -370,7 +367,13 @@ class SGMCMC(Optimizer):
 
     Cost: drawing the noise bounds a plain step from below, and a count
     sketch of ``r`` rows costs about ``r / 3`` of that draw on CPU (a scalar
-    scatter per coordinate), so ``sketch_dim`` adds most of the overhead.
+    scatter per coordinate), so ``sketch_dim`` adds most of the work. torch
+    draws the noise on one core, so on CPU with two or more torch threads
+    (and at least ``2^17`` coordinates in the group) the tiles are reduced
+    on a background thread as soon as their columns are written, while the
+    rest of the noise is drawn in pieces that equal one draw bit for bit
+    (see :mod:`gradsketch.sampling._reduce`); the results do not depend on
+    it.
 
     Args:
         params: Parameters or parameter-group dicts, as for any optimizer.
@@ -598,13 +601,17 @@ class SGMCMC(Optimizer):
         self._sketch_buf = SketchBuffer(**rows, fingerprint=fp)
         trash = 2 * k
         for group, plan in zip(self.param_groups, self._plans):
+            # The narrowest integer type that holds 2k + 1 buckets: a quarter of
+            # the memory (and memory traffic) of the int64 table index_add_
+            # takes at k < 16384; each tile is widened in cache (Reduction).
+            narrow = torch.int16 if trash < 2**15 else torch.int32
             if group["masks"] is None:
-                plan.folded = self._sketch.folded_table(plan.offset, plan.numel)
+                plan.folded = self._sketch.folded_table(plan.offset, plan.numel).to(narrow)
                 continue
             sel = torch.cat([m.reshape(-1) for m in group["masks"]])
-            table = torch.full((plan.numel,), trash, dtype=torch.int64, device=device)
+            table = torch.full((plan.numel,), trash, dtype=narrow, device=device)
             count = int(sel.sum())
-            table[sel] = self._sketch.folded_table(plan.offset, count)
+            table[sel] = self._sketch.folded_table(plan.offset, count).to(narrow)
             plan.folded = table
 
     @property
@@ -681,43 +688,68 @@ class SGMCMC(Optimizer):
         else:
             names = ["scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise"]
             names.append("distance")
-        block: torch.Tensor | None = None
         views: list[dict[str, torch.Tensor]] | None = None
+        reduction: Reduction | None = None
+        pipeline: Pipeline | None = None
         if record:
             block, views = self._workspace(group, plan, names, params)
+            coef = self._coefficients(
+                plan, names, fast, half=half, root=root, nbeta=nbeta, gamma=gamma, lam=lam
+            )
+            reduction = self._reduction(block, plan)
+            if (
+                block.device.type == "cpu"
+                and torch.get_num_threads() > 1
+                and plan.numel >= _reduce.PIPELINE_MIN_COLUMNS
+                and not in_background()
+            ):
+                pipeline = Pipeline(reduction)
         numel = 0
+        column = 0  # first workspace column of the current parameter
         energy = torch.zeros((), dtype=torch.float64)
-        for i, p in enumerate(params):
-            if p.grad is None:
-                if views is not None:
-                    for view in views[i].values():
-                        view.zero_()
-                continue
-            state = self.state[p]
-            rows = None if views is None else views[i]
-            if fast:
-                numel += p.numel()
-                self._update_identity(p, state, group, rows, gen)
-            else:
-                numel += self._update_general(p, state, group, precond, rows, gen, half, root)
-                if nose_hoover:
-                    energy += state["momentum"].double().square().sum()
-            if group["bounding_box_size"] is not None:
-                b = group["bounding_box_size"]
-                w0 = state["initial_param"]
-                if nose_hoover:
-                    # Reflect the momentum of coordinates that hit a wall.
-                    hit = (p - w0).abs() > b
-                    state["momentum"].mul_(1.0 - 2.0 * hit.to(p.dtype))
-                torch.clamp_(p, min=w0 - b, max=w0 + b)
+        try:
+            for i, p in enumerate(params):
+                if p.grad is None:
+                    if views is not None:
+                        for view in views[i].values():
+                            view.zero_()
+                else:
+                    state = self.state[p]
+                    rows = None if views is None else views[i]
+                    if fast:
+                        numel += p.numel()
+                        ready = None if pipeline is None else pipeline.ready
+                        self._update_identity(p, state, group, rows, gen, ready, column)
+                    else:
+                        numel += self._update_general(
+                            p, state, group, precond, rows, gen, half, root
+                        )
+                        if nose_hoover:
+                            energy += state["momentum"].double().square().sum()
+                    if group["bounding_box_size"] is not None:
+                        b = group["bounding_box_size"]
+                        w0 = state["initial_param"]
+                        if nose_hoover:
+                            # Reflect the momentum of coordinates that hit a wall.
+                            hit = (p - w0).abs() > b
+                            state["momentum"].mul_(1.0 - 2.0 * hit.to(p.dtype))
+                        torch.clamp_(p, min=w0 - b, max=w0 + b)
+                column += p.numel()
+                if pipeline is not None:
+                    pipeline.ready(column)
+        except BaseException:
+            if pipeline is not None:
+                pipeline.abort()
+            raise
         if nose_hoover and plan.numel:
             group["thermostat"] += energy / plan.numel - lr
-        if block is None:
+        if reduction is None:
             return None, numel
-        coef = self._coefficients(
-            plan, names, fast, half=half, root=root, nbeta=nbeta, gamma=gamma, lam=lam
-        )
-        small = self._reduce(block, plan)
+        if pipeline is not None:
+            pipeline.finish()
+        else:
+            reduction.advance(reduction.n)
+        small = self._collect(reduction, plan)
         gram = None if small is None else coef @ small @ coef.T
         return gram, numel
 
@@ -795,15 +827,18 @@ class SGMCMC(Optimizer):
             plan.scratch = None  # its shape follows sketch_rows and the block dtype
         return coef
 
-    def _reduce(self, block: torch.Tensor, plan: _GroupPlan) -> torch.Tensor | None:
-        """Fused pass over column tiles: Gram of the rows (returned) and sketch of the rows.
+    def _reduction(
+        self,
+        block: torch.Tensor,
+        plan: _GroupPlan,
+    ) -> Reduction:
+        """A :class:`~gradsketch.sampling._reduce.Reduction` of the group's workspace.
 
         Per tile, ``rows @ rows.T`` gives every norm and inner product (in
         float64 across tiles) and one ``index_add_`` into a ``[rows, 2k + 1]``
         scratch sketches every row at once (signs folded into the bucket
         index, see :meth:`CountSketch.folded_table`); the tile is still in
-        cache for the second read. The sketch rows are then combined into the
-        five components with one small matmul.
+        cache for the second read.
         """
         rows = plan.sketch_rows if self._sketch is not None else 0
         scratch = None
@@ -816,24 +851,19 @@ class SGMCMC(Optimizer):
                 plan.scratch = scratch
             else:
                 scratch.zero_()
-        gram = None
-        if self.save_metrics:
-            gram = torch.zeros(
-                block.shape[0], block.shape[0], dtype=torch.float64, device=block.device
-            )
-        for start in range(0, block.shape[1], REDUCE_TILE):
-            tile = block[:, start : start + REDUCE_TILE]
-            if gram is not None:
-                gram += (tile @ tile.T).to(torch.float64)
-            if scratch is not None:
-                assert plan.folded is not None
-                scratch.index_add_(1, plan.folded[start : start + REDUCE_TILE], tile[:rows])
-        if scratch is not None:
+        return Reduction(
+            block, gram=self.save_metrics, scratch=scratch, folded=plan.folded, rows=rows
+        )
+
+    def _collect(self, reduction: Reduction, plan: _GroupPlan) -> torch.Tensor | None:
+        """Add the group's sketches to the step's and return its Gram matrix (CPU)."""
+        if reduction.scratch is not None:
             assert self._sketch_rows is not None and plan.sketch_coef is not None
             k = self._sketch.output_dim  # type: ignore[union-attr]
+            scratch = reduction.scratch
             sk = (scratch[:, :k] - scratch[:, k : 2 * k]).to(torch.float32)
             self._sketch_rows.add_(plan.sketch_coef @ sk)
-        return None if gram is None else gram.cpu()
+        return None if reduction.gram is None else reduction.gram.cpu()
 
     def _update_identity(
         self,
@@ -842,7 +872,15 @@ class SGMCMC(Optimizer):
         group: dict[str, Any],
         rows: dict[str, torch.Tensor] | None,
         gen: torch.Generator | None,
+        ready: Callable[[int], None] | None = None,
+        column: int = 0,
     ) -> None:
+        """The identity update; with ``rows``, records into them first.
+
+        The rows are written before ``p`` moves, the noise last, in pieces
+        that report ``ready(column + end)`` so a pipeline can reduce them
+        while the rest is drawn.
+        """
         lr, nbeta, sigma = group["lr"], group["nbeta"], group["noise_level"]
         gamma, lam = group["localization"], group["weight_decay"]
         half = 0.5 * lr
@@ -860,8 +898,6 @@ class SGMCMC(Optimizer):
             if loc is not None:
                 p.add_(loc, alpha=-half * gamma)
         else:
-            torch.normal(0.0, sigma, size=p.shape, generator=gen, out=rows["noise"])
-            noise = rows["noise"]
             rows["grad"].copy_(grad)
             torch.sub(p, state["initial_param"], out=rows["distance"])
             loc = rows["distance"]
@@ -870,6 +906,9 @@ class SGMCMC(Optimizer):
                 loc = rows["center_diff"]
             if "weight" in rows:
                 rows["weight"].copy_(p)
+            noise = rows["noise"]
+            chunked_normal_(noise, sigma, gen, ready, column)
+            if "weight" in rows:
                 p.add_(rows["weight"], alpha=-half * lam)
             if gamma:
                 p.add_(loc, alpha=-half * gamma)

@@ -678,3 +678,26 @@ def test_pipeline_equals_serial_reduction(extra, monkeypatch):
         assert ms == mp
         if ss is not None:
             assert all(torch.equal(getattr(ss, q), getattr(sp, q)) for q in ss.QUANTITIES)
+
+
+def test_failed_step_releases_the_background_reduction(monkeypatch):
+    """An error inside a pipelined step propagates; the worker is free for the next step."""
+    force_pipeline(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 3))
+    opt = SGMCMC.sgld(model.parameters(), lr=1e-3, save_metrics=True, sketch_dim=16)
+    model(torch.randn(4, 30)).sum().backward()
+    real = SGMCMC._update_identity
+    calls = []
+
+    def failing(self, p, *args, **kwargs):
+        calls.append(p)
+        if len(calls) == 2:
+            raise RuntimeError("update failed")
+        return real(self, p, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(SGMCMC, "_update_identity", failing)
+        with pytest.raises(RuntimeError, match="update failed"):
+            opt.step()
+    opt.step()  # would hang if the aborted reduction still held the worker
+    assert math.isfinite(float(opt.get_metrics().noise))

@@ -240,7 +240,10 @@ class _MaskedOptimizer(Optimizer):
                 are unrestricted), or a :class:`ParamMask` when the optimizer
                 holds named parameters (parameters it does not name are not
                 updated). Intersected with the group's ``"mask"`` and with
-                what the gradient specifies.
+                what the gradient specifies. A boolean mask passed again (the
+                same tensor with the same ``_version``) reuses the indices
+                found the previous time; edit masks in place with torch ops
+                or pass a new tensor, not through ``.numpy()`` or ``.data``.
 
         Returns:
             The closure's loss, or ``None``.

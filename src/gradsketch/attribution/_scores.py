@@ -121,6 +121,23 @@ def _check_shapes(ckpts: Sequence[CheckpointGrads]) -> tuple[int, int, int]:
     return n, k, m
 
 
+def create_score_array(path: str | Path, n: int, m: int, chunks: tuple[int, int]) -> Any:
+    """A fresh ``[n, m]`` float32 zarr score matrix at ``path`` (replacing one there).
+
+    Uncompressed (scores barely compress) and zero-filled, so tiles not yet
+    written read as 0.
+    """
+    return zarr.create_array(
+        str(path),
+        shape=(n, m),
+        dtype="float32",
+        chunks=chunks,
+        compressors=None,
+        fill_value=0,
+        overwrite=True,
+    )
+
+
 def _prepare_out(
     out: Any, n: int, m: int, n_block: int, m_block: int, memory_budget: int | None
 ) -> Any:
@@ -134,15 +151,7 @@ def _prepare_out(
             )
         return np.empty((n, m), dtype=np.float32)
     if isinstance(out, (str, Path)):
-        return zarr.create_array(
-            str(out),
-            shape=(n, m),
-            dtype="float32",
-            chunks=(n_block, m_block),
-            compressors=None,
-            fill_value=0,
-            overwrite=True,
-        )
+        return create_score_array(out, n, m, (n_block, m_block))
     if tuple(out.shape) != (n, m):
         raise ValueError(
             f"`out` has shape {tuple(out.shape)}; the scores need ({n}, {m}) [n_train, n_targets]."

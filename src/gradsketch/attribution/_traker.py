@@ -43,6 +43,7 @@ from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._scores import (
     CheckpointGrads,
     check_lambda,
+    create_score_array,
     score_checkpoints,
 )
 from gradsketch.sketch import CountSketchProjector, CudaProjector, NoOpProjector
@@ -864,15 +865,7 @@ class TRAKer:
             k, c = self.proj_dim, len(ckpts)
             n_block, _ = block_plan(n, width, k, c, self.memory_budget)
             if rank == 0:
-                zarr.create_array(
-                    str(path),
-                    shape=(n, m),
-                    dtype="float32",
-                    chunks=(n_block, width),
-                    compressors=None,
-                    fill_value=0,
-                    overwrite=True,
-                )
+                create_score_array(path, n, m, (n_block, width))
             barrier()
             scores = zarr.open_array(str(path), mode="r+")
             out = ColumnWindow(scores, cols.start, cols.stop)

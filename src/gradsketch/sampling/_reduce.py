@@ -25,9 +25,9 @@ from gradsketch._parallel import background
 
 __all__ = ["NOISE_CHUNK", "REDUCE_TILE", "Pipeline", "Reduction", "chunked_normal_"]
 
-#: Columns per tile: a ``[r, tile]`` float32 tile and its int64 table stay in a
-#: core's L2 cache while both reductions read them, and tiles bound the
-#: float32 partial sums of the Gram (accumulated in float64).
+#: Columns per tile: a ``[r, tile]`` float32 tile and its slice of the table
+#: stay in a core's L2 cache while both reductions read them, and tiles bound
+#: the float32 partial sums of the Gram (accumulated in float64).
 REDUCE_TILE = 1 << 16
 #: Entries of noise drawn per call when a pipeline is waiting for them (a
 #: multiple of 16, see :func:`chunked_normal_`).
@@ -47,6 +47,9 @@ class Reduction:
             ``None`` for no sketch.
         folded: ``[n]`` integer count-sketch table (sign folded into the bucket).
         rows: leading rows of ``block`` to sketch.
+        index_buffer: int64 ``[REDUCE_TILE]`` buffer into which tiles of a
+            narrower ``folded`` are widened (``index_add_`` is fast with int64
+            only); kept by the caller across steps.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class Reduction:
         scratch: torch.Tensor | None,
         folded: torch.Tensor | None,
         rows: int,
+        index_buffer: torch.Tensor | None = None,
     ) -> None:
         self.block = block
         self.n = block.shape[1]
@@ -67,7 +71,7 @@ class Reduction:
             else None
         )
         self.scratch, self.folded, self.rows = scratch, folded, rows
-        self._index: torch.Tensor | None = None  # int64 tile of `folded`, reused
+        self.index_buffer = index_buffer
 
     def next_end(self) -> int:
         """The column the next tile ends at."""
@@ -78,11 +82,10 @@ class Reduction:
         index = self.folded[start:end]
         if index.dtype == torch.int64:
             return index
-        # Narrow tables take less memory and memory traffic; index_add_ is
-        # fast with int64 only, so each tile is widened in cache.
-        if self._index is None or self._index.numel() < index.numel():
-            self._index = torch.empty(REDUCE_TILE, dtype=torch.int64, device=index.device)
-        return self._index[: index.numel()].copy_(index)
+        # Narrow tables take less memory and memory traffic; each tile is
+        # widened in cache.
+        assert self.index_buffer is not None and self.index_buffer.numel() >= index.numel()
+        return self.index_buffer[: index.numel()].copy_(index)
 
     def advance(self, ready: int) -> None:
         """Reduce every whole tile whose columns all lie below ``ready``."""

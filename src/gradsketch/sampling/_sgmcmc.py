@@ -326,6 +326,7 @@ class _GroupPlan:
     sketch_rows: int = 0  # leading workspace rows that feed a sketched component
     sketch_coef: torch.Tensor | None = None  # C[:5, :sketch_rows] in float32
     scratch: torch.Tensor | None = None  # [sketch_rows, 2k + 1] index_add_ target
+    index_buffer: torch.Tensor | None = None  # int64 [REDUCE_TILE]: a widened table tile
 
 
 class SGMCMC(Optimizer):
@@ -851,8 +852,18 @@ class SGMCMC(Optimizer):
                 plan.scratch = scratch
             else:
                 scratch.zero_()
+            tile = _reduce.REDUCE_TILE
+            if plan.folded.dtype != torch.int64 and (
+                plan.index_buffer is None or plan.index_buffer.numel() != tile
+            ):
+                plan.index_buffer = torch.empty(tile, dtype=torch.int64, device=block.device)
         return Reduction(
-            block, gram=self.save_metrics, scratch=scratch, folded=plan.folded, rows=rows
+            block,
+            gram=self.save_metrics,
+            scratch=scratch,
+            folded=plan.folded,
+            rows=rows,
+            index_buffer=plan.index_buffer,
         )
 
     def _collect(self, reduction: Reduction, plan: _GroupPlan) -> torch.Tensor | None:

@@ -431,8 +431,7 @@ def adam(
         exp_avg_sqs=exp_avg_sqs,
         state_steps=state_steps,
     )
-    if step_counts not in ("entry", "parameter"):
-        raise MaskError(f"`step_counts` must be 'entry' or 'parameter'; received {step_counts!r}.")
+    check_step_counts(step_counts)
     for i in range(n):
         param, step_t = params[i], state_steps[i]
         per_entry = step_counts == "entry"
@@ -464,6 +463,12 @@ def adam(
             _adam_fast(param, grads[i], masks[i], exp_avgs[i], exp_avg_sqs[i], step_t, **hyper)
         else:
             _adam_reference(param, grads[i], masks[i], exp_avgs[i], exp_avg_sqs[i], step_t, **hyper)
+
+
+def check_step_counts(step_counts: object) -> None:
+    """Raise :class:`MaskError` unless ``step_counts`` is ``"entry"`` or ``"parameter"``."""
+    if step_counts not in ("entry", "parameter"):
+        raise MaskError(f"`step_counts` must be 'entry' or 'parameter'; received {step_counts!r}.")
 
 
 def _compute_dtype(param: Tensor) -> torch.dtype:

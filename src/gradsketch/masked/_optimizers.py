@@ -416,10 +416,7 @@ class MaskedAdam(_MaskedOptimizer):
             raise ValueError(f"`betas` must be a pair (beta1, beta2); received {betas!r}.")
         _check_hyper("betas[0]", betas[0], high=1.0)
         _check_hyper("betas[1]", betas[1], high=1.0)
-        if step_counts not in ("entry", "parameter"):
-            raise ValueError(
-                f"`step_counts` must be 'entry' or 'parameter'; received {step_counts!r}."
-            )
+        F.check_step_counts(step_counts)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),

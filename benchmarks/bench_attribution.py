@@ -17,7 +17,9 @@ Sections:
   inverse by its mean absolute entry.
 - featurize: examples/s of ``TRAKer.featurize`` on the digits MLP
   (64-256-256-10) and the small CNN at proj_dim 2,048: gradsketch's CPU
-  default, traker's CPU default (BasicProjector, block_size 100) and traker
+  default (per-example gradients by vmap, CountSketchProjector), gradsketch's
+  layer hooks with a FactorizedProjector (the most features up to proj_dim),
+  traker's CPU default (BasicProjector, block_size 100) and traker
   with one dense block; per-example gradients alone for both.
 - lds: digits, 3 MLP checkpoints, proj_dim 512, LDS over retrained half-data
   models: traker vs gradsketch (lambda_reg=0 and "auto").
@@ -273,11 +275,25 @@ def _grad_rate(make_traker, model, x, y, batch: int, repeats: int) -> float:
         return n / median_time(run, repeats, 1)
 
 
+def _hook_projector(model, proj_dim: int):
+    """The FactorizedProjector with equal sides and the most features up to ``proj_dim``."""
+    from gradsketch.sketch import FactorizedProjector
+
+    best = None
+    for side in range(2, 257):
+        proj = FactorizedProjector.from_model(model, k_in=side, k_out=side, seed=0)
+        if proj.proj_dim > proj_dim or (best is not None and proj.proj_dim == best.proj_dim):
+            break
+        best = proj
+    assert best is not None
+    return best
+
+
 def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> None:
     import trak
     from trak.projectors import BasicProjector
 
-    from gradsketch.attribution import TRAKer
+    from gradsketch.attribution import HookGradientComputer, TRAKer
     from gradsketch.attribution._digits import load_digits_split
 
     split = load_digits_split(seed=0)
@@ -291,6 +307,20 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
             save_dir=tmp,
             device="cpu",
             proj_dim=proj_dim,
+            use_half_precision=False,
+            logging_level=QUIET,
+            progress=False,
+        )
+
+    def ours_hooks(model, n, tmp):
+        return TRAKer(
+            model,
+            "image_classification",
+            n,
+            save_dir=tmp,
+            device="cpu",
+            gradient_computer=HookGradientComputer,
+            projector=_hook_projector(model, proj_dim),
             use_half_precision=False,
             logging_level=QUIET,
             progress=False,
@@ -340,6 +370,9 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
             "gradsketch.TRAKer (CountSketchProjector)": _featurize_rate(
                 ours, model, x[:n_ours], y[:n_ours], batch, repeats
             ),
+            "gradsketch.TRAKer (HookGradientComputer + FactorizedProjector)": _featurize_rate(
+                ours_hooks, model, x[:n_ours], y[:n_ours], batch, repeats
+            ),
             "traker.TRAKer (BasicProjector, block_size=100)": _featurize_rate(
                 ref_default, model, x[:n_default], y[:n_default], batch, 1 if quick else 2
             ),
@@ -352,17 +385,20 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
             "traker": _grad_rate(ref_default, model, x[:n_ours], y[:n_ours], batch, repeats),
         }
         ours_rate = rates["gradsketch.TRAKer (CountSketchProjector)"]
+        hooks_rate = rates["gradsketch.TRAKer (HookGradientComputer + FactorizedProjector)"]
+        hooks_dim = _hook_projector(model, proj_dim).proj_dim
         for impl, rate in rates.items():
             emit(
                 {
                     "bench": "featurize",
                     "model": name,
                     "params": params,
-                    "proj_dim": proj_dim,
+                    "proj_dim": hooks_dim if "Factorized" in impl else proj_dim,
                     "batch": batch,
                     "impl": impl,
                     "examples_per_s": rate,
                     "gradsketch_speedup": ours_rate / rate,
+                    "gradsketch_hooks_speedup": hooks_rate / rate,
                 }
             )
         for impl, rate in grad_rates.items():

@@ -76,6 +76,10 @@ _Job = tuple[Any, dict[str, np.ndarray], str | None]
 
 #: Default bytes per chunk when ``chunk_rows`` is not given.
 DEFAULT_CHUNK_BYTES = 1 << 20
+#: Background writes queued at most (each a batch; the caller waits beyond).
+WRITE_QUEUE = 4
+#: Queued writes are merged into one while their data stay under this size.
+MERGE_MAX_BYTES = 64 << 20
 
 __all__ = ["SETTINGS_FILE", "RowStore", "SettingsMismatchError", "default_chunk_rows"]
 
@@ -84,6 +88,52 @@ def default_chunk_rows(row_shape: tuple[int, ...], dtype: Any) -> int:
     """Rows per chunk so that a chunk holds about 1 MiB."""
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     return max(1, DEFAULT_CHUNK_BYTES // max(row_bytes, 1))
+
+
+def _row_indices(rows: Any) -> np.ndarray | None:
+    """The rows as int64 indices, or ``None`` for an open-ended or strided slice."""
+    if isinstance(rows, slice):
+        if not (isinstance(rows.start, int) and isinstance(rows.stop, int)) or rows.step not in (
+            None,
+            1,
+        ):
+            return None
+        return np.arange(rows.start, rows.stop, dtype=np.int64)
+    return np.asarray(rows, dtype=np.int64).reshape(-1)
+
+
+def _merge_jobs(first: _Job, second: _Job) -> _Job | None:
+    """One write equal to ``first`` then ``second``, or ``None`` when they must stay apart.
+
+    They merge when they write the same arrays (same row shape and dtype) and
+    the same flags, to disjoint rows (with a shared row, the later write must
+    win), within :data:`MERGE_MAX_BYTES`. Consecutive slices stay a slice.
+    """
+    rows_a, data_a, done_a = first
+    rows_b, data_b, done_b = second
+    idx_a, idx_b = _row_indices(rows_a), _row_indices(rows_b)
+    if done_a != done_b or data_a.keys() != data_b.keys() or idx_a is None or idx_b is None:
+        return None
+    nbytes = 0
+    for name, a in data_a.items():
+        b = data_b[name]
+        # A job whose values do not fit its rows stays alone, to fail alone.
+        if a.shape[:1] != idx_a.shape or b.shape[:1] != idx_b.shape:
+            return None
+        if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+            return None
+        nbytes += a.nbytes + b.nbytes
+    if nbytes > MERGE_MAX_BYTES:
+        return None
+    rows: slice | np.ndarray
+    if isinstance(rows_a, slice) and isinstance(rows_b, slice) and rows_a.stop == rows_b.start:
+        rows = slice(rows_a.start, rows_b.stop)
+    else:
+        rows = np.concatenate([idx_a, idx_b])
+        if np.unique(rows).size != rows.size:
+            return None
+    data = {name: np.concatenate([a, data_b[name]]) for name, a in data_a.items()}
+    return rows, data, done_a
 
 
 def _rows_selection(rows: slice | np.ndarray | range, n: int) -> slice | np.ndarray:
@@ -175,26 +225,48 @@ class RowStore:
     def _start_writer(self) -> queue.Queue[_Job | None]:
         if self._queue is not None:
             return self._queue
-        # Two queued batches: enough to overlap compute with writing, while a
-        # kill loses little and memory stays bounded.
-        work: queue.Queue[_Job | None] = queue.Queue(maxsize=2)
+        # A few queued batches: enough to overlap compute with writing and to
+        # merge small batches, while a kill loses little and memory stays bounded.
+        work: queue.Queue[_Job | None] = queue.Queue(maxsize=WRITE_QUEUE)
         store_ref = weakref.ref(self)
+
+        def write(item: _Job, taken: int) -> None:
+            try:
+                store = store_ref()
+                if store is not None and store._failure is None:  # after a failure, write nothing
+                    try:
+                        store.write_rows(item[0], item[1], done=item[2])
+                    except BaseException as exc:  # re-raised by flush()
+                        store._failure = exc
+                del store
+            finally:
+                for _ in range(taken):
+                    work.task_done()
 
         def run() -> None:
             while True:
                 item = work.get()
-                try:
-                    store = store_ref()
-                    if item is None or store is None:
-                        return
-                    if store._failure is None:  # after a failure, write nothing more
-                        try:
-                            store.write_rows(item[0], item[1], done=item[2])
-                        except BaseException as exc:  # re-raised by flush()
-                            store._failure = exc
-                    del store
-                finally:
+                if item is None:
                     work.task_done()
+                    return
+                taken = 1
+                # Merge what else is queued: zarr's cost per write call (~1 ms
+                # per array) and per partly written chunk dwarfs a small batch's.
+                while True:
+                    try:
+                        nxt = work.get_nowait()
+                    except queue.Empty:
+                        break
+                    merged = None if nxt is None else _merge_jobs(item, nxt)
+                    if merged is not None:
+                        item, taken = merged, taken + 1
+                        continue
+                    write(item, taken)
+                    if nxt is None:
+                        work.task_done()
+                        return
+                    item, taken = nxt, 1
+                write(item, taken)
 
         name = f"gradsketch-store-{id(self):x}"
         self._writer = threading.Thread(target=run, name=name, daemon=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +16,7 @@ from gradsketch._settings import (
     settings_from_record,
     settings_record,
 )
-from gradsketch._store import RowStore
+from gradsketch._store import RowStore, _merge_jobs
 
 
 @dataclass
@@ -116,3 +118,51 @@ def test_failed_background_write_raises_at_flush_and_flags_nothing(tmp_path):
     store.flush()  # reported once
     with pytest.raises(ValueError, match=r"`data\['x'\]` has shape \(2, 5\)"):
         store.write_rows(np.array([4, 5]), {"x": np.ones((2, 5))})
+
+
+def test_merge_jobs_rules():
+    """Queued writes merge only into a write equal to doing them in turn."""
+    a = (slice(0, 2), {"x": np.ones((2, 3))}, "x.done")
+    b = (slice(2, 5), {"x": np.zeros((3, 3))}, "x.done")
+    rows, data, done = _merge_jobs(a, b)
+    assert rows == slice(0, 5) and done == "x.done"
+    np.testing.assert_array_equal(data["x"], np.r_[np.ones((2, 3)), np.zeros((3, 3))])
+    rows, _, _ = _merge_jobs(a, (np.array([7, 5]), {"x": np.zeros((2, 3))}, "x.done"))
+    assert rows.tolist() == [0, 1, 7, 5]
+    shared_row = (np.array([1, 4]), {"x": np.zeros((2, 3))}, "x.done")
+    assert _merge_jobs(a, shared_row) is None  # the later write must win on row 1
+    assert _merge_jobs(a, (slice(2, 4), {"x": np.zeros((2, 5))}, "x.done")) is None
+    assert _merge_jobs(a, (slice(2, 4), {"x": np.zeros((2, 3))}, None)) is None
+    assert _merge_jobs(a, (slice(2, 4), {"y": np.zeros((2, 3))}, "x.done")) is None
+    assert _merge_jobs(a, (slice(2, 4), {"x": np.zeros((3, 3))}, "x.done")) is None
+    assert _merge_jobs(a, (slice(2, None), {"x": np.zeros((3, 3))}, "x.done")) is None
+
+
+def test_queued_background_writes_merge(tmp_path, monkeypatch):
+    """Batches queued while the writer is busy go to disk in fewer zarr writes, same bytes."""
+    store = RowStore(tmp_path, {"k": 3})
+    store.require_array("x", (64, 3), np.float32, chunk_rows=8)
+    store.require_done("x.done", 64, chunk_rows=8)
+    gate, calls = threading.Event(), []
+    write = RowStore.write_rows
+
+    def slow_write(self, rows, data, **kwargs):
+        if not kwargs.get("background"):
+            calls.append(rows)
+            gate.wait(10)
+        return write(self, rows, data, **kwargs)
+
+    monkeypatch.setattr(RowStore, "write_rows", slow_write)
+    expected = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    order = [slice(0, 5), slice(5, 16), np.array([20, 16]), np.array([17, 18, 19, 21])]
+    for i, rows in enumerate(order):
+        store.write_rows(rows, {"x": expected[rows]}, done="x.done", background=True)
+        while i == 0 and not calls:  # the writer holds the first job; the rest queue up
+            time.sleep(0.001)
+    gate.set()
+    store.flush()
+    # The first job was taken before the rest were queued; the other three merged.
+    assert len(calls) == 2
+    assert store.done_rows("x.done").nonzero()[0].tolist() == list(range(22))
+    np.testing.assert_array_equal(store.array("x")[:22], expected[:22])
+    store.close()

@@ -299,7 +299,7 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
     split = load_digits_split(seed=0)
     x, y = split.x_train, split.y_train
 
-    def ours(model, n, tmp):
+    def ours(model, n, tmp, **options):
         return TRAKer(
             model,
             "image_classification",
@@ -310,21 +310,12 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
             use_half_precision=False,
             logging_level=QUIET,
             progress=False,
+            **options,
         )
 
     def ours_hooks(model, n, tmp):
-        return TRAKer(
-            model,
-            "image_classification",
-            n,
-            save_dir=tmp,
-            device="cpu",
-            gradient_computer=HookGradientComputer,
-            projector=_hook_projector(model, proj_dim),
-            use_half_precision=False,
-            logging_level=QUIET,
-            progress=False,
-        )
+        projector = _hook_projector(model, proj_dim)
+        return ours(model, n, tmp, gradient_computer=HookGradientComputer, projector=projector)
 
     def ref_default(model, n, tmp):
         return trak.TRAKer(

@@ -12,7 +12,16 @@ overhead ratios in ``cpu_overhead_vs_own_plain`` are the stable ones there.
 With several torch threads on a loaded machine every parallel op also waits
 for its slowest thread: ``--threads 1`` measures the work itself.
 
-Run: ``.venv/bin/python benchmarks/bench_sampling.py [--repeats 30] [--threads 1] [--skip-llc]``.
+The steps above get the same stored gradients every time and run back to
+back with other implementations' steps. ``sampler_step_in_loop`` rows time
+the step where a sampler runs it: after ``zero_grad``, a forward and a
+backward of its own model, each optimizer for a block of consecutive
+iterations (see :func:`time_in_loop`). There the step meets the cache and
+allocator state a sampling loop leaves: fresh gradient tensors, and
+megabyte temporaries that cost page faults when a step allocates them.
+
+Run: ``.venv/bin/python benchmarks/bench_sampling.py [--repeats 30] [--threads 1]
+[--skip-llc] [--skip-loop] [--loop-rounds 12]``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import statistics
 import time
 import warnings
@@ -131,6 +141,97 @@ def bench_step(repeats: int) -> list[dict]:
     return rows
 
 
+def time_in_loop(
+    models: dict[str, torch.nn.Module],
+    opts: dict[str, torch.optim.Optimizer],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rounds: int,
+    block: int = 5,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median step and whole-iteration time (ms) of each optimizer inside a sampling loop.
+
+    Each iteration is what a sampler runs: ``zero_grad``, forward, backward,
+    ``step``. Every optimizer runs ``block`` consecutive iterations of its own
+    (the first one untimed) before the next takes over, in a new random order
+    each round, so each step sees the caches and allocator a real loop leaves
+    it, and a load swing hits all of them alike.
+    """
+    rng = random.Random(0)
+    step_ms: dict[str, list[float]] = {name: [] for name in opts}
+    iter_ms: dict[str, list[float]] = {name: [] for name in opts}
+    gens = {name: torch.Generator().manual_seed(0) for name in opts}
+    names = list(opts)
+    for r in range(rounds + 1):
+        rng.shuffle(names)
+        for name in names:
+            model, opt = models[name], opts[name]
+            for i in range(block):
+                start = time.perf_counter()
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                mid = time.perf_counter()
+                if isinstance(opt, torch.optim.SGD):
+                    opt.step()
+                else:
+                    opt.step(noise_generator=gens[name])
+                end = time.perf_counter()
+                if r > 0 and i > 0:  # round 0 and each block's first iteration warm up
+                    step_ms[name].append((end - mid) * 1e3)
+                    iter_ms[name].append((end - start) * 1e3)
+    return (
+        {name: statistics.median(v) for name, v in step_ms.items()},
+        {name: statistics.median(v) for name, v in iter_ms.items()},
+    )
+
+
+def bench_loop(rounds: int) -> list[dict]:
+    """The four settings (and devinterp's, and torch SGD) stepped inside a sampling loop."""
+    torch.manual_seed(0)
+    model = mlp([784, 1024, 192, 10])
+    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
+    try:
+        from devinterp.optim import SGMCMC as DevSGMCMC
+    except ImportError:
+        DevSGMCMC = None
+    kw = dict(lr=1e-4, nbeta=50.0, localization=100.0)
+    models = {"sgd": copy.deepcopy(model)}
+    opts: dict[str, torch.optim.Optimizer] = {
+        "sgd": torch.optim.SGD(models["sgd"].parameters(), lr=1e-4)
+    }
+    for setting, extra in SETTINGS.items():
+        impls = [("gradsketch", SGMCMC)] + ([("devinterp", DevSGMCMC)] if DevSGMCMC else [])
+        for impl, cls in impls:
+            name = f"{impl}/{setting}"
+            models[name] = copy.deepcopy(model)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opts[name] = cls.sgld(models[name].parameters(), **kw, **extra)
+    step, iteration = time_in_loop(models, opts, x, y, rounds)
+    rows = []
+    for setting in SETTINGS:
+        ours = f"gradsketch/{setting}"
+        row = {
+            "bench": "sampler_step_in_loop",
+            "impl": "gradsketch",
+            "setting": setting,
+            "threads": torch.get_num_threads(),
+            "load_avg_1min": round(os.getloadavg()[0], 2),
+            "step_ms": round(step[ours], 3),
+            "iteration_ms": round(iteration[ours], 3),
+            "torch_sgd_step_ms": round(step["sgd"], 3),
+            "overhead_vs_own_plain": round(step[ours] / step["gradsketch/plain"] - 1.0, 3),
+            "iteration_overhead_vs_own_plain": round(
+                iteration[ours] / iteration["gradsketch/plain"] - 1.0, 3
+            ),
+        }
+        if f"devinterp/{setting}" in step:
+            row["devinterp_step_ms"] = round(step[f"devinterp/{setting}"], 3)
+            row["speedup_vs_devinterp"] = round(step[f"devinterp/{setting}"] / step[ours], 2)
+        rows.append(row)
+    return rows
+
+
 def bench_llc() -> list[dict]:
     from sklearn.datasets import load_digits
     from torch.utils.data import DataLoader, TensorDataset
@@ -177,6 +278,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--skip-llc", action="store_true")
+    parser.add_argument("--skip-loop", action="store_true", help="no in-loop measurement")
+    parser.add_argument("--loop-rounds", type=int, default=12, help="rounds of the in-loop run")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
     )
@@ -184,6 +287,8 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rows = bench_step(args.repeats)
+    if not args.skip_loop:
+        rows += bench_loop(args.loop_rounds)
     if not args.skip_llc:
         rows += bench_llc()
     for row in rows:

@@ -399,6 +399,32 @@ def test_same_noise_generator_seed_same_trajectory():
     assert torch.equal(runs[0], runs[1])
 
 
+def test_unrecorded_step_reuses_its_buffers_and_equals_the_recorded_step():
+    """The plain identity step draws noise and ``w - c`` into two reused buffers (no fresh
+    temporaries per step); its trajectory is bit for bit the recording step's and the
+    float64 reference's."""
+    models = [small_model(torch.float32) for _ in range(3)]
+    kw = dict(lr=1e-3, nbeta=10.0, localization=2.0)
+    plain = SGMCMC.sgld(models[0].parameters(), **kw)
+    recorded = SGMCMC.sgld(models[1].parameters(), save_metrics=True, sketch_dim=8, **kw)
+    ref = Reference(models[2].parameters(), lr=1e-3, nbeta=10.0, localization=2.0)
+    gens = [torch.Generator().manual_seed(3) for _ in range(3)]
+    buffers = set()
+    for step in range(4):
+        for model in models:
+            set_grads(model, step)
+        plain.step(noise_generator=gens[0])
+        recorded.step(noise_generator=gens[1])
+        ref.step(gens[2])
+        scratch = plain._plans[0].step_scratch
+        assert scratch is not None and scratch.shape == (2, 7 * 5)  # the largest parameter
+        buffers.add(scratch.data_ptr())
+        for a, b, c in zip(*(m.parameters() for m in models)):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    assert len(buffers) == 1
+
+
 def test_closure_is_evaluated_with_grad_and_returned():
     model = small_model()
 

@@ -327,6 +327,22 @@ class _GroupPlan:
     sketch_coef: torch.Tensor | None = None  # C[:5, :sketch_rows] in float32
     scratch: torch.Tensor | None = None  # [sketch_rows, 2k + 1] index_add_ target
     index_buffer: torch.Tensor | None = None  # int64 [REDUCE_TILE]: a widened table tile
+    # [2, largest numel] noise and (w - c) of the unrecorded identity step, reused:
+    # fresh megabyte temporaries cost page faults in a loop with backward passes.
+    step_scratch: torch.Tensor | None = None
+
+
+def _step_scratch(
+    plan: _GroupPlan, params: list[torch.Tensor], p: torch.Tensor
+) -> torch.Tensor | None:
+    """Two reusable ``p``-shaped buffers (noise, w - c); None for a parameter they cannot hold."""
+    buf = plan.step_scratch
+    if buf is None or buf.dtype != p.dtype or buf.device != p.device:
+        largest = max(q.numel() for q in params if q.dtype == p.dtype and q.device == p.device)
+        buf = plan.step_scratch = torch.empty(2, largest, dtype=p.dtype, device=p.device)
+    if buf.shape[1] < p.numel():
+        return None
+    return buf[:, : p.numel()].view(2, *p.shape)
 
 
 class SGMCMC(Optimizer):
@@ -720,7 +736,8 @@ class SGMCMC(Optimizer):
                     if fast:
                         numel += p.numel()
                         ready = None if pipeline is None else pipeline.ready
-                        self._update_identity(p, state, group, rows, gen, ready, column)
+                        scratch = None if rows is not None else _step_scratch(plan, params, p)
+                        self._update_identity(p, state, group, rows, gen, ready, column, scratch)
                     else:
                         numel += self._update_general(
                             p, state, group, precond, rows, gen, half, root
@@ -885,12 +902,15 @@ class SGMCMC(Optimizer):
         gen: torch.Generator | None,
         ready: Callable[[int], None] | None = None,
         column: int = 0,
+        scratch: torch.Tensor | None = None,
     ) -> None:
         """The identity update; with ``rows``, records into them first.
 
         The rows are written before ``p`` moves, the noise last, in pieces
         that report ``ready(column + end)`` so a pipeline can reduce them
-        while the rest is drawn.
+        while the rest is drawn. Without ``rows``, the noise and ``w - c``
+        go to ``scratch`` (``[2, *p.shape]``) when given (same values: one
+        ``normal_`` call draws what ``torch.normal`` would).
         """
         lr, nbeta, sigma = group["lr"], group["nbeta"], group["noise_level"]
         gamma, lam = group["localization"], group["weight_decay"]
@@ -899,10 +919,14 @@ class SGMCMC(Optimizer):
         assert grad is not None
         center = state.get("prior_center", state["initial_param"])
         if rows is None:
-            noise = torch.normal(
-                0.0, sigma, size=p.shape, generator=gen, device=p.device, dtype=p.dtype
-            )
-            loc = (p - center) if gamma else None
+            if scratch is None:
+                noise = torch.normal(
+                    0.0, sigma, size=p.shape, generator=gen, device=p.device, dtype=p.dtype
+                )
+                loc = (p - center) if gamma else None
+            else:
+                noise = scratch[0].normal_(0.0, sigma, generator=gen)
+                loc = torch.sub(p, center, out=scratch[1]) if gamma else None
             if lam:
                 # w - (eps/2) lambda w, before anything else moves w.
                 p.mul_(1.0 - half * lam)

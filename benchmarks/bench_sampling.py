@@ -19,6 +19,8 @@ backward of its own model, each optimizer for a block of consecutive
 iterations (see :func:`time_in_loop`). There the step meets the cache and
 allocator state a sampling loop leaves: fresh gradient tensors, and
 megabyte temporaries that cost page faults when a step allocates them.
+``preconditioned_step_in_loop`` rows do the same for RMSprop-SGLD,
+Adam-SGLD (gradsketch only) and SGNHT, plain and with both recordings.
 
 Run: ``.venv/bin/python benchmarks/bench_sampling.py [--repeats 30] [--threads 1]
 [--skip-llc] [--skip-loop] [--loop-rounds 12]``.
@@ -232,6 +234,53 @@ def bench_loop(rounds: int) -> list[dict]:
     return rows
 
 
+def bench_preconditioners(rounds: int) -> list[dict]:
+    """RMSprop-SGLD, Adam-SGLD and SGNHT steps (plain and both recordings) inside the loop."""
+    torch.manual_seed(0)
+    model = mlp([784, 1024, 192, 10])
+    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
+    try:
+        from devinterp.optim import SGMCMC as DevSGMCMC
+    except ImportError:
+        DevSGMCMC = None
+    models: dict[str, torch.nn.Module] = {}
+    opts: dict[str, torch.optim.Optimizer] = {}
+    methods = {
+        "rmsprop_sgld": dict(lr=1e-4, nbeta=50.0, localization=100.0),
+        "adam_sgld": dict(lr=1e-4, nbeta=50.0, localization=100.0),
+        "sgnht": dict(lr=1e-4, nbeta=50.0),
+    }
+    for method, kw in methods.items():
+        for setting in ("plain", "both"):
+            impls = [("gradsketch", SGMCMC)]
+            if DevSGMCMC is not None and hasattr(DevSGMCMC, method):
+                impls.append(("devinterp", DevSGMCMC))
+            for impl, cls in impls:
+                name = f"{impl}/{method}/{setting}"
+                models[name] = copy.deepcopy(model)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    make = getattr(cls, method)
+                    opts[name] = make(models[name].parameters(), **kw, **SETTINGS[setting])
+    step, _ = time_in_loop(models, opts, x, y, rounds)
+    rows = []
+    for method in methods:
+        for setting in ("plain", "both"):
+            ours = step[f"gradsketch/{method}/{setting}"]
+            row = {
+                "bench": "preconditioned_step_in_loop",
+                "method": method,
+                "setting": setting,
+                "step_ms": round(ours, 3),
+            }
+            theirs = step.get(f"devinterp/{method}/{setting}")
+            if theirs is not None:
+                row["devinterp_step_ms"] = round(theirs, 3)
+                row["speedup_vs_devinterp"] = round(theirs / ours, 2)
+            rows.append(row)
+    return rows
+
+
 def bench_llc() -> list[dict]:
     from sklearn.datasets import load_digits
     from torch.utils.data import DataLoader, TensorDataset
@@ -289,6 +338,7 @@ def main() -> None:
     rows = bench_step(args.repeats)
     if not args.skip_loop:
         rows += bench_loop(args.loop_rounds)
+        rows += bench_preconditioners(max(2, args.loop_rounds // 2))
     if not args.skip_llc:
         rows += bench_llc()
     for row in rows:

@@ -249,6 +249,33 @@ def test_matches_float64_reference(method, kwargs, ref_extra, tile):
 
 
 @pytest.mark.parametrize(("method", "kwargs", "ref_extra"), CASES)
+def test_unrecorded_step_matches_float64_reference(method, kwargs, ref_extra):
+    """Without recording, every preconditioner, mask and the thermostat update in place with
+    two reused buffers: the trajectory equals the reference loop's (float64)."""
+    ours_model, ref_model = small_model(), small_model()
+    kwargs = dict(kwargs)
+    ref_extra = dict(ref_extra)
+    if kwargs.get("mask") == "half":
+        kwargs["mask"] = half_masks(ours_model)
+        ref_extra["masks"] = half_masks(ref_model)
+    opt = SGMCMC.get_method(method)(ours_model.parameters(), lr=1e-3, nbeta=10.0, **kwargs)
+    ref = Reference(
+        ref_model.parameters(), lr=1e-3, nbeta=10.0, **ref_kwargs_for(method, kwargs), **ref_extra
+    )
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for step in range(6):
+        set_grads(ours_model, step)
+        set_grads(ref_model, step)
+        opt.step(noise_generator=g1)
+        ref.step(g2)
+        for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert opt._plans[0].step_scratch is not None  # the buffers were used
+    if method == "sgnht":
+        assert opt.thermostats[0] == pytest.approx(ref.thermostat, rel=1e-10)
+
+
+@pytest.mark.parametrize(("method", "kwargs", "ref_extra"), CASES)
 def test_sketch_of_each_component_equals_scatter_into(method, kwargs, ref_extra, tile):
     """Exact identity: sketch(component) == CountSketch.scatter_into_ at each parameter's offset.
 
@@ -582,9 +609,10 @@ def test_preconditioner_registry_lists_names():
 @pytest.mark.bench
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 @pytest.mark.parametrize("noise_level", [0.0, 1.0])
-def test_matches_devinterp_2_0_1(method, noise_level):
+@pytest.mark.parametrize("record", [True, False], ids=["recorded", "unrecorded"])
+def test_matches_devinterp_2_0_1(method, noise_level, record):
     """With noise_level=0 (and, since the noise stream is shared, also 1) trajectories and
-    metrics match devinterp 2.0.1's SGMCMC to 1e-6."""
+    metrics match devinterp 2.0.1's SGMCMC to 1e-6, whether or not we record."""
     dev = pytest.importorskip("devinterp.optim")
     a, b = small_model(torch.float32), small_model(torch.float32)
     kw = dict(
@@ -596,7 +624,8 @@ def test_matches_devinterp_2_0_1(method, noise_level):
         save_metrics=True,
         sketch_dim=16,
     )
-    ours = SGMCMC.get_method(method)(a.parameters(), **kw)
+    ours_kw = kw if record else {**kw, "save_metrics": False, "sketch_dim": None}
+    ours = SGMCMC.get_method(method)(a.parameters(), **ours_kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = dev.SGMCMC.get_method(method)(b.parameters(), **kw)
@@ -608,6 +637,8 @@ def test_matches_devinterp_2_0_1(method, noise_level):
         theirs.step(noise_generator=g2)
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        if not record:
+            continue
         mo, mt = ours.get_metrics(), theirs.get_metrics()
         for name in Metrics.NORM_FIELDS + Metrics.DOT_FIELDS:
             want = float(getattr(mt, name))

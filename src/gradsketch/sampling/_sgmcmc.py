@@ -170,7 +170,7 @@ class RMSpropPreconditioner(Preconditioner):
             state["square_avg"] = torch.zeros_like(grad)
         v = state["square_avg"]
         v.mul_(self.alpha).addcmul_(grad, grad, value=1.0 - self.alpha)
-        g = 1.0 / (v.sqrt() + self.eps)
+        g = v.sqrt().add_(self.eps).reciprocal_()  # 1 / (sqrt(V) + eps), one allocation
         return PreconditionerCoefs(grad_coef=g, prior_coef=g, noise_coef=g.sqrt())
 
     def __repr__(self) -> str:
@@ -209,8 +209,8 @@ class AdamPreconditioner(Preconditioner):
         t = state["adam_step"]
         state["exp_avg"].mul_(b1).add_(grad, alpha=1.0 - b1)
         state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-        v_hat = state["exp_avg_sq"] / (1.0 - b2**t)
-        g = 1.0 / (v_hat.sqrt() + self.eps)
+        # 1 / (sqrt(V / (1 - b2^t)) + eps), one allocation.
+        g = state["exp_avg_sq"].div(1.0 - b2**t).sqrt_().add_(self.eps).reciprocal_()
         drift = state["exp_avg"] / (1.0 - b1**t)
         return PreconditionerCoefs(grad_coef=g, prior_coef=g, noise_coef=g.sqrt(), drift=drift)
 
@@ -343,6 +343,115 @@ def _step_scratch(
     if buf.shape[1] < p.numel():
         return None
     return buf[:, : p.numel()].view(2, *p.shape)
+
+
+def _scaled_into(out: torch.Tensor, src: torch.Tensor, *coefs: Scalar) -> float:
+    """``out = src * (tensor coefs)``; returns the product of the scalar ones."""
+    scalar = 1.0
+    first = True
+    for c in coefs:
+        if isinstance(c, torch.Tensor):
+            if first:
+                torch.mul(src, c, out=out)
+                first = False
+            else:
+                out.mul_(c)
+        else:
+            scalar *= float(c)
+    if first:
+        out.copy_(src)
+    return scalar
+
+
+def _apply_general_recorded(
+    p: torch.Tensor,
+    rows: dict[str, torch.Tensor] | None,
+    coefs: PreconditionerCoefs,
+    overall: Scalar,
+    drive: torch.Tensor,
+    center: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    gen: torch.Generator | None,
+    half: float,
+    root: float,
+    nose_hoover: bool,
+) -> None:
+    """The update written out component by component (each one a fresh tensor)."""
+    nbeta, sigma = group["nbeta"], group["noise_level"]
+    gamma, lam = group["localization"], group["weight_decay"]
+    grad = p.grad
+    assert grad is not None
+    xi = torch.normal(0.0, sigma, size=p.shape, generator=gen, device=p.device, dtype=p.dtype)
+
+    scaled = (half * nbeta) * (overall * coefs.grad_coef * drive)
+    prior_scale = half * (coefs.prior_coef * overall)
+    loc = prior_scale * gamma * (p - center) if gamma else torch.zeros_like(p)
+    wd = prior_scale * lam * p if lam else torch.zeros_like(p)
+    noise = root * (coefs.noise_coef * overall * xi)
+    if rows is not None:
+        rows["scaled_grad"].copy_(scaled)
+        rows["unscaled_grad"].copy_(grad).mul_(half * nbeta)
+        rows["localization"].copy_(loc)
+        rows["weight_decay"].copy_(wd)
+        rows["noise"].copy_(noise)
+        torch.sub(p, state["initial_param"], out=rows["distance"])
+    if nose_hoover:
+        v = state["momentum"]
+        thermostat = float(group["thermostat"])
+        v.mul_(1.0 - thermostat).sub_(scaled).sub_(loc).sub_(wd).add_(noise)
+        p.add_(v)
+    else:
+        p.sub_(scaled).sub_(loc).sub_(wd).add_(noise)
+
+
+def _apply_general(
+    p: torch.Tensor,
+    scratch: torch.Tensor,
+    coefs: PreconditionerCoefs,
+    overall: Scalar,
+    drive: torch.Tensor,
+    center: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    gen: torch.Generator | None,
+    half: float,
+    root: float,
+    nose_hoover: bool,
+) -> None:
+    """The unrecorded general update with two buffers, in place.
+
+    ``delta = -(eps/2) o g_c nbeta drive - (eps/2) o p_c (gamma (w - c) + lambda w)
+    + sqrt(eps) o n_c xi``, added to ``w`` (Langevin) or to the momentum
+    (Nosé-Hoover, then ``w += v``); ``xi`` is drawn from ``gen`` exactly as
+    the recorded path draws it.
+    """
+    nbeta, sigma = group["nbeta"], group["noise_level"]
+    gamma, lam = group["localization"], group["weight_decay"]
+    a, b = scratch[0], scratch[1]
+    # The prior gradient first, while w is unchanged.
+    prior_scale = 0.0
+    if gamma or lam:
+        if gamma:
+            torch.sub(p, center, out=b).mul_(gamma)
+            if lam:
+                b.add_(p, alpha=lam)
+        else:
+            torch.mul(p, lam, out=b)
+        prior_scale = -half * _scaled_into(b, b, coefs.prior_coef, overall)
+    grad_scale = -half * nbeta * _scaled_into(a, drive, coefs.grad_coef, overall)
+    target = p
+    if nose_hoover:
+        target = state["momentum"]
+        target.mul_(1.0 - float(group["thermostat"]))
+    target.add_(a, alpha=grad_scale)
+    if prior_scale:
+        target.add_(b, alpha=prior_scale)
+    a.normal_(0.0, sigma, generator=gen)
+    noise_scale = root * _scaled_into(a, a, coefs.noise_coef, overall)
+    target.add_(a, alpha=noise_scale)
+    if target is not p:
+        p.add_(target)
 
 
 class SGMCMC(Optimizer):
@@ -739,8 +848,9 @@ class SGMCMC(Optimizer):
                         scratch = None if rows is not None else _step_scratch(plan, params, p)
                         self._update_identity(p, state, group, rows, gen, ready, column, scratch)
                     else:
+                        scratch = None if rows is not None else _step_scratch(plan, params, p)
                         numel += self._update_general(
-                            p, state, group, precond, rows, gen, half, root
+                            p, state, group, precond, rows, gen, half, root, scratch
                         )
                         if nose_hoover:
                             energy += state["momentum"].double().square().sum()
@@ -960,10 +1070,16 @@ class SGMCMC(Optimizer):
         gen: torch.Generator | None,
         half: float,
         root: float,
+        scratch: torch.Tensor | None = None,
     ) -> int:
-        """Readable single-tensor path for any preconditioner, mask or the thermostat."""
-        nbeta, sigma = group["nbeta"], group["noise_level"]
-        gamma, lam = group["localization"], group["weight_decay"]
+        """Single-tensor path for any preconditioner, mask or the thermostat.
+
+        Recording, it writes each component to its row and applies them as
+        written. Otherwise, with ``scratch`` (``[2, *p.shape]``), it applies
+        the same update with two reused buffers and no other temporary
+        (:meth:`_apply_general`); the sum's rounding order differs, so the
+        two trajectories may differ in the last bit.
+        """
         grad = p.grad
         assert grad is not None
         coefs = precond.coefficients(p, grad, state)
@@ -979,27 +1095,11 @@ class SGMCMC(Optimizer):
             state["momentum"] = math.sqrt(group["lr"]) * torch.normal(
                 0.0, 1.0, size=p.shape, generator=gen, device=p.device, dtype=p.dtype
             )
-        xi = torch.normal(0.0, sigma, size=p.shape, generator=gen, device=p.device, dtype=p.dtype)
-
-        scaled = (half * nbeta) * (overall * coefs.grad_coef * drive)
-        prior_scale = half * (coefs.prior_coef * overall)
-        loc = prior_scale * gamma * (p - center) if gamma else torch.zeros_like(p)
-        wd = prior_scale * lam * p if lam else torch.zeros_like(p)
-        noise = root * (coefs.noise_coef * overall * xi)
-        if rows is not None:
-            rows["scaled_grad"].copy_(scaled)
-            rows["unscaled_grad"].copy_(grad).mul_(half * nbeta)
-            rows["localization"].copy_(loc)
-            rows["weight_decay"].copy_(wd)
-            rows["noise"].copy_(noise)
-            torch.sub(p, state["initial_param"], out=rows["distance"])
-        if nose_hoover:
-            v = state["momentum"]
-            thermostat = float(group["thermostat"])
-            v.mul_(1.0 - thermostat).sub_(scaled).sub_(loc).sub_(wd).add_(noise)
-            p.add_(v)
+        args = (coefs, overall, drive, center, state, group, gen, half, root, nose_hoover)
+        if rows is None and scratch is not None:
+            _apply_general(p, scratch, *args)
         else:
-            p.sub_(scaled).sub_(loc).sub_(wd).add_(noise)
+            _apply_general_recorded(p, rows, *args)
         if isinstance(overall, torch.Tensor):
             return int(torch.count_nonzero(overall.expand_as(p)))
         return p.numel()

@@ -377,32 +377,43 @@ def _apply_general_recorded(
     root: float,
     nose_hoover: bool,
 ) -> None:
-    """The update written out component by component (each one a fresh tensor)."""
+    """The update component by component, each written to its row, then applied.
+
+    Without ``rows`` (no scratch could hold this parameter) the components
+    are fresh tensors.
+    """
     nbeta, sigma = group["nbeta"], group["noise_level"]
     gamma, lam = group["localization"], group["weight_decay"]
     grad = p.grad
     assert grad is not None
-    xi = torch.normal(0.0, sigma, size=p.shape, generator=gen, device=p.device, dtype=p.dtype)
 
-    scaled = (half * nbeta) * (overall * coefs.grad_coef * drive)
-    prior_scale = half * (coefs.prior_coef * overall)
-    loc = prior_scale * gamma * (p - center) if gamma else torch.zeros_like(p)
-    wd = prior_scale * lam * p if lam else torch.zeros_like(p)
-    noise = root * (coefs.noise_coef * overall * xi)
+    def out(name: str) -> torch.Tensor:
+        return rows[name] if rows is not None else torch.empty_like(p)
+
+    noise = out("noise").normal_(0.0, sigma, generator=gen)
+    scaled = out("scaled_grad")
+    scaled.mul_(half * nbeta * _scaled_into(scaled, drive, overall, coefs.grad_coef))
+    loc, wd = out("localization"), out("weight_decay")
+    for row, weight, src in ((loc, gamma, None), (wd, lam, p)):
+        if not weight:
+            row.zero_()
+            continue
+        if src is None:
+            torch.sub(p, center, out=row)
+        else:
+            row.copy_(src)
+        row.mul_(half * weight * _scaled_into(row, row, coefs.prior_coef, overall))
+    noise.mul_(root * _scaled_into(noise, noise, coefs.noise_coef, overall))
     if rows is not None:
-        rows["scaled_grad"].copy_(scaled)
         rows["unscaled_grad"].copy_(grad).mul_(half * nbeta)
-        rows["localization"].copy_(loc)
-        rows["weight_decay"].copy_(wd)
-        rows["noise"].copy_(noise)
         torch.sub(p, state["initial_param"], out=rows["distance"])
+    target = p
     if nose_hoover:
-        v = state["momentum"]
-        thermostat = float(group["thermostat"])
-        v.mul_(1.0 - thermostat).sub_(scaled).sub_(loc).sub_(wd).add_(noise)
-        p.add_(v)
-    else:
-        p.sub_(scaled).sub_(loc).sub_(wd).add_(noise)
+        target = state["momentum"]
+        target.mul_(1.0 - float(group["thermostat"]))
+    target.sub_(scaled).sub_(loc).sub_(wd).add_(noise)
+    if target is not p:
+        p.add_(target)
 
 
 def _apply_general(

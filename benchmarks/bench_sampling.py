@@ -38,6 +38,7 @@ import random
 import statistics
 import time
 import warnings
+from typing import Any
 
 import torch
 
@@ -187,8 +188,8 @@ def time_in_loop(
     )
 
 
-def bench_loop(rounds: int) -> list[dict]:
-    """The four settings (and devinterp's, and torch SGD) stepped inside a sampling loop."""
+def _loop_setup() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, Any]:
+    """The 1M-parameter MLP, one batch, and devinterp's SGMCMC class (None if absent)."""
     torch.manual_seed(0)
     model = mlp([784, 1024, 192, 10])
     x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
@@ -196,6 +197,12 @@ def bench_loop(rounds: int) -> list[dict]:
         from devinterp.optim import SGMCMC as DevSGMCMC
     except ImportError:
         DevSGMCMC = None
+    return model, x, y, DevSGMCMC
+
+
+def bench_loop(rounds: int) -> list[dict]:
+    """The four settings (and devinterp's, and torch SGD) stepped inside a sampling loop."""
+    model, x, y, DevSGMCMC = _loop_setup()
     kw = dict(lr=1e-4, nbeta=50.0, localization=100.0)
     models = {"sgd": copy.deepcopy(model)}
     opts: dict[str, torch.optim.Optimizer] = {
@@ -236,13 +243,7 @@ def bench_loop(rounds: int) -> list[dict]:
 
 def bench_preconditioners(rounds: int) -> list[dict]:
     """RMSprop-SGLD, Adam-SGLD and SGNHT steps (plain and both recordings) inside the loop."""
-    torch.manual_seed(0)
-    model = mlp([784, 1024, 192, 10])
-    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
-    try:
-        from devinterp.optim import SGMCMC as DevSGMCMC
-    except ImportError:
-        DevSGMCMC = None
+    model, x, y, DevSGMCMC = _loop_setup()
     models: dict[str, torch.nn.Module] = {}
     opts: dict[str, torch.optim.Optimizer] = {}
     methods = {

@@ -214,9 +214,8 @@ def force_pipeline(monkeypatch):
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
 
 
-@pytest.mark.parametrize(("method", "kwargs", "ref_extra"), CASES)
-def test_matches_float64_reference(method, kwargs, ref_extra, tile):
-    """Trajectory, metrics and numel equal the reference loop (float64, same noise stream)."""
+def ours_and_reference(method, kwargs, ref_extra, **recording):
+    """Our sampler and the reference loop on two copies of the small float64 model."""
     ours_model, ref_model = small_model(), small_model()
     kwargs = dict(kwargs)
     ref_extra = dict(ref_extra)
@@ -224,10 +223,19 @@ def test_matches_float64_reference(method, kwargs, ref_extra, tile):
         kwargs["mask"] = half_masks(ours_model)
         ref_extra["masks"] = half_masks(ref_model)
     opt = SGMCMC.get_method(method)(
-        ours_model.parameters(), lr=1e-3, nbeta=10.0, save_metrics=True, **kwargs
+        ours_model.parameters(), lr=1e-3, nbeta=10.0, **recording, **kwargs
     )
     ref = Reference(
         ref_model.parameters(), lr=1e-3, nbeta=10.0, **ref_kwargs_for(method, kwargs), **ref_extra
+    )
+    return ours_model, ref_model, opt, ref, ref_extra
+
+
+@pytest.mark.parametrize(("method", "kwargs", "ref_extra"), CASES)
+def test_matches_float64_reference(method, kwargs, ref_extra, tile):
+    """Trajectory, metrics and numel equal the reference loop (float64, same noise stream)."""
+    ours_model, ref_model, opt, ref, ref_extra = ours_and_reference(
+        method, kwargs, ref_extra, save_metrics=True
     )
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     for step in range(6):
@@ -252,16 +260,7 @@ def test_matches_float64_reference(method, kwargs, ref_extra, tile):
 def test_unrecorded_step_matches_float64_reference(method, kwargs, ref_extra):
     """Without recording, every preconditioner, mask and the thermostat update in place with
     two reused buffers: the trajectory equals the reference loop's (float64)."""
-    ours_model, ref_model = small_model(), small_model()
-    kwargs = dict(kwargs)
-    ref_extra = dict(ref_extra)
-    if kwargs.get("mask") == "half":
-        kwargs["mask"] = half_masks(ours_model)
-        ref_extra["masks"] = half_masks(ref_model)
-    opt = SGMCMC.get_method(method)(ours_model.parameters(), lr=1e-3, nbeta=10.0, **kwargs)
-    ref = Reference(
-        ref_model.parameters(), lr=1e-3, nbeta=10.0, **ref_kwargs_for(method, kwargs), **ref_extra
-    )
+    ours_model, ref_model, opt, ref, _ = ours_and_reference(method, kwargs, ref_extra)
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     for step in range(6):
         set_grads(ours_model, step)

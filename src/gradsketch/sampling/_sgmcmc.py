@@ -22,7 +22,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch.optim import Optimizer
@@ -363,25 +363,30 @@ def _scaled_into(out: torch.Tensor, src: torch.Tensor, *coefs: Scalar) -> float:
     return scalar
 
 
+class _GeneralStep(NamedTuple):
+    """What one parameter's non-identity update needs, besides where it writes."""
+
+    coefs: PreconditionerCoefs
+    overall: Scalar  # o, times the mask when there is one
+    drive: torch.Tensor  # grad L, or the preconditioner's drift
+    center: torch.Tensor  # c of the prior
+    state: dict[str, Any]
+    group: dict[str, Any]
+    gen: torch.Generator | None
+    half: float  # eps / 2 (eps under Nosé-Hoover)
+    root: float  # sqrt(eps)
+    nose_hoover: bool
+
+
 def _apply_general_recorded(
-    p: torch.Tensor,
-    rows: dict[str, torch.Tensor] | None,
-    coefs: PreconditionerCoefs,
-    overall: Scalar,
-    drive: torch.Tensor,
-    center: torch.Tensor,
-    state: dict[str, Any],
-    group: dict[str, Any],
-    gen: torch.Generator | None,
-    half: float,
-    root: float,
-    nose_hoover: bool,
+    p: torch.Tensor, rows: dict[str, torch.Tensor] | None, step: _GeneralStep
 ) -> None:
     """The update component by component, each written to its row, then applied.
 
     Without ``rows`` (no scratch could hold this parameter) the components
     are fresh tensors.
     """
+    coefs, overall, drive, center, state, group, gen, half, root, nose_hoover = step
     nbeta, sigma = group["nbeta"], group["noise_level"]
     gamma, lam = group["localization"], group["weight_decay"]
     grad = p.grad
@@ -416,20 +421,7 @@ def _apply_general_recorded(
         p.add_(target)
 
 
-def _apply_general(
-    p: torch.Tensor,
-    scratch: torch.Tensor,
-    coefs: PreconditionerCoefs,
-    overall: Scalar,
-    drive: torch.Tensor,
-    center: torch.Tensor,
-    state: dict[str, Any],
-    group: dict[str, Any],
-    gen: torch.Generator | None,
-    half: float,
-    root: float,
-    nose_hoover: bool,
-) -> None:
+def _apply_general(p: torch.Tensor, scratch: torch.Tensor, step: _GeneralStep) -> None:
     """The unrecorded general update with two buffers, in place.
 
     ``delta = -(eps/2) o g_c nbeta drive - (eps/2) o p_c (gamma (w - c) + lambda w)
@@ -437,6 +429,7 @@ def _apply_general(
     (Nosé-Hoover, then ``w += v``); ``xi`` is drawn from ``gen`` exactly as
     the recorded path draws it.
     """
+    coefs, overall, drive, center, state, group, gen, half, root, nose_hoover = step
     nbeta, sigma = group["nbeta"], group["noise_level"]
     gamma, lam = group["localization"], group["weight_decay"]
     a, b = scratch[0], scratch[1]
@@ -1106,11 +1099,13 @@ class SGMCMC(Optimizer):
             state["momentum"] = math.sqrt(group["lr"]) * torch.normal(
                 0.0, 1.0, size=p.shape, generator=gen, device=p.device, dtype=p.dtype
             )
-        args = (coefs, overall, drive, center, state, group, gen, half, root, nose_hoover)
+        step = _GeneralStep(
+            coefs, overall, drive, center, state, group, gen, half, root, nose_hoover
+        )
         if rows is None and scratch is not None:
-            _apply_general(p, scratch, *args)
+            _apply_general(p, scratch, step)
         else:
-            _apply_general_recorded(p, rows, *args)
+            _apply_general_recorded(p, rows, step)
         if isinstance(overall, torch.Tensor):
             return int(torch.count_nonzero(overall.expand_as(p)))
         return p.numel()

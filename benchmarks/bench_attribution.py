@@ -18,7 +18,8 @@ Sections:
 - featurize: examples/s of ``TRAKer.featurize`` on the digits MLP
   (64-256-256-10) and the small CNN at proj_dim 2,048: gradsketch's CPU
   default (per-example gradients by vmap, CountSketchProjector), gradsketch's
-  layer hooks with a FactorizedProjector (the most features up to proj_dim),
+  layer hooks (``gradient_computer=HookGradientComputer``, whose default
+  projector is a FactorizedProjector with the most features up to proj_dim),
   traker's CPU default (BasicProjector, block_size 100) and traker
   with one dense block; per-example gradients alone for both.
 - lds: digits, 3 MLP checkpoints, proj_dim 512, LDS over retrained half-data
@@ -275,26 +276,13 @@ def _grad_rate(make_traker, model, x, y, batch: int, repeats: int) -> float:
         return n / median_time(run, repeats, 1)
 
 
-def _hook_projector(model, proj_dim: int):
-    """The FactorizedProjector with equal sides and the most features up to ``proj_dim``."""
-    from gradsketch.sketch import FactorizedProjector
-
-    best = None
-    for side in range(2, 257):
-        proj = FactorizedProjector.from_model(model, k_in=side, k_out=side, seed=0)
-        if proj.proj_dim > proj_dim or (best is not None and proj.proj_dim == best.proj_dim):
-            break
-        best = proj
-    assert best is not None
-    return best
-
-
 def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> None:
     import trak
     from trak.projectors import BasicProjector
 
     from gradsketch.attribution import HookGradientComputer, TRAKer
     from gradsketch.attribution._digits import load_digits_split
+    from gradsketch.sketch import FactorizedProjector
 
     split = load_digits_split(seed=0)
     x, y = split.x_train, split.y_train
@@ -314,8 +302,8 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
         )
 
     def ours_hooks(model, n, tmp):
-        projector = _hook_projector(model, proj_dim)
-        return ours(model, n, tmp, gradient_computer=HookGradientComputer, projector=projector)
+        # No projector given: FactorizedProjector.from_budget(model, proj_dim) by default.
+        return ours(model, n, tmp, gradient_computer=HookGradientComputer)
 
     def ref_default(model, n, tmp):
         return trak.TRAKer(
@@ -377,7 +365,7 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
         }
         ours_rate = rates["gradsketch.TRAKer (CountSketchProjector)"]
         hooks_rate = rates["gradsketch.TRAKer (HookGradientComputer + FactorizedProjector)"]
-        hooks_dim = _hook_projector(model, proj_dim).proj_dim
+        hooks_dim = FactorizedProjector.from_budget(model, proj_dim, seed=0).proj_dim
         for impl, rate in rates.items():
             emit(
                 {

@@ -157,6 +157,33 @@ def test_from_model_layout_rest_and_tied_weights():
     ]
 
 
+@pytest.mark.parametrize("budget", [1, 10, 64, 300, 2048, 10**6])
+def test_from_budget_takes_the_largest_side_within_the_budget(budget):
+    """Equal sides, at most ``budget`` features, and one more side would exceed it or add
+    nothing; a model with a rest block counts it (side squared)."""
+    mlp = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+    mixed = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    for model in (mlp, mixed):
+        rest = any(isinstance(m, nn.LayerNorm) for m in model.modules())
+        smallest = FactorizedProjector.from_model(model, k_in=1, k_out=1, seed=0).proj_dim
+        if budget < smallest:
+            with pytest.raises(ValueError, match=rf"`proj_dim`={budget} is below"):
+                FactorizedProjector.from_budget(model, budget, seed=0)
+            continue
+        proj = FactorizedProjector.from_budget(model, budget, seed=3)
+        assert proj.proj_dim <= budget and proj.seed == 3
+        # The side: the rest block's square root, else the widest factor (layers cap it).
+        if rest:
+            side = math.isqrt(proj.rest_proj_dim)
+            assert side * side == proj.rest_proj_dim
+        else:
+            side = max(max(layer.k_in, layer.k_out) for layer in proj.layers)
+        same = FactorizedProjector.from_model(model, k_in=side, k_out=side, seed=3)
+        assert same.fingerprint == proj.fingerprint
+        bigger = FactorizedProjector.from_model(model, k_in=side + 1, k_out=side + 1, seed=0)
+        assert bigger.proj_dim > budget or (not rest and bigger.proj_dim == proj.proj_dim)
+
+
 def test_rest_block_and_mixed_model_equal_explicit_matrix():
     """Rest coordinates are a count sketch with entries ±sqrt(proj_dim), one per coordinate."""
     p = FactorizedProjector.from_model(mixed(), k_in=3, k_out=2, seed=5, rest_proj_dim=16)

@@ -46,7 +46,12 @@ from gradsketch.attribution._scores import (
     create_score_array,
     score_checkpoints,
 )
-from gradsketch.sketch import CountSketchProjector, CudaProjector, NoOpProjector
+from gradsketch.sketch import (
+    CountSketchProjector,
+    CudaProjector,
+    FactorizedProjector,
+    NoOpProjector,
+)
 
 
 class ModelIDException(RuntimeError):
@@ -170,11 +175,15 @@ class TRAKer:
         device: where gradients are computed (default: CUDA if available).
         gradient_computer: gradient computer class.
         projector: projector instance (default: :class:`CountSketchProjector`
-            on CPU, :class:`CudaProjector` on CUDA).
+            on CPU, :class:`CudaProjector` on CUDA; with a
+            :class:`HookGradientComputer` on CPU and no ``mask``,
+            :meth:`FactorizedProjector.from_budget` of ``proj_dim``, so that no
+            per-example gradient of a Linear / Conv2d layer is formed).
         saver: must be ``None`` (features are stored in zarr).
         score_computer: optional TRAK score-computer class; ``None`` uses the
             streamed kernel of :func:`trak_scores`.
-        proj_dim: feature dimension k when ``projector`` is None.
+        proj_dim: feature dimension k when ``projector`` is None (an upper
+            bound for the factorized default, whose layout may not reach it).
         logging_level: level of the TRAKer's logger.
         use_half_precision: store float16 features (default: on CUDA only).
         proj_max_batch_size: batch size of the CUDA projector.
@@ -292,7 +301,7 @@ class TRAKer:
             self.num_params_for_grad = self.num_params
         self.grad_dim = int(mask.numel) if mask is not None else self.num_params_for_grad
         self.proj_seed = projector_seed
-        self._init_projector(projector, proj_dim, proj_max_batch_size, mask)
+        self._init_projector(projector, proj_dim, proj_max_batch_size, mask, gradient_computer)
         # TRAK divides by sqrt(d) so XᵀX stays well scaled.
         self.normalize_factor = math.sqrt(self.grad_dim)
 
@@ -355,13 +364,29 @@ class TRAKer:
         return np.float16 if self.dtype == torch.float16 else np.float32
 
     def _init_projector(
-        self, projector: Any, proj_dim: int, proj_max_batch_size: int, mask: Any
+        self,
+        projector: Any,
+        proj_dim: int,
+        proj_max_batch_size: int,
+        mask: Any,
+        gradient_computer: Any,
     ) -> None:
+        if projector is None and self._wants_factorized(gradient_computer, mask):
+            # Layer hooks never form a per-example gradient when the projector
+            # is factorized: the fast CPU pair (features up to proj_dim).
+            projector = FactorizedProjector.from_budget(
+                self.model,
+                proj_dim,
+                seed=self.proj_seed,
+                device=self.device,
+                grad_wrt=self.grad_wrt,
+            )
         if projector is not None:
             self.projector = projector
             self.proj_dim = (
                 self.grad_dim if isinstance(projector, NoOpProjector) else int(projector.proj_dim)
             )
+            self.logger.info("Using %s", type(self.projector).__name__)
             return
         self.proj_dim = int(proj_dim)
         if self.device.type == "cuda":
@@ -380,6 +405,17 @@ class TRAKer:
                 self.grad_dim, self.proj_dim, self.proj_seed, self.device, mask=mask
             )
         self.logger.info("Using %s", type(self.projector).__name__)
+
+    def _wants_factorized(self, gradient_computer: Any, mask: Any) -> bool:
+        """Hook gradients on CPU, no mask: the default projector is a FactorizedProjector."""
+        from gradsketch.attribution._hooks import HookGradientComputer
+
+        return (
+            isinstance(gradient_computer, type)
+            and issubclass(gradient_computer, HookGradientComputer)
+            and self.device.type == "cpu"
+            and mask is None
+        )
 
     def _ckpt(self, model_id: int) -> str:
         return f"checkpoints/{int(model_id)}"

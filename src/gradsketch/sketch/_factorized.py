@@ -326,6 +326,61 @@ class FactorizedProjector(AbstractProjector):
             model_id=model_id,
         )
 
+    @classmethod
+    def from_budget(
+        cls,
+        model: nn.Module,
+        proj_dim: int,
+        *,
+        seed: int,
+        device: torch.device | str | None = None,
+        proj_type: ProjectionType | str = ProjectionType.normal,
+        model_id: int = 0,
+        grad_wrt: Iterable[str] | None = None,
+    ) -> FactorizedProjector:
+        """:meth:`from_model` with sides ``k_in = k_out = s``: the most features up to ``proj_dim``.
+
+        ``s`` is the largest side whose total (every layer's
+        ``min(s, d_in + bias) * min(s, d_out)``, plus ``s * s`` for the rest
+        block when some parameter is not factorized) stays at most
+        ``proj_dim``; a larger side that adds no feature is not taken.
+
+        Raises:
+            ValueError: ``proj_dim`` is below the smallest layout (``s = 1``).
+
+        Example:
+            >>> model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+            >>> p = FactorizedProjector.from_budget(model, 2048, seed=0)
+            >>> p.layers[0].k_in, p.proj_dim  # 40 * 40 + 40 * 10 = 2000
+            (40, 2000)
+        """
+        budget = check_dim("proj_dim", proj_dim)
+        probe = cls.from_model(model, k_in=1, k_out=1, seed=seed, grad_wrt=grad_wrt, device="cpu")
+        has_rest = probe.rest_dim > 0
+
+        def total(side: int) -> int:
+            layers = sum(min(side, layer.in_dim) * min(side, layer.d_out) for layer in probe.layers)
+            return layers + (side * side if has_rest else 0)
+
+        if total(1) > budget:
+            raise ValueError(
+                f"`proj_dim`={proj_dim} is below the smallest factorized layout of this model "
+                f"({total(1)} features: one per layer, plus the rest block); raise proj_dim."
+            )
+        side = 1
+        while total(side + 1) <= budget and (has_rest or total(side + 1) > total(side)):
+            side += 1
+        return cls.from_model(
+            model,
+            k_in=side,
+            k_out=side,
+            seed=seed,
+            device=device,
+            proj_type=proj_type,
+            model_id=model_id,
+            grad_wrt=grad_wrt,
+        )
+
     # -- identity -----------------------------------------------------------
     def _proj_type_value(self) -> str:
         return parse_proj_type(self.proj_type).value

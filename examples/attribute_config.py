@@ -32,3 +32,4 @@ target_loader = make_loader(_split.x_test[:50], _split.y_test[:50], batch_size=5
 task = "image_classification"
 proj_dim = 256  # below the 600 training rows, so lambda_reg = 0 is well posed
 lambda_reg = 0.0
+# gradients = "hooks"  # layer hooks + a factorized projector: faster on CPU

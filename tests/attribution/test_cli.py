@@ -24,6 +24,7 @@ from gradsketch.attribution._cli import (
 )
 from gradsketch.attribution._demo import to_numpy
 from gradsketch.attribution._digits import build_mlp, load_digits_split, make_loader
+from gradsketch.sketch import FactorizedProjector
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -138,6 +139,7 @@ def test_missing_model_lists_both_spellings():
             r"`memory_budget` must be a positive number of bytes or None, got 0",
         ),
         ({"memory_budget": 1.5e9}, r"`memory_budget` must be .* got 1500000000.0"),
+        ({"gradients": "autograd"}, r"`gradients` must be one of .*'vmap'\], got 'autograd'"),
     ],
     ids=[
         "model-type",
@@ -153,6 +155,7 @@ def test_missing_model_lists_both_spellings():
         "seed",
         "budget-zero",
         "budget-float",
+        "gradients",
     ],
 )
 def test_invalid_config_values(overrides, match):
@@ -211,15 +214,21 @@ def test_attribute_command_matches_direct_traker(tiny_config, tmp_path):
         assert top == np.argsort(-scores[:, int(t)], kind="stable")[:5].tolist()
 
     config = read_config(load_config(tmp_path / "config.py"))
+    direct = direct_scores(config, tmp_path / "direct", proj_dim=16)
+    np.testing.assert_allclose(scores, direct, rtol=1e-5, atol=1e-7)
+
+
+def direct_scores(config, save_dir, **options):
+    """The TINY_CONFIG pipeline written out with TRAKer by hand."""
     traker = attribution.TRAKer(
         model=config["model"],
         task="image_classification",
         train_set_size=40,
-        save_dir=str(tmp_path / "direct"),
+        save_dir=str(save_dir),
         device="cpu",
-        proj_dim=16,
         use_half_precision=False,
         progress=False,
+        **options,
     )
     split = load_digits_split(seed=0)
     for i, ckpt in enumerate(config["checkpoints"]):
@@ -229,8 +238,21 @@ def test_attribute_command_matches_direct_traker(tiny_config, tmp_path):
     for i, ckpt in enumerate(config["checkpoints"]):
         traker.start_scoring_checkpoint("t", ckpt, model_id=i, num_targets=6)
         traker.score(batch=(split.x_test[:6], split.y_test[:6]), num_samples=6)
-    direct = to_numpy(traker.finalize_scores("t"))
-    np.testing.assert_allclose(scores, direct, rtol=1e-5, atol=1e-7)
+    return to_numpy(traker.finalize_scores("t"))
+
+
+def test_attribute_command_with_hooks_matches_vmap_on_the_same_projector(tiny_config, tmp_path):
+    """`gradients = "hooks"` runs the hook path (a FactorizedProjector on CPU) and records it;
+    its scores are those of the vmap path given the same projector (same map)."""
+    path = tiny_config()
+    path.write_text(path.read_text() + '\ngradients = "hooks"\n')
+    summary = attribute_command(path, tmp_path / "hooks", progress=False)
+    assert summary["settings"]["gradients"] == "hooks"
+    hooks = np.load(tmp_path / "hooks" / "scores.npy")
+    config = read_config(load_config(path))
+    projector = FactorizedProjector.from_budget(config["model"], 16, seed=0)
+    vmap = direct_scores(config, tmp_path / "vmap", projector=projector)
+    np.testing.assert_allclose(hooks, vmap, rtol=1e-4, atol=1e-5 * np.abs(vmap).max())
 
 
 def test_attribute_command_rerun_is_identical(tiny_config, tmp_path):

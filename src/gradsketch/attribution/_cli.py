@@ -24,6 +24,11 @@ name                required  meaning
 ``device``          no        torch device (default ``"cpu"``)
 ``memory_budget``   no        bytes of working memory for the finalize steps
                               (default ``None``: unbounded)
+``gradients``       no        ``"vmap"`` (per-example gradients by
+                              ``torch.func``, count-sketched; the default) or
+                              ``"hooks"`` (layer hooks and, on CPU, a
+                              ``FactorizedProjector`` of at most ``proj_dim``
+                              features: the faster path)
 ==================  ========  ================================================
 
 Outputs in ``out_dir``: ``scores.npy`` (``[train_set_size, num_targets]``
@@ -72,6 +77,13 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
     "projector_seed": 0,
     "device": "cpu",
     "memory_budget": None,
+    "gradients": "vmap",
+}
+
+#: Values of the config's ``gradients`` name and the gradient computers they pick.
+GRADIENTS: dict[str, str] = {
+    "vmap": "FunctionalGradientComputer",
+    "hooks": "HookGradientComputer",
 }
 
 #: TRAK experiment name used for the config's targets.
@@ -99,6 +111,7 @@ class AttributeSettings:
         device: torch device name.
         memory_budget: bytes of working memory for the finalize steps
             (``None``: unbounded); larger score matrices stay on disk.
+        gradients: ``"vmap"`` or ``"hooks"`` (see :data:`GRADIENTS`).
     """
 
     proj_dim: int
@@ -108,8 +121,14 @@ class AttributeSettings:
     projector_seed: int = 0
     device: str = "cpu"
     memory_budget: int | None = None
+    gradients: str = "vmap"
 
     def __post_init__(self) -> None:
+        if self.gradients not in GRADIENTS:
+            raise ConfigError(
+                f"`gradients` must be one of {sorted(GRADIENTS)}, got {self.gradients!r}; "
+                'set e.g. `gradients = "hooks"` in the config, or leave it out.'
+            )
         for name in ("proj_dim", "train_set_size", "num_targets"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -274,9 +293,16 @@ def attribute_command(
     timings: dict[str, float] = {}
     start = time.perf_counter()
 
+    from gradsketch.attribution import FunctionalGradientComputer, HookGradientComputer
+
+    computers = {
+        "FunctionalGradientComputer": FunctionalGradientComputer,
+        "HookGradientComputer": HookGradientComputer,
+    }
     traker = TRAKer(
         model=config["model"],
         task=config["task"],
+        gradient_computer=computers[GRADIENTS[settings.gradients]],
         train_set_size=settings.train_set_size,
         save_dir=str(out / "trak_store"),
         load_from_save_dir=True,

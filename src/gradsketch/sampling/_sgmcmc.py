@@ -1081,7 +1081,7 @@ class SGMCMC(Optimizer):
         Recording, it writes each component to its row and applies them as
         written. Otherwise, with ``scratch`` (``[2, *p.shape]``), it applies
         the same update with two reused buffers and no other temporary
-        (:meth:`_apply_general`); the sum's rounding order differs, so the
+        (:func:`_apply_general`); the sum's rounding order differs, so the
         two trajectories may differ in the last bit.
         """
         grad = p.grad

@@ -305,17 +305,20 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
         # No projector given: FactorizedProjector.from_budget(model, proj_dim) by default.
         return ours(model, n, tmp, gradient_computer=HookGradientComputer)
 
-    def ref_default(model, n, tmp):
+    def ref(model, n, tmp, **options):
         return trak.TRAKer(
             model,
             "image_classification",
             n,
             save_dir=tmp,
             device="cpu",
-            proj_dim=proj_dim,
             use_half_precision=False,
             logging_level=QUIET,
+            **options,
         )
+
+    def ref_default(model, n, tmp):
+        return ref(model, n, tmp, proj_dim=proj_dim)
 
     def ref_dense(model, n, tmp):
         grad_dim = sum(p.numel() for p in model.parameters())
@@ -328,16 +331,7 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
             block_size=proj_dim,
             dtype=torch.float32,
         )
-        return trak.TRAKer(
-            model,
-            "image_classification",
-            n,
-            save_dir=tmp,
-            device="cpu",
-            projector=projector,
-            use_half_precision=False,
-            logging_level=QUIET,
-        )
+        return ref(model, n, tmp, projector=projector)
 
     for name, model in _models().items():
         params = sum(p.numel() for p in model.parameters())

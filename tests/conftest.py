@@ -1,9 +1,12 @@
-"""Shared pytest fixtures: devices, float64 defaults and seeded generators."""
+"""Shared pytest fixtures: devices, float64 defaults, seeded generators, a one-rank group."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -17,6 +20,17 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 @pytest.fixture(autouse=True)
 def _deterministic_threads() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A real gloo process group of one rank, in this process."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,7 +14,6 @@ import ast
 import json
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -53,17 +52,6 @@ target_loader = make_loader(_split.x_test[:6], _split.y_test[:6], batch_size=4)
 task = "image_classification"
 proj_dim = 16
 """
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real gloo process group of one rank, in this process."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ as X₀ᵀX₀ + X₁ᵀX₁ rather than in one product) the tolerance is derive
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -370,17 +369,6 @@ def test_shard_loader_only_for_in_order_map_style_loaders():
     assert D.shard_loader(DataLoader(data, batch_size=3, shuffle=True), np.arange(3)) is None
     assert D.shard_loader(DataLoader(data, batch_size=3, drop_last=True), np.arange(3)) is None
     assert D.shard_loader([(torch.zeros(2),)], np.arange(2)) is None
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real gloo process group of one rank, in this process."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_one_rank_group_equals_no_group(tmp_path, one_rank_group):

@@ -61,6 +61,11 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradsketch.attribution._demo import to_numpy
+from gradsketch.attribution._gradient_computers import (
+    AbstractGradientComputer,
+    FunctionalGradientComputer,
+)
+from gradsketch.attribution._hooks import HookGradientComputer
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +86,9 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
 }
 
 #: Values of the config's ``gradients`` name and the gradient computers they pick.
-GRADIENTS: dict[str, str] = {
-    "vmap": "FunctionalGradientComputer",
-    "hooks": "HookGradientComputer",
+GRADIENTS: dict[str, type[AbstractGradientComputer]] = {
+    "vmap": FunctionalGradientComputer,
+    "hooks": HookGradientComputer,
 }
 
 #: TRAK experiment name used for the config's targets.
@@ -293,16 +298,10 @@ def attribute_command(
     timings: dict[str, float] = {}
     start = time.perf_counter()
 
-    from gradsketch.attribution import FunctionalGradientComputer, HookGradientComputer
-
-    computers = {
-        "FunctionalGradientComputer": FunctionalGradientComputer,
-        "HookGradientComputer": HookGradientComputer,
-    }
     traker = TRAKer(
         model=config["model"],
         task=config["task"],
-        gradient_computer=computers[GRADIENTS[settings.gradients]],
+        gradient_computer=GRADIENTS[settings.gradients],
         train_set_size=settings.train_set_size,
         save_dir=str(out / "trak_store"),
         load_from_save_dir=True,

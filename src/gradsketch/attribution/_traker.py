@@ -38,6 +38,7 @@ from gradsketch.attribution._distributed import (
 from gradsketch.attribution._gradient_computers import (
     FunctionalGradientComputer,
 )
+from gradsketch.attribution._hooks import HookGradientComputer
 from gradsketch.attribution._linalg import block_plan, default_block_rows, xtx_blocked
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._scores import (
@@ -408,8 +409,6 @@ class TRAKer:
 
     def _wants_factorized(self, gradient_computer: Any, mask: Any) -> bool:
         """Hook gradients on CPU, no mask: the default projector is a FactorizedProjector."""
-        from gradsketch.attribution._hooks import HookGradientComputer
-
         return (
             isinstance(gradient_computer, type)
             and issubclass(gradient_computer, HookGradientComputer)

@@ -130,13 +130,6 @@ def bench(
             raise typer.Exit(code)
 
 
-def _echo_result(result: object) -> None:
-    if isinstance(result, dict):
-        typer.echo(json.dumps(result, indent=2, default=str))
-    elif result is not None:
-        typer.echo(str(result))
-
-
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -43,34 +43,42 @@ def test_nested_run_parallel_runs_in_turn():
     assert sorted(inner) == [10, 11, 20, 21, 30, 31]
 
 
-def test_background_runs_in_order_without_grad():
-    order: list[int] = []
-    futures = [_parallel.background().submit(order.append, i) for i in range(5)]
-    for f in futures:
-        f.result()
-    assert order == list(range(5))
-    worker = _parallel.background().submit(
-        lambda: (torch.is_grad_enabled(), _parallel.in_background())
-    )
-    assert worker.result() == (False, True)
-    assert not _parallel.in_background()
+def test_workers_run_one_intra_op_thread_and_leave_the_callers_count():
+    """Workers run torch ops on one thread (no OpenMP team of their own); the caller's
+    count, and the count a thread started later inherits, stay what they were."""
+    before = torch.get_num_threads()
+    if before < 2:
+        pytest.skip("needs 2 threads: run_parallel runs parts in turn on one")
+    counts: list[int] = []
+    lock = threading.Lock()
+
+    def record(part: int) -> None:
+        with lock:
+            counts.append(torch.get_num_threads())
+
+    _parallel.run_parallel(record, [0, 1, 2, 3])
+    assert counts == [1, 1, 1, 1]
+    assert torch.get_num_threads() == before
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [before]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs fork")
 def test_pools_are_rebuilt_after_fork():
     """A forked child inherits the executors but not their threads; using them must not hang."""
     _parallel.run_parallel(lambda part: None, [0, 1])
-    _parallel.background().submit(lambda: None).result()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
         pid = os.fork()
-    if pid == 0:  # child: exit 0 only if both executors work
+    if pid == 0:  # child: exit 0 only if the pool works
         code = 1
         try:
             out: list[int] = []
             _parallel.run_parallel(out.append, [0, 1, 2])
-            ok = _parallel.background().submit(lambda: 7).result(timeout=20) == 7
-            code = 0 if ok and sorted(out) == [0, 1, 2] else 1
+            code = 0 if sorted(out) == [0, 1, 2] else 1
         finally:
             os._exit(code)
     for _ in range(400):  # up to 20 s

@@ -191,27 +191,13 @@ def ref_kwargs_for(method, kwargs):
     return out
 
 
-@pytest.fixture(
-    params=[reduce_module.REDUCE_TILE, 7, "pipeline"], ids=["one-tile", "tiles-of-7", "pipeline"]
-)
+@pytest.fixture(params=[reduce_module.REDUCE_TILE, 7], ids=["one-tile", "tiles-of-7"])
 def tile(request, monkeypatch):
-    """The fused Gram/sketch pass at its real tile size and at 7 columns, so that tile
-    boundaries fall inside parameters and between them (the small model has 59 coordinates),
-    and on the background thread (tiles of 7, noise in pieces of 16)."""
-    size = request.param
-    if size == "pipeline":
-        size = 7
-        force_pipeline(monkeypatch)
-    monkeypatch.setattr(reduce_module, "REDUCE_TILE", size)
-    return size
-
-
-def force_pipeline(monkeypatch):
-    """Reduce on the background thread at any size, with noise drawn 16 entries at a time."""
-    monkeypatch.setattr(reduce_module, "PIPELINE_MIN_COLUMNS", 0)
-    monkeypatch.setattr(reduce_module, "NOISE_CHUNK", 16)
-    if torch.get_num_threads() < 2:
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    """The Gram/sketch pass at its real tile size and at 7 columns, so that Gram tiles
+    and the widened tiles of a narrow table (see the narrow-table test) fall inside
+    parameters and between them (the small model has 59 coordinates)."""
+    monkeypatch.setattr(reduce_module, "REDUCE_TILE", request.param)
+    return request.param
 
 
 def ours_and_reference(method, kwargs, ref_extra, **recording):
@@ -664,96 +650,21 @@ def test_param_mask_equals_tensor_masks_and_names_the_sketch():
     torch.testing.assert_close(opt_a.get_sketches().noise, opt_b.get_sketches().noise)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("n", [16, 47, 64, 100, 1000])
-def test_chunked_noise_equals_one_draw(dtype, n, monkeypatch):
-    """Noise drawn in pieces of 16 (reporting each) equals one ``normal_`` call, bit for bit."""
-    monkeypatch.setattr(reduce_module, "NOISE_CHUNK", 16)
-    whole = torch.empty(n, dtype=dtype).normal_(
-        0.0, 0.3, generator=torch.Generator().manual_seed(1)
-    )
-    pieces, seen = torch.empty(n, dtype=dtype), []
-    reduce_module.chunked_normal_(
-        pieces, 0.3, torch.Generator().manual_seed(1), seen.append, offset=5
-    )
-    assert torch.equal(whole, pieces)
-    assert seen == sorted(seen) and (not seen or seen[-1] == 5 + n)
-    if n >= 32:
-        assert len(seen) == n // 16  # the last piece takes the remainder
-
-
-@pytest.mark.parametrize(
-    "extra",
-    [
-        {"save_metrics": True, "sketch_dim": 64},
-        {"save_metrics": True},
-        {"sketch_dim": 64, "weight_decay": 0.01},
-    ],
-    ids=["both", "metrics", "sketch+wd"],
-)
-def test_pipeline_equals_serial_reduction(extra, monkeypatch):
-    """With parameters split into noise pieces, the background reduction is bit-identical."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
-    data = torch.randn(16, 30)
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+def test_narrow_table_sketches_equal_the_int64_table(masked, monkeypatch):
+    """Groups above WIDE_TABLE_MAX keep an int16 table widened tile by tile: same sketches."""
 
     def run():
-        m = copy.deepcopy(model)
-        opt = SGMCMC.sgld(m.parameters(), lr=1e-3, nbeta=10.0, localization=5.0, **extra)
-        gen = torch.Generator().manual_seed(4)
-        out = []
-        for _ in range(3):
-            m.zero_grad()
-            m(data).square().mean().backward()
-            opt.step(noise_generator=gen)
-            out.append(
-                (
-                    [p.detach().clone() for p in m.parameters()],
-                    opt.get_metrics() if opt.save_metrics else None,
-                    opt.get_sketches() if opt.save_sketches else None,
-                )
-            )
-        return out
+        model = small_model()
+        masks = half_masks(model) if masked else None
+        opt = SGMCMC.sgld(model.parameters(), lr=1e-3, nbeta=5.0, mask=masks, sketch_dim=8)
+        set_grads(model, 0)
+        opt.step(noise_generator=torch.Generator().manual_seed(0))
+        return opt.get_sketches()
 
-    monkeypatch.setattr(reduce_module, "REDUCE_TILE", 50)  # tiles inside parameters
-    serial = run()
-    started = []
-
-    class Counting(reduce_module.Pipeline):
-        def __init__(self, reduction):
-            started.append(reduction.n)
-            super().__init__(reduction)
-
-    with monkeypatch.context() as patch:
-        force_pipeline(patch)
-        patch.setattr(sgmcmc_module, "Pipeline", Counting)
-        piped = run()
-    assert started == [1363] * 3  # one pipeline per step, over every column
-    for (ps, ms, ss), (pp, mp, sp) in zip(serial, piped):
-        assert all(torch.equal(a, b) for a, b in zip(ps, pp))
-        assert ms == mp
-        if ss is not None:
-            assert all(torch.equal(getattr(ss, q), getattr(sp, q)) for q in ss.QUANTITIES)
-
-
-def test_failed_step_releases_the_background_reduction(monkeypatch):
-    """An error inside a pipelined step propagates; the worker is free for the next step."""
-    force_pipeline(monkeypatch)
-    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 3))
-    opt = SGMCMC.sgld(model.parameters(), lr=1e-3, save_metrics=True, sketch_dim=16)
-    model(torch.randn(4, 30)).sum().backward()
-    real = SGMCMC._update_identity
-    calls = []
-
-    def failing(self, p, *args, **kwargs):
-        calls.append(p)
-        if len(calls) == 2:
-            raise RuntimeError("update failed")
-        return real(self, p, *args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(SGMCMC, "_update_identity", failing)
-        with pytest.raises(RuntimeError, match="update failed"):
-            opt.step()
-    opt.step()  # would hang if the aborted reduction still held the worker
-    assert math.isfinite(float(opt.get_metrics().noise))
+    monkeypatch.setattr(reduce_module, "REDUCE_TILE", 7)
+    wide = run()
+    monkeypatch.setattr(sgmcmc_module, "WIDE_TABLE_MAX", 0)
+    narrow = run()
+    for name in wide.QUANTITIES:
+        assert torch.equal(getattr(wide, name), getattr(narrow, name)), name

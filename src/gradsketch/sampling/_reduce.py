@@ -1,40 +1,29 @@
-"""The fused Gram/sketch pass over a sampler step's workspace, optionally on a second core.
+"""The Gram/sketch pass over a sampler step's workspace.
 
 A recording step writes, per parameter, the vectors it records into the rows
-of one ``[r, numel]`` workspace. :class:`Reduction` reads that workspace tile
-by tile: ``tile @ tile.T`` gives every norm and inner product (float64
-across tiles) and one ``index_add_`` into a ``[rows, 2k + 1]`` scratch
-sketches the leading rows at once.
+of one ``[r, numel]`` workspace. :class:`Reduction` reads that workspace:
+``tile @ tile.T`` per tile gives every norm and inner product (float64
+across tiles) and ``index_add_`` into a ``[rows, 2k + 1]`` scratch sketches
+the leading rows at once.
 
-Drawing the noise (``normal_``) runs on one core. :class:`Pipeline` lets a
-background thread reduce the tiles whose columns are already written while
-the step draws the rest of the noise, so the recording uses the core the
-noise leaves idle. The tiles, and the order in which they are added, are the
-same with or without the pipeline, so the results are bit for bit equal.
+It runs on the calling thread, after the update. Reducing on a second thread
+while the noise is drawn (torch draws it on one core) was measured slower
+once that thread runs with one intra-op thread (see :mod:`gradsketch._parallel`):
+after each parallel op, torch's idle OpenMP worker keeps the second core
+busy-waiting for a few milliseconds, so the second thread starts late and
+then shares a core. Giving that thread a team of its own had made every
+parallel op of the process slower instead.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-from collections.abc import Callable
-
 import torch
 
-from gradsketch._parallel import background
+__all__ = ["REDUCE_TILE", "Reduction"]
 
-__all__ = ["NOISE_CHUNK", "REDUCE_TILE", "Pipeline", "Reduction", "chunked_normal_"]
-
-#: Columns per tile: a ``[r, tile]`` float32 tile and its slice of the table
-#: stay in a core's L2 cache while both reductions read them, and tiles bound
-#: the float32 partial sums of the Gram (accumulated in float64).
+#: Columns per tile: tiles bound the float32 partial sums of the Gram
+#: (accumulated in float64), and a narrow table is widened one tile at a time.
 REDUCE_TILE = 1 << 16
-#: Entries of noise drawn per call when a pipeline is waiting for them (a
-#: multiple of 16, see :func:`chunked_normal_`).
-NOISE_CHUNK = 1 << 16
-#: Steps with fewer recorded columns reduce on the calling thread: handing
-#: work to another thread costs tens of microseconds.
-PIPELINE_MIN_COLUMNS = 1 << 17
 
 
 class Reduction:
@@ -64,7 +53,6 @@ class Reduction:
     ) -> None:
         self.block = block
         self.n = block.shape[1]
-        self.done = 0  # columns reduced so far
         self.gram = (
             torch.zeros(block.shape[0], block.shape[0], dtype=torch.float64, device=block.device)
             if gram
@@ -72,10 +60,6 @@ class Reduction:
         )
         self.scratch, self.folded, self.rows = scratch, folded, rows
         self.index_buffer = index_buffer
-
-    def next_end(self) -> int:
-        """The column the next tile ends at."""
-        return min(self.done + REDUCE_TILE, self.n)
 
     def _index_tile(self, start: int, end: int) -> torch.Tensor:
         assert self.folded is not None
@@ -87,123 +71,42 @@ class Reduction:
         assert self.index_buffer is not None and self.index_buffer.numel() >= index.numel()
         return self.index_buffer[: index.numel()].copy_(index)
 
-    def advance(self, ready: int) -> None:
-        """Reduce every whole tile whose columns all lie below ``ready``."""
-        while self.done < self.n:
-            end = self.next_end()
-            if end > ready:
-                return
-            tile = self.block[:, self.done : end]
-            if self.gram is not None:
-                self.gram += (tile @ tile.T).to(torch.float64)
-            if self.scratch is not None:
-                self.scratch.index_add_(1, self._index_tile(self.done, end), tile[: self.rows])
-            self.done = end
+    def run(self) -> Reduction:
+        """Reduce the whole workspace; returns ``self``.
 
+        The Gram: one batched ``bmm`` over the full tiles (a loop of ``mm``
+        took twice as long) plus the last, partial tile. The sketch: one
+        ``index_add_`` over every column with an int64 table, or tile by
+        tile with a narrow one (widening narrow tiles in the step cost 0.7
+        ms per million columns).
 
-class Pipeline:
-    """Runs :meth:`Reduction.advance` on the background thread as columns get written.
+        Splitting the sketch into one ``scatter_add_`` piece per thread was
+        faster alone (1.03 ms against 1.45 ms per million columns of three
+        rows) but slower inside a sampling loop, and was left out.
 
-    The writer calls :meth:`ready` with the number of leading columns it has
-    finished (in every row), then :meth:`finish` once all are written; until
-    then it must not write below the last ``ready`` column again.
-    :meth:`abort` stops the reduction when the step fails.
-
-    Example:
-        >>> block = torch.ones(2, 10)
-        >>> pipe = Pipeline(Reduction(block, gram=True, scratch=None, folded=None, rows=0))
-        >>> pipe.ready(4)
-        >>> pipe.finish().gram
-        tensor([[10., 10.],
-                [10., 10.]], dtype=torch.float64)
-    """
-
-    def __init__(self, reduction: Reduction) -> None:
-        self.reduction = reduction
-        self._cond = threading.Condition()
-        self._ready = 0
-        self._closed = False
-        self._aborted = False
-        self._future = background().submit(self._run)
-
-    def _run(self) -> None:
-        red = self.reduction
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._ready >= red.next_end())
-                if self._aborted:
-                    return
-                ready, closed = self._ready, self._closed
-            red.advance(ready)
-            if closed:
-                return
-
-    def ready(self, columns: int) -> None:
-        """The first ``columns`` columns of every row are written."""
-        with self._cond:
-            self._ready = columns
-            self._cond.notify()
-
-    def finish(self) -> Reduction:
-        """All columns are written: wait for the reduction and return it."""
-        with self._cond:
-            self._ready, self._closed = self.reduction.n, True
-            self._cond.notify()
-        self._future.result()
-        return self.reduction
-
-    def abort(self) -> None:
-        """Stop early (the step failed); waits until the thread has let go of the block."""
-        with self._cond:
-            self._aborted = self._closed = True
-            self._cond.notify()
-        try:
-            self._future.result()
-        except Exception:
-            pass
-
-
-@functools.cache
-def _chunks_match_whole(dtype: torch.dtype) -> bool:
-    """Whether ``normal_`` drawn in :data:`NOISE_CHUNK`-sized pieces equals one draw.
-
-    torch's CPU ``normal_`` fills blocks of 16 from the generator in order,
-    so pieces that are multiples of 16 draw exactly what one call draws.
-    Checked once per dtype on this torch build (on small sizes, with pieces
-    of 32); where it does not hold the noise is drawn whole.
-    """
-    whole, pieces = torch.empty(117, dtype=dtype), torch.empty(117, dtype=dtype)
-    whole.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(3))
-    gen = torch.Generator().manual_seed(3)
-    for start in range(0, 117 - 32, 32):
-        pieces[start : start + 32].normal_(0.0, 2.0, generator=gen)
-    pieces[96:].normal_(0.0, 2.0, generator=gen)
-    return torch.equal(whole, pieces)
-
-
-def chunked_normal_(
-    out: torch.Tensor,
-    std: float,
-    generator: torch.Generator | None,
-    ready: Callable[[int], None] | None,
-    offset: int,
-) -> None:
-    """Fill ``out`` (contiguous) with N(0, std²) exactly as one ``normal_`` would.
-
-    With ``ready``, the noise is drawn :data:`NOISE_CHUNK` entries at a time
-    and ``ready(offset + end)`` is called after each piece (the last piece
-    takes the remainder, so it is never shorter than 16 entries).
-    """
-    flat = out.view(-1)
-    n = flat.numel()
-    chunked = ready is not None and n >= 2 * NOISE_CHUNK and out.device.type == "cpu"
-    if not chunked or not _chunks_match_whole(out.dtype):
-        out.normal_(0.0, std, generator=generator)
-        return
-    assert ready is not None
-    start = 0
-    while start < n:
-        end = n if n - start < 2 * NOISE_CHUNK else start + NOISE_CHUNK
-        flat[start:end].normal_(0.0, std, generator=generator)
-        ready(offset + end)
-        start = end
+        Example:
+            >>> red = Reduction(torch.ones(2, 10), gram=True, scratch=None, folded=None, rows=0)
+            >>> red.run().gram
+            tensor([[10., 10.],
+                    [10., 10.]], dtype=torch.float64)
+        """
+        n, size = self.n, REDUCE_TILE
+        if self.gram is not None:
+            full = n // size
+            if full:
+                tiles = self.block[:, : full * size].view(-1, full, size).transpose(0, 1)
+                self.gram += torch.bmm(tiles, tiles.transpose(1, 2)).sum(0, dtype=torch.float64)
+            rest = self.block[:, full * size :]
+            if rest.shape[1]:
+                self.gram += (rest @ rest.T).to(torch.float64)
+        if self.scratch is not None:
+            assert self.folded is not None
+            rows = self.block[: self.rows]
+            if self.folded.dtype == torch.int64:
+                self.scratch.index_add_(1, self.folded, rows)
+            else:
+                for start in range(0, n, size):
+                    end = min(start + size, n)
+                    index = self._index_tile(start, end)
+                    self.scratch.index_add_(1, index, rows[:, start:end])
+        return self

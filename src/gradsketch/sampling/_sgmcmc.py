@@ -27,10 +27,9 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch.optim import Optimizer
 
-from gradsketch._parallel import in_background
 from gradsketch.sampling import _reduce
 from gradsketch.sampling._metrics import Metrics
-from gradsketch.sampling._reduce import Pipeline, Reduction, chunked_normal_
+from gradsketch.sampling._reduce import Reduction
 from gradsketch.sketch import CountSketch, Fingerprint, SketchBuffer
 
 _ParamMask: Any
@@ -314,7 +313,7 @@ class _GroupPlan:
 
     numel: int
     offset: int  # first coordinate of the group in the sketch's index space
-    folded: torch.Tensor | None = None  # [numel] int16/32 count-sketch table (2k = trash)
+    folded: torch.Tensor | None = None  # [numel] int16/32/64 count-sketch table (2k = trash)
     # Workspace [r, numel] and, per parameter, its rows as views shaped like the parameter.
     workspace: torch.Tensor | None = None
     workspace_names: tuple[str, ...] = ()
@@ -330,6 +329,10 @@ class _GroupPlan:
     # [2, largest numel] noise and (w - c) of the unrecorded identity step, reused:
     # fresh megabyte temporaries cost page faults in a loop with backward passes.
     step_scratch: torch.Tensor | None = None
+
+
+#: Largest group (coordinates) whose count-sketch table is kept in int64 (128 MB).
+WIDE_TABLE_MAX = 1 << 24
 
 
 def _step_scratch(
@@ -731,10 +734,15 @@ class SGMCMC(Optimizer):
         self._sketch_buf = SketchBuffer(**rows, fingerprint=fp)
         trash = 2 * k
         for group, plan in zip(self.param_groups, self._plans):
-            # The narrowest integer type that holds 2k + 1 buckets: a quarter of
-            # the memory (and memory traffic) of the int64 table index_add_
-            # takes at k < 16384; each tile is widened in cache (Reduction).
-            narrow = torch.int16 if trash < 2**15 else torch.int32
+            # index_add_ takes int64 indices. Up to WIDE_TABLE_MAX coordinates the
+            # table is kept in int64 (8 bytes each): widening narrow tiles cost
+            # 0.7 ms of a 1M-coordinate step's 2.2 ms sketch. Larger groups keep
+            # the narrowest type that holds 2k + 1 buckets (2 or 4 bytes each),
+            # widened tile by tile (Reduction).
+            if plan.numel <= WIDE_TABLE_MAX:
+                narrow = torch.int64
+            else:
+                narrow = torch.int16 if trash < 2**15 else torch.int32
             if group["masks"] is None:
                 plan.folded = self._sketch.folded_table(plan.offset, plan.numel).to(narrow)
                 continue
@@ -820,67 +828,45 @@ class SGMCMC(Optimizer):
             names.append("distance")
         views: list[dict[str, torch.Tensor]] | None = None
         reduction: Reduction | None = None
-        pipeline: Pipeline | None = None
         if record:
             block, views = self._workspace(group, plan, names, params)
             coef = self._coefficients(
                 plan, names, fast, half=half, root=root, nbeta=nbeta, gamma=gamma, lam=lam
             )
             reduction = self._reduction(block, plan)
-            if (
-                block.device.type == "cpu"
-                and torch.get_num_threads() > 1
-                and plan.numel >= _reduce.PIPELINE_MIN_COLUMNS
-                and not in_background()
-            ):
-                pipeline = Pipeline(reduction)
         numel = 0
-        column = 0  # first workspace column of the current parameter
         energy = torch.zeros((), dtype=torch.float64)
-        try:
-            for i, p in enumerate(params):
-                if p.grad is None:
-                    if views is not None:
-                        for view in views[i].values():
-                            view.zero_()
-                else:
-                    state = self.state[p]
-                    rows = None if views is None else views[i]
-                    if fast:
-                        numel += p.numel()
-                        ready = None if pipeline is None else pipeline.ready
-                        scratch = None if rows is not None else _step_scratch(plan, params, p)
-                        self._update_identity(p, state, group, rows, gen, ready, column, scratch)
-                    else:
-                        scratch = None if rows is not None else _step_scratch(plan, params, p)
-                        numel += self._update_general(
-                            p, state, group, precond, rows, gen, half, root, scratch
-                        )
-                        if nose_hoover:
-                            energy += state["momentum"].double().square().sum()
-                    if group["bounding_box_size"] is not None:
-                        b = group["bounding_box_size"]
-                        w0 = state["initial_param"]
-                        if nose_hoover:
-                            # Reflect the momentum of coordinates that hit a wall.
-                            hit = (p - w0).abs() > b
-                            state["momentum"].mul_(1.0 - 2.0 * hit.to(p.dtype))
-                        torch.clamp_(p, min=w0 - b, max=w0 + b)
-                column += p.numel()
-                if pipeline is not None:
-                    pipeline.ready(column)
-        except BaseException:
-            if pipeline is not None:
-                pipeline.abort()
-            raise
+        for i, p in enumerate(params):
+            if p.grad is None:
+                if views is not None:
+                    for view in views[i].values():
+                        view.zero_()
+                continue
+            state = self.state[p]
+            rows = None if views is None else views[i]
+            scratch = None if rows is not None else _step_scratch(plan, params, p)
+            if fast:
+                numel += p.numel()
+                self._update_identity(p, state, group, rows, gen, scratch)
+            else:
+                numel += self._update_general(
+                    p, state, group, precond, rows, gen, half, root, scratch
+                )
+                if nose_hoover:
+                    energy += state["momentum"].double().square().sum()
+            if group["bounding_box_size"] is not None:
+                b = group["bounding_box_size"]
+                w0 = state["initial_param"]
+                if nose_hoover:
+                    # Reflect the momentum of coordinates that hit a wall.
+                    hit = (p - w0).abs() > b
+                    state["momentum"].mul_(1.0 - 2.0 * hit.to(p.dtype))
+                torch.clamp_(p, min=w0 - b, max=w0 + b)
         if nose_hoover and plan.numel:
             group["thermostat"] += energy / plan.numel - lr
         if reduction is None:
             return None, numel
-        if pipeline is not None:
-            pipeline.finish()
-        else:
-            reduction.advance(reduction.n)
+        reduction.run()
         small = self._collect(reduction, plan)
         gram = None if small is None else coef @ small @ coef.T
         return gram, numel
@@ -967,10 +953,9 @@ class SGMCMC(Optimizer):
         """A :class:`~gradsketch.sampling._reduce.Reduction` of the group's workspace.
 
         Per tile, ``rows @ rows.T`` gives every norm and inner product (in
-        float64 across tiles) and one ``index_add_`` into a ``[rows, 2k + 1]``
+        float64 across tiles), and ``index_add_`` into a ``[rows, 2k + 1]``
         scratch sketches every row at once (signs folded into the bucket
-        index, see :meth:`CountSketch.folded_table`); the tile is still in
-        cache for the second read.
+        index, see :meth:`CountSketch.folded_table`).
         """
         rows = plan.sketch_rows if self._sketch is not None else 0
         scratch = None
@@ -1014,17 +999,13 @@ class SGMCMC(Optimizer):
         group: dict[str, Any],
         rows: dict[str, torch.Tensor] | None,
         gen: torch.Generator | None,
-        ready: Callable[[int], None] | None = None,
-        column: int = 0,
         scratch: torch.Tensor | None = None,
     ) -> None:
         """The identity update; with ``rows``, records into them first.
 
-        The rows are written before ``p`` moves, the noise last, in pieces
-        that report ``ready(column + end)`` so a pipeline can reduce them
-        while the rest is drawn. Without ``rows``, the noise and ``w - c``
-        go to ``scratch`` (``[2, *p.shape]``) when given (same values: one
-        ``normal_`` call draws what ``torch.normal`` would).
+        The rows are written before ``p`` moves. Without ``rows``, the noise
+        and ``w - c`` go to ``scratch`` (``[2, *p.shape]``) when given (same
+        values: one ``normal_`` call draws what ``torch.normal`` would).
         """
         lr, nbeta, sigma = group["lr"], group["nbeta"], group["noise_level"]
         gamma, lam = group["localization"], group["weight_decay"]
@@ -1055,8 +1036,7 @@ class SGMCMC(Optimizer):
                 loc = rows["center_diff"]
             if "weight" in rows:
                 rows["weight"].copy_(p)
-            noise = rows["noise"]
-            chunked_normal_(noise, sigma, gen, ready, column)
+            noise = rows["noise"].normal_(0.0, sigma, generator=gen)
             if "weight" in rows:
                 p.add_(rows["weight"], alpha=-half * lam)
             if gamma:

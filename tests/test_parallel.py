@@ -8,7 +8,6 @@ import threading
 import warnings
 
 import pytest
-import torch
 
 from gradsketch import _parallel
 
@@ -41,29 +40,6 @@ def test_nested_run_parallel_runs_in_turn():
 
     _parallel.run_parallel(outer, [1, 2, 3])
     assert sorted(inner) == [10, 11, 20, 21, 30, 31]
-
-
-def test_workers_run_one_intra_op_thread_and_leave_the_callers_count():
-    """Workers run torch ops on one thread (no OpenMP team of their own); the caller's
-    count, and the count a thread started later inherits, stay what they were."""
-    before = torch.get_num_threads()
-    if before < 2:
-        pytest.skip("needs 2 threads: run_parallel runs parts in turn on one")
-    counts: list[int] = []
-    lock = threading.Lock()
-
-    def record(part: int) -> None:
-        with lock:
-            counts.append(torch.get_num_threads())
-
-    _parallel.run_parallel(record, [0, 1, 2, 3])
-    assert counts == [1, 1, 1, 1]
-    assert torch.get_num_threads() == before
-    later: list[int] = []
-    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    assert later == [before]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs fork")

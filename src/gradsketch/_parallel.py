@@ -10,13 +10,16 @@ Executors are created per process: a child started by ``fork`` inherits the
 parent's executor objects but not their threads, so each is rebuilt when the
 process id changes.
 
-Every worker runs torch with one intra-op thread. A thread that runs one
-multi-threaded torch op keeps an OpenMP team of its own; with more OpenMP
-threads than cores, libgomp stops spinning between parallel regions, and
-every parallel op of the process, the user's forward and backward included,
-pays for waking its team. Measured on 2 cores: a forward and backward of a
-1M-parameter MLP went from 1.2 ms to 2.1 ms once a worker had run one
-``index_add_``.
+The workers keep torch's intra-op threads, so a part's own large ops still
+run on several cores (the masked optimizers' kernels on gathered entries:
+with one intra-op thread per worker, a 1 %-density MaskedAdagrad step took
+11.5-12.5 ms instead of 9.3-10.2 ms). The cost: a thread that has run a
+multi-threaded torch op keeps an OpenMP team of its own, and with more
+OpenMP threads than cores libgomp stops spinning between parallel regions,
+so afterwards every parallel op of the process pays for waking its team
+(on 2 cores a forward and backward of a 1M-parameter MLP took 2.1 ms
+instead of 1.2 ms). The sampler, whose steps are many small ops, therefore
+uses no worker thread.
 """
 
 from __future__ import annotations
@@ -63,12 +66,7 @@ def run_parallel(fn: Callable[[T], object], parts: Sequence[T]) -> None:
         if _pool is None or _pool[:2] != (os.getpid(), threads):
             if _pool is not None and _pool[0] == os.getpid():
                 _pool[2].shutdown(wait=False)
-            executor = _start(
-                ThreadPoolExecutor(
-                    threads, thread_name_prefix="gradsketch", initializer=_single_threaded
-                ),
-                threads,
-            )
+            executor = ThreadPoolExecutor(threads, thread_name_prefix="gradsketch")
             _pool = (os.getpid(), threads, executor)
         executor = _pool[2]
     grad_enabled = torch.is_grad_enabled()  # thread-local: carry it to the workers
@@ -80,29 +78,3 @@ def run_parallel(fn: Callable[[T], object], parts: Sequence[T]) -> None:
 
     for _ in executor.map(call, parts):
         pass
-
-
-def _single_threaded() -> None:
-    """Worker initializer: one intra-op thread here (see the module docstring).
-
-    ``torch.get_num_threads`` first: a thread's first torch call sets its
-    count from the process-wide one, and would undo the ``set_num_threads(1)``
-    if it came later. :func:`_start` gives the process-wide count back.
-    """
-    torch.get_num_threads()
-    torch.set_num_threads(1)
-
-
-def _start(executor: ThreadPoolExecutor, workers: int) -> ThreadPoolExecutor:
-    """Start all ``workers`` threads now, then restore the caller's intra-op thread count.
-
-    ``torch.set_num_threads`` in a worker also sets the count that threads
-    started later inherit; setting the caller's own count again undoes that
-    and changes nothing for the caller.
-    """
-    threads = torch.get_num_threads()
-    barrier = threading.Barrier(workers)
-    for _ in executor.map(lambda _: barrier.wait(), range(workers)):
-        pass
-    torch.set_num_threads(threads)
-    return executor

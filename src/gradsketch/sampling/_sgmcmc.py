@@ -492,21 +492,17 @@ class SGMCMC(Optimizer):
     ``E<S a, S b> = <a, b>``. Both come from one preallocated ``[r, n]`` block
     per group into which the update writes the ``r`` distinct vectors
     (identity preconditioner: gradient, noise, distance and, when used, the
-    weights; otherwise the five components). One pass over column tiles of
-    the block then gives the Gram matrix (every norm and inner product,
-    accumulated in float64) and, with one ``index_add_`` per tile through
-    :meth:`CountSketch.folded_table`, the sketch of every row; a ``[6, r]``
-    coefficient matrix maps both to the components.
+    weights; otherwise the five components). After the update, one batched
+    matmul over column tiles of the block gives the Gram matrix (every norm
+    and inner product, accumulated in float64 across tiles) and one
+    ``index_add_`` through :meth:`CountSketch.folded_table` the sketch of
+    every row; a ``[6, r]`` coefficient matrix maps both to the components.
 
-    Cost: drawing the noise bounds a plain step from below, and a count
-    sketch of ``r`` rows costs about ``r / 3`` of that draw on CPU (a scalar
-    scatter per coordinate), so ``sketch_dim`` adds most of the work. torch
-    draws the noise on one core, so on CPU with two or more torch threads
-    (and at least ``2^17`` coordinates in the group) the tiles are reduced
-    on a background thread as soon as their columns are written, while the
-    rest of the noise is drawn in pieces that equal one draw bit for bit
-    (see :mod:`gradsketch.sampling._reduce`); the results do not depend on
-    it.
+    Cost: drawing the noise bounds a plain step from below (torch draws it
+    on one core), and a count sketch of ``r`` rows costs about ``r / 5`` of
+    that draw on CPU (a scalar scatter per coordinate), so ``sketch_dim``
+    adds most of the work (see :mod:`gradsketch.sampling._reduce` for why
+    it runs on the calling thread).
 
     Args:
         params: Parameters or parameter-group dicts, as for any optimizer.

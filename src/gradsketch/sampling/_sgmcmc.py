@@ -29,7 +29,6 @@ from torch.optim import Optimizer
 
 from gradsketch.sampling import _reduce
 from gradsketch.sampling._metrics import Metrics
-from gradsketch.sampling._reduce import Reduction
 from gradsketch.sketch import CountSketch, Fingerprint, SketchBuffer
 
 _ParamMask: Any
@@ -734,7 +733,7 @@ class SGMCMC(Optimizer):
             # table is kept in int64 (8 bytes each): widening narrow tiles cost
             # 0.7 ms of a 1M-coordinate step's 2.2 ms sketch. Larger groups keep
             # the narrowest type that holds 2k + 1 buckets (2 or 4 bytes each),
-            # widened tile by tile (Reduction).
+            # widened tile by tile (reduce_workspace).
             if plan.numel <= WIDE_TABLE_MAX:
                 narrow = torch.int64
             else:
@@ -822,14 +821,10 @@ class SGMCMC(Optimizer):
         else:
             names = ["scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise"]
             names.append("distance")
+        block: torch.Tensor | None = None
         views: list[dict[str, torch.Tensor]] | None = None
-        reduction: Reduction | None = None
         if record:
             block, views = self._workspace(group, plan, names, params)
-            coef = self._coefficients(
-                plan, names, fast, half=half, root=root, nbeta=nbeta, gamma=gamma, lam=lam
-            )
-            reduction = self._reduction(block, plan)
         numel = 0
         energy = torch.zeros((), dtype=torch.float64)
         for i, p in enumerate(params):
@@ -860,10 +855,12 @@ class SGMCMC(Optimizer):
                 torch.clamp_(p, min=w0 - b, max=w0 + b)
         if nose_hoover and plan.numel:
             group["thermostat"] += energy / plan.numel - lr
-        if reduction is None:
+        if block is None:
             return None, numel
-        reduction.run()
-        small = self._collect(reduction, plan)
+        coef = self._coefficients(
+            plan, names, fast, half=half, root=root, nbeta=nbeta, gamma=gamma, lam=lam
+        )
+        small = self._reduce(block, plan)
         gram = None if small is None else coef @ small @ coef.T
         return gram, numel
 
@@ -941,17 +938,15 @@ class SGMCMC(Optimizer):
             plan.scratch = None  # its shape follows sketch_rows and the block dtype
         return coef
 
-    def _reduction(
-        self,
-        block: torch.Tensor,
-        plan: _GroupPlan,
-    ) -> Reduction:
-        """A :class:`~gradsketch.sampling._reduce.Reduction` of the group's workspace.
+    def _reduce(self, block: torch.Tensor, plan: _GroupPlan) -> torch.Tensor | None:
+        """Gram matrix of the workspace rows (returned, on CPU) and the step's sketches.
 
-        Per tile, ``rows @ rows.T`` gives every norm and inner product (in
-        float64 across tiles), and ``index_add_`` into a ``[rows, 2k + 1]``
-        scratch sketches every row at once (signs folded into the bucket
-        index, see :meth:`CountSketch.folded_table`).
+        :func:`~gradsketch.sampling._reduce.reduce_workspace` gives the Gram
+        (every norm and inner product, float64 across tiles) and, with
+        ``index_add_`` into a ``[rows, 2k + 1]`` scratch, the sketch of every
+        sketched row at once (signs folded into the bucket index, see
+        :meth:`CountSketch.folded_table`); the sketch rows are then combined
+        into the five components with one small matmul.
         """
         rows = plan.sketch_rows if self._sketch is not None else 0
         scratch = None
@@ -969,7 +964,7 @@ class SGMCMC(Optimizer):
                 plan.index_buffer is None or plan.index_buffer.numel() != tile
             ):
                 plan.index_buffer = torch.empty(tile, dtype=torch.int64, device=block.device)
-        return Reduction(
+        gram = _reduce.reduce_workspace(
             block,
             gram=self.save_metrics,
             scratch=scratch,
@@ -977,16 +972,12 @@ class SGMCMC(Optimizer):
             rows=rows,
             index_buffer=plan.index_buffer,
         )
-
-    def _collect(self, reduction: Reduction, plan: _GroupPlan) -> torch.Tensor | None:
-        """Add the group's sketches to the step's and return its Gram matrix (CPU)."""
-        if reduction.scratch is not None:
+        if scratch is not None:
             assert self._sketch_rows is not None and plan.sketch_coef is not None
             k = self._sketch.output_dim  # type: ignore[union-attr]
-            scratch = reduction.scratch
             sk = (scratch[:, :k] - scratch[:, k : 2 * k]).to(torch.float32)
             self._sketch_rows.add_(plan.sketch_coef @ sk)
-        return None if reduction.gram is None else reduction.gram.cpu()
+        return None if gram is None else gram.cpu()
 
     def _update_identity(
         self,
@@ -1024,6 +1015,7 @@ class SGMCMC(Optimizer):
             if loc is not None:
                 p.add_(loc, alpha=-half * gamma)
         else:
+            noise = rows["noise"].normal_(0.0, sigma, generator=gen)
             rows["grad"].copy_(grad)
             torch.sub(p, state["initial_param"], out=rows["distance"])
             loc = rows["distance"]
@@ -1032,8 +1024,6 @@ class SGMCMC(Optimizer):
                 loc = rows["center_diff"]
             if "weight" in rows:
                 rows["weight"].copy_(p)
-            noise = rows["noise"].normal_(0.0, sigma, generator=gen)
-            if "weight" in rows:
                 p.add_(rows["weight"], alpha=-half * lam)
             if gamma:
                 p.add_(loc, alpha=-half * gamma)

@@ -13,6 +13,7 @@ from gradsketch.sampling import PRECONDITIONERS, SGLD, SGMCMC, Metrics
 from gradsketch.sampling import _reduce as reduce_module
 from gradsketch.sampling import _sgmcmc as sgmcmc_module
 from gradsketch.sketch import CountSketch
+from gradsketch.sketch import _countsketch as countsketch_module
 
 QUANTITIES = ("scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise")
 
@@ -191,13 +192,21 @@ def ref_kwargs_for(method, kwargs):
     return out
 
 
-@pytest.fixture(params=[reduce_module.REDUCE_TILE, 7], ids=["one-tile", "tiles-of-7"])
+@pytest.fixture(
+    params=[(reduce_module.REDUCE_TILE, None), (7, None), (reduce_module.REDUCE_TILE, 3)],
+    ids=["one-tile", "tiles-of-7", "scatter-split-in-3"],
+)
 def tile(request, monkeypatch):
     """The Gram/sketch pass at its real tile size and at 7 columns, so that Gram tiles
     and the widened tiles of a narrow table (see the narrow-table test) fall inside
-    parameters and between them (the small model has 59 coordinates)."""
-    monkeypatch.setattr(reduce_module, "REDUCE_TILE", request.param)
-    return request.param
+    parameters and between them (the small model has 59 coordinates); and with the
+    sketch scatter split into 3 column ranges (19 + 19 + 19 + a tail of 2), which
+    the small model is too small to get by default."""
+    size, parts = request.param
+    monkeypatch.setattr(reduce_module, "REDUCE_TILE", size)
+    if parts is not None:
+        monkeypatch.setattr(countsketch_module, "split_parts", lambda rows, n: parts)
+    return size
 
 
 def ours_and_reference(method, kwargs, ref_extra, **recording):

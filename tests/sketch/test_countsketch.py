@@ -241,3 +241,57 @@ def test_folded_table_sketches_a_stack_of_vectors_at_once():
         torch.testing.assert_close(out[row], ref)
     with pytest.raises(ValueError, match="runs past input_dim=100"):
         cs.folded_table(90, 20)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+def test_split_scatter_equals_a_float64_scatter(rows, parts):
+    """Column ranges scattered into partial rows and summed: the same sums, any split.
+
+    n = 103 leaves a remainder for every ``parts`` > 1, so the tail call is
+    covered too. float64 values, so only summation order differs: 1e-12 is
+    a few hundred ulps of sums of ~100 unit-size terms.
+    """
+    from gradsketch.sketch._countsketch import scatter_folded_
+
+    gen = torch.Generator().manual_seed(rows * 10 + parts)
+    n, width = 103, 9
+    folded = torch.randint(0, width, (n,), generator=gen)
+    block = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    want = torch.zeros(rows, width, dtype=torch.float64)
+    for j in range(n):
+        want[:, folded[j]] += block[:, j]
+    got = torch.ones(rows, width, dtype=torch.float64)  # scatter_folded_ adds into it
+    scatter_folded_(got, folded, block, parts=parts)
+    torch.testing.assert_close(got - 1.0, want, rtol=1e-12, atol=1e-12)
+
+
+def test_split_parts_balances_rows_over_threads(monkeypatch):
+    """One range per thread below two rows per thread, unless the ranges get short."""
+    from gradsketch.sketch import _countsketch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(_countsketch, "SPLIT_MIN_COLUMNS", 10)
+    assert _countsketch.split_parts(3, 1000) == 2
+    assert _countsketch.split_parts(1, 1000) == 2
+    assert _countsketch.split_parts(2, 1000) == 2
+    assert _countsketch.split_parts(4, 1000) == 1  # two rows per thread
+    assert _countsketch.split_parts(33, 1000) == 1
+    assert _countsketch.split_parts(3, 15) == 1  # ranges of 7 < 10 columns
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert _countsketch.split_parts(3, 1000) == 1
+
+
+def test_sketch_of_a_long_vector_is_split_and_unchanged(monkeypatch):
+    """CountSketch.sketch through split scatters equals the unsplit sketch (float64 sums)."""
+    from gradsketch.sketch import _countsketch
+
+    cs = CountSketch.create(5000, 16, seed=4)
+    v = torch.randn(5000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    whole = torch.zeros(16, dtype=torch.float64)
+    monkeypatch.setattr(_countsketch, "split_parts", lambda rows, n: 1)
+    cs.scatter_into_(whole, v, 0)
+    split = torch.zeros(16, dtype=torch.float64)
+    monkeypatch.setattr(_countsketch, "split_parts", lambda rows, n: 3)
+    cs.scatter_into_(split, v, 0)
+    torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-12)

@@ -3,7 +3,7 @@
 A recording step writes, per parameter, the vectors it records into the rows
 of one ``[r, numel]`` workspace. :func:`reduce_workspace` reads that workspace:
 ``tile @ tile.T`` per tile gives every norm and inner product (float64
-across tiles) and ``index_add_`` into a ``[rows, 2k + 1]`` scratch sketches
+across tiles) and one scatter into a ``[rows, 2k + 1]`` scratch sketches
 the leading rows at once.
 
 It runs on the calling thread, after the update. Reducing on a second thread
@@ -18,6 +18,8 @@ parallel op of the process slower instead.
 from __future__ import annotations
 
 import torch
+
+from gradsketch.sketch._countsketch import scatter_folded_
 
 __all__ = ["REDUCE_TILE", "reduce_workspace"]
 
@@ -39,12 +41,10 @@ def reduce_workspace(
 
     The Gram: one batched ``bmm`` over the full tiles (a loop of ``mm`` took
     twice as long) plus the last, partial tile. The sketch: one
-    ``index_add_`` over every column with an int64 table, or tile by tile
-    with a narrow one, each tile widened into ``index_buffer`` (widening
-    narrow tiles in the step cost 0.7 ms per million columns). Splitting the
-    sketch into one ``scatter_add_`` piece per thread was faster alone
-    (1.03 ms against 1.45 ms per million columns of three rows) but slower
-    inside a sampling loop, and was left out.
+    scatter (:func:`~gradsketch.sketch._countsketch.scatter_folded_`) over every column
+    with an int64 table, or tile by tile with a narrow one, each tile widened
+    into ``index_buffer`` (widening narrow tiles in the step cost 0.7 ms per
+    million columns).
 
     Args:
         block: ``[r, n]`` workspace.
@@ -78,11 +78,11 @@ def reduce_workspace(
         assert folded is not None
         sketched = block[:rows]
         if folded.dtype == torch.int64:
-            scratch.index_add_(1, folded, sketched)
+            scatter_folded_(scratch, folded, sketched)
         else:
             assert index_buffer is not None and index_buffer.numel() >= min(size, n)
             for start in range(0, n, size):
                 end = min(start + size, n)
                 index = index_buffer[: end - start].copy_(folded[start:end])
-                scratch.index_add_(1, index, sketched[:, start:end])
+                scatter_folded_(scratch, index, sketched[:, start:end])
     return result

@@ -943,7 +943,7 @@ class SGMCMC(Optimizer):
 
         :func:`~gradsketch.sampling._reduce.reduce_workspace` gives the Gram
         (every norm and inner product, float64 across tiles) and, with
-        ``index_add_`` into a ``[rows, 2k + 1]`` scratch, the sketch of every
+        one scatter into a ``[rows, 2k + 1]`` scratch, the sketch of every
         sketched row at once (signs folded into the bucket index, see
         :meth:`CountSketch.folded_table`); the sketch rows are then combined
         into the five components with one small matmul.

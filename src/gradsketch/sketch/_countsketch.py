@@ -30,6 +30,71 @@ SKETCH_QUANTITIES: tuple[str, ...] = (
 #: Coordinates hashed at a time when tables are computed on the fly.
 DEFAULT_CHUNK = 1 << 18
 
+#: Fewest columns per range when :func:`scatter_folded_` splits a scatter.
+SPLIT_MIN_COLUMNS = 1 << 14
+
+
+def split_parts(rows: int, n: int) -> int:
+    """Column ranges :func:`scatter_folded_` uses for ``rows`` rows of ``n`` columns.
+
+    One per torch thread while there are fewer than two rows per thread
+    (measured on two threads, per million columns: 1, 2 and 3 rows gain
+    0.2 ms each; 4, 6 and 8 rows lose 0.1-0.2 ms and 5 rows is even),
+    unless the ranges would be shorter than :data:`SPLIT_MIN_COLUMNS`.
+
+    Example:
+        >>> split_parts(3, 100)
+        1
+    """
+    threads = torch.get_num_threads()
+    if rows >= 2 * threads:
+        return 1
+    return max(1, min(threads, n // SPLIT_MIN_COLUMNS))
+
+
+def scatter_folded_(
+    scratch: torch.Tensor, folded: torch.Tensor, block: torch.Tensor, parts: int | None = None
+) -> None:
+    """``scratch.index_add_(1, folded, block)``, balanced over torch's threads.
+
+    torch parallelises this scatter over the rows of ``block``, each thread
+    walking whole rows: one row runs on one thread, and three rows on two
+    threads leave one thread with two of them. Viewing the columns as
+    ``parts`` ranges (``[parts, rows, n // parts]``, no copy) gives every
+    thread the same share, each range scattered into its own partial row;
+    the partials are then summed. Measured on two threads, per million
+    columns: one row 0.77 -> 0.57 ms (a 1-D ``index_add_`` takes 1.2 ms),
+    three rows 1.4 -> 1.0-1.25 ms. Only the order of the float additions
+    changes.
+
+    Args:
+        scratch: ``[rows, width]`` accumulator (added into).
+        folded: int64 ``[n]`` column of every value (see :func:`accumulate_folded`).
+        block: ``[rows, n]`` values, same dtype as ``scratch``.
+        parts: column ranges; default :func:`split_parts`.
+
+    Example:
+        >>> out = torch.zeros(1, 2)
+        >>> scatter_folded_(out, torch.tensor([0, 1, 1, 0]), torch.ones(1, 4), parts=2)
+        >>> out
+        tensor([[2., 2.]])
+    """
+    rows, n = block.shape
+    if parts is None:
+        parts = split_parts(rows, n)
+    width = n // parts if parts > 1 else 0
+    if width == 0:
+        scratch.index_add_(1, folded, block)
+        return
+    head = parts * width
+    partial = scratch.new_zeros(parts, rows, scratch.shape[1])
+    ranges = block[:, :head].unflatten(1, (parts, width)).transpose(0, 1)
+    index = folded[:head].view(parts, 1, width).expand(parts, rows, width)
+    partial.scatter_add_(2, index, ranges)
+    scratch += partial.sum(0)
+    if head < n:
+        scratch.index_add_(1, folded[head:], block[:, head:])
+
 
 def accumulate_folded(
     out: torch.Tensor, block: torch.Tensor, folded: torch.Tensor, num_buckets: int, scale: float
@@ -38,8 +103,8 @@ def accumulate_folded(
 
     ``folded[i] = bucket(i) + num_buckets * [sign(i) < 0]``: positive and
     negative contributions are summed into the two halves of a scratch row by
-    one ``index_add_`` (no elementwise multiply, no copy of ``block`` unless
-    its dtype differs), then subtracted.
+    one scatter (:func:`scatter_folded_`; no elementwise multiply, no copy of
+    ``block`` unless its dtype differs), then subtracted.
 
     Args:
         out: ``[..., num_buckets]`` accumulator (float32 or float64).
@@ -49,7 +114,8 @@ def accumulate_folded(
         scale: factor applied to the contribution.
     """
     scratch = out.new_zeros(*out.shape[:-1], 2 * num_buckets)
-    scratch.index_add_(-1, folded, block.to(out.dtype))
+    values = block.to(out.dtype)
+    scatter_folded_(scratch.view(-1, 2 * num_buckets), folded, values.reshape(-1, values.shape[-1]))
     out.add_(scratch[..., :num_buckets] - scratch[..., num_buckets:], alpha=scale)
 
 

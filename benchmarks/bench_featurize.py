@@ -30,7 +30,6 @@ Scaling over torch.distributed ranks is measured by `bench_distributed.py`.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -42,59 +41,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-import torch.nn.functional as F
 from _common import emit, machine_info, median_time, setup_torch
 from torch import nn
 
-from gradsketch.attribution import FunctionalGradientComputer, ImageClassificationModelOutput
+from gradsketch.attribution import (
+    FunctionalGradientComputer,
+    ImageClassificationModelOutput,
+    TransformerClassifier,
+)
 from gradsketch.attribution._digits import build_mlp, load_digits_split
 from gradsketch.attribution._hooks import HookGradientComputer
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector
 
 PROJ_DIM = 2048
 TARGET_RATIO = 2.0
-
-
-class Block(nn.Module):
-    """Pre-norm block; attention through Linear q/k/v/o (hookable), causal mask."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.q, self.k = nn.Linear(width, width), nn.Linear(width, width)
-        self.v, self.o = nn.Linear(width, width), nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        h = self.ln1(x)
-
-        def split(z: torch.Tensor) -> torch.Tensor:
-            return z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-
-        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = (q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)).masked_fill(
-            ~causal, float("-inf")
-        )
-        x = x + self.o((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class SmallTransformer(nn.Module):
-    """Token + position embeddings, blocks, final LayerNorm, mean pooling, 10-way head."""
-
-    def __init__(self, vocab: int = 1000, width: int = 256, seq: int = 64, layers: int = 4) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-        self.blocks = nn.Sequential(*[Block(width, 4) for _ in range(layers)])
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
-        return self.head(self.ln(self.blocks(self.tok(tokens) + self.pos(positions))).mean(-2))
 
 
 def _margin_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -112,7 +72,7 @@ def _workloads(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor],
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (16, 64), generator=gen)
     labels = torch.randint(0, 10, (16,), generator=gen)
-    return SmallTransformer().eval(), (tokens, labels), {"k_in": 8, "k_out": 8}
+    return TransformerClassifier().eval(), (tokens, labels), {"k_in": 8, "k_out": 8}
 
 
 def _methods(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 
 import numpy as np
 import pytest
@@ -15,6 +15,7 @@ from gradsketch.attribution import (
     FunctionalGradientComputer,
     ImageClassificationModelOutput,
     TRAKer,
+    TransformerClassifier,
 )
 from gradsketch.attribution._digits import build_cnn, build_mlp
 from gradsketch.attribution._hooks import (
@@ -33,54 +34,10 @@ F64 = torch.float64
 TASK = ImageClassificationModelOutput()
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: attention from Linear q/k/v/o, GELU MLP."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.q, self.k, self.v = (
-            nn.Linear(width, width),
-            nn.Linear(width, width),
-            nn.Linear(width, width),
-        )
-        self.o = nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        h = self.ln1(x)
-
-        def split(z: torch.Tensor) -> torch.Tensor:
-            return z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-
-        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = (q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)).masked_fill(
-            ~causal, float("-inf")
-        )
-        x = x + self.o((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TinyTransformer(nn.Module):
-    """Token + position embeddings, blocks, final LayerNorm, mean pooling, linear head."""
-
-    def __init__(
-        self, vocab: int = 11, width: int = 8, seq: int = 5, layers: int = 2, classes: int = 3
-    ):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(seq, width)
-        self.blocks = nn.Sequential(*[Block(width, 2) for _ in range(layers)])
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
-        x = self.blocks(self.tok(tokens) + self.pos(positions))
-        return self.head(self.ln(x).mean(-2))
+#: Two blocks of width 8 over 5 tokens of an 11-word vocabulary, 3 classes.
+TinyTransformer = functools.partial(
+    TransformerClassifier, vocab=11, width=8, seq=5, layers=2, heads=2, mlp_ratio=2, classes=3
+)
 
 
 class TorchEncoder(nn.Module):

@@ -52,6 +52,7 @@ from gradsketch.attribution._score_computers import (
 )
 from gradsketch.attribution._scores import MemoryBudgetError, trak_scores
 from gradsketch.attribution._traker import ModelIDException, TRAKer, TRAKSettings
+from gradsketch.attribution._transformer import TransformerBlock, TransformerClassifier
 
 __all__ = [
     # front end
@@ -92,6 +93,8 @@ __all__ = [
     "load_digits_split",
     "build_mlp",
     "build_cnn",
+    "TransformerClassifier",
+    "TransformerBlock",
     "train_digits_model",
     "TrainSettings",
     "AttributeSettings",

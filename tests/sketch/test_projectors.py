@@ -58,6 +58,21 @@ def test_project_equals_explicit_matrix_float64(kind):
     torch.testing.assert_close(out, x @ m)
 
 
+@pytest.mark.parametrize("kind", ["count", "count-lazy", "sparse4"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_split_scatter_equals_explicit_matrix_float64(kind, rows, monkeypatch):
+    """The hashed projectors with every scatter split into 3 column ranges (which
+    only inputs of more than 16k columns get by default): still ``x @ matrix``."""
+    from gradsketch.sketch import _countsketch
+
+    d, k = 37, 12
+    p = KINDS[kind](d, k, 3)
+    m = matrix_of(p, d)
+    monkeypatch.setattr(_countsketch, "split_parts", lambda r, n: 3)
+    x = torch.randn(rows, d, dtype=torch.float64)
+    torch.testing.assert_close(p.project(x, 0), x @ m)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_float32_path_matches_float64_reference(kind):
     d, k = 300, 32

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from gradsketch.sketch._countsketch import DEFAULT_CHUNK
+from gradsketch.sketch._countsketch import DEFAULT_CHUNK, scatter_folded_
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
 from gradsketch.sketch._validate import (
@@ -417,7 +417,7 @@ class SparseProjector(AbstractProjector):
             for start in range(0, n, step):
                 part = block[:, start : start + step].to(out.dtype)
                 for row in range(self.nnz):
-                    scratch.index_add_(1, self._table(row, offset + start, part.shape[1]), part)
+                    scatter_folded_(scratch, self._table(row, offset + start, part.shape[1]), part)
             offset += n
         out.add_(scratch[:, :k] - scratch[:, k:], alpha=self.scale)
 

@@ -347,7 +347,9 @@ def trak_scores(
             a path where a zarr array is created and returned.
         apply_inverse_to: ``"auto"``, ``"targets"`` or ``"train"`` (same scores).
         precision: ``"float32"`` (default), ``"bf16x3"`` (float32-accurate
-            bfloat16 GEMM, faster on AMX CPUs) or ``"auto"``.
+            split-bfloat16 GEMM; measured slower on CPU, see
+            :func:`~gradsketch.attribution._linalg.resolve_precision`) or
+            ``"auto"`` (currently float32).
         device: where to multiply.
         progress: show a tqdm bar.
 

@@ -245,7 +245,7 @@ def test_zarr_rows_prefetched_and_copied_give_identical_scores(tmp_path):
 
 
 def test_auto_precision_is_float32_and_amx_probe_reads_torch():
-    """ "auto" keeps float32 (bf16x3 measured slower on an AMX CPU); the AMX probe
+    """Precision "auto" keeps float32 (bf16x3 measured slower on an AMX CPU); the AMX probe
     answers what torch's own CPU feature check says, and bad values are named."""
     from gradsketch.attribution._linalg import amx_available, resolve_precision
 

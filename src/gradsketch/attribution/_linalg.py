@@ -241,20 +241,6 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
     return inv.to(xtx.dtype)
 
 
-def amx_available() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AMX tiles).
-
-    Example:
-        >>> isinstance(amx_available(), bool)
-        True
-    """
-    for probe in (getattr(torch, "cpu", None), getattr(torch._C, "_cpu", None)):
-        check = getattr(probe, "_is_amx_tile_supported", None)
-        if check is not None:
-            return bool(check())
-    return False
-
-
 def resolve_precision(precision: str, device: torch.device) -> str:
     """The GEMM precision actually used: ``"auto"`` is ``"float32"``.
 

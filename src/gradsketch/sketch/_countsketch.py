@@ -71,7 +71,7 @@ def scatter_folded_(
         scratch: ``[rows, width]`` accumulator (added into).
         folded: int64 ``[n]`` column of every value (see :func:`accumulate_folded`).
         block: ``[rows, n]`` values, same dtype as ``scratch``.
-        parts: column ranges; default :func:`split_parts`.
+        parts: column ranges; default :func:`split_parts` on CPU, 1 elsewhere.
 
     Example:
         >>> out = torch.zeros(1, 2)
@@ -81,7 +81,8 @@ def scatter_folded_(
     """
     rows, n = block.shape
     if parts is None:
-        parts = split_parts(rows, n)
+        # GPU scatters are parallel over elements already.
+        parts = split_parts(rows, n) if scratch.device.type == "cpu" else 1
     width = n // parts if parts > 1 else 0
     if width == 0:
         scratch.index_add_(1, folded, block)

@@ -372,40 +372,44 @@ class TRAKer:
         mask: Any,
         gradient_computer: Any,
     ) -> None:
-        if projector is None and self._wants_factorized(gradient_computer, mask):
+        if projector is None:
+            projector = self._default_projector(
+                proj_dim, proj_max_batch_size, mask, gradient_computer
+            )
+        self.projector = projector
+        self.proj_dim = (
+            self.grad_dim if isinstance(projector, NoOpProjector) else int(projector.proj_dim)
+        )
+        self.logger.info("Using %s", type(self.projector).__name__)
+
+    def _default_projector(
+        self, proj_dim: int, proj_max_batch_size: int, mask: Any, gradient_computer: Any
+    ) -> Any:
+        """The projector used when none is given (see the class docstring)."""
+        if self._wants_factorized(gradient_computer, mask):
             # Layer hooks never form a per-example gradient when the projector
             # is factorized: the fast CPU pair (features up to proj_dim).
-            projector = FactorizedProjector.from_budget(
+            return FactorizedProjector.from_budget(
                 self.model,
                 proj_dim,
                 seed=self.proj_seed,
                 device=self.device,
                 grad_wrt=self.grad_wrt,
             )
-        if projector is not None:
-            self.projector = projector
-            self.proj_dim = (
-                self.grad_dim if isinstance(projector, NoOpProjector) else int(projector.proj_dim)
-            )
-            self.logger.info("Using %s", type(self.projector).__name__)
-            return
-        self.proj_dim = int(proj_dim)
         if self.device.type == "cuda":
-            self.projector = CudaProjector(
+            return CudaProjector(
                 self.grad_dim,
-                self.proj_dim,
+                int(proj_dim),
                 self.proj_seed,
                 "rademacher",
                 self.device,
                 proj_max_batch_size,
                 mask=mask,
             )
-        else:
-            # One index_add_ pass per batch, tables built once: the fast CPU choice.
-            self.projector = CountSketchProjector(
-                self.grad_dim, self.proj_dim, self.proj_seed, self.device, mask=mask
-            )
-        self.logger.info("Using %s", type(self.projector).__name__)
+        # One index_add_ pass per batch, tables built once: the fast CPU choice.
+        return CountSketchProjector(
+            self.grad_dim, int(proj_dim), self.proj_seed, self.device, mask=mask
+        )
 
     def _wants_factorized(self, gradient_computer: Any, mask: Any) -> bool:
         """Hook gradients on CPU, no mask: the default projector is a FactorizedProjector."""

@@ -51,6 +51,9 @@ SETTINGS = {
     "both": {"save_metrics": True, "sketch_dim": 1024},
 }
 
+#: Sampler hyperparameters of every SGLD-type step timed here.
+STEP_KW = dict(lr=1e-4, nbeta=50.0, localization=100.0)
+
 
 def mlp(widths: list[int]) -> torch.nn.Sequential:
     layers: list[torch.nn.Module] = []
@@ -87,16 +90,11 @@ def time_interleaved(
 
 
 def bench_step(repeats: int) -> list[dict]:
-    torch.manual_seed(0)
-    model = mlp([784, 1024, 192, 10])  # 1,005,770 parameters
+    model, x, y, DevSGMCMC = _loop_setup()
     numel = sum(p.numel() for p in model.parameters())
-    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
     torch.nn.functional.cross_entropy(model(x), y).backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    try:
-        from devinterp.optim import SGMCMC as DevSGMCMC
-    except ImportError:
-        DevSGMCMC = None
+    if DevSGMCMC is None:
         logging.warning("devinterp 2.0.1 not installed (make bench-setup); skipping it")
 
     def fresh() -> torch.nn.Module:
@@ -105,15 +103,16 @@ def bench_step(repeats: int) -> list[dict]:
             p.grad = g.clone()
         return m
 
-    kw = dict(lr=1e-4, nbeta=50.0, localization=100.0)
     # Every implementation and setting in one interleaved loop: same load for all.
     opts: dict[str, torch.optim.Optimizer] = {"sgd": torch.optim.SGD(fresh().parameters(), lr=1e-4)}
     for setting, extra in SETTINGS.items():
-        opts[f"gradsketch/{setting}"] = SGMCMC.sgld(fresh().parameters(), **kw, **extra)
+        opts[f"gradsketch/{setting}"] = SGMCMC.sgld(fresh().parameters(), **STEP_KW, **extra)
         if DevSGMCMC is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                opts[f"devinterp/{setting}"] = DevSGMCMC.sgld(fresh().parameters(), **kw, **extra)
+                opts[f"devinterp/{setting}"] = DevSGMCMC.sgld(
+                    fresh().parameters(), **STEP_KW, **extra
+                )
     ms, cpu = time_interleaved(opts, repeats)
     rows = []
     for setting in SETTINGS:
@@ -191,7 +190,7 @@ def time_in_loop(
 def _loop_setup() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, Any]:
     """The 1M-parameter MLP, one batch, and devinterp's SGMCMC class (None if absent)."""
     torch.manual_seed(0)
-    model = mlp([784, 1024, 192, 10])
+    model = mlp([784, 1024, 192, 10])  # 1,002,570 parameters
     x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
     try:
         from devinterp.optim import SGMCMC as DevSGMCMC
@@ -203,7 +202,6 @@ def _loop_setup() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, Any]:
 def bench_loop(rounds: int) -> list[dict]:
     """The four settings (and devinterp's, and torch SGD) stepped inside a sampling loop."""
     model, x, y, DevSGMCMC = _loop_setup()
-    kw = dict(lr=1e-4, nbeta=50.0, localization=100.0)
     models = {"sgd": copy.deepcopy(model)}
     opts: dict[str, torch.optim.Optimizer] = {
         "sgd": torch.optim.SGD(models["sgd"].parameters(), lr=1e-4)
@@ -215,7 +213,7 @@ def bench_loop(rounds: int) -> list[dict]:
             models[name] = copy.deepcopy(model)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                opts[name] = cls.sgld(models[name].parameters(), **kw, **extra)
+                opts[name] = cls.sgld(models[name].parameters(), **STEP_KW, **extra)
     step, iteration = time_in_loop(models, opts, x, y, rounds)
     rows = []
     for setting in SETTINGS:
@@ -247,9 +245,9 @@ def bench_preconditioners(rounds: int) -> list[dict]:
     models: dict[str, torch.nn.Module] = {}
     opts: dict[str, torch.optim.Optimizer] = {}
     methods = {
-        "rmsprop_sgld": dict(lr=1e-4, nbeta=50.0, localization=100.0),
-        "adam_sgld": dict(lr=1e-4, nbeta=50.0, localization=100.0),
-        "sgnht": dict(lr=1e-4, nbeta=50.0),
+        "rmsprop_sgld": STEP_KW,
+        "adam_sgld": STEP_KW,
+        "sgnht": {k: v for k, v in STEP_KW.items() if k != "localization"},
     }
     for method, kw in methods.items():
         for setting in ("plain", "both"):

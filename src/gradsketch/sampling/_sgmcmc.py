@@ -323,7 +323,7 @@ class _GroupPlan:
     coef: torch.Tensor | None = None
     sketch_rows: int = 0  # leading workspace rows that feed a sketched component
     sketch_coef: torch.Tensor | None = None  # C[:5, :sketch_rows] in float32
-    scratch: torch.Tensor | None = None  # [sketch_rows, 2k + 1] index_add_ target
+    scratch: torch.Tensor | None = None  # [sketch_rows, 2k + 1] scatter target
     index_buffer: torch.Tensor | None = None  # int64 [REDUCE_TILE]: a widened table tile
     # [2, largest numel] noise and (w - c) of the unrecorded identity step, reused:
     # fresh megabyte temporaries cost page faults in a loop with backward passes.
@@ -494,7 +494,7 @@ class SGMCMC(Optimizer):
     weights; otherwise the five components). After the update, one batched
     matmul over column tiles of the block gives the Gram matrix (every norm
     and inner product, accumulated in float64 across tiles) and one
-    ``index_add_`` through :meth:`CountSketch.folded_table` the sketch of
+    scatter through :meth:`CountSketch.folded_table` the sketch of
     every row; a ``[6, r]`` coefficient matrix maps both to the components.
 
     Cost: drawing the noise bounds a plain step from below (torch draws it
@@ -729,7 +729,7 @@ class SGMCMC(Optimizer):
         self._sketch_buf = SketchBuffer(**rows, fingerprint=fp)
         trash = 2 * k
         for group, plan in zip(self.param_groups, self._plans):
-            # index_add_ takes int64 indices. Up to WIDE_TABLE_MAX coordinates the
+            # The scatter takes int64 indices. Up to WIDE_TABLE_MAX coordinates the
             # table is kept in int64 (8 bytes each): widening narrow tiles cost
             # 0.7 ms of a 1M-coordinate step's 2.2 ms sketch. Larger groups keep
             # the narrowest type that holds 2k + 1 buckets (2 or 4 bytes each),

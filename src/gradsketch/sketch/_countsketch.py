@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from gradsketch.sketch import _native
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._hash import buckets_and_signs, sparse_key
 from gradsketch.sketch._validate import (
@@ -57,6 +58,8 @@ def scatter_folded_(
 ) -> None:
     """``scratch.index_add_(1, folded, block)``, balanced over torch's threads.
 
+    On CPU the native kernel (:mod:`gradsketch.sketch._native`) does it when
+    available; ``parts`` given explicitly always takes torch's path below.
     torch parallelises this scatter over the rows of ``block``, each thread
     walking whole rows: one row runs on one thread, and three rows on two
     threads leave one thread with two of them. Viewing the columns as
@@ -71,7 +74,7 @@ def scatter_folded_(
         scratch: ``[rows, width]`` accumulator (added into).
         folded: int64 ``[n]`` column of every value (see :func:`accumulate_folded`).
         block: ``[rows, n]`` values, same dtype as ``scratch``.
-        parts: column ranges; default :func:`split_parts` on CPU, 1 elsewhere.
+        parts: column ranges of torch's path; default :func:`split_parts` on CPU, 1 elsewhere.
 
     Example:
         >>> out = torch.zeros(1, 2)
@@ -79,6 +82,8 @@ def scatter_folded_(
         >>> out
         tensor([[2., 2.]])
     """
+    if parts is None and _native.reduce_(scratch, folded, block):
+        return
     rows, n = block.shape
     if parts is None:
         # GPU scatters are parallel over elements already.

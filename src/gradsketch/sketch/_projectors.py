@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from gradsketch.sketch import _native
 from gradsketch.sketch._countsketch import DEFAULT_CHUNK, scatter_folded_
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
@@ -410,7 +411,7 @@ class SparseProjector(AbstractProjector):
             n = block.shape[1]
             if not self.materialize:
                 step = self.chunk_size
-            elif out.shape[0] >= _TILE_MIN_ROWS:
+            elif out.shape[0] >= _TILE_MIN_ROWS and not _native.available(out.device):
                 step = _TILE_COLUMNS
             else:
                 step = max(n, 1)

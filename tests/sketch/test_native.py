@@ -1,0 +1,190 @@
+"""The native scatter / Gram kernels against float64 references, and their loader."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from gradsketch.sketch import _native
+
+needs_native = pytest.mark.skipif(
+    not _native.native_status().available,
+    reason=f"native kernels unavailable: {_native.native_status().reason}",
+)
+
+
+def reference(block: torch.Tensor, index: torch.Tensor, width: int, rows: int) -> torch.Tensor:
+    """Slow float64 scatter: an explicit loop over columns."""
+    out = torch.zeros(rows, width, dtype=torch.float64)
+    for i, j in enumerate(index.tolist()):
+        out[:, j] += block[:rows, i].double()
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33, 70])
+@pytest.mark.parametrize("index_dtype", [torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_scatter_matches_a_float64_loop(rows, index_dtype, dtype, threads):
+    """Every row grouping (4, 3, 2, 1 and slices past MAX_ROWS) and split, with tails."""
+    n, width = 1003, 37
+    gen = torch.Generator().manual_seed(rows)
+    block = torch.randn(rows, n, generator=gen, dtype=dtype)
+    index = torch.randint(0, width, (n,), generator=gen).to(index_dtype)
+    out = torch.ones(rows, width, dtype=dtype)  # adds into what is there
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # MIN_PER_THREAD would keep 1003 columns on one thread: lower it for the test.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_native, "MIN_PER_THREAD", 16)
+            assert _native.reduce_(out, index, block)
+    finally:
+        torch.set_num_threads(before)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(
+        out.double(), 1.0 + reference(block, index, width, rows), atol=tol, rtol=tol
+    )
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [0, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_gram_and_scatter_match_float64(rows, threads, monkeypatch):
+    """The Gram of all r rows (float64, symmetric) and the scatter of the leading ``rows``.
+
+    Products are summed in float32 lanes within a chunk of CHUNK columns:
+    each lane sums at most CHUNK / 64 = 32 products, so the relative error
+    of a Gram entry is below 32 * 2^-24 ~ 2e-6 of the sum of |products|.
+    """
+    r, n, width = 4, 5 * _native.CHUNK + 77, 11
+    gen = torch.Generator().manual_seed(3)
+    block = torch.randn(r, n, generator=gen)
+    block[2] *= 1e-3  # rows of very different scales, like a sampler's
+    index = torch.randint(0, width, (n,), generator=gen)
+    out = torch.zeros(max(rows, 1), width)
+    gram = torch.full((r, r), float("nan"), dtype=torch.float64)  # overwritten
+    monkeypatch.setattr(_native, "MIN_PER_THREAD", 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert _native.reduce_(
+            out if rows else None, index if rows else None, block, rows=rows, gram=gram
+        )
+    finally:
+        torch.set_num_threads(before)
+    exact = block.double() @ block.double().T
+    scale = block.double().abs() @ block.double().abs().T
+    assert torch.all((gram - exact).abs() <= 2e-6 * scale)
+    assert torch.equal(gram, gram.T)
+    if rows:
+        torch.testing.assert_close(
+            out[:rows].double(), reference(block, index, width, rows), atol=1e-4, rtol=1e-5
+        )
+
+
+@needs_native
+def test_segments_equal_the_concatenated_block(monkeypatch):
+    """Rows given per segment (a sampler's gradients in place) == one [r, n] block.
+
+    The scatter is exactly equal (same order of additions per bucket on one
+    thread per column range); the Gram agrees within its float32-lane bound.
+    """
+    gen = torch.Generator().manual_seed(5)
+    lengths = [0, 1, 700, 3, 4096 + 5]
+    segments = [[torch.randn(m, generator=gen) for _ in range(3)] for m in lengths]
+    block = torch.stack([torch.cat([seg[q] for seg in segments]) for q in range(3)])
+    index = torch.randint(0, 9, (block.shape[1],), generator=gen, dtype=torch.int64).to(torch.int16)
+    monkeypatch.setattr(_native, "MIN_PER_THREAD", 16)
+    out_seg, gram_seg = torch.zeros(2, 9), torch.empty(3, 3, dtype=torch.float64)
+    assert _native.reduce_rows_(out_seg, index, segments, rows=2, gram=gram_seg)
+    out_blk, gram_blk = torch.zeros(2, 9), torch.empty(3, 3, dtype=torch.float64)
+    assert _native.reduce_(out_blk, index, block, rows=2, gram=gram_blk)
+    assert torch.equal(out_seg, out_blk)
+    # Chunks end at segment ends, so the float32 lane sums differ: the bound
+    # of test_fused_gram_and_scatter_match_float64 holds for both.
+    scale = block.double().abs() @ block.double().abs().T
+    exact = block.double() @ block.double().T
+    assert torch.all((gram_seg - exact).abs() <= 2e-6 * scale)
+    assert torch.all((gram_blk - exact).abs() <= 2e-6 * scale)
+    torch.testing.assert_close(
+        out_seg.double(), reference(block, index, 9, 2), atol=1e-4, rtol=1e-5
+    )
+
+
+@needs_native
+def test_index_outside_the_output_raises_and_names_the_width():
+    out = torch.zeros(2, 4)
+    with pytest.raises(IndexError, match=r"outside \[0, 4\)"):
+        _native.reduce_(out, torch.tensor([0, 4, 1]), torch.ones(2, 3))
+    # The entries with good indices were added; the bad one was skipped.
+    assert out.sum() == 4.0
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float16", "strided", "index_float", "index_length", "out_dtype", "gram_dtype"],
+)
+def test_inputs_the_kernel_does_not_take_fall_back_untouched(case):
+    block, index, out = torch.ones(2, 6), torch.zeros(6, dtype=torch.int64), torch.zeros(2, 3)
+    gram = None
+    if case == "float16":
+        block = block.half()
+    elif case == "strided":
+        block = torch.ones(2, 12)[:, ::2]
+    elif case == "index_float":
+        index = index.float()
+    elif case == "index_length":
+        index = index[:5]
+    elif case == "out_dtype":
+        out = out.double()
+    elif case == "gram_dtype":
+        gram = torch.zeros(2, 2)
+    assert not _native.reduce_(out, index, block, gram=gram)
+    assert out.abs().sum() == 0
+
+
+def test_rows_without_out_or_index_are_refused_by_name():
+    with pytest.raises(ValueError, match="`out` and `index`"):
+        _native.reduce_(None, None, torch.ones(2, 3), rows=1)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("GRADSKETCH_NATIVE", "0")
+    status, kernels = _native._load()
+    assert not status.available and kernels is None
+    assert "GRADSKETCH_NATIVE=0" in status.reason
+
+
+def test_missing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRADSKETCH_NATIVE", raising=False)
+    monkeypatch.setenv("GRADSKETCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    status, kernels = _native._load()
+    assert not status.available and kernels is None
+    assert "compiler" in status.reason or status.reason.startswith("native kernels are built")
+
+
+@needs_native
+def test_fresh_build_into_an_empty_cache_loads_and_agrees(monkeypatch, tmp_path):
+    """A clean cache compiles the library (atomically) and the result scatters correctly."""
+    monkeypatch.delenv("GRADSKETCH_NATIVE", raising=False)
+    monkeypatch.setenv("GRADSKETCH_CACHE", str(tmp_path))
+    status, kernels = _native._load()
+    assert status.available and status.reason == "compiled", status
+    assert status.path is not None and status.path.startswith(str(tmp_path))
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [status.path.split("/")[-1]]
+    assert ctypes.CDLL(status.path).gs_abi_version() == _native.ABI_VERSION
+    again, _ = _native._load()
+    assert again.reason == "cached" and again.path == status.path
+    assert kernels is not None
+
+
+def test_native_status_is_reported():
+    status = _native.native_status()
+    assert isinstance(status.available, bool) and status.reason
+    assert _native.available(torch.device("cpu")) == status.available
+    assert not _native.available(torch.device("meta"))

@@ -1,11 +1,11 @@
 """Projection benchmark: 32 gradients of d = 2**20 to k = 2048 on 2 threads.
 
 Each method runs in its own process (so its peak RSS is its own) and reports
-the median time of a batch over repeated runs, its set-up time, its peak RSS
+the median time of a batch over repeated runs (9; 5 for the slow dense ones), its set-up time, its peak RSS
 and the mean relative inner-product error on 64 correlated pairs. Reference
 packages (traker, scikit-learn, devinterp) are measured in the same run.
 
-    python benchmarks/bench_projection.py            # every method, 5 repeats
+    python benchmarks/bench_projection.py            # every method, 9 (slow: 5) repeats
     python benchmarks/bench_projection.py --quick    # fewer repeats, no 8 GB dense matrix
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ D, K, BATCH, PAIRS, RHO = 1 << 20, 2048, 32, 64, 0.5
 METHODS = [
     "null",
     "gradsketch.CountSketchProjector",
+    "gradsketch.CountSketchProjector(torch scatter)",
     "gradsketch.SparseProjector(nnz=4)",
     "gradsketch.BasicProjector(rademacher)",
     "traker.BasicProjector",
@@ -62,7 +64,10 @@ def _build(method: str) -> tuple[Callable[[Any], Any], float]:
     if method == "null":
         # Same data and error pass as every method, so its RSS is the baseline.
         return (lambda g: g[:, :K].clone()), 1.0
-    if method == "gradsketch.CountSketchProjector":
+    if method.startswith("gradsketch.CountSketchProjector"):
+        if method.endswith("(torch scatter)"):
+            # This process only: the native kernels load lazily, so this turns them off.
+            os.environ["GRADSKETCH_NATIVE"] = "0"
         from gradsketch.sketch import CountSketchProjector
 
         p = CountSketchProjector(D, K, 0, "cpu")
@@ -129,7 +134,14 @@ def measure(method: str, repeats: int) -> dict[str, Any]:
         exact = torch.einsum("bd,bd->b", x, y).double()
         errors.append(((estimate - exact).abs() / (x.norm(dim=1) * y.norm(dim=1))).mean())
     error = None if method == "null" else float(torch.stack(errors).mean())
-    return {"median_s": statistics.median(times), "setup_s": setup_s, "error": error}
+    from gradsketch.sketch._native import native_status
+
+    return {
+        "median_s": statistics.median(times),
+        "setup_s": setup_s,
+        "error": error,
+        "native_kernels": native_status().available,
+    }
 
 
 def main() -> None:
@@ -146,7 +158,7 @@ def main() -> None:
     ours: float | None = None
     baseline: float | None = None
     for method in methods:
-        repeats = (1 if method in SLOW else 3) if args.quick else 5
+        repeats = (1 if method in SLOW else 3) if args.quick else (5 if method in SLOW else 9)
         try:
             out = run_isolated("bench_projection:measure", method, repeats, timeout=3600)
         except RuntimeError as err:

@@ -23,7 +23,8 @@ megabyte temporaries that cost page faults when a step allocates them.
 Adam-SGLD (gradsketch only) and SGNHT, plain and with both recordings.
 
 Run: ``.venv/bin/python benchmarks/bench_sampling.py [--repeats 30] [--threads 1]
-[--skip-llc] [--skip-loop] [--loop-rounds 12]``.
+[--skip-llc] [--skip-loop] [--loop-rounds 12]``; with ``GRADSKETCH_NATIVE=0``
+it measures torch's scatter path instead of the native kernels.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 
 from gradsketch.sampling import SGMCMC, estimate_learning_coeff_with_summary
+from gradsketch.sketch._native import native_status
 
 SETTINGS = {
     "plain": {},
@@ -123,6 +125,7 @@ def bench_step(repeats: int) -> list[dict]:
             "setting": setting,
             "numel": numel,
             "threads": torch.get_num_threads(),
+            "native_kernels": native_status().available,
             "load_avg_1min": round(os.getloadavg()[0], 2),
             "median_ms": round(ours, 3),
             "cpu_ms": round(cpu[f"gradsketch/{setting}"], 3),
@@ -223,6 +226,7 @@ def bench_loop(rounds: int) -> list[dict]:
             "impl": "gradsketch",
             "setting": setting,
             "threads": torch.get_num_threads(),
+            "native_kernels": native_status().available,
             "load_avg_1min": round(os.getloadavg()[0], 2),
             "step_ms": round(step[ours], 3),
             "iteration_ms": round(iteration[ours], 3),

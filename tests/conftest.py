@@ -22,6 +22,26 @@ def _deterministic_threads() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(params=["native", "torch"])
+def scatter_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the native scatter kernels and again with torch's scatter.
+
+    ``torch`` disables the native kernels for the test, so every scatter, Gram
+    and sampler reduction takes the torch path. Slow tests run once, native.
+    """
+    from gradsketch.sketch import _native
+
+    if request.param == "native":
+        if not _native.native_status().available:
+            pytest.skip(f"native kernels unavailable: {_native.native_status().reason}")
+    else:
+        if request.node.get_closest_marker("slow") is not None:
+            pytest.skip("slow tests run once, with the native kernels")
+        off = (_native.NativeStatus(False, "disabled by the test"), None)
+        monkeypatch.setattr(_native, "_state", off)
+    return str(request.param)
+
+
 @pytest.fixture
 def one_rank_group() -> Iterator[None]:
     """A real gloo process group of one rank, in this process."""

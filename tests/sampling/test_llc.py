@@ -24,6 +24,9 @@ from gradsketch.sampling import (
 )
 from gradsketch.sampling._cli import llc_command
 
+# Each test runs with the native scatter kernels and with torch's scatter.
+pytestmark = pytest.mark.usefixtures("scatter_backend")
+
 
 class Potential(torch.nn.Module):
     """Weights w (initially w*) whose 'loss' is a fixed potential, independent of the batch."""

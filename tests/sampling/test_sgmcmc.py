@@ -14,6 +14,10 @@ from gradsketch.sampling import _reduce as reduce_module
 from gradsketch.sampling import _sgmcmc as sgmcmc_module
 from gradsketch.sketch import CountSketch
 from gradsketch.sketch import _countsketch as countsketch_module
+from gradsketch.sketch import _native as native_module
+
+# Each test runs with the native scatter kernels and with torch's scatter.
+pytestmark = pytest.mark.usefixtures("scatter_backend")
 
 QUANTITIES = ("scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise")
 
@@ -677,3 +681,60 @@ def test_narrow_table_sketches_equal_the_int64_table(masked, monkeypatch):
     narrow = run()
     for name in wide.QUANTITIES:
         assert torch.equal(getattr(wide, name), getattr(narrow, name)), name
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_gradients_read_in_place_equal_the_copied_workspace(layout, monkeypatch):
+    """The native pass reading each ``p.grad`` in place == the pass over a copied workspace.
+
+    Same trajectory (bit for bit: the update does not depend on the reduction),
+    the same sketches up to float32 summation order and the same metrics. A
+    gradient that is not contiguous cannot be read in place: the sampler then
+    copies it (and says so through ``_direct_grads``).
+    """
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 10))
+    unused = torch.nn.Parameter(torch.zeros(7))  # no gradient: a zero segment
+    models = [copy.deepcopy(base) for _ in range(2)]
+    extras = [copy.deepcopy(unused) for _ in range(2)]
+    opts = [
+        SGMCMC.sgld(
+            [*m.parameters(), e],
+            lr=1e-4,
+            nbeta=30.0,
+            localization=10.0,
+            save_metrics=True,
+            sketch_dim=64,
+        )
+        for m, e in zip(models, extras)
+    ]
+    x = torch.randn(16, 300)
+    gens = [torch.Generator().manual_seed(2) for _ in range(2)]
+    in_place = native_module.available(torch.device("cpu")) and layout == "contiguous"
+    for _ in range(3):
+        results = []
+        for i, (m, opt) in enumerate(zip(models, opts)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            if layout == "transposed":
+                w = m[0].weight
+                w.grad = w.grad.t().contiguous().t()  # same values, column-major
+            params = opt.param_groups[0]["params"]
+            assert SGMCMC._direct_grads(params) == in_place
+            with monkeypatch.context() as mp:
+                if i == 1:  # the second sampler always copies
+                    mp.setattr(SGMCMC, "_direct_grads", staticmethod(lambda params: False))
+                opt.step(noise_generator=gens[i])
+            results.append((opt.get_metrics(), opt.get_sketches()))
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)
+        (m0, s0), (m1, s1) = results
+        for q in QUANTITIES:
+            torch.testing.assert_close(getattr(s0, q), getattr(s1, q), rtol=1e-5, atol=1e-9)
+        for field in ("scaled_grad", "noise", "distance", "dot_grad_noise", "dot_grad_prior"):
+            torch.testing.assert_close(
+                torch.as_tensor(getattr(m0, field)),
+                torch.as_tensor(getattr(m1, field)),
+                rtol=1e-5,
+                atol=1e-12,
+            )

@@ -9,6 +9,9 @@ import torch
 
 from gradsketch.sampling import SGMCMC
 
+# Each test runs with the native scatter kernels and with torch's scatter.
+pytestmark = pytest.mark.usefixtures("scatter_backend")
+
 PAIRS = [
     ("scaled_grad", "scaled_grad"),
     ("noise", "noise"),

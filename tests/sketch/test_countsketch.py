@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 
 from gradsketch.sketch import SKETCH_QUANTITIES, CountSketch, Fingerprint, SketchBuffer
 
+# Each test runs with the native scatter kernels and with torch's scatter.
+pytestmark = pytest.mark.usefixtures("scatter_backend")
+
 
 def explicit_matrix(cs: CountSketch) -> torch.Tensor:
     """Slow float64 reference: the k x d matrix with S[h(i), i] = s(i)."""

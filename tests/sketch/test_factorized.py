@@ -19,6 +19,9 @@ from gradsketch.sketch._factorized import (
     param_layout,
 )
 
+# Each test runs with the native scatter kernels and with torch's scatter.
+pytestmark = pytest.mark.usefixtures("scatter_backend")
+
 F64 = torch.float64
 
 

@@ -16,6 +16,9 @@ from gradsketch.sketch import (
     SparseProjector,
 )
 
+# Each test runs with the native scatter kernels and with torch's scatter.
+pytestmark = pytest.mark.usefixtures("scatter_backend")
+
 
 def small_model() -> nn.Module:
     torch.manual_seed(0)

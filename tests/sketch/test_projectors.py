@@ -25,6 +25,9 @@ from gradsketch.sketch import (
     SparseProjector,
 )
 
+# Each test runs with the native scatter kernels and with torch's scatter.
+pytestmark = pytest.mark.usefixtures("scatter_backend")
+
 KINDS = {
     "count": lambda d, k, seed, **kw: CountSketchProjector(d, k, seed, "cpu", **kw),
     "count-lazy": lambda d, k, seed, **kw: CountSketchProjector(

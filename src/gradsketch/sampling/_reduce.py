@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from gradsketch.sketch import _native
 from gradsketch.sketch._countsketch import scatter_folded_
 
 __all__ = ["REDUCE_TILE", "reduce_workspace"]
@@ -39,7 +40,10 @@ def reduce_workspace(
 ) -> torch.Tensor | None:
     """Gram matrix of a workspace's rows, and their count sketch added into ``scratch``.
 
-    The Gram: one batched ``bmm`` over the full tiles (a loop of ``mm`` took
+    With the native kernels (:mod:`gradsketch.sketch._native`, CPU) both come
+    from one pass: each chunk of columns is scattered, then its Gram taken
+    while it is still in cache, and any table width is read as it is. Otherwise:
+    the Gram is one batched ``bmm`` over the full tiles (a loop of ``mm`` took
     twice as long) plus the last, partial tile. The sketch: one
     scatter (:func:`~gradsketch.sketch._countsketch.scatter_folded_`) over every column
     with an int64 table, or tile by tile with a narrow one, each tile widened
@@ -64,6 +68,12 @@ def reduce_workspace(
                 [10., 10.]], dtype=torch.float64)
     """
     (r, n), size = block.shape, REDUCE_TILE
+    result = torch.empty(r, r, dtype=torch.float64) if gram else None
+    sketch_rows = rows if scratch is not None else 0
+    if (gram or sketch_rows) and _native.reduce_(
+        scratch, folded, block, rows=sketch_rows, gram=result
+    ):
+        return result
     result = None
     if gram:
         result = torch.zeros(r, r, dtype=torch.float64, device=block.device)

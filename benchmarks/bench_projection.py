@@ -1,9 +1,11 @@
 """Projection benchmark: 32 gradients of d = 2**20 to k = 2048 on 2 threads.
 
 Each method runs in its own process (so its peak RSS is its own) and reports
-the median time of a batch over repeated runs (9; 5 for the slow dense ones), its set-up time, its peak RSS
-and the mean relative inner-product error on 64 correlated pairs. Reference
-packages (traker, scikit-learn, devinterp) are measured in the same run.
+the median time of a batch over repeated runs (9; 5 for the slow dense ones),
+its set-up time, its peak RSS and the mean relative inner-product error on 64
+correlated pairs. Reference packages (traker, scikit-learn, devinterp) are
+measured in the same run. ``gradsketch.CountSketchProjector(torch scatter)``
+is the same projector with the native kernels turned off in its process.
 
     python benchmarks/bench_projection.py            # every method, 9 (slow: 5) repeats
     python benchmarks/bench_projection.py --quick    # fewer repeats, no 8 GB dense matrix

@@ -981,13 +981,11 @@ class SGMCMC(Optimizer):
                 plan.index_buffer = torch.empty(tile, dtype=torch.int64, device=block.device)
         gram = None
         if segments is not None:
-            gram = torch.empty(len(segments[0]), len(segments[0]), dtype=torch.float64)
-            gram = gram if self.save_metrics else None
+            r = len(segments[0])
+            gram = torch.empty(r, r, dtype=torch.float64) if self.save_metrics else None
             if not _native.reduce_rows_(scratch, plan.folded, segments, rows=rows, gram=gram):
                 # Not expected (_direct_grads checked): assemble the rows and go on.
-                block = torch.stack(
-                    [torch.cat([seg[q] for seg in segments]) for q in range(len(segments[0]))]
-                )
+                block = torch.stack([torch.cat([seg[q] for seg in segments]) for q in range(r)])
                 segments = None
         if segments is None:
             gram = _reduce.reduce_workspace(

@@ -183,9 +183,12 @@ def _load() -> tuple[NativeStatus, dict[tuple[str, str], Any] | None]:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return NativeStatus(False, f"running {compiler} --version failed: {err}"), None
     digest.update(f"{compiler}|{version}|{FLAGS}|{_cpu_signature()}|{sys.platform}".encode())
     target = _cache_root() / "native" / f"gs_kernels-{digest.hexdigest()[:20]}.so"
     how = "cached"

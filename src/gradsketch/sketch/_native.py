@@ -279,15 +279,21 @@ def reduce_(
     """
     if not _eligible(block):
         return False
-    r = block.shape[0]
-    if gram is not None or r <= MAX_ROWS:
-        return reduce_rows_(out, index, [list(block)], rows=rows, gram=gram)
-    # More rows than one call takes: slices of rows, each sharing the index.
+    r, n = block.shape
     rows = r if rows is None else rows
+    # Row pointers by arithmetic: building a view per row costs a microsecond
+    # each, which small blocks of many rows (a batch of per-parameter
+    # gradients) would pay on every call.
+    base, step = block.data_ptr(), block.stride(0) * block.element_size()
+    if gram is not None or r <= MAX_ROWS:
+        ptrs = [base + q * step for q in range(r)]
+        return _run(ptrs, [0, n], r, rows, index, out, gram, block.dtype)
+    # More rows than one call takes: slices of rows, each sharing the index.
     for start in range(0, rows, MAX_ROWS):
         stop = min(start + MAX_ROWS, rows)
+        ptrs = [base + q * step for q in range(start, stop)]
         part = None if out is None else out[start:stop]
-        if not reduce_rows_(part, index, [list(block[start:stop])]):
+        if not _run(ptrs, [0, n], stop - start, stop - start, index, part, None, block.dtype):
             assert start == 0, "the same tensors were accepted for the first slice"
             return False
     return True
@@ -314,12 +320,7 @@ def reduce_rows_(
     if not segments:
         return False
     r = len(segments[0])
-    rows = r if rows is None else rows
-    if rows and (out is None or index is None):
-        raise ValueError("`out` and `index` are needed to scatter rows; pass rows=0 for none.")
     dtype = segments[0][0].dtype if r else None
-    if dtype not in _VALUE or r > MAX_ROWS or rows > r:
-        return False
     starts = [0]
     ptrs: list[int] = []
     for seg in segments:
@@ -333,6 +334,24 @@ def reduce_rows_(
                 return False
             ptrs.append(t.data_ptr())
         starts.append(starts[-1] + length)
+    return _run(ptrs, starts, r, r if rows is None else rows, index, out, gram, dtype)
+
+
+def _run(
+    ptrs: list[int],
+    starts: list[int],
+    r: int,
+    rows: int,
+    index: torch.Tensor | None,
+    out: torch.Tensor | None,
+    gram: torch.Tensor | None,
+    dtype: torch.dtype | None,
+) -> bool:
+    """Check the outputs against the rows (``ptrs``, segment ``starts``) and call the kernel."""
+    if rows and (out is None or index is None):
+        raise ValueError("`out` and `index` are needed to scatter rows; pass rows=0 for none.")
+    if dtype not in _VALUE or r > MAX_ROWS or rows > r:
+        return False
     n = starts[-1]
     if rows:
         assert out is not None and index is not None
@@ -359,7 +378,7 @@ def reduce_rows_(
     code = fn(
         (ctypes.c_void_p * len(ptrs))(*ptrs),
         (ctypes.c_int64 * len(starts))(*starts),
-        len(segments),
+        len(starts) - 1,
         r,
         rows,
         index.data_ptr() if rows and index is not None else None,

@@ -30,7 +30,7 @@ REDUCE_TILE = 1 << 16
 
 
 def reduce_workspace(
-    block: torch.Tensor,
+    block: torch.Tensor | list[list[torch.Tensor]],
     *,
     gram: bool,
     scratch: torch.Tensor | None,
@@ -51,7 +51,11 @@ def reduce_workspace(
     million columns).
 
     Args:
-        block: ``[r, n]`` workspace.
+        block: ``[r, n]`` workspace, or its columns as segments: ``block[s][q]``
+            is row ``q`` of the ``s``-th run of columns, each row a contiguous
+            tensor of its own (a sampler's gradients, read where autograd
+            left them; see :func:`gradsketch.sketch._native.reduce_rows_`).
+            Without the native kernels the segments are copied into one block.
         gram: compute the ``[r, r]`` float64 Gram matrix of the rows.
         scratch: ``[rows, 2k + 1]`` sketch accumulator, or ``None`` for no sketch.
         folded: ``[n]`` integer count-sketch table (sign folded into the bucket).
@@ -67,13 +71,19 @@ def reduce_workspace(
         tensor([[10., 10.],
                 [10., 10.]], dtype=torch.float64)
     """
-    (r, n), size = block.shape, REDUCE_TILE
+    r = len(block[0]) if isinstance(block, list) else block.shape[0]
     result = torch.empty(r, r, dtype=torch.float64) if gram else None
     sketch_rows = rows if scratch is not None else 0
-    if (gram or sketch_rows) and _native.reduce_(
-        scratch, folded, block, rows=sketch_rows, gram=result
-    ):
-        return result
+    if gram or sketch_rows:
+        if isinstance(block, list):
+            used = _native.reduce_rows_(scratch, folded, block, rows=sketch_rows, gram=result)
+        else:
+            used = _native.reduce_(scratch, folded, block, rows=sketch_rows, gram=result)
+        if used:
+            return result
+    if isinstance(block, list):
+        block = torch.stack([torch.cat([seg[q] for seg in block]) for q in range(r)])
+    n, size = block.shape[1], REDUCE_TILE
     result = None
     if gram:
         result = torch.zeros(r, r, dtype=torch.float64, device=block.device)

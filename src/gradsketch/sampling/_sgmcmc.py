@@ -956,7 +956,8 @@ class SGMCMC(Optimizer):
     ) -> torch.Tensor | None:
         """Gram matrix of the workspace rows (returned, on CPU) and the step's sketches.
 
-        :func:`~gradsketch.sampling._reduce.reduce_workspace` gives the Gram
+        :func:`~gradsketch.sampling._reduce.reduce_workspace` (of ``segments``
+        when given: the gradients are read in place) gives the Gram
         (every norm and inner product, float64 across tiles) and, with
         one scatter into a ``[rows, 2k + 1]`` scratch, the sketch of every
         sketched row at once (signs folded into the bucket index, see
@@ -979,23 +980,14 @@ class SGMCMC(Optimizer):
                 plan.index_buffer is None or plan.index_buffer.numel() != tile
             ):
                 plan.index_buffer = torch.empty(tile, dtype=torch.int64, device=block.device)
-        gram = None
-        if segments is not None:
-            r = len(segments[0])
-            gram = torch.empty(r, r, dtype=torch.float64) if self.save_metrics else None
-            if not _native.reduce_rows_(scratch, plan.folded, segments, rows=rows, gram=gram):
-                # Not expected (_direct_grads checked): assemble the rows and go on.
-                block = torch.stack([torch.cat([seg[q] for seg in segments]) for q in range(r)])
-                segments = None
-        if segments is None:
-            gram = _reduce.reduce_workspace(
-                block,
-                gram=self.save_metrics,
-                scratch=scratch,
-                folded=plan.folded,
-                rows=rows,
-                index_buffer=plan.index_buffer,
-            )
+        gram = _reduce.reduce_workspace(
+            block if segments is None else segments,
+            gram=self.save_metrics,
+            scratch=scratch,
+            folded=plan.folded,
+            rows=rows,
+            index_buffer=plan.index_buffer,
+        )
         if scratch is not None:
             assert self._sketch_rows is not None and plan.sketch_coef is not None
             k = self._sketch.output_dim  # type: ignore[union-attr]

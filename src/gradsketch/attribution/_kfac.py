@@ -1,0 +1,200 @@
+"""K-FAC and EK-FAC curvature of one layer, from its inputs and output gradients.
+
+For a layer whose per-example weight gradient is ``G_n = sum_t g_t a_tᵀ``
+(Linear, Conv2d on im2col patches, GPT-2's ``Conv1D``; ``a [T, d_in]`` the
+inputs, ``g [T, d_out]`` the gradients at the outputs), the Fisher /
+Gauss-Newton block ``F = (1/N) sum_n vec(G_n) vec(G_n)ᵀ`` is approximated
+by a Kronecker product (Martens & Grosse, "Optimizing neural networks with
+Kronecker-factored approximate curvature", 2015). With ``vec`` the row-major
+flatten of ``[d_out, d_in]`` (so ``vec(g aᵀ) = g ⊗ a``):
+
+    F ≈ S ⊗ A,  A = mean over all tokens of a aᵀ,  S = (1/N) sum_n sum_t g_t g_tᵀ
+
+which is exact when activations and gradients are independent and tokens
+are uncorrelated (and with one token per example and one example, exactly
+``F = (g gᵀ) ⊗ (a aᵀ)``). With ``S = Q_S diag(s) Q_Sᵀ`` and
+``A = Q_A diag(α) Q_Aᵀ``, the Kronecker eigenbasis rotates a gradient to
+``G' = Q_Sᵀ G Q_A``; K-FAC's eigenvalue there is ``s_i α_j``, and EK-FAC
+(George et al., 2018; Grosse et al., "Studying large language model
+generalization with influence functions", 2023) replaces it by the diagonal
+of ``F`` in that basis, ``Λ_ij = (1/N) sum_n G'_n[i, j]²``. Influence of a
+training example on a query is then
+
+    score = <G'_query / (Λ + λ), G'_train>,   i.e.  g_queryᵀ (F + λI)⁻¹ g_train
+
+summed over layers, so rotated training gradients are the stored features
+and only the query side is divided. Bias terms enter as an extra input
+coordinate fixed at 1.
+
+Example:
+    >>> import torch
+    >>> a, g = torch.randn(8, 3, 4), torch.randn(8, 3, 2)  # [N, T, d_in], [N, T, d_out]
+    >>> f = KroneckerFactors.zeros(4, 2)
+    >>> f.update(a, g)
+    >>> eig = f.eigen()
+    >>> feats = eig.rotate(a, g)  # [N, d_out * d_in]
+    >>> lam = ekfac_eigenvalues(feats)  # EK-FAC's corrected eigenvalues, [d_out * d_in]
+    >>> scores = influence(feats, feats, lam, damping=0.1)  # [N, N]
+    >>> tuple(scores.shape)
+    (8, 8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gradsketch.attribution._linalg import AUTO_DAMPING_FRACTION
+
+__all__ = [
+    "KroneckerEigen",
+    "KroneckerFactors",
+    "add_bias_input",
+    "ekfac_eigenvalues",
+    "influence",
+    "resolve_damping",
+]
+
+
+def add_bias_input(a: Tensor) -> Tensor:
+    """``[..., d_in] -> [..., d_in + 1]``: the bias is the weight of a constant-1 input."""
+    return torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+
+
+def _flat_tokens(x: Tensor, width: int, name: str) -> Tensor:
+    if x.dim() != 3 or x.shape[-1] != width:
+        raise ValueError(
+            f"`{name}` must be [batch, tokens, {width}], got shape {tuple(x.shape)}; "
+            "reshape a [batch, width] input to [batch, 1, width]."
+        )
+    return x.reshape(-1, width)
+
+
+@dataclass
+class KroneckerFactors:
+    """Running sums of one layer's Kronecker factors (see the module docstring).
+
+    Attributes:
+        a_sum: ``[d_in, d_in]`` sum over every token of ``a aᵀ``.
+        g_sum: ``[d_out, d_out]`` sum over every token of ``g gᵀ``.
+        tokens: tokens summed into ``a_sum``.
+        examples: examples summed into ``g_sum``.
+    """
+
+    a_sum: Tensor
+    g_sum: Tensor
+    tokens: int = 0
+    examples: int = 0
+
+    @classmethod
+    def zeros(
+        cls, d_in: int, d_out: int, *, dtype: torch.dtype = torch.float64, device: str = "cpu"
+    ) -> KroneckerFactors:
+        """Empty sums for a layer with ``d_in`` inputs and ``d_out`` outputs."""
+        return cls(
+            torch.zeros(d_in, d_in, dtype=dtype, device=device),
+            torch.zeros(d_out, d_out, dtype=dtype, device=device),
+        )
+
+    def update(self, a: Tensor, g: Tensor) -> None:
+        """Add a batch: ``a [B, T, d_in]`` inputs, ``g [B, T, d_out]`` output gradients.
+
+        Padding tokens must carry ``g = 0`` (they then add nothing to ``S``) and
+        should be dropped from ``a`` by the caller if they are not to count in
+        ``A``'s mean.
+        """
+        af = _flat_tokens(a, self.a_sum.shape[0], "a").to(self.a_sum.dtype)
+        gf = _flat_tokens(g, self.g_sum.shape[0], "g").to(self.g_sum.dtype)
+        if a.shape[:2] != g.shape[:2]:
+            raise ValueError(
+                f"`a` and `g` must share [batch, tokens], got {tuple(a.shape)} and "
+                f"{tuple(g.shape)}."
+            )
+        self.a_sum.addmm_(af.T, af)
+        self.g_sum.addmm_(gf.T, gf)
+        self.tokens += af.shape[0]
+        self.examples += a.shape[0]
+
+    def covariances(self) -> tuple[Tensor, Tensor]:
+        """``(A, S)``: the mean over tokens of ``a aᵀ`` and over examples of ``sum_t g gᵀ``."""
+        if self.tokens == 0:
+            raise ValueError("no batch was added: call `update` before `covariances`.")
+        return self.a_sum / self.tokens, self.g_sum / self.examples
+
+    def eigen(self) -> KroneckerEigen:
+        """The eigendecompositions of ``A`` and ``S`` (float64 ``eigh``)."""
+        a_cov, g_cov = self.covariances()
+        alpha, q_a = torch.linalg.eigh(a_cov.double())
+        s, q_s = torch.linalg.eigh(g_cov.double())
+        return KroneckerEigen(q_a=q_a, alpha=alpha, q_s=q_s, s=s)
+
+
+@dataclass
+class KroneckerEigen:
+    """One layer's Kronecker eigenbasis: ``A = Q_A diag(α) Q_Aᵀ``, ``S = Q_S diag(s) Q_Sᵀ``."""
+
+    q_a: Tensor
+    alpha: Tensor
+    q_s: Tensor
+    s: Tensor
+
+    def kfac_eigenvalues(self) -> Tensor:
+        """``[d_out * d_in]`` K-FAC eigenvalues ``s_i α_j`` in ``rotate``'s order."""
+        return torch.outer(self.s, self.alpha).reshape(-1)
+
+    def rotate(self, a: Tensor, g: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
+        """Per-example gradients in the eigenbasis, ``vec(Q_Sᵀ G_n Q_A)``, ``[B, d_out * d_in]``.
+
+        Computed as ``(g Q_S)ᵀ (a Q_A)`` per example, so ``G_n`` itself is never
+        formed in the original basis.
+        """
+        dtype = dtype or a.dtype
+        ar = a.to(dtype) @ self.q_a.to(dtype)
+        gr = g.to(dtype) @ self.q_s.to(dtype)
+        return torch.bmm(gr.transpose(1, 2), ar).reshape(a.shape[0], -1)
+
+
+def ekfac_eigenvalues(rotated: Tensor) -> Tensor:
+    """EK-FAC's corrected eigenvalues: the mean over examples of ``rotated ** 2``.
+
+    Args:
+        rotated: ``[N, d]`` per-example gradients in the Kronecker eigenbasis.
+
+    Returns:
+        ``[d]`` float64: the diagonal of ``F`` in that basis.
+    """
+    r = rotated.double()
+    return (r * r).mean(0)
+
+
+def resolve_damping(damping: float | str, eigenvalues: Tensor) -> float:
+    """``"auto"`` is a tenth of the mean eigenvalue (the same heuristic as TRAK's ``"auto"``)."""
+    if isinstance(damping, str):
+        if damping != "auto":
+            raise ValueError(f"`damping` must be a number >= 0 or 'auto', got {damping!r}.")
+        return AUTO_DAMPING_FRACTION * float(eigenvalues.double().mean())
+    if not damping >= 0:
+        raise ValueError(f"`damping` must be a number >= 0 or 'auto', got {damping!r}.")
+    return float(damping)
+
+
+def influence(
+    train: Tensor, query: Tensor, eigenvalues: Tensor, *, damping: float | str = "auto"
+) -> Tensor:
+    """``g_queryᵀ (F + λI)⁻¹ g_train`` for every pair, in the Kronecker eigenbasis.
+
+    Args:
+        train: ``[N, d]`` rotated training gradients.
+        query: ``[M, d]`` rotated query gradients.
+        eigenvalues: ``[d]`` the curvature's eigenvalues (K-FAC's ``s_i α_j`` or
+            EK-FAC's corrected ones).
+        damping: λ, or ``"auto"``.
+
+    Returns:
+        ``[N, M]`` scores in ``train``'s dtype.
+    """
+    lam = resolve_damping(damping, eigenvalues)
+    scale = 1.0 / (eigenvalues.double() + lam)
+    return train @ (query.double() * scale).to(train.dtype).T

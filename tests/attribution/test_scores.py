@@ -13,6 +13,7 @@ from gradsketch.attribution import (
     MemoryBudgetError,
     trak_scores,
 )
+from gradsketch.attribution import _linalg as linalg
 from gradsketch.attribution._linalg import (
     bf16x3_error_bound,
     block_plan,
@@ -147,14 +148,24 @@ def test_out_with_wrong_shape():
         trak_scores(x.float(), t.float(), q.float(), out=np.zeros((3, 3)))
 
 
-def test_xtx_blocked_symmetric_tiles_match_float64():
+@pytest.mark.parametrize("path", ["blas_syrk", "torch_tiles"])
+def test_xtx_blocked_symmetric_tiles_match_float64(path, monkeypatch):
+    """Both CPU paths (SciPy's BLAS syrk, torch's upper tiles) against float64.
+
+    float32: each of the 37 products and partial sums rounds by at most 2^-24
+    relative, so ``|err| <= 37 · 2^-23 · max|XᵀX|`` is a safe entrywise bound
+    whatever order BLAS sums in. The mirrored result is exactly symmetric.
+    """
+    if path == "torch_tiles":
+        monkeypatch.setattr(linalg, "_blas_syrk", lambda out: None)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 50, generator=g, dtype=torch.float64)
     got = xtx_blocked(x.float(), block_rows=10, device=torch.device("cpu"), tile=8)
     ref = x.T @ x
-    # float32: relative rounding 6e-8 per product, 37 terms summed.
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=37 * 2**-23 * ref.abs().max().item())
     assert torch.equal(got, got.T)
+    got64 = xtx_blocked(x, block_rows=10, device=torch.device("cpu"), dtype=torch.float64, tile=8)
+    torch.testing.assert_close(got64, ref, rtol=0, atol=37 * 2**-52 * ref.abs().max().item())
 
 
 def test_bf16x3_within_derived_bound():

@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -142,10 +142,11 @@ def xtx_blocked(
 ) -> Tensor:
     """``XᵀX`` streamed over row blocks, multiplying only tiles on or above the diagonal.
 
-    ``XᵀX`` is symmetric, so of the ``t x t`` column-tile products only the
-    ``t (t + 1) / 2`` upper ones are computed and the lower triangle is
-    mirrored: about half the flops of ``X.T @ X`` for large ``k`` (a
-    syrk-like product; torch exposes no syrk).
+    ``XᵀX`` is symmetric, so only its upper triangle is computed and then
+    mirrored: about half the flops of ``X.T @ X``. On CPU each block is one
+    BLAS ``syrk`` call (SciPy's BLAS, with torch's thread count); elsewhere,
+    or without SciPy, of the ``t x t`` column-tile products only the
+    ``t (t + 1) / 2`` upper ones are multiplied (torch exposes no syrk).
 
     Args:
         x: ``[n, k]`` rows (any supported array).
@@ -163,7 +164,11 @@ def xtx_blocked(
     out = torch.zeros(k, k, dtype=dtype, device=device)
     edges = [*range(0, k, tile), k]
     blocks = iter_row_blocks(x, block_rows, device=device, dtype=dtype, stop=n, prefetch=prefetch)
+    syrk = _blas_syrk(out)
     for _, _, xb in blocks:
+        if syrk is not None:
+            syrk(xb)
+            continue
         if len(edges) <= 3:
             # One or two tiles: the full product is as cheap and one call.
             out.addmm_(xb.T, xb)
@@ -172,10 +177,56 @@ def xtx_blocked(
             a = xb[:, edges[i] : edges[i + 1]]
             # The row of tiles right of (and including) the diagonal in one GEMM.
             out[edges[i] : edges[i + 1], edges[i] :].addmm_(a.T, xb[:, edges[i] :])
-    if len(edges) > 3:
+    if syrk is not None or len(edges) > 3:
         upper = torch.triu(out)
         out = upper + torch.triu(out, diagonal=1).T
     return out
+
+
+def _blas_syrk(out: Tensor) -> Callable[[Tensor], None] | None:
+    """``update(xb)``: ``out``'s upper triangle ``+= xbᵀ xb`` by BLAS ``?syrk``, or None.
+
+    ``out`` is a C-ordered ``[k, k]`` tensor; seen by Fortran BLAS it is its
+    own transpose, so the *lower* triangle BLAS writes is ``out``'s upper one,
+    and ``xb`` (C-ordered ``[b, k]``) is BLAS's ``[k, b]`` matrix ``A`` of
+    ``A Aᵀ``. None (nothing touched) off CPU, for dtypes BLAS lacks, or
+    without SciPy.
+    """
+    if out.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64):
+        return None
+    try:
+        from scipy.linalg import blas
+    except ImportError:  # pragma: no cover - scipy comes with the core dependencies
+        return None
+    routine = blas.ssyrk if out.dtype == torch.float32 else blas.dsyrk
+    c = out.numpy().T
+
+    def update(xb: Tensor) -> None:
+        a = np.ascontiguousarray(xb.numpy()).T
+        with _blas_threads(torch.get_num_threads()):
+            result = routine(1.0, a, beta=1.0, c=c, trans=0, lower=1, overwrite_c=1)
+        if not np.shares_memory(result, c):  # pragma: no cover - f2py copied c
+            c[...] = result
+
+    return update
+
+
+@contextlib.contextmanager
+def _blas_threads(n: int) -> Iterator[None]:
+    """SciPy's BLAS limited to ``n`` threads (torch's count) for the block."""
+    global _THREADPOOLS
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn
+        yield
+        return
+    if _THREADPOOLS is None:
+        _THREADPOOLS = ThreadpoolController()
+    with _THREADPOOLS.limit(limits=n, user_api="blas"):
+        yield
+
+
+_THREADPOOLS: Any = None
 
 
 def resolve_lambda(lambda_reg: float | str, xtx: Tensor) -> float:

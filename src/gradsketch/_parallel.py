@@ -11,15 +11,10 @@ parent's executor objects but not their threads, so each is rebuilt when the
 process id changes.
 
 The workers keep torch's intra-op threads, so a part's own large ops still
-run on several cores (the masked optimizers' kernels on gathered entries:
-with one intra-op thread per worker, a 1 %-density MaskedAdagrad step took
-11.5-12.5 ms instead of 9.3-10.2 ms). The cost: a thread that has run a
-multi-threaded torch op keeps an OpenMP team of its own, and with more
-OpenMP threads than cores libgomp stops spinning between parallel regions,
-so afterwards every parallel op of the process pays for waking its team
-(on 2 cores a forward and backward of a 1M-parameter MLP took 2.1 ms
-instead of 1.2 ms). The sampler, whose steps are many small ops, therefore
-uses no worker thread.
+run on several cores. A thread that has run a multi-threaded torch op keeps
+an OpenMP team of its own, which makes every later parallel op of the
+process pay for waking it; the sampler, whose steps are many small ops,
+therefore uses no worker thread.
 """
 
 from __future__ import annotations

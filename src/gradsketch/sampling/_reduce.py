@@ -6,13 +6,9 @@ of one ``[r, numel]`` workspace. :func:`reduce_workspace` reads that workspace:
 across tiles) and one scatter into a ``[rows, 2k + 1]`` scratch sketches
 the leading rows at once.
 
-It runs on the calling thread, after the update. Reducing on a second thread
-while the noise is drawn (torch draws it on one core) was measured slower
-once that thread runs with one intra-op thread (see :mod:`gradsketch._parallel`):
-after each parallel op, torch's idle OpenMP worker keeps the second core
-busy-waiting for a few milliseconds, so the second thread starts late and
-then shares a core. Giving that thread a team of its own had made every
-parallel op of the process slower instead.
+It runs on the calling thread, after the update: a second thread would
+start late behind torch's busy-waiting OpenMP worker and then share its core
+(see :mod:`gradsketch._parallel`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import zarr
 
 import gradsketch._distributed as common
 import gradsketch.attribution
@@ -28,6 +29,7 @@ import gradsketch.sampling._distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import free_port, one_thread, torchrun
+from _numerics import trak_score_tolerance
 
 WORLD = 2
 
@@ -314,10 +316,14 @@ def _worker(out: Path, config: Path) -> None:
 def test_two_ranks_under_torchrun(tmp_path):
     """``gradsketch attribute`` under torchrun, and collectives across 2 gloo ranks.
 
-    The CLI's scores must equal the one-process command's exactly: the
-    ranks featurize disjoint chunks with the same single-threaded kernels
-    and the score columns are only copied between ranks, so no float is
-    summed in another order (the TRAK distributed tests check the same).
+    The ranks featurize disjoint whole chunks with the same single-threaded
+    kernels, so the stored features are bit-identical to the one-process
+    command's. XᵀX is not: each rank sums its own rows and ``all_reduce``
+    adds the two partials, another order than one sum over all rows (on an
+    AVX2 CPU this changed 85% of the scores by up to 6e-8). So the scores
+    must agree within the bound of ``tests/_numerics.py::trak_score_tolerance``:
+    the exact effect of the two stored XᵀX's difference plus each run's
+    float32 rounding.
     """
     from gradsketch.attribution._cli import attribute_command
 
@@ -342,8 +348,30 @@ def test_two_ranks_under_torchrun(tmp_path):
     with one_thread():
         attribute_command(config, tmp_path / "single", progress=False)
     scores = np.load(tmp_path / "cli" / "scores.npy")
+    single = np.load(tmp_path / "single" / "scores.npy")
     assert scores.shape == (48, 6)
-    np.testing.assert_array_equal(scores, np.load(tmp_path / "single" / "scores.npy"))
+
+    def arrays(run: str, name: str) -> list[np.ndarray]:
+        store = tmp_path / run / "trak_store"
+        return [zarr.open_array(str(store / name.format(c)))[:] for c in (0, 1)]
+
+    for name in (
+        "checkpoints/{}/grads",
+        "checkpoints/{}/out_to_loss",
+        "experiments/targets/{}/grads",
+    ):
+        for a, b in zip(arrays("cli", name), arrays("single", name)):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    tol = trak_score_tolerance(
+        arrays("single", "checkpoints/{}/grads"),
+        arrays("single", "experiments/targets/{}/grads"),
+        arrays("single", "checkpoints/{}/out_to_loss"),
+        arrays("single", "checkpoints/{}/xtx"),
+        arrays("cli", "checkpoints/{}/xtx"),
+        0.0,  # the CLI's default lambda_reg
+    )
+    assert np.all(np.abs(scores.astype(np.float64) - single) <= tol)
+    assert tol.max() < 1e-3 * np.abs(single).max()  # informative, not vacuous
 
 
 if __name__ == "__main__":

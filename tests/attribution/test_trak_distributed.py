@@ -46,15 +46,10 @@ from gradsketch.attribution._scores import CheckpointGrads, score_checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _launch import one_thread, torchrun
+from _numerics import gamma, trak_score_tolerance
 
 WORLD = 2
 LAMBDA = 0.05
-U = 2.0**-24  # unit roundoff of float32
-
-
-def gamma(n: int) -> float:
-    """Higham's γ_n = n u / (1 - n u): relative error bound of an n-term float32 sum."""
-    return n * U / (1 - n * U)
 
 
 @pytest.fixture(scope="module")
@@ -238,40 +233,25 @@ def test_del_grads_features_bit_equal_to_row_sharded_reference(runs):
 def _score_tolerance(
     ckpts: list[CheckpointGrads], xtx_dist: list[np.ndarray], xtx_single: list[np.ndarray]
 ) -> np.ndarray:
-    """Entrywise bound on |scores_2-rank - scores_1-process| (derivation in the caller)."""
-    n_ck, k = len(ckpts), PROJ_DIM
-    q = sum(np.asarray(ck.out_to_loss, dtype=np.float64).reshape(-1) for ck in ckpts)
-    w = (q / n_ck / n_ck)[:, None]  # the row weight mean_c(Q_c) / C
-    exact_gap = np.zeros((N_TRAIN, N_TARGETS))
-    rounding = np.zeros((N_TRAIN, N_TARGETS))
-    per_run = 2 * gamma(k) + 3 * U + gamma(n_ck)
-    for ck, b, a in zip(ckpts, xtx_dist, xtx_single):
-        x = np.asarray(ck.train, dtype=np.float64)
-        t = np.asarray(ck.targets, dtype=np.float64)
-        a_inv = np.linalg.inv(a.astype(np.float64) + LAMBDA * np.eye(k))
-        b_inv = np.linalg.inv(b.astype(np.float64) + LAMBDA * np.eye(k))
-        exact_gap += w * (x @ (b_inv - a_inv) @ t.T)
-        rounding += np.abs(w) * (np.abs(x) @ (np.abs(a_inv) + np.abs(b_inv)) @ np.abs(t).T)
-    # 1e-12 relative slack for the float64 evaluation of this very bound.
-    return np.abs(exact_gap) + per_run * rounding * (1 + 1e-12)
+    """Entrywise bound on |scores_2-rank - scores_1-process| (see trak_score_tolerance)."""
+    return trak_score_tolerance(
+        [ck.train for ck in ckpts],
+        [ck.targets for ck in ckpts],
+        [ck.out_to_loss for ck in ckpts],
+        xtx_single,
+        xtx_dist,
+        LAMBDA,
+    )
 
 
 @pytest.mark.parametrize("key", ["scores", "scores_disk"], ids=["in-memory", "on-disk-tiles"])
 def test_scores_within_derived_tolerance_of_one_process(runs, key):
     """Tolerance: the exact effect of the only differing input, plus float32 rounding.
 
-    scores_ij = Σ_c w_i x_ci A_c⁻¹ t_cjᵀ with A_c = X_cᵀX_c + λI and
-    w = mean_c(Q_c) / C. The two runs read bit-identical X, T, Q (tested
-    above); their stored XᵀX differ (within the summation bound tested
-    above). In exact arithmetic the scores then differ by
-    Σ_c w_i x_ci (B_c⁻¹ - A_c⁻¹) t_cjᵀ, evaluated here in float64 from the
-    two stored matrices (float64 error ~1e-16 relative, negligible). On top,
-    each run rounds: float32 cast of its float64 inverse (u), T A⁻¹ (γ_k),
-    x * w (u), the final GEMM (γ_k), the sum over C checkpoints (γ_C) and the
-    float32 result (u): at most (2 γ_k + 3 u + γ_C) |w_i| |x_i| |A⁻¹| |t_j|ᵀ
-    per run (entrywise absolute values; Higham eq. 3.13 for dot products).
-    The float64 Cholesky inverse's own error (about k κ 2⁻⁵³ relative, κ <=
-    ||A|| / λ here) is far below u.
+    The two runs read bit-identical X, T, Q (tested above); their stored XᵀX
+    differ (within the summation bound tested above). The bound, derived in
+    ``tests/_numerics.py::trak_score_tolerance``, is that difference's exact
+    effect on the scores plus each run's float32 rounding.
     """
     ckpts = _checkpoints(runs["dist"])
     xtx_dist = [_array(runs["dist"], f"store/checkpoints/{m}/xtx") for m in (0, 1)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import platform
 
 import pytest
 import torch
@@ -13,6 +14,40 @@ needs_native = pytest.mark.skipif(
     not _native.native_status().available,
     reason=f"native kernels unavailable: {_native.native_status().reason}",
 )
+
+
+_TARGETS: dict[str, tuple[_native.NativeStatus, object]] = {}
+
+
+@pytest.fixture(params=["native", "x86-64-v3", "x86-64-v2"])
+def kernel_target(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> str:
+    """The kernels built for this CPU, and for older x86-64 levels than it may have.
+
+    ``x86-64-v3`` is AVX2 without AVX-512 and ``x86-64-v2`` SSE4.2 only: a
+    kernel that relied on the build machine's AVX-512 (say a 64-byte vector
+    type lowered to one register) is compiled here for CPUs without it and
+    must give the same results. Each target is built once per session.
+    """
+    target = str(request.param)
+    if target == "native":
+        return target
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"-march={target} is an x86-64 target")
+    if target not in _TARGETS:
+        with pytest.MonkeyPatch.context() as env:
+            env.delenv("GRADSKETCH_NATIVE", raising=False)
+            env.setenv("GRADSKETCH_NATIVE_MARCH", target)
+            env.setenv("GRADSKETCH_CACHE", str(tmp_path_factory.mktemp(target)))
+            _TARGETS[target] = _native._load()
+    state = _TARGETS[target]
+    if not state[0].available:
+        pytest.skip(f"no kernels for -march={target}: {state[0].reason}")
+    monkeypatch.setattr(_native, "_state", state)
+    return target
 
 
 def reference(block: torch.Tensor, index: torch.Tensor, width: int, rows: int) -> torch.Tensor:
@@ -28,7 +63,7 @@ def reference(block: torch.Tensor, index: torch.Tensor, width: int, rows: int) -
 @pytest.mark.parametrize("index_dtype", [torch.int16, torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_scatter_matches_a_float64_loop(rows, index_dtype, dtype, threads):
+def test_scatter_matches_a_float64_loop(rows, index_dtype, dtype, threads, kernel_target):
     """Every row grouping (4, 3, 2, 1 and slices past MAX_ROWS) and split, with tails."""
     n, width = 1003, 37
     gen = torch.Generator().manual_seed(rows)
@@ -53,7 +88,7 @@ def test_scatter_matches_a_float64_loop(rows, index_dtype, dtype, threads):
 @needs_native
 @pytest.mark.parametrize("rows", [0, 2, 3])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_gram_and_scatter_match_float64(rows, threads, monkeypatch):
+def test_fused_gram_and_scatter_match_float64(rows, threads, monkeypatch, kernel_target):
     """The Gram of all r rows (float64, symmetric) and the scatter of the leading ``rows``.
 
     Products are summed in float32 lanes within a chunk of CHUNK columns:
@@ -87,7 +122,7 @@ def test_fused_gram_and_scatter_match_float64(rows, threads, monkeypatch):
 
 
 @needs_native
-def test_segments_equal_the_concatenated_block(monkeypatch):
+def test_segments_equal_the_concatenated_block(monkeypatch, kernel_target):
     """Rows given per segment (a sampler's gradients in place) == one [r, n] block.
 
     The scatter is exactly equal (same order of additions per bucket on one
@@ -181,6 +216,23 @@ def test_fresh_build_into_an_empty_cache_loads_and_agrees(monkeypatch, tmp_path)
     again, _ = _native._load()
     assert again.reason == "cached" and again.path == status.path
     assert kernels is not None
+
+
+@needs_native
+def test_an_explicit_march_target_is_a_cache_entry_of_its_own(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRADSKETCH_NATIVE", raising=False)
+    monkeypatch.setenv("GRADSKETCH_CACHE", str(tmp_path))
+    native, _ = _native._load()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 targets only")
+    monkeypatch.setenv("GRADSKETCH_NATIVE_MARCH", "x86-64-v2")
+    older, _ = _native._load()
+    assert native.available and older.available, (native, older)
+    assert native.path != older.path
+    monkeypatch.setenv("GRADSKETCH_NATIVE_MARCH", "no-such-cpu")
+    refused, kernels = _native._load()
+    assert not refused.available and kernels is None
+    assert "-march=no-such-cpu" in refused.reason
 
 
 def test_native_status_is_reported():

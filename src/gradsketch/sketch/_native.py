@@ -155,6 +155,15 @@ def _unsupported_reason() -> str | None:
     return None
 
 
+def _march() -> str:
+    """The ``-march`` target: ``$GRADSKETCH_NATIVE_MARCH`` (say ``x86-64-v3``), else ``native``.
+
+    An explicit target builds the kernels for another instruction set than
+    this CPU's (the tests build an AVX2-only one), in a cache entry of its own.
+    """
+    return os.environ.get("GRADSKETCH_NATIVE_MARCH", "").strip() or "native"
+
+
 def _build(compiler: str, target: Path) -> None:
     """Compile the sources into ``target`` atomically (a concurrent build cannot tear it)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -163,7 +172,9 @@ def _build(compiler: str, target: Path) -> None:
     errors = []
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        for arch in (["-march=native"], []):
+        march = _march()
+        # -march=native may be refused (an old compiler, an unknown CPU): retry generic.
+        for arch in ([f"-march={march}"], []) if march == "native" else ([f"-march={march}"],):
             cmd = [*base, *arch, *tail, "-o", str(built)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
             if proc.returncode == 0:
@@ -189,7 +200,9 @@ def _load() -> tuple[NativeStatus, dict[tuple[str, str], Any] | None]:
         ).stdout
     except (OSError, subprocess.SubprocessError) as err:
         return NativeStatus(False, f"running {compiler} --version failed: {err}"), None
-    digest.update(f"{compiler}|{version}|{FLAGS}|{_cpu_signature()}|{sys.platform}".encode())
+    digest.update(
+        f"{compiler}|{version}|{FLAGS}|{_march()}|{_cpu_signature()}|{sys.platform}".encode()
+    )
     target = _cache_root() / "native" / f"gs_kernels-{digest.hexdigest()[:20]}.so"
     how = "cached"
     if not target.exists():

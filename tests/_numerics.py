@@ -3,6 +3,18 @@
 Runs that split the same data differently (ranks, shards, other CPUs' BLAS
 blocking) round differently; these helpers give the entrywise bounds the
 tests assert instead of bit equality.
+
+Where the tests do assert bit equality on floats, it holds on every CPU by
+construction, in one of four ways: (1) integers, booleans, hashes, copies
+and store round trips; (2) the same computation twice in one process with
+the same shapes, kernels and thread count (torch, MKL and OpenBLAS are
+deterministic then); (3) our own kernels, whose summation order is fixed by
+our code whatever the index dtype or row grouping; (4) distributed runs
+whose ranks do exactly the one-process arithmetic on the same batches with
+one thread, the results being only copied between ranks. Everything else
+(another batch split, another thread count, a sum reduced across ranks,
+another instruction set) is compared within a bound derived here or in the
+test's docstring.
 """
 
 from __future__ import annotations

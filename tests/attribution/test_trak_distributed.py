@@ -84,6 +84,7 @@ def _array(root: Path, name: str) -> np.ndarray:
 def test_every_rank_returns_the_same_scores(runs):
     rank0, rank1 = runs["ranks"]
     for key in ("scores", "scores_disk", "scores_pre", "scores_sc"):
+        # Exact: each rank's columns are copied to the others, never recomputed.
         assert np.array_equal(rank0[key], rank1[key]), key
     assert bool(rank0["on_disk"]), "the small budget must send the scores to disk"
 
@@ -97,6 +98,8 @@ def test_ranks_loading_different_weights_are_refused(runs):
 
 @pytest.mark.parametrize("model_id", [0, 1])
 def test_features_bit_equal_to_one_process(runs, model_id):
+    """Exact on any CPU: BATCH divides CHUNK_ROWS, so every rank featurizes the
+    very batches one process does, with one thread, and rows are independent."""
     for name in ("grads", "out_to_loss", "done"):
         a = _array(runs["dist"], f"store/checkpoints/{model_id}/{name}")
         b = _array(runs["single"], f"store/checkpoints/{model_id}/{name}")

@@ -16,6 +16,7 @@ def test_block_attention_is_causal():
     y = x.clone()
     y[:, -1] += 1.0
     out_x, out_y = block(x), block(y)
+    # Exact: same shapes and kernels; masked positions enter every sum as an exact 0.
     torch.testing.assert_close(out_x[:, :-1], out_y[:, :-1], rtol=0, atol=0)
     assert not torch.allclose(out_x[:, -1], out_y[:, -1])
 

@@ -35,6 +35,8 @@ WORLD = 2
 
 
 def assert_same_summary(a: dict, b: dict) -> None:
+    """Exact on any CPU: a chain's draws depend only on its seed, and every chain
+    runs the one-process arithmetic with one thread wherever it runs."""
     assert set(a) == set(b)
     for key, value in a.items():
         if isinstance(value, np.ndarray):

@@ -680,6 +680,7 @@ def test_narrow_table_sketches_equal_the_int64_table(masked, monkeypatch):
     monkeypatch.setattr(sgmcmc_module, "WIDE_TABLE_MAX", 0)
     narrow = run()
     for name in wide.QUANTITIES:
+        # Exact: the scatter adds in column order whatever the table's integer width.
         assert torch.equal(getattr(wide, name), getattr(narrow, name)), name
 
 

@@ -249,8 +249,13 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
 
     Float64 only here (an O(k³) step, cheap next to the O(n k²) products) so
     that λ = 0 with a badly conditioned XᵀX still gives an accurate inverse.
-    If the matrix is not positive definite (fewer rows than columns with
-    λ = 0), falls back to the eigendecomposition pseudo-inverse and logs it.
+    If the matrix is singular up to the rounding of its dtype (fewer rows
+    than columns with λ = 0, or gradients with an exact null space, such as
+    margins whose gradients sum to zero over classes), falls back to the
+    eigendecomposition pseudo-inverse and logs it. That is decided from the
+    spectrum, not from whether Cholesky happened to succeed: a null space
+    summed in another order on another CPU may come out as tiny positive
+    eigenvalues instead of negative ones.
 
     Coordinates whose column of X is identically zero (a count-sketch bucket
     that no gradient coordinate hashes to, when ``grad_dim`` is not much
@@ -271,6 +276,8 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
             out[idx.reshape(-1, 1), idx.reshape(1, -1)] = inner
             return out
     a = xtx.double() + lam * torch.eye(k, dtype=torch.float64, device=xtx.device)
+    # XᵀX carries the rounding of its own dtype: eigenvalues below this are noise.
+    eps = torch.finfo(xtx.dtype).eps
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:
         # L⁻¹ by a triangular solve, then L⁻ᵀL⁻¹: several times faster on CPU
@@ -278,17 +285,24 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
         eye = torch.eye(k, dtype=torch.float64, device=xtx.device)
         chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
         inv = chol_inv.T @ chol_inv
-    else:
+        # λ_min >= 1 / trace(A⁻¹) and λ_max <= ||A||_inf: when even these bounds
+        # cannot tell λ_min from rounding noise, an exact null space may have come
+        # back as tiny positive eigenvalues (whether it does depends on the CPU's
+        # summation order), so the spectrum decides below.
+        noise = torch.linalg.matrix_norm(a, ord=float("inf")) * k * eps
+        if float(torch.trace(inv)) * float(noise) <= 1.0:
+            return inv.to(xtx.dtype)
+    evals, evecs = torch.linalg.eigh(a)
+    cutoff = evals.abs().max() * k * eps
+    live = evals.abs() > cutoff
+    if not bool(live.all()):
         logger.warning(
-            "XᵀX + λI (λ=%g) is not positive definite (rank-deficient gradients?); using its "
+            "XᵀX + λI (λ=%g) is singular up to rounding (rank-deficient gradients?); using its "
             "pseudo-inverse. Pass lambda_reg > 0 or lambda_reg='auto' to damp it.",
             lam,
         )
-        evals, evecs = torch.linalg.eigh(a)
-        # XᵀX carries the rounding of its own dtype: smaller eigenvalues are noise.
-        cutoff = evals.abs().max() * k * torch.finfo(xtx.dtype).eps
-        inv_evals = torch.where(evals.abs() > cutoff, 1.0 / evals, torch.zeros_like(evals))
-        inv = (evecs * inv_evals) @ evecs.T
+    inv_evals = torch.where(live, 1.0 / evals, torch.zeros_like(evals))
+    inv = (evecs * inv_evals) @ evecs.T
     return inv.to(xtx.dtype)
 
 

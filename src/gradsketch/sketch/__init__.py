@@ -14,6 +14,7 @@ from gradsketch.sketch._factorized import (
     PlainParam,
 )
 from gradsketch.sketch._fingerprint import Fingerprint, FingerprintMismatchError
+from gradsketch.sketch._native import NativeStatus, native_status
 from gradsketch.sketch._projectors import (
     AbstractProjector,
     BasicProjector,
@@ -48,4 +49,7 @@ __all__ = [
     # identity
     "Fingerprint",
     "FingerprintMismatchError",
+    # native CPU kernels (compiled at first use)
+    "NativeStatus",
+    "native_status",
 ]

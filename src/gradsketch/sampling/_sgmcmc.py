@@ -503,11 +503,9 @@ class SGMCMC(Optimizer):
     reads the gradients where autograd left them; otherwise it is a batched
     matmul and a torch scatter over a copy of them.
 
-    Cost: drawing the noise bounds a plain step from below (torch draws it
-    on one core); on a 1M-parameter MLP on two cores both recordings add
-    about a third to a plain step with the native kernels, three fifths
-    with torch's scatter (see :mod:`gradsketch.sampling._reduce` for why
-    the pass runs on the calling thread).
+    Recording reads each gradient once, in one pass after the update (see
+    :mod:`gradsketch.sampling._reduce`); ``benchmarks/bench_sampling.py``
+    measures what it adds to a plain step.
 
     Args:
         params: Parameters or parameter-group dicts, as for any optimizer.

@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,hf]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -42,7 +42,7 @@ lint: $(VENV)/.installed
 # (traker wants torchvision, which has no CPU build here).
 $(VENV)/.bench: $(VENV)/.installed
 	$(PIP) install -q $(TORCH_PIN) scikit-learn
-	$(PIP) install -q --no-deps traker devinterp==2.0.1 mosaicml
+	$(PIP) install -q --no-deps traker devinterp==2.0.1 mosaicml kronfluence==1.0.1 dattri==0.3.0
 	$(PIP) install -q -r benchmarks/requirements-refs.txt
 	touch $@
 

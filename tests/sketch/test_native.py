@@ -151,6 +151,71 @@ def test_segments_equal_the_concatenated_block(monkeypatch, kernel_target):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [4, 8, 17, 33, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_transposed_scatter_equals_the_row_wise_one(
+    rows, dtype, threads, monkeypatch, kernel_target
+):
+    """Many rows are scattered transposed (``[width, lanes]`` per thread) only for speed.
+
+    Each output element still sums its inputs one at a time in column order,
+    starting from what the output held, as the row-wise scatter does; so the
+    two are bit-equal on every CPU (no reassociation, no fused multiply-add),
+    for segments, row counts that are not a multiple of the lanes and tails
+    of columns. Both are checked against float64 too.
+    """
+    gen = torch.Generator().manual_seed(rows)
+    lengths = [5, 1000, 0, 2049, 3]
+    segments = [[torch.randn(m, generator=gen, dtype=dtype) for _ in range(rows)] for m in lengths]
+    block = torch.stack([torch.cat([seg[q] for seg in segments]) for q in range(rows)])
+    width = 97
+    index = torch.randint(0, width, (block.shape[1],), generator=gen)
+    start = torch.randn(rows, width, generator=gen, dtype=dtype)
+    monkeypatch.setattr(_native, "MIN_PER_THREAD", 16)
+    results = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for tmin in (0, 1):
+            monkeypatch.setattr(_native, "TRANSPOSED_MIN_ROWS", tmin)
+            out_blk, out_seg = start.clone(), start.clone()
+            assert _native.reduce_(out_blk, index, block)
+            assert _native.reduce_rows_(out_seg, index, segments)
+            assert torch.equal(out_blk, out_seg)
+            results[tmin] = out_blk
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
+    tol = 1e-4 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(
+        results[1].double(),
+        start.double() + reference(block, index, width, rows),
+        atol=tol,
+        rtol=tol,
+    )
+
+
+@needs_native
+def test_transposed_scatter_flags_bad_indices_and_skips_wide_outputs(monkeypatch):
+    """A bad index is skipped and reported; outputs too wide stay row-wise.
+
+    Too wide: the buffer would not stay in L2, or the block has fewer than
+    two columns per output column.
+    """
+    monkeypatch.setattr(_native, "MIN_PER_THREAD", 16)
+    monkeypatch.setattr(_native, "TRANSPOSED_MIN_ROWS", 1)
+    out = torch.zeros(16, 4)
+    with pytest.raises(IndexError, match=r"outside \[0, 4\)"):
+        _native.reduce_(out, torch.tensor([0, 4, 1] * 7), torch.ones(16, 21))
+    assert torch.equal(out, torch.tensor([[7.0, 7.0, 0.0, 0.0]]).expand(16, 4))
+    assert _native._transposed_min_rows(out, 8) == 1
+    assert _native._transposed_min_rows(out, 7) == 0  # fewer than 2 columns per output column
+    wide = torch.zeros(1, _native.TRANSPOSED_MAX_BYTES // 64 + 1)
+    assert _native._transposed_min_rows(wide, 10 * wide.shape[1]) == 0
+
+
+@needs_native
 def test_index_outside_the_output_raises_and_names_the_width():
     out = torch.zeros(2, 4)
     with pytest.raises(IndexError, match=r"outside \[0, 4\)"):

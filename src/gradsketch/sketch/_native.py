@@ -56,7 +56,7 @@ SOURCES = ("gs_kernels.c", "gs_reduce.h")
 #: Compiler flags (``-march=native`` is added when the compiler accepts it).
 FLAGS = ("-O3", "-funroll-loops", "-fopenmp", "-shared", "-fPIC", "-std=gnu99")
 #: Must equal ``gs_abi_version()`` in ``gs_kernels.c``.
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: Columns per chunk when threads split the columns: the chunk's rows stay in
 #: L1 from the scatter to the Gram (3 rows of 2048 float32 are 24 KB).
 CHUNK = 2048
@@ -64,6 +64,12 @@ CHUNK = 2048
 #: every group of four rows from L2 (measured on 32 rows of 2^20: 16384 columns
 #: take 9.1-10.7 ms, 2048 take 10.6-11.6 ms).
 ROW_CHUNK = 1 << 14
+#: Fewest rows per thread for the transposed scatter (0 turns it off), which
+#: holds a ``[width, 16]`` float32 (``[width, 8]`` float64) buffer per thread
+#: (on two threads, per row: 2 rows lose, 4 rows gain a third, 16 rows two thirds).
+TRANSPOSED_MIN_ROWS = 4
+#: Largest transposed buffer per thread, in bytes: it stays in L2.
+TRANSPOSED_MAX_BYTES = 1 << 20
 #: Fewest elements per thread worth a thread of its own.
 MIN_PER_THREAD = 1 << 15
 
@@ -82,6 +88,7 @@ _ARGTYPES = [
     ctypes.c_void_p,  # gram
     ctypes.c_int,  # threads
     ctypes.c_int64,  # chunk
+    ctypes.c_int64,  # tmin
 ]
 #: Rows one kernel call takes (``GS_MAX_ROWS`` in ``gs_kernels.c``).
 MAX_ROWS = 64
@@ -350,6 +357,18 @@ def reduce_rows_(
     return _run(ptrs, starts, r, r if rows is None else rows, index, out, gram, dtype)
 
 
+def _transposed_min_rows(out: torch.Tensor | None, columns: int) -> int:
+    """The kernel's ``tmin``: rows per thread from which it scatters transposed (0: never).
+
+    Never when the output is too wide for the buffer to stay in L2, or when
+    the block has fewer than two columns per output column (copying the
+    output into the buffer and back would cost more than it saves).
+    """
+    if out is None or out.shape[1] * 64 > TRANSPOSED_MAX_BYTES or columns < 2 * out.shape[1]:
+        return 0
+    return TRANSPOSED_MIN_ROWS
+
+
 def _run(
     ptrs: list[int],
     starts: list[int],
@@ -401,6 +420,7 @@ def _run(
         gram.data_ptr() if gram is not None else None,
         threads,
         chunk,
+        _transposed_min_rows(out, n),
     )
     if code == 1:
         width = out.shape[1] if out is not None else 0

@@ -27,6 +27,34 @@ static inline gs_v8d gs_load_f64(const double *p) {
     return v;
 }
 
+#if defined(__AVX__)
+#include <immintrin.h>
+
+/* r[c] becomes column c of the 8x8 block whose row q was r[q]. */
+static inline void gs_transpose8(__m256 *r) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+#endif
+
 /* Most rows one call reduces (a sampler records at most eight vectors; projectors pass
  * batches in slices of this many rows). */
 #define GS_MAX_ROWS 64
@@ -34,6 +62,7 @@ static inline gs_v8d gs_load_f64(const double *p) {
 #define GS_CAT(a, b) a##_##b
 #define GS_NAME(base, suffix) GS_CAT(base, suffix)
 
+#define GS_F32 1
 #define T float
 #define VEC gs_v16f
 #define VLANES 16
@@ -57,7 +86,9 @@ static inline gs_v8d gs_load_f64(const double *p) {
 #undef VEC
 #undef VLANES
 #undef VLOAD
+#undef GS_F32
 
+#define GS_F32 0
 #define T double
 #define VEC gs_v8d
 #define VLANES 8
@@ -81,6 +112,7 @@ static inline gs_v8d gs_load_f64(const double *p) {
 #undef VEC
 #undef VLANES
 #undef VLOAD
+#undef GS_F32
 
 /* The interface version; gradsketch.sketch._native refuses a library that reports another. */
-int gs_abi_version(void) { return 2; }
+int gs_abi_version(void) { return 3; }

@@ -59,6 +59,103 @@ static int NAME(scatter_piece)(const T *const *src, T *const *dst, int64_t rows,
 }
 
 /*
+ * The transposed scatter of VLANES rows: acc[j * VLANES + q] += src[q][i] where j = idx[i],
+ * for i < len. acc holds the output transposed ([width, VLANES]), so each column of the
+ * input adds one contiguous VLANES-wide vector: the index is loaded once for all rows and
+ * the adds are vector adds. Input tiles are transposed in registers (AVX) or through a
+ * small buffer. Each acc element sums its inputs in increasing i, as the row-wise scatter
+ * does. Skips and flags bad indices.
+ */
+#ifndef GS_PF
+#define GS_PF 32
+#endif
+static int NAME(tgroup)(const T *const *src, T *acc, const I *idx, int64_t width,
+                        int64_t len) {
+    int bad = 0;
+    int64_t i = 0;
+#if GS_F32 && defined(__AVX__)
+    for (; i + 8 <= len; i += 8) {
+        int64_t j[8];
+        for (int c = 0; c < 8; c++) {
+            j[c] = (int64_t)idx[i + c];
+            if ((uint64_t)j[c] >= (uint64_t)width) bad = 1;
+        }
+        if (i + GS_PF + 8 <= len)
+            for (int c = 0; c < 8; c++) {
+                uint64_t jp = (uint64_t)(int64_t)idx[i + GS_PF + c];
+                if (jp < (uint64_t)width) __builtin_prefetch(acc + jp * 16, 1, 3);
+            }
+        for (int h = 0; h < 16; h += 8) {
+            __m256 v[8];
+            for (int q = 0; q < 8; q++) v[q] = _mm256_loadu_ps(src[h + q] + i);
+            gs_transpose8(v);
+            for (int c = 0; c < 8; c++) {
+                if ((uint64_t)j[c] >= (uint64_t)width) continue;
+                float *o = acc + j[c] * 16 + h;
+                _mm256_store_ps(o, _mm256_add_ps(_mm256_load_ps(o), v[c]));
+            }
+        }
+    }
+#else
+    enum { TC = 16 };
+    T buf[TC][VLANES] __attribute__((aligned(64)));
+    for (; i + TC <= len; i += TC) {
+        for (int q = 0; q < VLANES; q++) {
+            const T *s = src[q] + i;
+            for (int c = 0; c < TC; c++) buf[c][q] = s[c];
+        }
+        for (int c = 0; c < TC; c++) {
+            int64_t j = (int64_t)idx[i + c];
+            if ((uint64_t)j >= (uint64_t)width) {
+                bad = 1;
+                continue;
+            }
+            VEC o = VLOAD(acc + j * VLANES);
+            o += VLOAD(buf[c]);
+            memcpy(acc + j * VLANES, &o, sizeof o);
+        }
+    }
+#endif
+    for (; i < len; i++) {
+        int64_t j = (int64_t)idx[i];
+        if ((uint64_t)j >= (uint64_t)width) {
+            bad = 1;
+            continue;
+        }
+        for (int q = 0; q < VLANES; q++) acc[j * VLANES + q] += src[q][i];
+    }
+    return bad;
+}
+
+/*
+ * Rows [r0, r1) of a segmented block scattered with the transposed kernel, VLANES rows at
+ * a time through the [width, VLANES] buffer acc: the rows' outputs are copied in,
+ * accumulated, and copied back, so each output element sums in the order of the row-wise
+ * scatter. A last group of fewer rows repeats its first row in the spare lanes (read from
+ * cache, never copied back).
+ */
+static int NAME(tscatter)(const T *const *ptrs, const int64_t *starts, int64_t nseg, int64_t r,
+                          int64_t r0, int64_t r1, const I *idx, T *out, int64_t width,
+                          int64_t os, T *acc) {
+    int bad = 0;
+    const T *src[VLANES];
+    for (int64_t g0 = r0; g0 < r1; g0 += VLANES) {
+        int64_t nr = r1 - g0 < VLANES ? r1 - g0 : VLANES;
+        for (int64_t j = 0; j < width; j++)
+            for (int64_t q = 0; q < VLANES; q++)
+                acc[j * VLANES + q] = q < nr ? out[(g0 + q) * os + j] : (T)0;
+        for (int64_t seg = 0; seg < nseg; seg++) {
+            for (int64_t q = 0; q < VLANES; q++) src[q] = ptrs[seg * r + g0 + (q < nr ? q : 0)];
+            bad |= NAME(tgroup)(src, acc, idx + starts[seg], width,
+                                starts[seg + 1] - starts[seg]);
+        }
+        for (int64_t q = 0; q < nr; q++)
+            for (int64_t j = 0; j < width; j++) out[(g0 + q) * os + j] = acc[j * VLANES + q];
+    }
+    return bad;
+}
+
+/*
  * g[a * r + b] += <src[a], src[b]> over `len` columns for a <= b. Products are summed in
  * four independent vectors of T (callers pass at most a few thousand columns, so each lane
  * sums a few dozen products); the lanes and every call are summed in double.
@@ -118,19 +215,35 @@ static int NAME(reduce_columns)(const T *const *ptrs, const int64_t *starts, int
  * segment for a strided [r, n] tensor; one per parameter for a sampler's rows, so that
  * gradients are read where autograd left them). os is out's row stride and width its
  * columns; r is at most GS_MAX_ROWS. Work is split over `threads` OpenMP threads: whole rows
- * each when there are at least two per thread and no Gram, else column ranges whose partial
- * sums are added at the end. Returns 0; 1 when an index lay outside [0, width) (those entries
+ * each when there are at least two per thread and no Gram (scattered transposed when there
+ * are at least `tmin` per thread; tmin = 0 never), else column ranges whose partial sums are
+ * added at the end. Returns 0; 1 when an index lay outside [0, width) (those entries
  * are skipped); -1 when the partial sums could not be allocated or r is too large (nothing
  * was written).
  */
 int NAME(gs_reduce)(const T *const *ptrs, const int64_t *starts, int64_t nseg, int64_t r,
                     int64_t srows, const I *idx, T *out, int64_t width, int64_t os,
-                    double *gram, int threads, int64_t chunk) {
+                    double *gram, int threads, int64_t chunk, int64_t tmin) {
     int bad = 0;
     int64_t n = starts[nseg];
     if (threads < 1) threads = 1;
     if (chunk < 1) chunk = 2048;
     if (r > GS_MAX_ROWS || srows > r) return -1;
+    if (gram == NULL && tmin > 0 && srows >= tmin * (int64_t)threads) {
+        /* Whole rows per thread, scattered transposed (many rows, a small output). */
+        size_t asize = (size_t)width * VLANES;
+        T *accs = (T *)aligned_alloc(64, (size_t)threads * asize * sizeof(T));
+        if (accs == NULL) return -1;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+        {
+            int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            int64_t r0 = srows * t / nt, r1 = srows * (t + 1) / nt;
+            bad |= NAME(tscatter)(ptrs, starts, nseg, r, r0, r1, idx, out, width, os,
+                                  accs + (size_t)t * asize);
+        }
+        free(accs);
+        return bad;
+    }
     if (gram == NULL && srows >= 2 * (int64_t)threads) {
         /* Whole rows per thread: no partial sums. */
 #pragma omp parallel num_threads(threads) reduction(| : bad)

@@ -62,8 +62,33 @@ def time_once(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def emit(record: dict[str, Any]) -> None:
-    """Print ``record`` as one JSON line (floats rounded to 4 significant digits)."""
+    """Print ``record`` as one JSON line (floats rounded to 4 significant digits).
+
+    Every line names the CPU it was measured on (``cpu``), so figures copied
+    elsewhere keep their origin.
+    """
+    record = {**record, "cpu": record.get("cpu", cpu_model())}
     print(json.dumps(_rounded(record), sort_keys=False), flush=True)
+
+
+def cpu_model() -> str:
+    """The CPU's model, family and widest vector extension, e.g. ``"AMD EPYC (25/17, avx2)"``."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags"):
+                    info.setdefault(key, value.strip())
+                if not line.strip():
+                    break
+    except OSError:
+        return platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    isa = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), "baseline")
+    family = f"{info.get('cpu family', '?')}/{info.get('model', '?')}"
+    return f"{info.get('model name', platform.machine())} ({family}, {isa})"
 
 
 def _rounded(value: Any) -> Any:
@@ -86,6 +111,7 @@ def machine_info() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        "cpu": cpu_model(),
     }
 
 

@@ -1,6 +1,16 @@
-"""Projection benchmark: 32 gradients of d = 2**20 to k = 2048 on 2 threads.
+"""Projection benchmark: 32 gradients of d = 2**18 to k = 2048 on 2 threads.
 
-Each method runs in its own process (so its peak RSS is its own) and reports
+First the speed rows (``"section": "speed"``): in one process, with their
+repeats interleaved so that all see the same machine load, gradsketch's
+``CountSketchProjector`` with the native kernels and with torch's scatter,
+devinterp 2.0.1's ``CountSketch`` looped over the batch, and the floors of
+reading the batch once (``x.sum()``) and copying it once. They are measured
+twice: on this CPU's own code paths, and on the AVX2 paths of torch, MKL and
+the native kernels (``ATEN_CPU_CAPABILITY=avx2``, ``-march=x86-64-v3``), as
+an AVX2-only machine runs them. Each row carries the ratios
+``devinterp_loop / gradsketch`` and ``gradsketch / read_once``.
+
+Then each method runs in its own process (so its peak RSS is its own) and reports
 the median time of a batch over repeated runs (9; 5 for the slow dense ones),
 its set-up time, its peak RSS and the mean relative inner-product error on 64
 correlated pairs. Reference packages (traker, scikit-learn, devinterp) are
@@ -9,6 +19,7 @@ is the same projector with the native kernels turned off in its process.
 
     python benchmarks/bench_projection.py            # every method, 9 (slow: 5) repeats
     python benchmarks/bench_projection.py --quick    # fewer repeats, no 8 GB dense matrix
+    python benchmarks/bench_projection.py --speed    # the speed rows only
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import emit, machine_info, run_isolated, setup_torch
 
-D, K, BATCH, PAIRS, RHO = 1 << 20, 2048, 32, 64, 0.5
+D, K, BATCH, PAIRS, RHO = 1 << 18, 2048, 32, 64, 0.5
+#: Environment of the AVX2 pass of the speed rows.
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "GRADSKETCH_NATIVE_MARCH": "x86-64-v3",
+}
 
 METHODS = [
     "null",
@@ -146,15 +165,90 @@ def measure(method: str, repeats: int) -> dict[str, Any]:
     }
 
 
+def speed(repeats: int) -> None:
+    """The speed rows: every contender's repeats interleaved in this one process."""
+    import torch
+
+    from gradsketch.sketch import CountSketchProjector, _native
+
+    setup_torch()
+    x = _batch(0)
+    projector = CountSketchProjector(D, K, 0, "cpu")
+    native = _native._kernels() is not None
+    fallback = (_native.NativeStatus(False, "turned off by the benchmark"), None)
+
+    def torch_scatter() -> Any:
+        saved, _native._state = _native._state, fallback
+        try:
+            return projector.project(x, 0)
+        finally:
+            _native._state = saved
+
+    contenders: dict[str, Callable[[], Any]] = {
+        "gradsketch": lambda: projector.project(x, 0),
+        "gradsketch(torch scatter)": torch_scatter,
+        "read_once": lambda: x.sum(),
+        "copy_once": lambda: x.clone(),
+    }
+    try:
+        from devinterp.optim.sketch import CountSketch
+
+        cs = CountSketch.create(D, K, seed=0)
+        contenders["devinterp_loop"] = lambda: torch.stack([cs.sketch(row) for row in x])
+    except ImportError as err:
+        emit({"bench": "projection", "section": "speed", "skipped": f"devinterp: {err}"})
+    torch.testing.assert_close(contenders["gradsketch"](), torch_scatter(), rtol=1e-4, atol=1e-3)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for fn in contenders.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    isa = os.environ.get("ATEN_CPU_CAPABILITY") or "native"
+    for name, seconds in med.items():
+        row: dict[str, Any] = {
+            "bench": "projection",
+            "section": "speed",
+            "paths": isa,
+            "method": name,
+            "median_ms": seconds * 1e3,
+            "repeats": repeats,
+            "batch": BATCH,
+            "d": D,
+            "k": K,
+        }
+        if name.startswith("gradsketch"):
+            row["native_kernels"] = native and name == "gradsketch"
+            row["vs_read_once"] = seconds / med["read_once"]
+            if "devinterp_loop" in med:
+                row["devinterp_loop_over_this"] = med["devinterp_loop"] / seconds
+        emit(row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="3 repeats (1 for slow methods), skip 8 GB"
     )
     parser.add_argument("--methods", nargs="*", default=None, help="subset of methods")
+    parser.add_argument("--speed", action="store_true", help="the speed rows only")
+    parser.add_argument("--speed-repeats", type=int, default=41, help=argparse.SUPPRESS)
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    methods = args.methods or [m for m in METHODS if not (args.quick and m in HEAVY)]
+    if args.in_process:
+        speed(args.speed_repeats)
+        return
     emit({"bench": "projection", "d": D, "k": K, "batch": BATCH, **machine_info()})
+    for extra in ({}, AVX2_ENV):
+        # A fresh interpreter per pass: the capability is read when torch loads.
+        cmd = [sys.executable, __file__, "--in-process", "--speed-repeats", str(args.speed_repeats)]
+        subprocess.run(cmd, env={**os.environ, **extra}, check=True)
+    if args.speed:
+        return
+    methods = args.methods or [m for m in METHODS if not (args.quick and m in HEAVY)]
     # CountSketchProjector and null run first (METHODS order), so every later
     # row can be printed as soon as it is measured, with its ratio.
     ours: float | None = None

@@ -10,7 +10,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-from _common import emit, median_time, run_isolated  # noqa: E402
+from _common import cpu_model, emit, median_time, run_isolated  # noqa: E402
 
 
 def test_median_time_counts_warmup_and_repeats(monkeypatch):
@@ -30,7 +30,21 @@ def test_emit_prints_one_rounded_json_line(capsys):
     emit({"bench": "x", "t": 1.23456789, "nested": {"v": [0.000123456, 2]}})
     out = capsys.readouterr().out
     assert out.count("\n") == 1
-    assert json.loads(out) == {"bench": "x", "t": 1.235, "nested": {"v": [0.0001235, 2]}}
+    record = json.loads(out)
+    assert record.pop("cpu") == cpu_model()  # every line names its CPU
+    assert record == {"bench": "x", "t": 1.235, "nested": {"v": [0.0001235, 2]}}
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads /proc/cpuinfo (Linux)")
+def test_cpu_model_names_the_widest_vector_extension():
+    name = cpu_model()
+    assert name.endswith(")") and name.split(", ")[-1].rstrip(")") in (
+        "avx512f",
+        "avx2",
+        "avx",
+        "sse4_2",
+        "baseline",
+    )
 
 
 def test_run_isolated_returns_result_and_child_peak_rss(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from gradsketch.sampling import (
     register_preconditioner,
 )
 from gradsketch.sampling import _reduce as reduce_module
-from gradsketch.sampling import _sgmcmc as sgmcmc_module
+from gradsketch.sampling import _workspace as workspace_module
 from gradsketch.sketch import CountSketch
 from gradsketch.sketch import _countsketch as countsketch_module
 from gradsketch.sketch import _native as native_module
@@ -784,7 +784,7 @@ def test_narrow_table_sketches_equal_the_int64_table(masked, monkeypatch):
 
     monkeypatch.setattr(reduce_module, "REDUCE_TILE", 7)
     wide = run()
-    monkeypatch.setattr(sgmcmc_module, "WIDE_TABLE_MAX", 0)
+    monkeypatch.setattr(workspace_module, "WIDE_TABLE_MAX", 0)
     narrow = run()
     for name in wide.QUANTITIES:
         # Exact: the scatter adds in column order whatever the table's integer width.

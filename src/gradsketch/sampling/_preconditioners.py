@@ -242,6 +242,12 @@ def _check_range(name: str, value: object, low: float, high: float, hint: str) -
 
 
 def resolve_preconditioner(spec: object, kwargs: dict[str, Any]) -> Preconditioner:
+    """The preconditioner ``spec`` names (built with ``kwargs``), or ``spec`` itself.
+
+    Example:
+        >>> resolve_preconditioner("rmsprop", {"alpha": 0.9})
+        RMSpropPreconditioner(alpha=0.9, eps=0.1)
+    """
     if isinstance(spec, Preconditioner):
         if kwargs:
             raise ValueError(

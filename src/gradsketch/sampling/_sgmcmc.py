@@ -11,6 +11,12 @@ then optionally ``w <- clamp(w, w0 - b, w0 + b)``. ``c`` is the prior centre
 coefficients ``(g_c, p_c, n_c, o)``: identity ``(1, 1, 1, 1)``; mask
 ``(1, 1, 1, mask)``; RMSprop ``(G, G, sqrt(G), 1)`` with
 ``V <- alpha V + (1 - alpha) g^2`` and ``G = 1 / (sqrt(V) + eps)``.
+
+This module holds the optimizer (set-up, ``step``, results) and its
+factories, generated from one table of presets. The preconditioners and
+their registry live in :mod:`._preconditioners`, the update of one
+parameter in :mod:`._kernels`, and the recording workspace (rows,
+coefficients, the Gram/sketch pass) in :mod:`._workspace`.
 """
 
 from __future__ import annotations
@@ -549,9 +555,9 @@ class _Preset:
     fixed: Mapping[str, Any] = field(default_factory=dict)  # not exposed: always this value
 
 
-_PRIOR = ("localization", "weight_decay")
-_LANGEVIN = ("lr", "noise_level", "weight_decay", "localization", "nbeta")
-_RECORDING = ("bounding_box_size", "mask", "save_metrics", "sketch_dim", "sketch_seed")
+#: The keywords every SGLD-type factory starts and ends with (devinterp's order).
+_STEP = ("lr", "noise_level", "weight_decay", "localization", "nbeta")
+_REST = ("bounding_box_size", "mask", "save_metrics", "sketch_dim", "sketch_seed")
 
 #: Factory keywords that neither the sampler nor a preconditioner takes.
 _EXTRA_KEYWORDS: dict[str, tuple[str, Any]] = {"add_grad_correction": ("bool", False)}
@@ -560,7 +566,7 @@ _EXTRA_KEYWORDS: dict[str, tuple[str, Any]] = {"add_grad_correction": ("bool", F
 _PRESETS: dict[str, _Preset] = {
     "sgld": _Preset(
         "identity",
-        (*_LANGEVIN, *_RECORDING),
+        (*_STEP, *_REST),
         """SGLD with localization (Lau et al. 2023): identity preconditioner.
 
         ``w <- w - (eps/2)(nbeta grad L + gamma (w - w0) + lambda w) + N(0, eps sigma^2)``.
@@ -568,17 +574,27 @@ _PRESETS: dict[str, _Preset] = {
     ),
     "rmsprop_sgld": _Preset(
         "rmsprop",
-        (*_LANGEVIN, "alpha", "eps", "add_grad_correction", *_RECORDING),
+        (*_STEP, "alpha", "eps", "add_grad_correction", *_REST),
         "RMSprop-preconditioned SGLD (Li et al. 2016): coefs ``(G, G, sqrt(G), 1)``.",
     ),
     "adam_sgld": _Preset(
         "adam",
-        (*_LANGEVIN, "betas", "eps", *_RECORDING),
+        (*_STEP, "betas", "eps", *_REST),
         "Adam-preconditioned SGLD with adaptive drift (see :class:`AdamPreconditioner`).",
     ),
     "sgnht": _Preset(
         "nht",
-        ("lr", "diffusion_factor", "nbeta", "bounding_box_size", *_RECORDING[2:], *_PRIOR),
+        (
+            "lr",
+            "diffusion_factor",
+            "nbeta",
+            "bounding_box_size",
+            "save_metrics",
+            "sketch_dim",
+            "sketch_seed",
+            "localization",
+            "weight_decay",
+        ),
         "SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHooverThermostat`).",
         fixed={"noise_level": 1.0},
     ),

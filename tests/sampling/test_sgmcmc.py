@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import warnings
 
 import pytest
 import torch
 
-from gradsketch.sampling import PRECONDITIONERS, SGLD, SGMCMC, Metrics
+from gradsketch.sampling import (
+    PRECONDITIONERS,
+    SGLD,
+    SGMCMC,
+    AdamPreconditioner,
+    IdentityPreconditioner,
+    Metrics,
+    NoseHooverThermostat,
+    Preconditioner,
+    PreconditionerCoefs,
+    RMSpropPreconditioner,
+    register_preconditioner,
+)
 from gradsketch.sampling import _reduce as reduce_module
-from gradsketch.sampling import _sgmcmc as sgmcmc_module
+from gradsketch.sampling import _workspace as workspace_module
 from gradsketch.sketch import CountSketch
 from gradsketch.sketch import _countsketch as countsketch_module
 from gradsketch.sketch import _native as native_module
@@ -600,7 +613,101 @@ def test_errors(make, exc, match):
 
 
 def test_preconditioner_registry_lists_names():
-    assert {"identity", "rmsprop", "adam", "nht"} <= set(PRECONDITIONERS)
+    """The registry holds exactly the four built-in preconditioners, in order, by class."""
+    assert list(PRECONDITIONERS.items()) == [
+        ("identity", IdentityPreconditioner),
+        ("rmsprop", RMSpropPreconditioner),
+        ("adam", AdamPreconditioner),
+        ("nht", NoseHooverThermostat),
+    ]
+
+
+def test_registering_a_taken_name_is_refused_and_a_new_one_resolves():
+    with pytest.raises(
+        ValueError, match=r"name 'adam' is already registered to AdamPreconditioner"
+    ):
+        register_preconditioner("adam")(IdentityPreconditioner)
+
+    @register_preconditioner("test-half")
+    class Half(Preconditioner):
+        def coefficients(self, param, grad, state):
+            return PreconditionerCoefs(grad_coef=0.5)
+
+    try:
+        opt = SGMCMC(_p(), preconditioner="test-half")
+        assert isinstance(opt.param_groups[0]["preconditioner"], Half)
+    finally:
+        del PRECONDITIONERS["test-half"]
+    assert list(PRECONDITIONERS) == ["identity", "rmsprop", "adam", "nht"]
+
+
+#: The factories exactly as users see them (``help``, ``inspect``, positional calls).
+_TAIL = (
+    "bounding_box_size: 'float | None' = None, mask: 'object' = None, "
+    "save_metrics: 'bool' = False, sketch_dim: 'int | None' = None, sketch_seed: 'int' = 0"
+)
+_HEAD = (
+    "params: 'Iterable[Any]', lr: 'float' = 0.01, noise_level: 'float' = 1.0, "
+    "weight_decay: 'float' = 0.0, localization: 'float' = 0.0, nbeta: 'float' = 1.0"
+)
+FACTORY_SIGNATURES = {
+    "sgld": f"({_HEAD}, {_TAIL}) -> 'SGMCMC'",
+    "rmsprop_sgld": (
+        f"({_HEAD}, alpha: 'float' = 0.99, eps: 'float' = 0.1, "
+        f"add_grad_correction: 'bool' = False, {_TAIL}) -> 'SGMCMC'"
+    ),
+    "adam_sgld": (
+        f"({_HEAD}, betas: 'tuple[float, float]' = (0.9, 0.999), eps: 'float' = 0.1, "
+        f"{_TAIL}) -> 'SGMCMC'"
+    ),
+    "sgnht": (
+        "(params: 'Iterable[Any]', lr: 'float' = 0.01, diffusion_factor: 'float' = 0.01, "
+        "nbeta: 'float' = 1.0, bounding_box_size: 'float | None' = None, "
+        "save_metrics: 'bool' = False, sketch_dim: 'int | None' = None, "
+        "sketch_seed: 'int' = 0, localization: 'float' = 0.0, "
+        "weight_decay: 'float' = 0.0) -> 'SGMCMC'"
+    ),
+}
+FACTORY_DOCS = {
+    "sgld": (
+        "SGLD with localization (Lau et al. 2023): identity preconditioner.\n\n"
+        "        ``w <- w - (eps/2)(nbeta grad L + gamma (w - w0) + lambda w) "
+        "+ N(0, eps sigma^2)``.\n        "
+    ),
+    "rmsprop_sgld": "RMSprop-preconditioned SGLD (Li et al. 2016): coefs ``(G, G, sqrt(G), 1)``.",
+    "adam_sgld": (
+        "Adam-preconditioned SGLD with adaptive drift (see :class:`AdamPreconditioner`)."
+    ),
+    "sgnht": ("SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHooverThermostat`)."),
+}
+
+
+@pytest.mark.parametrize("method", list(FACTORY_SIGNATURES))
+def test_factory_signature_and_docstring_are_unchanged(method):
+    factory = SGMCMC.get_method(method)
+    assert str(inspect.signature(factory)) == FACTORY_SIGNATURES[method]
+    assert factory.__doc__ == FACTORY_DOCS[method]
+    assert factory.__name__ == method
+    assert SGMCMC.METHODS == tuple(FACTORY_SIGNATURES)
+
+
+def test_legacy_sgld_signature_is_keyword_only_sgld():
+    expected = FACTORY_SIGNATURES["sgld"].replace("lr:", "*, lr:").replace(" -> 'SGMCMC'", "")
+    assert str(inspect.signature(SGLD)) == expected + " -> 'None'"
+
+
+@pytest.mark.parametrize("method", list(FACTORY_SIGNATURES))
+def test_factories_take_positional_arguments_in_order(method):
+    """Positional calls still land on the documented keywords (the order is API)."""
+    names = list(inspect.signature(SGMCMC.get_method(method)).parameters)[1:]
+    values = {"lr": 0.02, "nbeta": 3.0, "localization": 2.0, "weight_decay": 0.5}
+    args = [
+        values.get(n, inspect.signature(SGMCMC.get_method(method)).parameters[n].default)
+        for n in names
+    ]
+    group = SGMCMC.get_method(method)(_p(), *args).param_groups[0]
+    for name, value in values.items():
+        assert group[name] == value, name
 
 
 # ------------------------------------------------------------ devinterp parity
@@ -677,7 +784,7 @@ def test_narrow_table_sketches_equal_the_int64_table(masked, monkeypatch):
 
     monkeypatch.setattr(reduce_module, "REDUCE_TILE", 7)
     wide = run()
-    monkeypatch.setattr(sgmcmc_module, "WIDE_TABLE_MAX", 0)
+    monkeypatch.setattr(workspace_module, "WIDE_TABLE_MAX", 0)
     narrow = run()
     for name in wide.QUANTITIES:
         # Exact: the scatter adds in column order whatever the table's integer width.

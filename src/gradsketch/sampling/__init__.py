@@ -17,11 +17,8 @@ from gradsketch.sampling._llc import (
 )
 from gradsketch.sampling._metrics import Metrics
 from gradsketch.sampling._plot import plot_trace
-from gradsketch.sampling._recording import LLCRecordSettings, SettingsMismatchError, open_draw_store
-from gradsketch.sampling._sgmcmc import (
+from gradsketch.sampling._preconditioners import (
     PRECONDITIONERS,
-    SGLD,
-    SGMCMC,
     AdamPreconditioner,
     IdentityPreconditioner,
     NoseHooverThermostat,
@@ -30,6 +27,8 @@ from gradsketch.sampling._sgmcmc import (
     RMSpropPreconditioner,
     register_preconditioner,
 )
+from gradsketch.sampling._recording import LLCRecordSettings, SettingsMismatchError, open_draw_store
+from gradsketch.sampling._sgmcmc import SGLD, SGMCMC
 
 __all__ = [
     # samplers

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsketch.sketch import _native
+from gradsketch.sketch import _backend
 from gradsketch.sketch._countsketch import scatter_folded_
 
 __all__ = ["REDUCE_TILE", "reduce_workspace"]
@@ -36,7 +36,7 @@ def reduce_workspace(
 ) -> torch.Tensor | None:
     """Gram matrix of a workspace's rows, and their count sketch added into ``scratch``.
 
-    With the native kernels (:mod:`gradsketch.sketch._native`, CPU) both come
+    With the native kernels (CPU; :mod:`gradsketch.sketch._backend` chooses) both come
     from one pass: each chunk of columns is scattered, then its Gram taken
     while it is still in cache, and any table width is read as it is. Otherwise:
     the Gram is one batched ``bmm`` over the full tiles (a loop of ``mm`` took
@@ -50,7 +50,7 @@ def reduce_workspace(
         block: ``[r, n]`` workspace, or its columns as segments: ``block[s][q]``
             is row ``q`` of the ``s``-th run of columns, each row a contiguous
             tensor of its own (a sampler's gradients, read where autograd
-            left them; see :func:`gradsketch.sketch._native.reduce_rows_`).
+            left them; see :func:`gradsketch.sketch._backend.reduce_rows_`).
             Without the native kernels the segments are copied into one block.
         gram: compute the ``[r, r]`` float64 Gram matrix of the rows.
         scratch: ``[rows, 2k + 1]`` sketch accumulator, or ``None`` for no sketch.
@@ -72,9 +72,9 @@ def reduce_workspace(
     sketch_rows = rows if scratch is not None else 0
     if gram or sketch_rows:
         if isinstance(block, list):
-            used = _native.reduce_rows_(scratch, folded, block, rows=sketch_rows, gram=result)
+            used = _backend.reduce_rows_(scratch, folded, block, rows=sketch_rows, gram=result)
         else:
-            used = _native.reduce_(scratch, folded, block, rows=sketch_rows, gram=result)
+            used = _backend.reduce_(scratch, folded, block, rows=sketch_rows, gram=result)
         if used:
             return result
     if isinstance(block, list):

@@ -11,25 +11,45 @@ then optionally ``w <- clamp(w, w0 - b, w0 + b)``. ``c`` is the prior centre
 coefficients ``(g_c, p_c, n_c, o)``: identity ``(1, 1, 1, 1)``; mask
 ``(1, 1, 1, mask)``; RMSprop ``(G, G, sqrt(G), 1)`` with
 ``V <- alpha V + (1 - alpha) g^2`` and ``G = 1 / (sqrt(V) + eps)``.
+
+This module holds the optimizer (set-up, ``step``, results) and its
+factories, generated from one table of presets. The preconditioners and
+their registry live in :mod:`._preconditioners`, the update of one
+parameter in :mod:`._kernels`, and the recording workspace (rows,
+coefficients, the Gram/sketch pass) in :mod:`._workspace`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import math
 import warnings
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar, NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import torch
 from torch.optim import Optimizer
 
-from gradsketch.sampling import _reduce
+from gradsketch.sampling import _workspace
+from gradsketch.sampling._kernels import update_group_
 from gradsketch.sampling._metrics import Metrics
-from gradsketch.sketch import CountSketch, Fingerprint, SketchBuffer, _native
+from gradsketch.sampling._preconditioners import (
+    PRECONDITIONERS,
+    AdamPreconditioner,
+    IdentityPreconditioner,
+    NoseHooverThermostat,
+    Preconditioner,
+    PreconditionerCoefs,
+    RMSpropPreconditioner,
+    _check_positive,
+    register_preconditioner,
+    resolve_preconditioner,
+)
+from gradsketch.sampling._workspace import GroupPlan
+from gradsketch.sketch import CountSketch, Fingerprint, SketchBuffer
 
 _ParamMask: Any
 try:  # The masked subpackage is a sibling on the ground floor; tolerate it being absent.
@@ -52,240 +72,6 @@ __all__ = [
     "register_preconditioner",
 ]
 
-Scalar = float | torch.Tensor
-
-
-@dataclass(frozen=True)
-class PreconditionerCoefs:
-    """Per-coordinate coefficients of the update (floats or tensors shaped like the parameter).
-
-    Attributes:
-        grad_coef: ``g_c``, multiplies ``nbeta * grad L``.
-        prior_coef: ``p_c``, multiplies the prior gradient.
-        noise_coef: ``n_c``, multiplies the injected noise.
-        overall_coef: ``o``, multiplies everything (masks live here).
-        drift: replaces ``grad L`` in the scaled gradient when not None (Adam's
-            first moment); the unscaled gradient always records ``grad L``.
-    """
-
-    grad_coef: Scalar = 1.0
-    prior_coef: Scalar = 1.0
-    noise_coef: Scalar = 1.0
-    overall_coef: Scalar = 1.0
-    drift: torch.Tensor | None = None
-
-
-class Preconditioner(ABC):
-    """Diagonal preconditioner: subclasses implement :meth:`coefficients`.
-
-    ``dynamics`` is ``"langevin"`` (the update in the module docstring) or
-    ``"nose_hoover"`` (momentum with a thermostat, see
-    :class:`NoseHooverThermostat`).
-    """
-
-    dynamics: ClassVar[str] = "langevin"
-    #: True when every coefficient is the scalar 1 (enables the fused fast path).
-    is_identity: ClassVar[bool] = False
-
-    @abstractmethod
-    def coefficients(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
-    ) -> PreconditionerCoefs:
-        """Coefficients for one parameter; may update ``state`` (running moments)."""
-
-
-#: Registry of preconditioners by name; ``SGMCMC(preconditioner=name)`` looks names up here.
-PRECONDITIONERS: dict[str, type[Preconditioner]] = {}
-
-
-def register_preconditioner(
-    name: str,
-) -> Callable[[type[Preconditioner]], type[Preconditioner]]:
-    """Class decorator adding a :class:`Preconditioner` to :data:`PRECONDITIONERS`.
-
-    Example:
-        >>> @register_preconditioner("half")
-        ... class Half(Preconditioner):
-        ...     def coefficients(self, param, grad, state):
-        ...         return PreconditionerCoefs(grad_coef=0.5)
-        >>> "half" in PRECONDITIONERS
-        True
-        >>> del PRECONDITIONERS["half"]
-    """
-
-    def decorate(cls: type[Preconditioner]) -> type[Preconditioner]:
-        if name in PRECONDITIONERS:
-            raise ValueError(
-                f"preconditioner name {name!r} is already registered to "
-                f"{PRECONDITIONERS[name].__name__}; choose another name."
-            )
-        PRECONDITIONERS[name] = cls
-        return cls
-
-    return decorate
-
-
-_IDENTITY_COEFS = PreconditionerCoefs()
-
-
-@register_preconditioner("identity")
-class IdentityPreconditioner(Preconditioner):
-    """No preconditioning: ``(g_c, p_c, n_c, o) = (1, 1, 1, 1)``."""
-
-    is_identity = True
-
-    def coefficients(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
-    ) -> PreconditionerCoefs:
-        """All ones."""
-        return _IDENTITY_COEFS
-
-    def __repr__(self) -> str:
-        return "IdentityPreconditioner()"
-
-
-@register_preconditioner("rmsprop")
-class RMSpropPreconditioner(Preconditioner):
-    """RMSprop preconditioning: coefs ``(G, G, sqrt(G), 1)``.
-
-    ``V <- alpha V + (1 - alpha) g^2`` and ``G = 1 / (sqrt(V) + eps)``.
-
-    Li, Chen, Carlson & Carin, "Preconditioned Stochastic Gradient Langevin
-    Dynamics for Deep Neural Networks" (AAAI 2016).
-    """
-
-    def __init__(self, alpha: float = 0.99, eps: float = 0.1) -> None:
-        _check_range("alpha", alpha, 0.0, 1.0, "a decay in [0, 1), e.g. 0.99")
-        _check_positive("eps", eps)
-        self.alpha = float(alpha)
-        self.eps = float(eps)
-
-    def coefficients(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
-    ) -> PreconditionerCoefs:
-        """Update the running square average and return ``(G, G, sqrt(G), 1)``."""
-        if "square_avg" not in state:
-            state["square_avg"] = torch.zeros_like(grad)
-        v = state["square_avg"]
-        v.mul_(self.alpha).addcmul_(grad, grad, value=1.0 - self.alpha)
-        g = v.sqrt().add_(self.eps).reciprocal_()  # 1 / (sqrt(V) + eps), one allocation
-        return PreconditionerCoefs(grad_coef=g, prior_coef=g, noise_coef=g.sqrt())
-
-    def __repr__(self) -> str:
-        return f"RMSpropPreconditioner(alpha={self.alpha}, eps={self.eps})"
-
-
-@register_preconditioner("adam")
-class AdamPreconditioner(Preconditioner):
-    """Adam-style SGLD: bias-corrected moments, drift ``m_hat``, coefs ``(G, G, sqrt(G), 1)``.
-
-    ``m <- b1 m + (1 - b1) g``, ``V <- b2 V + (1 - b2) g^2``,
-    ``G = 1 / (sqrt(V / (1 - b2^t)) + eps)``; the scaled gradient uses
-    ``m / (1 - b1^t)`` in place of ``g`` (Kim, Song & Liang, "Stochastic
-    gradient Langevin dynamics with adaptive drifts", 2022).
-    """
-
-    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 0.1) -> None:
-        if not (isinstance(betas, Sequence) and len(betas) == 2):
-            raise ValueError(f"`betas` must be a pair (b1, b2), got {betas!r}; e.g. (0.9, 0.999).")
-        _check_range("betas[0]", betas[0], 0.0, 1.0, "a decay in [0, 1), e.g. 0.9")
-        _check_range("betas[1]", betas[1], 0.0, 1.0, "a decay in [0, 1), e.g. 0.999")
-        _check_positive("eps", eps)
-        self.betas = (float(betas[0]), float(betas[1]))
-        self.eps = float(eps)
-
-    def coefficients(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
-    ) -> PreconditionerCoefs:
-        """Update both moments and return the bias-corrected coefficients and drift."""
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(grad)
-            state["exp_avg_sq"] = torch.zeros_like(grad)
-            state["adam_step"] = 0
-        b1, b2 = self.betas
-        state["adam_step"] += 1
-        t = state["adam_step"]
-        state["exp_avg"].mul_(b1).add_(grad, alpha=1.0 - b1)
-        state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-        # 1 / (sqrt(V / (1 - b2^t)) + eps), one allocation.
-        g = state["exp_avg_sq"].div(1.0 - b2**t).sqrt_().add_(self.eps).reciprocal_()
-        drift = state["exp_avg"] / (1.0 - b1**t)
-        return PreconditionerCoefs(grad_coef=g, prior_coef=g, noise_coef=g.sqrt(), drift=drift)
-
-    def __repr__(self) -> str:
-        return f"AdamPreconditioner(betas={self.betas}, eps={self.eps})"
-
-
-@register_preconditioner("nht")
-class NoseHooverThermostat(Preconditioner):
-    """Nosé-Hoover thermostat dynamics (SGNHT; Ding et al., NeurIPS 2014).
-
-    Per parameter group, with momentum ``v`` (initially ``sqrt(eps) N(0, 1)``
-    from the noise generator) and thermostat ``xi`` (initially ``A``)::
-
-        f  =  nbeta grad L + gamma (w - c) + lambda w
-        v  <- v - eps * f - xi * v + sqrt(2 A eps) * N(0, sigma^2)
-        w  <- w + v
-        xi <- xi + |v|^2 / n - eps
-
-    The thermostat really acts: ``xi`` rises while the kinetic energy is above
-    its target and damps the momentum. Recorded components are the terms of
-    the momentum change (``eps`` in place of ``eps / 2``; ``noise`` is
-    ``sqrt(2 A eps) N``).
-    """
-
-    dynamics = "nose_hoover"
-
-    def __init__(self, diffusion_factor: float = 0.01) -> None:
-        _check_positive("diffusion_factor", diffusion_factor)
-        self.diffusion_factor = float(diffusion_factor)
-
-    def coefficients(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
-    ) -> PreconditionerCoefs:
-        """Scalar coefficients; the thermostat lives in the sampler's group state."""
-        return PreconditionerCoefs(noise_coef=math.sqrt(2.0 * self.diffusion_factor))
-
-    def __repr__(self) -> str:
-        return f"NoseHooverThermostat(diffusion_factor={self.diffusion_factor})"
-
-
-def _check_positive(name: str, value: object, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
-        kind = "a non-negative" if allow_zero else "a positive"
-        raise ValueError(f"`{name}` must be {kind} finite number, got {value!r}.")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _check_range(name: str, value: object, low: float, high: float, hint: str) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not (low <= value < high):  # type: ignore[operator]
-        raise ValueError(f"`{name}` must be in [{low}, {high}), got {value!r}; use {hint}.")
-
-
-def _resolve_preconditioner(spec: object, kwargs: dict[str, Any]) -> Preconditioner:
-    if isinstance(spec, Preconditioner):
-        if kwargs:
-            raise ValueError(
-                "`preconditioner_kwargs` only apply to a preconditioner given by name, got "
-                f"{kwargs!r} with the instance {spec!r}; pass the options to its constructor."
-            )
-        return spec
-    if spec is None:
-        spec = "identity"
-    if not isinstance(spec, str) or spec not in PRECONDITIONERS:
-        raise ValueError(
-            f"`preconditioner` must be one of {sorted(PRECONDITIONERS)} or a Preconditioner "
-            f"instance, got {spec!r}; register new ones with @register_preconditioner(name)."
-        )
-    try:
-        return PRECONDITIONERS[spec](**kwargs)
-    except TypeError as err:
-        raise ValueError(
-            f"`preconditioner_kwargs` {kwargs!r} do not fit preconditioner {spec!r}: {err}"
-        ) from err
-
 
 def _mask_fingerprint(masks: Sequence[torch.Tensor | None]) -> str:
     digest = hashlib.sha256()
@@ -304,163 +90,6 @@ _PRIOR_FORMS = (
     "a float gamma (centre w0)",
     "an iterable of centre tensors aligned with the parameters (gamma = 1)",
 )
-
-
-@dataclass
-class _GroupPlan:
-    """What a parameter group's step needs; fixed at construction or cached between steps."""
-
-    numel: int
-    offset: int  # first coordinate of the group in the sketch's index space
-    folded: torch.Tensor | None = None  # [numel] int16/32/64 count-sketch table (2k = trash)
-    # Workspace [r, numel] and, per parameter, its rows as views shaped like the parameter.
-    workspace: torch.Tensor | None = None
-    workspace_names: tuple[str, ...] = ()
-    views: list[dict[str, torch.Tensor]] | None = None
-    # Coefficients C[6, r] turning the workspace rows into the six components,
-    # valid while `coef_key` (the hyperparameters) is unchanged.
-    coef_key: tuple[Any, ...] | None = None
-    coef: torch.Tensor | None = None
-    sketch_rows: int = 0  # leading workspace rows that feed a sketched component
-    sketch_coef: torch.Tensor | None = None  # C[:5, :sketch_rows] in float32
-    scratch: torch.Tensor | None = None  # [sketch_rows, 2k + 1] scatter target
-    index_buffer: torch.Tensor | None = None  # int64 [REDUCE_TILE]: a widened table tile
-    # [2, largest numel] noise and (w - c) of the unrecorded identity step, reused:
-    # fresh megabyte temporaries cost page faults in a loop with backward passes.
-    step_scratch: torch.Tensor | None = None
-    # Zeros standing in for the gradient of a parameter that has none, when the
-    # native kernels read gradients in place (see SGMCMC._direct_grads).
-    zeros: torch.Tensor | None = None
-
-
-#: Largest group (coordinates) whose count-sketch table is kept in int64 (128 MB).
-WIDE_TABLE_MAX = 1 << 24
-
-
-def _step_scratch(
-    plan: _GroupPlan, params: list[torch.Tensor], p: torch.Tensor
-) -> torch.Tensor | None:
-    """Two reusable ``p``-shaped buffers (noise, w - c); None for a parameter they cannot hold."""
-    buf = plan.step_scratch
-    if buf is None or buf.dtype != p.dtype or buf.device != p.device:
-        largest = max(q.numel() for q in params if q.dtype == p.dtype and q.device == p.device)
-        buf = plan.step_scratch = torch.empty(2, largest, dtype=p.dtype, device=p.device)
-    if buf.shape[1] < p.numel():
-        return None
-    return buf[:, : p.numel()].view(2, *p.shape)
-
-
-def _scaled_into(out: torch.Tensor, src: torch.Tensor, *coefs: Scalar) -> float:
-    """``out = src * (tensor coefs)``; returns the product of the scalar ones."""
-    scalar = 1.0
-    first = True
-    for c in coefs:
-        if isinstance(c, torch.Tensor):
-            if first:
-                torch.mul(src, c, out=out)
-                first = False
-            else:
-                out.mul_(c)
-        else:
-            scalar *= float(c)
-    if first:
-        out.copy_(src)
-    return scalar
-
-
-class _GeneralStep(NamedTuple):
-    """What one parameter's non-identity update needs, besides where it writes."""
-
-    coefs: PreconditionerCoefs
-    overall: Scalar  # o, times the mask when there is one
-    drive: torch.Tensor  # grad L, or the preconditioner's drift
-    center: torch.Tensor  # c of the prior
-    state: dict[str, Any]
-    group: dict[str, Any]
-    gen: torch.Generator | None
-    half: float  # eps / 2 (eps under Nosé-Hoover)
-    root: float  # sqrt(eps)
-    nose_hoover: bool
-
-
-def _apply_general_recorded(
-    p: torch.Tensor, rows: dict[str, torch.Tensor] | None, step: _GeneralStep
-) -> None:
-    """The update component by component, each written to its row, then applied.
-
-    Without ``rows`` (no scratch could hold this parameter) the components
-    are fresh tensors.
-    """
-    coefs, overall, drive, center, state, group, gen, half, root, nose_hoover = step
-    nbeta, sigma = group["nbeta"], group["noise_level"]
-    gamma, lam = group["localization"], group["weight_decay"]
-    grad = p.grad
-    assert grad is not None
-
-    def out(name: str) -> torch.Tensor:
-        return rows[name] if rows is not None else torch.empty_like(p)
-
-    noise = out("noise").normal_(0.0, sigma, generator=gen)
-    scaled = out("scaled_grad")
-    scaled.mul_(half * nbeta * _scaled_into(scaled, drive, overall, coefs.grad_coef))
-    loc, wd = out("localization"), out("weight_decay")
-    for row, weight, src in ((loc, gamma, None), (wd, lam, p)):
-        if not weight:
-            row.zero_()
-            continue
-        if src is None:
-            torch.sub(p, center, out=row)
-        else:
-            row.copy_(src)
-        row.mul_(half * weight * _scaled_into(row, row, coefs.prior_coef, overall))
-    noise.mul_(root * _scaled_into(noise, noise, coefs.noise_coef, overall))
-    if rows is not None:
-        rows["unscaled_grad"].copy_(grad).mul_(half * nbeta)
-        torch.sub(p, state["initial_param"], out=rows["distance"])
-    target = p
-    if nose_hoover:
-        target = state["momentum"]
-        target.mul_(1.0 - float(group["thermostat"]))
-    target.sub_(scaled).sub_(loc).sub_(wd).add_(noise)
-    if target is not p:
-        p.add_(target)
-
-
-def _apply_general(p: torch.Tensor, scratch: torch.Tensor, step: _GeneralStep) -> None:
-    """The unrecorded general update with two buffers, in place.
-
-    ``delta = -(eps/2) o g_c nbeta drive - (eps/2) o p_c (gamma (w - c) + lambda w)
-    + sqrt(eps) o n_c xi``, added to ``w`` (Langevin) or to the momentum
-    (Nosé-Hoover, then ``w += v``); ``xi`` is drawn from ``gen`` exactly as
-    the recorded path draws it.
-    """
-    coefs, overall, drive, center, state, group, gen, half, root, nose_hoover = step
-    nbeta, sigma = group["nbeta"], group["noise_level"]
-    gamma, lam = group["localization"], group["weight_decay"]
-    a, b = scratch[0], scratch[1]
-    # The prior gradient first, while w is unchanged.
-    prior_scale = 0.0
-    if gamma or lam:
-        if gamma:
-            torch.sub(p, center, out=b).mul_(gamma)
-            if lam:
-                b.add_(p, alpha=lam)
-        else:
-            torch.mul(p, lam, out=b)
-        prior_scale = -half * _scaled_into(b, b, coefs.prior_coef, overall)
-    grad_scale = -half * nbeta * _scaled_into(a, drive, coefs.grad_coef, overall)
-    target = p
-    if nose_hoover:
-        target = state["momentum"]
-        target.mul_(1.0 - float(group["thermostat"]))
-    target.add_(a, alpha=grad_scale)
-    if prior_scale:
-        target.add_(b, alpha=prior_scale)
-    a.normal_(0.0, sigma, generator=gen)
-    noise_scale = root * _scaled_into(a, a, coefs.noise_coef, overall)
-    target.add_(a, alpha=noise_scale)
-    if target is not p:
-        p.add_(target)
 
 
 class SGMCMC(Optimizer):
@@ -498,8 +127,8 @@ class SGMCMC(Optimizer):
     over the rows gives the Gram matrix (every norm and inner product,
     accumulated in float64) and, through :meth:`CountSketch.folded_table`,
     the sketch of every row; a ``[6, r]`` coefficient matrix maps both to
-    the components. On CPU with the native kernels
-    (:mod:`gradsketch.sketch._native`) that pass is one fused kernel that
+    the components. On CPU with the native kernels (chosen by
+    :mod:`gradsketch.sketch._backend`) that pass is one fused kernel that
     reads the gradients where autograd left them; otherwise it is a batched
     matmul and a torch scatter over a copy of them.
 
@@ -595,13 +224,13 @@ class SGMCMC(Optimizer):
         self.save_metrics = bool(save_metrics)
         self.save_sketches = sketch_dim is not None
         self._last_metrics: Metrics | None = None
-        self._plans: list[_GroupPlan] = []
+        self._plans: list[GroupPlan] = []
         mask_fps: list[str] = []
         offset = 0
         for group in self.param_groups:
             self._init_group(group)
             numel = sum(p.numel() for p in group["params"])
-            self._plans.append(_GroupPlan(numel=numel, offset=offset))
+            self._plans.append(GroupPlan(numel=numel, offset=offset))
             if group["masks"] is not None:
                 offset += int(sum(int(m.sum()) for m in group["masks"]))
                 mask_fps.append(group["mask_fingerprint"])
@@ -616,7 +245,7 @@ class SGMCMC(Optimizer):
     # ------------------------------------------------------------------ setup
     def _init_group(self, group: dict[str, Any]) -> None:
         params: list[torch.Tensor] = list(group["params"])
-        group["preconditioner"] = _resolve_preconditioner(
+        group["preconditioner"] = resolve_preconditioner(
             group["preconditioner"], group.pop("preconditioner_kwargs", {}) or {}
         )
         centers = self._resolve_prior(group, params)
@@ -731,26 +360,8 @@ class SGMCMC(Optimizer):
         self._sketch_rows = torch.zeros(5, k, dtype=torch.float32, device=device)
         rows = dict(zip(SketchBuffer.QUANTITIES, self._sketch_rows.unbind(0)))
         self._sketch_buf = SketchBuffer(**rows, fingerprint=fp)
-        trash = 2 * k
         for group, plan in zip(self.param_groups, self._plans):
-            # torch's scatter takes int64 indices. Without the native kernels
-            # (which read any width), up to WIDE_TABLE_MAX coordinates the table
-            # is kept in int64 (8 bytes each): widening narrow tiles cost 0.7 ms
-            # of a 1M-coordinate step's 2.2 ms sketch. Otherwise the table has
-            # the narrowest type that holds 2k + 1 buckets (2 or 4 bytes each),
-            # widened tile by tile when torch scatters (reduce_workspace).
-            if plan.numel <= WIDE_TABLE_MAX and not _native.available(device):
-                narrow = torch.int64
-            else:
-                narrow = torch.int16 if trash < 2**15 else torch.int32
-            if group["masks"] is None:
-                plan.folded = self._sketch.folded_table(plan.offset, plan.numel).to(narrow)
-                continue
-            sel = torch.cat([m.reshape(-1) for m in group["masks"]])
-            table = torch.full((plan.numel,), trash, dtype=narrow, device=device)
-            count = int(sel.sum())
-            table[sel] = self._sketch.folded_table(plan.offset, count).to(narrow)
-            plan.folded = table
+            plan.folded = _workspace.folded_table(self._sketch, plan, group["masks"])
 
     @property
     def sketch(self) -> CountSketch:
@@ -800,7 +411,7 @@ class SGMCMC(Optimizer):
         return loss
 
     def _step_group(
-        self, group: dict[str, Any], plan: _GroupPlan, gen: torch.Generator | None
+        self, group: dict[str, Any], plan: GroupPlan, gen: torch.Generator | None
     ) -> tuple[torch.Tensor | None, int]:
         params: list[torch.Tensor] = list(group["params"])
         precond: Preconditioner = group["preconditioner"]
@@ -811,322 +422,59 @@ class SGMCMC(Optimizer):
         gamma, lam = group["localization"], group["weight_decay"]
         half = lr if nose_hoover else 0.5 * lr
         root = math.sqrt(lr)
-        explicit_center = any("prior_center" in self.state[p] for p in params)
-
         # Rows of the per-group block and the coefficients C[6, r] that turn
-        # them into the six components. Identity: distinct raw vectors with
-        # scalar coefficients. Otherwise: the components themselves (C = I).
-        if fast:
-            names = ["grad", "noise"]
-            if lam:
-                names.append("weight")
-            if gamma and explicit_center:
-                names.append("center_diff")
-            names.append("distance")
-        else:
-            names = ["scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise"]
-            names.append("distance")
+        # them into the six components.
+        names = _workspace.row_names(
+            fast,
+            weight_decay=lam,
+            localization=gamma,
+            center=any("prior_center" in self.state[p] for p in params),
+        )
         block: torch.Tensor | None = None
         views: list[dict[str, torch.Tensor]] | None = None
         direct = record and fast and self._direct_grads(params)
         if record:
             # Reading gradients in place, the workspace holds the other rows.
-            block, views = self._workspace(group, plan, names[1:] if direct else names, params)
-        numel = 0
-        energy = torch.zeros((), dtype=torch.float64)
-        for i, p in enumerate(params):
-            if p.grad is None:
-                if views is not None:
-                    for view in views[i].values():
-                        view.zero_()
-                continue
-            state = self.state[p]
-            rows = None if views is None else views[i]
-            scratch = None if rows is not None else _step_scratch(plan, params, p)
-            if fast:
-                numel += p.numel()
-                self._update_identity(p, state, group, rows, gen, scratch)
-            else:
-                numel += self._update_general(
-                    p, state, group, precond, rows, gen, half, root, scratch
-                )
-                if nose_hoover:
-                    energy += state["momentum"].double().square().sum()
-            if group["bounding_box_size"] is not None:
-                b = group["bounding_box_size"]
-                w0 = state["initial_param"]
-                if nose_hoover:
-                    # Reflect the momentum of coordinates that hit a wall.
-                    hit = (p - w0).abs() > b
-                    state["momentum"].mul_(1.0 - 2.0 * hit.to(p.dtype))
-                torch.clamp_(p, min=w0 - b, max=w0 + b)
+            block, views = _workspace.workspace(plan, names[1:] if direct else names, params)
+        numel, energy = update_group_(
+            params,
+            [self.state[p] for p in params],
+            preconditioner=precond,
+            fast=fast,
+            views=views,
+            scratch_for=lambda p: _workspace.step_scratch(plan, params, p),
+            gen=gen,
+            lr=lr,
+            nbeta=nbeta,
+            noise_level=group["noise_level"],
+            localization=gamma,
+            weight_decay=lam,
+            masks=group["masks"],
+            thermostat=float(group["thermostat"]) if nose_hoover else None,
+            bounding_box_size=group["bounding_box_size"],
+        )
         if nose_hoover and plan.numel:
             group["thermostat"] += energy / plan.numel - lr
         if block is None:
             return None, numel
-        coef = self._coefficients(
-            plan, names, fast, half=half, root=root, nbeta=nbeta, gamma=gamma, lam=lam
+        coef = _workspace.coefficients(
+            plan, names, fast, self._sketch, half=half, root=root, nbeta=nbeta, gamma=gamma, lam=lam
         )
-        segments = self._segments(plan, params, views) if direct else None
-        small = self._reduce(block, plan, segments)
+        small = _workspace.reduce_plan(
+            plan,
+            block,
+            sketch=self._sketch,
+            sketches=self._sketch_rows,
+            gram=self.save_metrics,
+            segments=_workspace.segments(plan, params, views) if direct else None,
+        )
         gram = None if small is None else coef @ small @ coef.T
         return gram, numel
 
-    def _workspace(
-        self,
-        group: dict[str, Any],
-        plan: _GroupPlan,
-        names: list[str],
-        params: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        """The group's ``[r, numel]`` rows and per-parameter views, allocated once.
-
-        The update writes every recorded vector straight into its row (no
-        block copy afterwards); the views are cached because building ``r``
-        views per parameter per step is measurable Python overhead.
-        """
-        dtype = torch.promote_types(params[0].dtype, torch.float32) if params else torch.float32
-        device = params[0].device if params else torch.device("cpu")
-        ws = plan.workspace
-        if (
-            ws is None
-            or ws.shape != (len(names), plan.numel)
-            or ws.dtype != dtype
-            or ws.device != device
-            or plan.views is None
-            or plan.workspace_names != tuple(names)
-        ):
-            ws = torch.empty(len(names), plan.numel, dtype=dtype, device=device)
-            views: list[dict[str, torch.Tensor]] = []
-            offset = 0
-            for p in params:
-                cols = slice(offset, offset + p.numel())
-                views.append({name: ws[i, cols].view(p.shape) for i, name in enumerate(names)})
-                offset += p.numel()
-            plan.workspace, plan.views, plan.workspace_names = ws, views, tuple(names)
-        assert plan.views is not None
-        return ws, plan.views
-
-    def _coefficients(
-        self,
-        plan: _GroupPlan,
-        names: list[str],
-        fast: bool,
-        *,
-        half: float,
-        root: float,
-        nbeta: float,
-        gamma: float,
-        lam: float,
-    ) -> torch.Tensor:
-        """``C[6, r]`` (float64) with ``components = C @ rows``; cached per hyperparameters."""
-        key = (fast, tuple(names), half, root, nbeta, gamma, lam)
-        if plan.coef_key == key and plan.coef is not None:
-            return plan.coef
-        row = {n: i for i, n in enumerate(names)}
-        coef = torch.zeros(6, len(names), dtype=torch.float64)
-        if fast:
-            coef[0, row["grad"]] = coef[1, row["grad"]] = half * nbeta
-            coef[2, row.get("center_diff", row["distance"])] = half * gamma
-            if lam:
-                coef[3, row["weight"]] = half * lam
-            coef[4, row["noise"]] = root
-            coef[5, row["distance"]] = 1.0
-        else:
-            coef[:, :] = torch.eye(6, dtype=torch.float64)
-        # Rows feeding a sketched component always form a prefix of the block
-        # (distance, which no sketch needs, comes last), so one contiguous
-        # slice is sketched; an unused row inside it only gets a zero coefficient.
-        used = (coef[:5] != 0).any(0).nonzero().flatten().tolist()
-        plan.sketch_rows = used[-1] + 1 if used else 0
-        plan.coef_key, plan.coef = key, coef
-        if self._sketch is not None:
-            device = self._sketch.device
-            plan.sketch_coef = coef[:5, : plan.sketch_rows].to(device, torch.float32)
-            plan.scratch = None  # its shape follows sketch_rows and the block dtype
-        return coef
-
-    def _reduce(
-        self,
-        block: torch.Tensor,
-        plan: _GroupPlan,
-        segments: list[list[torch.Tensor]] | None = None,
-    ) -> torch.Tensor | None:
-        """Gram matrix of the workspace rows (returned, on CPU) and the step's sketches.
-
-        :func:`~gradsketch.sampling._reduce.reduce_workspace` (of ``segments``
-        when given: the gradients are read in place) gives the Gram
-        (every norm and inner product, float64 across tiles) and, with
-        one scatter into a ``[rows, 2k + 1]`` scratch, the sketch of every
-        sketched row at once (signs folded into the bucket index, see
-        :meth:`CountSketch.folded_table`); the sketch rows are then combined
-        into the five components with one small matmul.
-        """
-        rows = plan.sketch_rows if self._sketch is not None else 0
-        scratch = None
-        if rows:
-            assert self._sketch is not None and plan.folded is not None
-            k = self._sketch.output_dim
-            scratch = plan.scratch
-            if scratch is None or scratch.dtype != block.dtype:
-                scratch = torch.zeros(rows, 2 * k + 1, dtype=block.dtype, device=block.device)
-                plan.scratch = scratch
-            else:
-                scratch.zero_()
-            tile = _reduce.REDUCE_TILE
-            if plan.folded.dtype != torch.int64 and (
-                plan.index_buffer is None or plan.index_buffer.numel() != tile
-            ):
-                plan.index_buffer = torch.empty(tile, dtype=torch.int64, device=block.device)
-        gram = _reduce.reduce_workspace(
-            block if segments is None else segments,
-            gram=self.save_metrics,
-            scratch=scratch,
-            folded=plan.folded,
-            rows=rows,
-            index_buffer=plan.index_buffer,
-        )
-        if scratch is not None:
-            assert self._sketch_rows is not None and plan.sketch_coef is not None
-            k = self._sketch.output_dim  # type: ignore[union-attr]
-            sk = (scratch[:, :k] - scratch[:, k : 2 * k]).to(torch.float32)
-            self._sketch_rows.add_(plan.sketch_coef @ sk)
-        return None if gram is None else gram.cpu()
-
     @staticmethod
     def _direct_grads(params: list[torch.Tensor]) -> bool:
-        """Whether the reduction can read every gradient in place (native kernels, CPU).
-
-        It then needs no copy of the gradient into the workspace (0.3 ms of a
-        1M-parameter step): each parameter's gradient is a row of its segment
-        (:func:`gradsketch.sketch._native.reduce_rows_`).
-        """
-        if not params or not _native.available(params[0].device):
-            return False
-        dtype = torch.promote_types(params[0].dtype, torch.float32)
-        for p in params:
-            g = p.grad
-            if g is not None and (
-                g.dtype != dtype or g.device != p.device or not g.is_contiguous()
-            ):
-                return False
-        return True
-
-    @staticmethod
-    def _segments(
-        plan: _GroupPlan, params: list[torch.Tensor], views: list[dict[str, torch.Tensor]] | None
-    ) -> list[list[torch.Tensor]]:
-        """Per parameter, its rows for the reduction: the gradient, then its workspace rows."""
-        assert views is not None
-        segments = []
-        for p, rows in zip(params, views):
-            grad = p.grad
-            if grad is None:
-                if plan.zeros is None or plan.zeros.numel() < p.numel():
-                    plan.zeros = torch.zeros(
-                        plan.numel, dtype=torch.promote_types(p.dtype, torch.float32)
-                    )
-                grad = plan.zeros[: p.numel()]
-            segments.append([grad.reshape(-1), *(v.reshape(-1) for v in rows.values())])
-        return segments
-
-    def _update_identity(
-        self,
-        p: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        rows: dict[str, torch.Tensor] | None,
-        gen: torch.Generator | None,
-        scratch: torch.Tensor | None = None,
-    ) -> None:
-        """The identity update; with ``rows``, records into them first.
-
-        The rows are written before ``p`` moves. Without ``rows``, the noise
-        and ``w - c`` go to ``scratch`` (``[2, *p.shape]``) when given (same
-        values: one ``normal_`` call draws what ``torch.normal`` would).
-        """
-        lr, nbeta, sigma = group["lr"], group["nbeta"], group["noise_level"]
-        gamma, lam = group["localization"], group["weight_decay"]
-        half = 0.5 * lr
-        grad = p.grad
-        assert grad is not None
-        center = state.get("prior_center", state["initial_param"])
-        if rows is None:
-            if scratch is None:
-                noise = torch.normal(
-                    0.0, sigma, size=p.shape, generator=gen, device=p.device, dtype=p.dtype
-                )
-                loc = (p - center) if gamma else None
-            else:
-                noise = scratch[0].normal_(0.0, sigma, generator=gen)
-                loc = torch.sub(p, center, out=scratch[1]) if gamma else None
-            if lam:
-                # w - (eps/2) lambda w, before anything else moves w.
-                p.mul_(1.0 - half * lam)
-            if loc is not None:
-                p.add_(loc, alpha=-half * gamma)
-        else:
-            noise = rows["noise"].normal_(0.0, sigma, generator=gen)
-            if "grad" in rows:  # else the reduction reads p.grad in place
-                rows["grad"].copy_(grad)
-            torch.sub(p, state["initial_param"], out=rows["distance"])
-            loc = rows["distance"]
-            if "center_diff" in rows:
-                torch.sub(p, center, out=rows["center_diff"])
-                loc = rows["center_diff"]
-            if "weight" in rows:
-                rows["weight"].copy_(p)
-                p.add_(rows["weight"], alpha=-half * lam)
-            if gamma:
-                p.add_(loc, alpha=-half * gamma)
-        p.add_(grad, alpha=-half * nbeta)
-        p.add_(noise, alpha=math.sqrt(lr))
-
-    def _update_general(
-        self,
-        p: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        precond: Preconditioner,
-        rows: dict[str, torch.Tensor] | None,
-        gen: torch.Generator | None,
-        half: float,
-        root: float,
-        scratch: torch.Tensor | None = None,
-    ) -> int:
-        """Single-tensor path for any preconditioner, mask or the thermostat.
-
-        Recording, it writes each component to its row and applies them as
-        written. Otherwise, with ``scratch`` (``[2, *p.shape]``), it applies
-        the same update with two reused buffers and no other temporary
-        (:func:`_apply_general`); the sum's rounding order differs, so the
-        two trajectories may differ in the last bit.
-        """
-        grad = p.grad
-        assert grad is not None
-        coefs = precond.coefficients(p, grad, state)
-        overall: Scalar = coefs.overall_coef
-        masks = group["masks"]
-        if masks is not None:
-            m = masks[state["param_idx"]].to(p.dtype)
-            overall = m * overall
-        center = state.get("prior_center", state["initial_param"])
-        drive = coefs.drift if coefs.drift is not None else grad
-        nose_hoover = precond.dynamics == "nose_hoover"
-        if nose_hoover and "momentum" not in state:
-            state["momentum"] = math.sqrt(group["lr"]) * torch.normal(
-                0.0, 1.0, size=p.shape, generator=gen, device=p.device, dtype=p.dtype
-            )
-        step = _GeneralStep(
-            coefs, overall, drive, center, state, group, gen, half, root, nose_hoover
-        )
-        if rows is None and scratch is not None:
-            _apply_general(p, scratch, step)
-        else:
-            _apply_general_recorded(p, rows, step)
-        if isinstance(overall, torch.Tensor):
-            return int(torch.count_nonzero(overall.expand_as(p)))
-        return p.numel()
+        """Whether the reduction reads every gradient in place (``_workspace.direct_grads``)."""
+        return _workspace.direct_grads(params)
 
     # ---------------------------------------------------------------- results
     def get_metrics(self) -> Metrics:
@@ -1153,146 +501,11 @@ class SGMCMC(Optimizer):
         return [float(g["thermostat"]) for g in self.param_groups if "thermostat" in g]
 
     # -------------------------------------------------------------- factories
-    @classmethod
-    def sgld(
-        cls,
-        params: Iterable[Any],
-        lr: float = 0.01,
-        noise_level: float = 1.0,
-        weight_decay: float = 0.0,
-        localization: float = 0.0,
-        nbeta: float = 1.0,
-        bounding_box_size: float | None = None,
-        mask: object = None,
-        save_metrics: bool = False,
-        sketch_dim: int | None = None,
-        sketch_seed: int = 0,
-    ) -> SGMCMC:
-        """SGLD with localization (Lau et al. 2023): identity preconditioner.
-
-        ``w <- w - (eps/2)(nbeta grad L + gamma (w - w0) + lambda w) + N(0, eps sigma^2)``.
-        """
-        _advise(noise_level, nbeta)
-        return cls(
-            params,
-            lr=lr,
-            noise_level=noise_level,
-            nbeta=nbeta,
-            localization=localization,
-            weight_decay=weight_decay,
-            bounding_box_size=bounding_box_size,
-            mask=mask,
-            save_metrics=save_metrics,
-            sketch_dim=sketch_dim,
-            sketch_seed=sketch_seed,
-        )
-
-    @classmethod
-    def rmsprop_sgld(
-        cls,
-        params: Iterable[Any],
-        lr: float = 0.01,
-        noise_level: float = 1.0,
-        weight_decay: float = 0.0,
-        localization: float = 0.0,
-        nbeta: float = 1.0,
-        alpha: float = 0.99,
-        eps: float = 0.1,
-        add_grad_correction: bool = False,
-        bounding_box_size: float | None = None,
-        mask: object = None,
-        save_metrics: bool = False,
-        sketch_dim: int | None = None,
-        sketch_seed: int = 0,
-    ) -> SGMCMC:
-        """RMSprop-preconditioned SGLD (Li et al. 2016): coefs ``(G, G, sqrt(G), 1)``."""
-        if add_grad_correction:
-            raise NotImplementedError(
-                "`add_grad_correction=True` (the Gamma(theta) term of pSGLD) is not implemented; "
-                "leave it False, as devinterp does."
-            )
-        _advise(noise_level, nbeta)
-        return cls(
-            params,
-            lr=lr,
-            noise_level=noise_level,
-            nbeta=nbeta,
-            localization=localization,
-            weight_decay=weight_decay,
-            preconditioner="rmsprop",
-            preconditioner_kwargs={"alpha": alpha, "eps": eps},
-            bounding_box_size=bounding_box_size,
-            mask=mask,
-            save_metrics=save_metrics,
-            sketch_dim=sketch_dim,
-            sketch_seed=sketch_seed,
-        )
-
-    @classmethod
-    def adam_sgld(
-        cls,
-        params: Iterable[Any],
-        lr: float = 0.01,
-        noise_level: float = 1.0,
-        weight_decay: float = 0.0,
-        localization: float = 0.0,
-        nbeta: float = 1.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 0.1,
-        bounding_box_size: float | None = None,
-        mask: object = None,
-        save_metrics: bool = False,
-        sketch_dim: int | None = None,
-        sketch_seed: int = 0,
-    ) -> SGMCMC:
-        """Adam-preconditioned SGLD with adaptive drift (see :class:`AdamPreconditioner`)."""
-        _advise(noise_level, nbeta)
-        return cls(
-            params,
-            lr=lr,
-            noise_level=noise_level,
-            nbeta=nbeta,
-            localization=localization,
-            weight_decay=weight_decay,
-            preconditioner="adam",
-            preconditioner_kwargs={"betas": betas, "eps": eps},
-            bounding_box_size=bounding_box_size,
-            mask=mask,
-            save_metrics=save_metrics,
-            sketch_dim=sketch_dim,
-            sketch_seed=sketch_seed,
-        )
-
-    @classmethod
-    def sgnht(
-        cls,
-        params: Iterable[Any],
-        lr: float = 0.01,
-        diffusion_factor: float = 0.01,
-        nbeta: float = 1.0,
-        bounding_box_size: float | None = None,
-        save_metrics: bool = False,
-        sketch_dim: int | None = None,
-        sketch_seed: int = 0,
-        localization: float = 0.0,
-        weight_decay: float = 0.0,
-    ) -> SGMCMC:
-        """SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHooverThermostat`)."""
-        _advise(1.0, nbeta)
-        return cls(
-            params,
-            lr=lr,
-            noise_level=1.0,
-            nbeta=nbeta,
-            localization=localization,
-            weight_decay=weight_decay,
-            preconditioner="nht",
-            preconditioner_kwargs={"diffusion_factor": diffusion_factor},
-            bounding_box_size=bounding_box_size,
-            save_metrics=save_metrics,
-            sketch_dim=sketch_dim,
-            sketch_seed=sketch_seed,
-        )
+    # Generated from the table of presets below (same signatures as devinterp's).
+    sgld: ClassVar[Callable[..., SGMCMC]]
+    rmsprop_sgld: ClassVar[Callable[..., SGMCMC]]
+    adam_sgld: ClassVar[Callable[..., SGMCMC]]
+    sgnht: ClassVar[Callable[..., SGMCMC]]
 
     METHODS: ClassVar[tuple[str, ...]] = ("sgld", "rmsprop_sgld", "adam_sgld", "sgnht")
 
@@ -1327,6 +540,137 @@ def _advise(noise_level: float, nbeta: float) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Preset:
+    """One factory: its preconditioner, its keywords in signature order, its docstring.
+
+    A keyword's annotation and default come from the preconditioner's
+    constructor when it is one of its options, else from :class:`SGMCMC`'s
+    (or :data:`_EXTRA_KEYWORDS`), so each is written once.
+    """
+
+    preconditioner: str
+    keywords: tuple[str, ...]
+    doc: str
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # not exposed: always this value
+
+
+#: The keywords every SGLD-type factory starts and ends with (devinterp's order).
+_STEP = ("lr", "noise_level", "weight_decay", "localization", "nbeta")
+_REST = ("bounding_box_size", "mask", "save_metrics", "sketch_dim", "sketch_seed")
+
+#: Factory keywords that neither the sampler nor a preconditioner takes.
+_EXTRA_KEYWORDS: dict[str, tuple[str, Any]] = {"add_grad_correction": ("bool", False)}
+
+#: The factories ``SGMCMC.<name>``, in the order of :attr:`SGMCMC.METHODS`.
+_PRESETS: dict[str, _Preset] = {
+    "sgld": _Preset(
+        "identity",
+        (*_STEP, *_REST),
+        """SGLD with localization (Lau et al. 2023): identity preconditioner.
+
+        ``w <- w - (eps/2)(nbeta grad L + gamma (w - w0) + lambda w) + N(0, eps sigma^2)``.
+        """,
+    ),
+    "rmsprop_sgld": _Preset(
+        "rmsprop",
+        (*_STEP, "alpha", "eps", "add_grad_correction", *_REST),
+        "RMSprop-preconditioned SGLD (Li et al. 2016): coefs ``(G, G, sqrt(G), 1)``.",
+    ),
+    "adam_sgld": _Preset(
+        "adam",
+        (*_STEP, "betas", "eps", *_REST),
+        "Adam-preconditioned SGLD with adaptive drift (see :class:`AdamPreconditioner`).",
+    ),
+    "sgnht": _Preset(
+        "nht",
+        (
+            "lr",
+            "diffusion_factor",
+            "nbeta",
+            "bounding_box_size",
+            "save_metrics",
+            "sketch_dim",
+            "sketch_seed",
+            "localization",
+            "weight_decay",
+        ),
+        "SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHooverThermostat`).",
+        fixed={"noise_level": 1.0},
+    ),
+}
+
+
+def _preset_signature(
+    preset: _Preset, *, first: str, keyword_only: bool = False, returns: str = "SGMCMC"
+) -> inspect.Signature:
+    """``(first, params, <keywords>) -> returns``; after ``params`` keyword-only if asked."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    options = inspect.signature(PRECONDITIONERS[preset.preconditioner]).parameters
+    sampler = inspect.signature(SGMCMC).parameters
+    params = [
+        inspect.Parameter(first, kind),
+        inspect.Parameter("params", kind, annotation="Iterable[Any]"),
+    ]
+    for name in preset.keywords:
+        if name in options:
+            annotation, default = options[name].annotation, options[name].default
+        elif name in sampler:
+            annotation, default = sampler[name].annotation, sampler[name].default
+        else:
+            annotation, default = _EXTRA_KEYWORDS[name]
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY if keyword_only else kind,
+                annotation=annotation,
+                default=default,
+            )
+        )
+    return inspect.Signature(params, return_annotation=returns)
+
+
+def _preset_arguments(
+    preset: _Preset, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The sampler's constructor arguments for a call of a preset's factory."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    del values[next(iter(signature.parameters))]  # cls / self
+    if values.pop("add_grad_correction", False):
+        raise NotImplementedError(
+            "`add_grad_correction=True` (the Gamma(theta) term of pSGLD) is not implemented; "
+            "leave it False, as devinterp does."
+        )
+    options = inspect.signature(PRECONDITIONERS[preset.preconditioner]).parameters
+    values.update(preset.fixed)
+    _advise(values["noise_level"], values["nbeta"])
+    values["preconditioner"] = preset.preconditioner
+    values["preconditioner_kwargs"] = {n: values.pop(n) for n in options if n in values}
+    return values
+
+
+def _make_factory(name: str, preset: _Preset) -> classmethod[Any, Any, SGMCMC]:
+    signature = _preset_signature(preset, first="cls")
+
+    def factory(*args: Any, **kwargs: Any) -> SGMCMC:
+        cls = args[0]
+        values = _preset_arguments(preset, signature, args, kwargs)
+        return cls(values.pop("params"), **values)  # type: ignore[no-any-return]
+
+    factory.__name__ = name
+    factory.__qualname__ = f"SGMCMC.{name}"
+    factory.__doc__ = preset.doc
+    factory.__signature__ = signature  # type: ignore[attr-defined]
+    return classmethod(factory)
+
+
+for _name, _preset in _PRESETS.items():
+    setattr(SGMCMC, _name, _make_factory(_name, _preset))
+assert tuple(_PRESETS) == SGMCMC.METHODS
+
+
 class SGLD(SGMCMC):
     """Legacy SGLD (devinterp's ``SGLD`` keywords): :meth:`SGMCMC.sgld` as a class.
 
@@ -1342,37 +686,18 @@ class SGLD(SGMCMC):
         5.0
     """
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        *,
-        lr: float = 0.01,
-        noise_level: float = 1.0,
-        weight_decay: float = 0.0,
-        localization: float = 0.0,
-        nbeta: float = 1.0,
-        bounding_box_size: float | None = None,
-        mask: object = None,
-        save_metrics: bool = False,
-        sketch_dim: int | None = None,
-        sketch_seed: int = 0,
-    ) -> None:
+    _SIGNATURE = _preset_signature(
+        _PRESETS["sgld"], first="self", keyword_only=True, returns="None"
+    )
+
+    def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
         warnings.warn(
             "SGLD is kept for compatibility; use SGMCMC.sgld instead.",
             DeprecationWarning,
             stacklevel=2,
         )
-        _advise(noise_level, nbeta)
-        super().__init__(
-            params,
-            lr=lr,
-            noise_level=noise_level,
-            nbeta=nbeta,
-            localization=localization,
-            weight_decay=weight_decay,
-            bounding_box_size=bounding_box_size,
-            mask=mask,
-            save_metrics=save_metrics,
-            sketch_dim=sketch_dim,
-            sketch_seed=sketch_seed,
-        )
+        values = _preset_arguments(_PRESETS["sgld"], self._SIGNATURE, (self, params), kwargs)
+        super().__init__(values.pop("params"), **values)
+
+
+SGLD.__init__.__signature__ = SGLD._SIGNATURE  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ coordinates (``project_into_`` / ``scatter_into_`` at an offset); inner
 products preserved in expectation, with the normalisation in each docstring.
 """
 
+from gradsketch.sketch._backend import NativeStatus, native_status
 from gradsketch.sketch._countsketch import SKETCH_QUANTITIES, CountSketch, SketchBuffer
 from gradsketch.sketch._factorized import (
     FactorizedLayer,
@@ -14,7 +15,6 @@ from gradsketch.sketch._factorized import (
     PlainParam,
 )
 from gradsketch.sketch._fingerprint import Fingerprint, FingerprintMismatchError
-from gradsketch.sketch._native import NativeStatus, native_status
 from gradsketch.sketch._projectors import (
     AbstractProjector,
     BasicProjector,

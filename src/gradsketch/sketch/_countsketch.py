@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradsketch.sketch import _native
+from gradsketch.sketch import _backend
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._hash import buckets_and_signs, sparse_key
 from gradsketch.sketch._validate import (
@@ -58,8 +58,8 @@ def scatter_folded_(
 ) -> None:
     """``scratch.index_add_(1, folded, block)``, balanced over torch's threads.
 
-    On CPU the native kernel (:mod:`gradsketch.sketch._native`) does it when
-    available; ``parts`` given explicitly always takes torch's path below.
+    On CPU the native kernel (chosen by :mod:`gradsketch.sketch._backend`) does it
+    when available; ``parts`` given explicitly always takes torch's path below.
     torch parallelises this scatter over the rows of ``block``, each thread
     walking whole rows: one row runs on one thread, and three rows on two
     threads leave one thread with two of them. Viewing the columns as
@@ -82,7 +82,7 @@ def scatter_folded_(
         >>> out
         tensor([[2., 2.]])
     """
-    if parts is None and _native.reduce_(scratch, folded, block):
+    if parts is None and _backend.reduce_(scratch, folded, block):
         return
     rows, n = block.shape
     if parts is None:
@@ -314,15 +314,11 @@ class CountSketch:
         check_device("result", result, self._device)
         flat = v.detach().reshape(-1)
         check_range(offset, flat.numel(), self._input_dim)
-        if result.device.type == "cuda":
-            # Imported here: the kernels module pulls in triton, which CPU users never need.
-            from gradsketch.sketch import _triton
-
-            if _triton.use_triton(result.device):
-                _triton.triton_count_sketch(
-                    flat.unsqueeze(0), self._key, offset, self._output_dim, 1.0, result.unsqueeze(0)
-                )
-                return
+        if _backend.default_backend(result, kernel="hashed") == "triton":
+            _backend.triton().triton_count_sketch(
+                flat.unsqueeze(0), self._key, offset, self._output_dim, 1.0, result.unsqueeze(0)
+            )
+            return
         # With tables there is nothing to bound: one pass. On the fly, hash a
         # chunk at a time so memory stays O(k + chunk).
         step = self.chunk_size if self._table is None else max(flat.numel(), 1)

@@ -15,17 +15,15 @@ are derived from it, so streaming by coordinates holds by construction.
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from enum import Enum
-from types import ModuleType
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from gradsketch.sketch import _native
+from gradsketch.sketch._backend import default_backend, triton
 from gradsketch.sketch._countsketch import DEFAULT_CHUNK, scatter_folded_
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
@@ -40,23 +38,6 @@ from gradsketch.sketch._validate import (
 
 #: Entries of a dense tile generated at once (8 MiB of float32).
 _TILE_ENTRIES = 1 << 21
-
-
-def triton_kernels(device: torch.device) -> ModuleType | None:
-    """The Triton kernels module if projections on ``device`` should use it, else None.
-
-    Imported on first need only: CPU users never pay for importing triton
-    (about 70 MB and half a second) unless ``GRADSKETCH_TRITON`` asks for the
-    kernels (e.g. ``1`` with ``TRITON_INTERPRET=1`` in the tests).
-    """
-    if device.type != "cuda" and os.environ.get("GRADSKETCH_TRITON", "auto").strip().lower() in (
-        "",
-        "auto",
-    ):
-        return None
-    from gradsketch.sketch import _triton
-
-    return _triton if _triton.use_triton(device) else None
 
 
 class ProjectionType(str, Enum):
@@ -395,7 +376,7 @@ class SparseProjector(AbstractProjector):
         # and scale once, so CPU and GPU agree bit for bit whenever the sums
         # are exact, and a mapping of many parameters costs one final pass.
         k = self.proj_dim
-        kernels = triton_kernels(out.device)
+        kernels = triton() if default_backend(out, kernel="hashed") == "triton" else None
         if kernels is not None:
             # Hashing in registers beats reading int64 tables: same map, one pass.
             signed = torch.zeros_like(out)
@@ -411,7 +392,10 @@ class SparseProjector(AbstractProjector):
             n = block.shape[1]
             if not self.materialize:
                 step = self.chunk_size
-            elif out.shape[0] >= _TILE_MIN_ROWS and not _native.available(out.device):
+            elif (
+                out.shape[0] >= _TILE_MIN_ROWS
+                and default_backend(out.device, kernel="scatter") != "native"
+            ):
                 step = _TILE_COLUMNS
             else:
                 step = max(n, 1)
@@ -595,7 +579,7 @@ class BasicProjector(_DenseProjector):
         self.block_size = min(self.proj_dim, check_dim("block_size", block_size))
 
     def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
-        kernels = triton_kernels(out.device) if out.dtype == torch.float32 else None
+        kernels = triton() if default_backend(out, kernel="dense") == "triton" else None
         if kernels is not None:
             # The matrix is generated in registers (float32, the precision of
             # this path); float64 outputs keep the float64 torch path.

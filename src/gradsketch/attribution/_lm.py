@@ -204,16 +204,16 @@ class LanguageModelingModelOutput(AbstractModelOutput):
             raise BatchFormatError(
                 f"`input_ids` must be [batch, seq_len], got shape {tuple(ids.shape)}."
             )
-        if mask is None:
-            mask = torch.ones_like(ids)
-        if labels is None:
-            labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
         for name, t in (("attention_mask", mask), ("labels", labels)):
-            if tuple(t.shape) != tuple(ids.shape):
+            if t is not None and tuple(t.shape) != tuple(ids.shape):
                 raise BatchFormatError(
                     f"`{name}` has shape {tuple(t.shape)} but `input_ids` has "
                     f"{tuple(ids.shape)}; they must match."
                 )
+        if mask is None:
+            mask = torch.ones_like(ids)
+        if labels is None:
+            labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
         return ids, mask, labels
 
     @staticmethod

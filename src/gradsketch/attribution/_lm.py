@@ -31,7 +31,6 @@ query's score.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -55,9 +54,14 @@ class BatchFormatError(ValueError):
     """A batch does not have the fields (or the tuple length) the task expects."""
 
 
-@functools.cache
-def _forward_params(model_type: type) -> frozenset[str]:
-    return frozenset(inspect.signature(model_type.forward).parameters)
+_FORWARD_PARAMS: dict[type[nn.Module], frozenset[str]] = {}
+
+
+def _forward_params(model_type: type[nn.Module]) -> frozenset[str]:
+    """Named parameters of ``model_type.forward`` (cached per class)."""
+    if model_type not in _FORWARD_PARAMS:
+        _FORWARD_PARAMS[model_type] = frozenset(inspect.signature(model_type.forward).parameters)
+    return _FORWARD_PARAMS[model_type]
 
 
 def _call_model(
@@ -198,8 +202,8 @@ class LanguageModelingModelOutput(AbstractModelOutput):
                     "labels), or a dict with those keys."
                 )
             items += [None] * (3 - len(items))
-            ids, mask, labels = (None if t is None else torch.as_tensor(t) for t in items)
-            assert ids is not None
+            ids = torch.as_tensor(items[0])
+            mask, labels = (None if t is None else torch.as_tensor(t) for t in items[1:])
         if ids.dim() != 2:
             raise BatchFormatError(
                 f"`input_ids` must be [batch, seq_len], got shape {tuple(ids.shape)}."

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from gradsketch._settings import SettingsMismatchError
 from gradsketch.attribution import (
     BatchFormatError,
     HookGradientComputer,
@@ -278,3 +279,23 @@ def test_select_parameters_errors(llama, grad_wrt, match):
 def test_select_parameters_refuses_non_strings(llama):
     with pytest.raises(TypeError, match="parameter names or patterns"):
         select_parameters(llama, [3])
+
+
+def test_entry_mask_recorded_and_resume_with_another_refused(tmp_path, llama):
+    name = "model.layers.0.mlp.up_proj.weight"
+    kwargs = dict(
+        save_dir=tmp_path,
+        device="cpu",
+        gradient_computer=HookGradientComputer,
+        proj_dim=16,
+        progress=False,
+        logging_level=logging.WARNING,
+    )
+    first = ParamMask({name: torch.eye(32, 16, dtype=torch.bool)})
+    traker = TRAKer(llama, "language_modeling", 4, mask=first, **kwargs)
+    assert traker.grad_wrt == [name] and traker.grad_dim == 16
+    assert traker.settings.projector["mask"] == first.fingerprint
+    TRAKer(llama, "language_modeling", 4, mask=first, **kwargs)  # the same: resumes
+    other = ParamMask({name: torch.eye(32, 16, dtype=torch.bool).roll(1, 0)})
+    with pytest.raises(SettingsMismatchError, match="mask"):
+        TRAKer(llama, "language_modeling", 4, mask=other, **kwargs)

@@ -813,8 +813,15 @@ class TRAKer:
         if self._exp_per_token:
             # f = Σ_t f_t: the target's feature is the sum of its tokens' features.
             size, length = (int(s) for s in batch[0].shape[:2])
-            expanded = tuple(self.task.per_token_batch(batch))  # type: ignore[attr-defined]
-            tokens = self._features(expanded, self._exp_model_id).reshape(size, length, -1)
+            # B targets give B * T per-token rows; a few targets at a time keep
+            # each pass at most max(B, T) rows.
+            group = max(1, size // length)
+            parts = []
+            for start in range(0, size, group):
+                part = tuple(t[start : start + group] for t in batch)
+                expanded = tuple(self.task.per_token_batch(part))  # type: ignore[attr-defined]
+                parts.append(self._features(expanded, self._exp_model_id))
+            tokens = torch.cat(parts).reshape(size, length, -1)
             phi = tokens.sum(1)
             name = self._token_array(base, length)
             rows[name] = tokens.detach().reshape(size, -1).to(self.dtype).cpu().numpy()

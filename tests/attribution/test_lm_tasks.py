@@ -107,6 +107,15 @@ class UntypedClassifier(TypedClassifier):
         return super().forward(input_ids, torch.zeros_like(input_ids), attention_mask)
 
 
+class KwargsClassifier(TypedClassifier):
+    """A forward reading ``**kwargs`` (not a Hugging Face model): it gets every input."""
+
+    def forward(self, **kwargs):
+        return super().forward(
+            kwargs["input_ids"], kwargs["token_type_ids"], kwargs["attention_mask"]
+        )
+
+
 def test_token_types_reach_models_that_take_them_only():
     ids, mask, labels = classification_batch()
     types = (torch.arange(SEQ) >= 3).long().expand_as(ids)
@@ -120,6 +129,9 @@ def test_token_types_reach_models_that_take_them_only():
     # Types shift the typed model's output; the untyped model ignores them.
     assert not torch.allclose(out_typed, CLS.get_batch_output(typed, ids, 0 * types, mask, labels))
     torch.testing.assert_close(out_untyped, CLS.get_batch_output(untyped, ids, mask, labels))
+    kw_model = KwargsClassifier().double().eval()
+    kw_model.load_state_dict(typed.state_dict())
+    torch.testing.assert_close(CLS.get_batch_output(kw_model, *trak_tuple), out_typed)
     weights = {n: p.detach() for n, p in typed.named_parameters()}
     single = CLS.get_output(typed, weights, {}, ids[0], types[0], mask[0], labels[0])
     torch.testing.assert_close(single, out_typed[0])

@@ -54,14 +54,38 @@ class BatchFormatError(ValueError):
     """A batch does not have the fields (or the tuple length) the task expects."""
 
 
-_FORWARD_PARAMS: dict[type[nn.Module], frozenset[str]] = {}
+_FORWARD_PARAMS: dict[type[nn.Module], tuple[frozenset[str], bool]] = {}
 
 
-def _forward_params(model_type: type[nn.Module]) -> frozenset[str]:
-    """Named parameters of ``model_type.forward`` (cached per class)."""
+def _forward_params(model_type: type[nn.Module]) -> tuple[frozenset[str], bool]:
+    """Named parameters of ``model_type.forward`` and whether it takes ``**kwargs`` (cached)."""
     if model_type not in _FORWARD_PARAMS:
-        _FORWARD_PARAMS[model_type] = frozenset(inspect.signature(model_type.forward).parameters)
+        params = inspect.signature(model_type.forward).parameters.values()
+        names = frozenset(p.name for p in params)
+        var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        _FORWARD_PARAMS[model_type] = (names, var_kw)
     return _FORWARD_PARAMS[model_type]
+
+
+def _wrapped(model: nn.Module) -> nn.Module:
+    """The model a peft wrapper forwards to (``model`` itself otherwise)."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def _accepted(model: nn.Module, key: str) -> bool:
+    """Whether ``model``'s forward takes ``key``.
+
+    Hugging Face forwards collect attention-implementation options in
+    ``**kwargs`` and name every input they read, so for them (and for peft
+    wrappers, judged by the wrapped model) only named inputs are passed;
+    other models with ``**kwargs`` get every input, as TRAK passes them.
+    """
+    target = _wrapped(model)
+    names, var_kw = _forward_params(type(target))
+    if key in names:
+        return True
+    return var_kw and not type(target).__module__.startswith("transformers.")
 
 
 def _call_model(
@@ -70,9 +94,10 @@ def _call_model(
     kwargs: dict[str, Tensor],
 ) -> Tensor:
     """Logits of ``model(**kwargs)``, without a KV cache, through ``functional_call`` if given."""
-    accepted = _forward_params(type(model))
-    kw: dict[str, Any] = {k: v for k, v in kwargs.items() if k in accepted or k == "input_ids"}
-    if "use_cache" in accepted:
+    kw: dict[str, Any] = {
+        k: v for k, v in kwargs.items() if k == "input_ids" or _accepted(model, k)
+    }
+    if "use_cache" in _forward_params(type(_wrapped(model)))[0]:
         kw["use_cache"] = False
     if params is None:
         out = model(**kw)

@@ -344,9 +344,17 @@ def test_featurize_loader_reads_dicts_and_datasets_like_tuples(tmp_path, lm_case
         features[name] = np.asarray(traker.store.array("checkpoints/0/grads")[:])
         q = np.asarray(traker.store.array("checkpoints/0/out_to_loss")[:])
         features[name + "/q"] = q
+        # score_loader reads the same inputs (the training rows as targets here).
+        traker.start_scoring_checkpoint("t", model.state_dict(), 0, num_targets=12)
+        traker.score_loader(source, batch_size=5)
+        traker.store.flush()
+        features[name + "/t"] = np.asarray(traker.store.array("experiments/t/0/grads")[:])
     for name in ("dicts", "dataset"):
-        np.testing.assert_allclose(features[name], features["tuples"], rtol=1e-6, atol=1e-9)
-        np.testing.assert_allclose(features[name + "/q"], features["tuples/q"], rtol=1e-6)
+        for part in ("", "/q", "/t"):
+            np.testing.assert_allclose(
+                features[name + part], features["tuples" + part], rtol=1e-6, atol=1e-9
+            )
+    np.testing.assert_allclose(features["tuples/t"], features["tuples"], rtol=1e-6, atol=1e-9)
 
 
 def test_dataset_without_the_task_columns_is_refused(tmp_path, lm_case):
@@ -358,16 +366,17 @@ def test_dataset_without_the_task_columns_is_refused(tmp_path, lm_case):
         traker.featurize_loader(datasets.Dataset.from_dict({"text": ["a", "b"]}))
 
 
-def test_bf16_model_featurized_in_bf16_with_float32_features(tmp_path):
-    """bf16 weights stay bf16; features (float32) match the float32 model's to bf16 accuracy.
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_model_featurized_in_its_dtype_with_float32_features(tmp_path, half):
+    """Half weights stay half; features (float32) match the float32 model's to half accuracy.
 
-    bf16 keeps 8 bits of mantissa (relative rounding 2^-9 ≈ 2e-3 per operation);
-    through two layers and the per-token sums the features agree to a few 1e-2
-    of their largest entry.
+    bf16 keeps 8 bits of mantissa (relative rounding 2^-9 ≈ 2e-3 per operation,
+    fp16 2^-12); through two layers and the per-token sums the features agree
+    to a few 1e-2 of their largest entry.
     """
     ids, mask, _ = padded_batch(n=8, seed=5)
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, half):
         model = tiny_llama(dtype)
         traker = TRAKer(
             model,
@@ -388,7 +397,7 @@ def test_bf16_model_featurized_in_bf16_with_float32_features(tmp_path):
         grads = traker.store.array("checkpoints/0/grads")
         assert grads.dtype == np.float32
         out[dtype] = np.asarray(grads[:]), np.asarray(traker.store.array("checkpoints/0/xtx")[:])
-    (f32, xtx32), (bf16, xtx16) = out[torch.float32], out[torch.bfloat16]
+    (f32, xtx32), (bf16, xtx16) = out[torch.float32], out[half]
     assert np.isfinite(bf16).all() and np.isfinite(xtx16).all()
     np.testing.assert_allclose(bf16, f32, rtol=0, atol=3e-2 * np.abs(f32).max())
     np.testing.assert_allclose(xtx16, xtx32, rtol=0, atol=6e-2 * np.abs(xtx32).max())

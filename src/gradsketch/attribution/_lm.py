@@ -6,8 +6,8 @@ collator return) or TRAK's positional tuple. :meth:`as_batch` turns either
 into the task's canonical tuple, which is what the gradient computers see
 (``vmap`` and the layer hooks index batches by position).
 
-**Language modeling** (TRAK's extension to sequences; Park et al., ICML
-2023, used there for fact tracing). A causal LM predicts token ``y_t`` from
+**Language modeling** (TRAK's derivation, Park et al., ICML 2023, sec. 3,
+applied token by token). A causal LM predicts token ``y_t`` from
 the tokens before it with probability ``p_t = softmax(z_{t-1})[y_t]``; its
 loss is ``L = -Σ_t log p_t`` over the predicted tokens (``labels != -100``).
 Writing each token's loss as a logistic loss of its log-odds,

@@ -166,7 +166,12 @@ class TRAKer:
     reopening ``save_dir`` with other settings is refused with both shown;
     ``memory_budget`` bounds the working memory of ``finalize_features`` and
     ``finalize_scores`` (larger score matrices go to a zarr array on disk);
-    ``lambda_reg="auto"`` picks a damping.
+    ``lambda_reg="auto"`` picks a damping. Hugging Face models: the
+    ``"language_modeling"`` task, dict batches and ``datasets.Dataset``
+    inputs, weights chosen by name pattern (a LoRA model's adapters by
+    default), per-token target scores (``per_token=True``), and :meth:`topk`,
+    which streams the scores into the top proponents and opponents of each
+    target without forming the ``[n, m]`` matrix.
 
     Args:
         model: the model.

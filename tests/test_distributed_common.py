@@ -36,7 +36,7 @@ WORLD = 2
 # Checkpoints are built in memory (no files), so two ranks importing the config
 # never race on writing the same checkpoint file.
 CONFIG = """
-from gradsketch.attribution._digits import (
+from gradsketch.demos import (
     TrainSettings, build_mlp, load_digits_split, make_loader, train_model,
 )
 
@@ -325,7 +325,7 @@ def test_two_ranks_under_torchrun(tmp_path):
     the exact effect of the two stored XᵀX's difference plus each run's
     float32 rounding.
     """
-    from gradsketch.attribution._cli import attribute_command
+    from gradsketch.cli import attribute_command
 
     config = tmp_path / "trak_config.py"
     config.write_text(textwrap.dedent(CONFIG))

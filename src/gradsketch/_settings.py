@@ -24,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from gradsketch._json import jsonable
 
 #: Key under which :func:`settings_record` stores package versions.
 VERSIONS_KEY = "versions"
@@ -51,22 +52,6 @@ def package_versions(packages: Iterable[str] = DEFAULT_PACKAGES) -> dict[str, st
     return versions
 
 
-def _jsonable(value: Any) -> Any:
-    """Plain JSON types: tuples become lists, dataclasses dicts, others ``str``."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    # dtypes, devices, enums: their string form is what a person compares.
-    return str(value)
-
-
 def settings_record(
     settings: Any, *, packages: Iterable[str] | None = DEFAULT_PACKAGES
 ) -> dict[str, Any]:
@@ -81,9 +66,9 @@ def settings_record(
         A dict of plain JSON values (round-trips through :func:`json.dumps`).
     """
     if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
-        record = _jsonable(settings)
+        record = jsonable(settings)
     elif isinstance(settings, Mapping):
-        record = _jsonable(dict(settings))
+        record = jsonable(dict(settings))
     else:
         raise TypeError(
             f"`settings` must be a dataclass instance or a mapping, got "
@@ -126,8 +111,8 @@ def settings_diff(
     skip = set(ignore)
     lines = []
     for key in sorted((set(stored) | set(requested)) - skip):
-        a = _jsonable(stored.get(key, "<missing>"))
-        b = _jsonable(requested.get(key, "<missing>"))
+        a = jsonable(stored.get(key, "<missing>"))
+        b = jsonable(requested.get(key, "<missing>"))
         if a != b:
             lines.append(f"{key}: stored {a!r}, requested {b!r}")
     return lines
@@ -162,7 +147,7 @@ def write_record(path: str | Path, record: Mapping[str, Any]) -> None:
     """Write a record as indented, key-sorted JSON (atomically: temp file + rename)."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(_jsonable(dict(record)), indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(jsonable(dict(record)), indent=2, sort_keys=True) + "\n")
     tmp.replace(target)
 
 

@@ -12,7 +12,7 @@ import torch
 import zarr
 
 import gradsketch.attribution as attribution
-from gradsketch.attribution._cli import (
+from gradsketch.cli import (
     MODEL_NAMES,
     REQUIRED_NAMES,
     AttributeSettings,
@@ -22,15 +22,14 @@ from gradsketch.attribution._cli import (
     load_config,
     read_config,
 )
-from gradsketch.attribution._demo import to_numpy
-from gradsketch.attribution._digits import build_mlp, load_digits_split, make_loader
+from gradsketch.demos import build_mlp, load_digits_split, make_loader, to_numpy
 from gradsketch.sketch import FactorizedProjector
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 TINY_CONFIG = """
 import torch
-from gradsketch.attribution._digits import (
+from gradsketch.demos import (
     TrainSettings, build_mlp, load_digits_split, make_loader, train_model,
 )
 

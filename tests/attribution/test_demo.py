@@ -11,29 +11,27 @@ import torch
 from torch import nn
 
 import gradsketch.attribution as attribution
-from gradsketch.attribution._demo import (
+from gradsketch.demos import (
+    ARCHITECTURES,
     DemoSettings,
     DemoSettingsError,
-    _gallery_rows,
-    digits_lds_ground_truth,
-    format_report,
-    run_demo,
-    to_numpy,
-    write_gallery,
-)
-from gradsketch.attribution._digits import (
-    ARCHITECTURES,
     DigitsSettingsError,
     TrainSettings,
     accuracy,
     build_cnn,
     build_mlp,
     build_model,
+    digits_lds_ground_truth,
+    format_report,
+    gallery_rows,
     load_digits_split,
     make_loader,
     margins,
+    run_demo,
+    to_numpy,
     train_digits_model,
     train_model,
+    write_gallery,
 )
 
 TINY_TRAIN = TrainSettings(epochs=2, batch_size=64)
@@ -218,8 +216,8 @@ def test_lds_ground_truth_masks_are_halves_and_outputs_are_margins(split):
 
 def test_gallery_rows_pick_distinct_classes_first():
     labels = torch.tensor([3, 3, 1, 4, 1, 5, 9, 2, 6])
-    assert _gallery_rows(labels, 6) == [0, 2, 3, 5, 6, 7]
-    assert _gallery_rows(torch.tensor([1, 1, 1]), 6) == [0, 1, 2]
+    assert gallery_rows(labels, 6) == [0, 2, 3, 5, 6, 7]
+    assert gallery_rows(torch.tensor([1, 1, 1]), 6) == [0, 1, 2]
 
 
 def test_write_gallery_writes_png(tmp_path, split):

@@ -83,5 +83,6 @@ def test_factorize_command_config_errors(tmp_path, body, exc, match):
 
 
 def test_factorize_command_missing_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"`config_path` '.*nope.py' does not exist"):
+    match = r"`config_path` must be an existing \.py file, got '.*nope.py'"
+    with pytest.raises(FileNotFoundError, match=match):
         factorize_command(tmp_path / "nope.py", tmp_path / "out")

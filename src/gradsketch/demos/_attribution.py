@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gradsketch.attribution._digits import (
+from gradsketch._plotting import new_figure, save_figure
+from gradsketch.demos._digits import (
     ARCHITECTURES,
     DigitsSplit,
     TrainSettings,
@@ -272,7 +273,7 @@ def run_demo(
     if with_auto and lds["auto"] > lds[gallery_key]:
         gallery_key, gallery_scores = "auto", auto_scores
     with _timed(timings, "gallery"):
-        rows = _gallery_rows(y_target, GALLERY_ROWS)
+        rows = gallery_rows(y_target, GALLERY_ROWS)
         write_gallery(out / "gallery.png", gallery_scores, split, rows, top=GALLERY_TOP)
     timings["total"] = time.perf_counter() - start
 
@@ -459,14 +460,9 @@ def write_gallery(
     Returns:
         The written path.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cols = 1 + 2 * top
-    fig, axes = plt.subplots(
-        len(rows), cols, figsize=(1.25 * cols, 1.45 * len(rows)), squeeze=False
+    fig, axes = new_figure(
+        width=1.25 * cols, height=1.45 * len(rows), nrows=len(rows), ncols=cols, squeeze=False
     )
     for r, target in enumerate(rows):
         column = scores[:, target]
@@ -499,10 +495,7 @@ def write_gallery(
         "opponents (lowest scores)", (0.5, 1.55), xycoords="axes fraction", ha="center"
     )
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 def format_report(summary: Mapping[str, Any]) -> str:
@@ -586,7 +579,7 @@ def _lambda_key(value: float | str) -> str:
     return str(value)
 
 
-def _gallery_rows(labels: Tensor, count: int) -> list[int]:
+def gallery_rows(labels: Tensor, count: int) -> list[int]:
     """First target of each of ``count`` different classes (fewer targets: first ones)."""
     rows: list[int] = []
     seen: set[int] = set()

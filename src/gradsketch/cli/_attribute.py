@@ -43,7 +43,6 @@ memory: it stays in the zarr array ``trak_store/scores/targets`` (no
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import math
@@ -60,12 +59,14 @@ import zarr
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from gradsketch.attribution._demo import to_numpy
-from gradsketch.attribution._gradient_computers import (
+from gradsketch import _config
+from gradsketch.attribution import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
+    HookGradientComputer,
 )
-from gradsketch.attribution._hooks import HookGradientComputer
+from gradsketch.demos._attribution import to_numpy
+from gradsketch.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +98,6 @@ EXPERIMENT = "targets"
 #: Targets whose top proponents are listed in ``summary.json``.
 SUMMARY_TARGETS = 10
 SUMMARY_TOP = 5
-
-
-class ConfigError(ValueError):
-    """Raised for a config file that cannot be loaded or lacks what the pipeline needs."""
 
 
 @dataclass(frozen=True)
@@ -186,18 +183,7 @@ def load_config(config_path: str | Path) -> ModuleType:
     Raises:
         ConfigError: if the file is missing or not a ``.py`` file.
     """
-    path = Path(config_path)
-    if path.suffix != ".py" or not path.is_file():
-        raise ConfigError(
-            f"`config_path` must be an existing .py file, got {str(path)!r}; see "
-            "examples/attribute_config.py for a template."
-        )
-    spec = importlib.util.spec_from_file_location(f"gradsketch_config_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"`config_path` {str(path)!r} cannot be imported as a Python module.")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _config.load_config(config_path, template="examples/attribute_config.py")
 
 
 def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
@@ -217,7 +203,7 @@ def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
         >>> read_config({"model": nn.Linear(2, 2)})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        gradsketch.attribution._cli.ConfigError: the config does not define `checkpoints`, ...
+        gradsketch.errors.ConfigError: the config does not define `checkpoints`, ...
     """
     names = dict(config) if isinstance(config, Mapping) else vars(config)
     missing = [n for n in REQUIRED_NAMES if n not in names]
@@ -287,7 +273,7 @@ def attribute_command(
         >>> attribute_command("no_such_config.py", "out")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        gradsketch.attribution._cli.ConfigError: `config_path` must be an existing .py file, ...
+        gradsketch.errors.ConfigFileError: `config_path` must be an existing .py file, ...
     """
     config = read_config(load_config(config_path))
     from gradsketch.attribution import TRAKer

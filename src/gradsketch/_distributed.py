@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsketch.errors import GradsketchError
+
 __all__ = [
     # who am I
     "is_distributed",
@@ -69,7 +71,7 @@ _DEFAULT_FIX = (
 )
 
 
-class DistributedMismatchError(RuntimeError):
+class DistributedMismatchError(GradsketchError, RuntimeError):
     """Ranks of one job disagree on something that must be identical (weights, sizes, seeds)."""
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsketch._json import jsonable
+from gradsketch.errors import GradsketchError
 
 #: Key under which :func:`settings_record` stores package versions.
 VERSIONS_KEY = "versions"
@@ -37,7 +38,7 @@ VERSIONS_KEY = "versions"
 DEFAULT_PACKAGES: tuple[str, ...] = ("gradsketch", "torch", "numpy", "zarr")
 
 
-class SettingsMismatchError(ValueError):
+class SettingsMismatchError(GradsketchError, ValueError):
     """Stored results were made with other settings than the ones requested."""
 
 

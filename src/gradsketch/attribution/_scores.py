@@ -47,6 +47,7 @@ from gradsketch.attribution._linalg import (
     rows_as_tensor,
     xtx_blocked,
 )
+from gradsketch.errors import GradsketchError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 APPLY_INVERSE_TO = ("auto", "targets", "train")
 
 
-class MemoryBudgetError(ValueError):
+class MemoryBudgetError(GradsketchError, ValueError):
     """The result does not fit the memory budget and no on-disk destination was given."""
 
 

@@ -47,6 +47,7 @@ from gradsketch.attribution._scores import (
     create_score_array,
     score_checkpoints,
 )
+from gradsketch.errors import GradsketchError
 from gradsketch.sketch import (
     CountSketchProjector,
     CudaProjector,
@@ -55,7 +56,7 @@ from gradsketch.sketch import (
 )
 
 
-class ModelIDException(RuntimeError):
+class ModelIDException(GradsketchError, RuntimeError):
     """A checkpoint (model id) is missing, incomplete or inconsistent (TRAK's name)."""
 
 

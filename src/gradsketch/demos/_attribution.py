@@ -45,6 +45,7 @@ from gradsketch.demos._digits import (
     margins,
     train_digits_model,
 )
+from gradsketch.errors import GradsketchError
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ GALLERY_ROWS = 6
 GALLERY_TOP = 5
 
 
-class DemoSettingsError(ValueError):
+class DemoSettingsError(GradsketchError, ValueError):
     """Raised for invalid demo settings or an output folder holding another run."""
 
 

@@ -24,12 +24,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from gradsketch.errors import GradsketchError
+
 #: Pixels per digit image (8 x 8) and number of classes.
 NUM_FEATURES = 64
 NUM_CLASSES = 10
 
 
-class DigitsSettingsError(ValueError):
+class DigitsSettingsError(GradsketchError, ValueError):
     """Raised when digits data, model or training settings are invalid."""
 
 

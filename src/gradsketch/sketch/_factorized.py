@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from gradsketch.errors import GradsketchError
 from gradsketch.sketch._countsketch import accumulate_folded
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._hash import buckets_and_signs, dense_block, derive_key
@@ -36,7 +37,7 @@ _REST_INDEX = 0xFFFFFFFF
 _IN, _OUT = 0, 1
 
 
-class FactorizedLayoutError(ValueError):
+class FactorizedLayoutError(GradsketchError, ValueError):
     """Raised when a model, a gradient or a factor does not fit a projector's layout."""
 
 

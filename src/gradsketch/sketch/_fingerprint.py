@@ -7,10 +7,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gradsketch.errors import GradsketchError
 from gradsketch.sketch._hash import HASH_VERSION
 
 
-class FingerprintMismatchError(ValueError):
+class FingerprintMismatchError(GradsketchError, ValueError):
     """Raised when sketches or stored features made by different maps are combined."""
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from gradsketch._hash import MASK32, mix32
+from gradsketch.errors import GradsketchError
 from gradsketch.sketch._hash import AUX_SALT, PAIR_SALT, RADEMACHER_SALT
 from gradsketch.sketch._validate import check_dim, check_float_tensor
 
@@ -88,7 +89,7 @@ _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "0") not 
 _ANNOUNCED: set[str] = set()
 
 
-class TritonUnavailableError(RuntimeError):
+class TritonUnavailableError(GradsketchError, RuntimeError):
     """The Triton kernels were asked for where they cannot run."""
 
 

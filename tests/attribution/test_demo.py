@@ -239,9 +239,9 @@ def test_to_numpy_accepts_tensor_memmap_and_array(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_checkpoints": 0}, r"`num_checkpoints` must be an integer >= 1, got 0"),
+        ({"num_checkpoints": 0}, r"`num_checkpoints` must be a positive integer, got 0"),
         ({"lds_models": 2}, r"`lds_models` must be an integer >= 3, got 2"),
-        ({"proj_dim": 1.5}, r"`proj_dim` must be an integer >= 1, got 1.5"),
+        ({"proj_dim": 1.5}, r"`proj_dim` must be a positive integer, got 1.5"),
         ({"arch": "rnn"}, r"`arch` must be one of 'cnn', 'mlp', got 'rnn'"),
         ({"lambda_reg": -1.0}, r"`lambda_reg` must be a finite number >= 0 or 'auto', got -1.0"),
         ({"lambda_reg": "big"}, r"`lambda_reg` must be .* got 'big'"),

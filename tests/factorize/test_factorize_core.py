@@ -293,7 +293,10 @@ MATRIX_ERRORS = [
         {"bias": torch.randn(5)}, ValueError, r"`bias` must have shape \[4\]; got \[5\]", id="bias"
     ),
     pytest.param(
-        {"n_iters": -1}, ValueError, r"`n_iters` must be an int >= 0; got -1", id="n-iters"
+        {"n_iters": -1},
+        ValueError,
+        r"`n_iters` must be a non-negative integer, got -1",
+        id="n-iters",
     ),
     pytest.param(
         {"rank": 0},

@@ -172,7 +172,7 @@ def test_grouped_and_unknown_conv_arguments_are_refused():
 
 
 def test_bad_sizes_are_refused():
-    with pytest.raises(ValueError, match=r"`in_size` must be a positive int; got 0"):
+    with pytest.raises(ValueError, match=r"`in_size` must be a positive integer, got 0"):
         FactorizedLinear(0, 4, latent_features=1)
     with pytest.raises(ValueError, match=r"`latent_features` must be an int >= 1"):
         FactorizedLinear(16, 16, latent_features=-1)

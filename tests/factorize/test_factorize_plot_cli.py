@@ -35,7 +35,7 @@ def test_rank_curve_png_and_monotone(tmp_path, kind):
 def test_rank_curve_errors():
     with pytest.raises(TypeError, match=r"`module` must be one of the registered types; got ReLU"):
         plot_rank_curve(nn.ReLU(), torch.randn(3, 3))
-    with pytest.raises(ValueError, match=r"`ranks` must hold ints in \[1, 7\] .*got 8"):
+    with pytest.raises(ValueError, match=r"`ranks\[...\]` must be an integer in \[1, 8\), got 8"):
         plot_rank_curve(nn.Linear(8, 8), torch.randn(20, 8), ranks=[2, 8])
 
 

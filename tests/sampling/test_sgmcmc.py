@@ -548,7 +548,7 @@ ERRORS = [
     pytest.param(
         lambda: SGMCMC(_p(), sketch_dim=0),
         ValueError,
-        r"`sketch_dim` must be a positive int",
+        r"`sketch_dim` must be a positive integer",
         id="sketch-dim",
     ),
     pytest.param(

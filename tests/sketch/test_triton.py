@@ -38,7 +38,7 @@ from gradsketch.sketch import (
     _triton,
 )
 from gradsketch.sketch._countsketch import accumulate_folded
-from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
+from gradsketch.sketch._tables import buckets_and_signs, dense_block, dense_key, sparse_key
 
 HAVE_TRITON = _triton.triton is not None
 CPU = torch.device("cpu")
@@ -465,10 +465,25 @@ INVALID = [
         ValueError,
         r"`block` is on cpu but `out` is on meta",
     ),
-    ("offset_neg", {"offset": -1}, ValueError, r"`offset` must be a non-negative int, got -1"),
-    ("offset_bool", {"offset": True}, ValueError, r"`offset` must be a non-negative int, got True"),
-    ("key_neg", {"key": -5}, ValueError, r"`key` must be a 32-bit key.*got -5"),
-    ("key_wide", {"key": 2**32}, ValueError, r"`key` must be a 32-bit key.*got 4294967296"),
+    ("offset_neg", {"offset": -1}, ValueError, r"`offset` must be a non-negative integer, got -1"),
+    (
+        "offset_bool",
+        {"offset": True},
+        ValueError,
+        r"non-negative integer, got True of type bool",
+    ),
+    (
+        "key_neg",
+        {"key": -5},
+        ValueError,
+        r"`key` must be an integer in \[0, 2\*\*32\), got -5",
+    ),
+    (
+        "key_wide",
+        {"key": 2**32},
+        ValueError,
+        r"`key` must be .*2\*\*32\), got 4294967296",
+    ),
     ("proj_dim_zero", {"proj_dim": 0}, ValueError, r"`proj_dim` must be a positive integer, got 0"),
 ]
 

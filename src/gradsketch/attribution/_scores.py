@@ -34,6 +34,7 @@ import zarr
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from gradsketch._checks import positive_int
 from gradsketch.attribution._linalg import (
     BackgroundWriter,
     block_plan,
@@ -53,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 #: Allowed values of ``apply_inverse_to``.
 APPLY_INVERSE_TO = ("auto", "targets", "train")
+
+
+#: How to fix a bad ``memory_budget`` (shared by every function that takes one).
+MEMORY_BUDGET_FIX = "pass a number of bytes, e.g. memory_budget=2 * 1024**3, or None"
 
 
 class MemoryBudgetError(GradsketchError, ValueError):
@@ -206,12 +211,7 @@ def score_checkpoints(
         raise ValueError(
             f"`apply_inverse_to` must be one of {list(APPLY_INVERSE_TO)}, got {apply_inverse_to!r}."
         )
-    if memory_budget is not None and (
-        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
-    ):
-        raise ValueError(
-            f"`memory_budget` must be a positive number of bytes or None, got {memory_budget!r}."
-        )
+    positive_int("memory_budget", memory_budget, optional=True, fix=MEMORY_BUDGET_FIX)
     n, k, m = _check_shapes(checkpoints)
     if device is None:
         first = checkpoints[0].train

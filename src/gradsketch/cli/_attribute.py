@@ -60,6 +60,8 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradsketch import _config
+from gradsketch._checks import check_int, positive_int
+from gradsketch._device import to_device
 from gradsketch.attribution import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
@@ -132,25 +134,17 @@ class AttributeSettings:
                 'set e.g. `gradients = "hooks"` in the config, or leave it out.'
             )
         for name in ("proj_dim", "train_set_size", "num_targets"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(
-                    f"`{name}` must be a positive integer, got {value!r}; set `{name} = ...` "
-                    "in the config."
-                )
-        if isinstance(self.projector_seed, bool) or not isinstance(self.projector_seed, int):
-            raise ConfigError(
-                f"`projector_seed` must be an int, got {self.projector_seed!r}; "
-                "set e.g. `projector_seed = 0` in the config."
-            )
-        budget = self.memory_budget
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
-        ):
-            raise ConfigError(
-                f"`memory_budget` must be a positive number of bytes or None, got {budget!r}; "
-                "set e.g. `memory_budget = 2 * 1024**3` in the config, or leave it out."
-            )
+            fix = f"set `{name} = ...` in the config"
+            positive_int(name, getattr(self, name), fix=fix, error=ConfigError)
+        fix = "set e.g. `projector_seed = 0` in the config"
+        check_int("projector_seed", self.projector_seed, fix=fix, error=ConfigError)
+        positive_int(
+            "memory_budget",
+            self.memory_budget,
+            optional=True,
+            fix="set a number of bytes, e.g. `memory_budget = 2 * 1024**3`, or leave it out",
+            error=ConfigError,
+        )
         lam = self.lambda_reg
         if not (
             lam == "auto"
@@ -314,7 +308,7 @@ def attribute_command(
         for batch in config["train_loader"]:
             size = batch_size(batch)
             _check_rows("train_loader", seen + size, settings.train_set_size, partial=True)
-            traker.featurize(batch=_to_device(batch, settings.device), num_samples=size)
+            traker.featurize(batch=to_device(batch, settings.device), num_samples=size)
             seen += size
             bar.update(size)
         _check_rows("train_loader", seen, settings.train_set_size)
@@ -339,7 +333,7 @@ def attribute_command(
         for batch in config["target_loader"]:
             size = batch_size(batch)
             _check_rows("target_loader", seen + size, settings.num_targets, partial=True)
-            traker.score(batch=_to_device(batch, settings.device), num_samples=size)
+            traker.score(batch=to_device(batch, settings.device), num_samples=size)
             seen += size
         _check_rows("target_loader", seen, settings.num_targets)
     timings["score"] = time.perf_counter() - t0
@@ -405,20 +399,6 @@ def batch_size(batch: Any) -> int:
             f"batch dimension; got a batch whose first entry is {type(first).__name__}."
         )
     return int(first.shape[0])
-
-
-def _to_device(batch: Any, device: str) -> Any:
-    if device == "cpu":
-        return batch
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, list):
-        return [_to_device(v, device) for v in batch]
-    if isinstance(batch, tuple):
-        return tuple(_to_device(v, device) for v in batch)
-    return batch
 
 
 def _load_checkpoints(value: Any) -> list[dict[str, Tensor]]:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from gradsketch._checks import check_int
 from gradsketch._plotting import new_figure, save_figure
 from gradsketch.demos._digits import (
     ARCHITECTURES,
@@ -106,14 +107,14 @@ class DemoSettings:
             ("proj_dim", 1),
             ("batch_size", 1),
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise DemoSettingsError(
-                    f"`{name}` must be an integer >= {low}, got {value!r}; the default is "
-                    f"{getattr(DemoSettings, name)!r}."
-                )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise DemoSettingsError(f"`seed` must be an int, got {self.seed!r}; pass e.g. seed=0.")
+            check_int(
+                name,
+                getattr(self, name),
+                low=low,
+                fix=f"the default is {getattr(DemoSettings, name)!r}",
+                error=DemoSettingsError,
+            )
+        check_int("seed", self.seed, error=DemoSettingsError)
         if self.arch not in ARCHITECTURES:
             allowed = ", ".join(repr(a) for a in sorted(ARCHITECTURES))
             raise DemoSettingsError(

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from gradsketch._checks import integer, positive_int
 from gradsketch.errors import GradsketchError
 
 #: Pixels per digit image (8 x 8) and number of classes.
@@ -426,17 +427,11 @@ def make_loader(x: Tensor, y: Tensor, *, batch_size: int = 256) -> DataLoader:
 @contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """Run a block under a fixed torch seed, then restore the global generator."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise DigitsSettingsError(
-            f"`seed` must be an int, got {seed!r} of type {type(seed).__name__}; pass e.g. seed=0."
-        )
+    integer("seed", seed, error=DigitsSettingsError, type_error=DigitsSettingsError)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
 
 
 def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DigitsSettingsError(
-            f"`{name}` must be a positive integer, got {value!r}; pass e.g. {name}=16."
-        )
+    positive_int(name, value, fix=f"pass e.g. {name}=16", error=DigitsSettingsError)

@@ -15,7 +15,6 @@ coefficients ``(g_c, p_c, n_c, o)``: identity ``(1, 1, 1, 1)``; mask
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import warnings
@@ -27,6 +26,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch.optim import Optimizer
 
+from gradsketch._checks import integer, positive_int
+from gradsketch._hash import TensorDigest
 from gradsketch.sampling import _reduce
 from gradsketch.sampling._metrics import Metrics
 from gradsketch.sketch import CountSketch, Fingerprint, SketchBuffer, _native
@@ -288,14 +289,13 @@ def _resolve_preconditioner(spec: object, kwargs: dict[str, Any]) -> Preconditio
 
 
 def _mask_fingerprint(masks: Sequence[torch.Tensor | None]) -> str:
-    digest = hashlib.sha256()
+    digest = TensorDigest()
     for m in masks:
         if m is None:
-            digest.update(b"all")
-            continue
-        digest.update(str(tuple(m.shape)).encode())
-        digest.update(m.detach().to("cpu", torch.bool).contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
+            digest.text("all")
+        else:
+            digest.text(str(tuple(m.shape))).tensor(m.bool())
+    return digest.hexdigest()
 
 
 _PRIOR_FORMS = (
@@ -571,14 +571,8 @@ class SGMCMC(Optimizer):
         _check_positive("weight_decay", weight_decay, allow_zero=True)
         if bounding_box_size is not None:
             _check_positive("bounding_box_size", bounding_box_size)
-        if sketch_dim is not None and (
-            isinstance(sketch_dim, bool) or not isinstance(sketch_dim, int) or sketch_dim < 1
-        ):
-            raise ValueError(
-                f"`sketch_dim` must be a positive int or None, got {sketch_dim!r}; e.g. 1024."
-            )
-        if isinstance(sketch_seed, bool) or not isinstance(sketch_seed, int):
-            raise TypeError(f"`sketch_seed` must be an int, got {sketch_seed!r}.")
+        positive_int("sketch_dim", sketch_dim, optional=True, fix="pass e.g. sketch_dim=1024")
+        integer("sketch_seed", sketch_seed)
         defaults = dict(
             lr=float(lr),
             noise_level=float(noise_level),

@@ -8,15 +8,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from gradsketch._checks import integer, positive_int
 from gradsketch.sketch import _native
 from gradsketch.sketch._fingerprint import Fingerprint
-from gradsketch.sketch._hash import buckets_and_signs, sparse_key
+from gradsketch.sketch._tables import buckets_and_signs, sparse_key
 from gradsketch.sketch._validate import (
     check_device,
-    check_dim,
     check_float_tensor,
     check_range,
-    check_seed,
 )
 
 #: The sampler update components that get one sketch each.
@@ -164,16 +163,16 @@ class CountSketch:
         chunk_size: int = DEFAULT_CHUNK,
         mask: Any = None,
     ) -> None:
-        self._input_dim = check_dim("input_dim", input_dim)
+        self._input_dim = positive_int("input_dim", input_dim)
         if mask is not None and mask.numel != self._input_dim:
             raise ValueError(
                 f"`input_dim`={input_dim} but the mask selects {mask.numel} entries; with a "
                 "mask, pass input_dim=mask.numel."
             )
         self.mask = mask
-        self._output_dim = check_dim("output_dim", output_dim)
-        self.seed = check_seed("seed", seed)
-        self.chunk_size = check_dim("chunk_size", chunk_size)
+        self._output_dim = positive_int("output_dim", output_dim)
+        self.seed = integer("seed", seed)
+        self.chunk_size = positive_int("chunk_size", chunk_size)
         self.materialize = bool(materialize)
         self._device = torch.device(device)
         self._key = sparse_key(self.seed, 0, 0)
@@ -371,7 +370,7 @@ class SketchBuffer:
         fingerprint: Fingerprint | None = None,
     ) -> SketchBuffer:
         """Zeroed buffers of size ``output_dim`` on ``device``."""
-        check_dim("output_dim", output_dim)
+        positive_int("output_dim", output_dim)
         zeros = {
             q: torch.zeros(output_dim, dtype=torch.float32, device=device) for q in cls.QUANTITIES
         }

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsketch.errors import GradsketchError
-from gradsketch.sketch._hash import HASH_VERSION
+from gradsketch.sketch._tables import HASH_VERSION
 
 
 class FingerprintMismatchError(GradsketchError, ValueError):

@@ -50,6 +50,7 @@ from gradsketch.attribution._scores import (
     score_checkpoints,
 )
 from gradsketch.errors import GradsketchError
+from gradsketch.masked import MaskLike
 from gradsketch.sketch import (
     CountSketchProjector,
     CudaProjector,
@@ -253,7 +254,7 @@ class TRAKer:
         lambda_reg: float | str = 0.0,
         *,
         memory_budget: int | None = None,
-        mask: Any = None,
+        mask: MaskLike | None = None,
         precision: str = "float32",
         progress: bool = True,
         chunk_rows: int | None = None,
@@ -357,7 +358,7 @@ class TRAKer:
         projector: Any,
         proj_dim: int,
         proj_max_batch_size: int,
-        mask: Any,
+        mask: MaskLike | None,
         gradient_computer: Any,
     ) -> None:
         if projector is None:
@@ -371,7 +372,7 @@ class TRAKer:
         self.logger.info("Using %s", type(self.projector).__name__)
 
     def _default_projector(
-        self, proj_dim: int, proj_max_batch_size: int, mask: Any, gradient_computer: Any
+        self, proj_dim: int, proj_max_batch_size: int, mask: MaskLike | None, gradient_computer: Any
     ) -> Any:
         """The projector used when none is given (see the class docstring)."""
         if self._wants_factorized(gradient_computer, mask):
@@ -399,7 +400,7 @@ class TRAKer:
             self.grad_dim, int(proj_dim), self.proj_seed, self.device, mask=mask
         )
 
-    def _wants_factorized(self, gradient_computer: Any, mask: Any) -> bool:
+    def _wants_factorized(self, gradient_computer: Any, mask: MaskLike | None) -> bool:
         """Hook gradients on CPU, no mask: the default projector is a FactorizedProjector."""
         return (
             isinstance(gradient_computer, type)

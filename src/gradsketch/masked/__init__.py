@@ -18,6 +18,7 @@ from ._errors import MaskError
 from ._functional import adagrad, adam, sgd
 from ._optimizers import MaskedAdagrad, MaskedAdam, MaskedSGD
 from ._parammask import ParamMask
+from ._protocol import MaskLike
 
 __all__ = [
     # optimizers
@@ -30,6 +31,7 @@ __all__ = [
     "sgd",
     # parameter masks
     "ParamMask",
+    "MaskLike",
     # errors
     "MaskError",
 ]

@@ -28,15 +28,10 @@ from torch.optim import Optimizer
 
 from gradsketch._checks import integer, positive_int
 from gradsketch._hash import TensorDigest
+from gradsketch.masked import MaskLike
 from gradsketch.sampling import _reduce
 from gradsketch.sampling._metrics import Metrics
 from gradsketch.sketch import CountSketch, Fingerprint, SketchBuffer, _native
-
-_ParamMask: Any
-try:  # The masked subpackage is a sibling on the ground floor; tolerate it being absent.
-    from gradsketch.masked import ParamMask as _ParamMask
-except ImportError:  # pragma: no cover - depends on the masked subpackage
-    _ParamMask = None  # type: ignore[misc,assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -555,7 +550,7 @@ class SGMCMC(Optimizer):
         preconditioner: str | Preconditioner = "identity",
         preconditioner_kwargs: dict[str, Any] | None = None,
         bounding_box_size: float | None = None,
-        mask: object = None,
+        mask: MaskLike | Sequence[torch.Tensor | None] | torch.Tensor | None = None,
         save_metrics: bool = False,
         sketch_dim: int | None = None,
         sketch_seed: int = 0,
@@ -616,7 +611,7 @@ class SGMCMC(Optimizer):
         centers = self._resolve_prior(group, params)
         masks = self._resolve_mask(group.get("mask"), params)
         group["masks"] = masks
-        if _ParamMask is not None and isinstance(group.get("mask"), _ParamMask):
+        if isinstance(group.get("mask"), MaskLike):
             # The ParamMask's own digest, so sketches name the mask users built.
             group["mask_fingerprint"] = group["mask"].fingerprint
         else:
@@ -672,10 +667,10 @@ class SGMCMC(Optimizer):
         )
 
     @staticmethod
-    def _resolve_mask(mask: object, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    def _resolve_mask(mask: Any, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         if mask is None:
             return None
-        if _ParamMask is not None and isinstance(mask, _ParamMask):
+        if isinstance(mask, MaskLike):
             per_param = [m for _, m in mask.items()]
             if len(per_param) != len(params):
                 raise ValueError(
@@ -1157,7 +1152,7 @@ class SGMCMC(Optimizer):
         localization: float = 0.0,
         nbeta: float = 1.0,
         bounding_box_size: float | None = None,
-        mask: object = None,
+        mask: MaskLike | Sequence[torch.Tensor | None] | torch.Tensor | None = None,
         save_metrics: bool = False,
         sketch_dim: int | None = None,
         sketch_seed: int = 0,
@@ -1194,7 +1189,7 @@ class SGMCMC(Optimizer):
         eps: float = 0.1,
         add_grad_correction: bool = False,
         bounding_box_size: float | None = None,
-        mask: object = None,
+        mask: MaskLike | Sequence[torch.Tensor | None] | torch.Tensor | None = None,
         save_metrics: bool = False,
         sketch_dim: int | None = None,
         sketch_seed: int = 0,
@@ -1234,7 +1229,7 @@ class SGMCMC(Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 0.1,
         bounding_box_size: float | None = None,
-        mask: object = None,
+        mask: MaskLike | Sequence[torch.Tensor | None] | torch.Tensor | None = None,
         save_metrics: bool = False,
         sketch_dim: int | None = None,
         sketch_seed: int = 0,
@@ -1346,7 +1341,7 @@ class SGLD(SGMCMC):
         localization: float = 0.0,
         nbeta: float = 1.0,
         bounding_box_size: float | None = None,
-        mask: object = None,
+        mask: MaskLike | Sequence[torch.Tensor | None] | torch.Tensor | None = None,
         save_metrics: bool = False,
         sketch_dim: int | None = None,
         sketch_seed: int = 0,

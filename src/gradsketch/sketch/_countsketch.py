@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from gradsketch._checks import integer, positive_int
+from gradsketch.masked import MaskLike
 from gradsketch.sketch import _native
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._tables import buckets_and_signs, sparse_key
@@ -161,7 +162,7 @@ class CountSketch:
         materialize: bool = True,
         device: torch.device | str = "cpu",
         chunk_size: int = DEFAULT_CHUNK,
-        mask: Any = None,
+        mask: MaskLike | None = None,
     ) -> None:
         self._input_dim = positive_int("input_dim", input_dim)
         if mask is not None and mask.numel != self._input_dim:
@@ -189,7 +190,7 @@ class CountSketch:
         *,
         materialize: bool = True,
         device: torch.device | str = "cpu",
-        mask: Any = None,
+        mask: MaskLike | None = None,
     ) -> CountSketch:
         """Build the sketch for ``input_dim`` coordinates into ``output_dim`` buckets.
 

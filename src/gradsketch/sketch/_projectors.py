@@ -20,12 +20,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from gradsketch._checks import integer, positive_int
+from gradsketch.masked import MaskLike
 from gradsketch.sketch import _native
 from gradsketch.sketch._countsketch import DEFAULT_CHUNK, scatter_folded_
 from gradsketch.sketch._fingerprint import Fingerprint
@@ -77,18 +78,6 @@ def parse_proj_type(value: object) -> ProjectionType:
         ) from None
 
 
-class SupportsSelect(Protocol):
-    """What a projector needs from a :class:`gradsketch.masked.ParamMask`."""
-
-    @property
-    def numel(self) -> int: ...
-
-    @property
-    def fingerprint(self) -> str: ...
-
-    def select_batched(self, tensors: Mapping[str, Tensor]) -> Tensor: ...
-
-
 class AbstractProjector(ABC):
     """A seeded linear map applied to batches of gradients.
 
@@ -124,7 +113,7 @@ class AbstractProjector(ABC):
         device: torch.device | str,
         *,
         model_id: int = 0,
-        mask: SupportsSelect | None = None,
+        mask: MaskLike | None = None,
     ) -> None:
         self.grad_dim = positive_int("grad_dim", grad_dim)
         self.proj_dim = positive_int("proj_dim", proj_dim)
@@ -348,7 +337,7 @@ class SparseProjector(AbstractProjector):
         *,
         model_id: int = 0,
         materialize: bool = True,
-        mask: SupportsSelect | None = None,
+        mask: MaskLike | None = None,
         chunk_size: int = DEFAULT_CHUNK,
     ) -> None:
         super().__init__(grad_dim, proj_dim, seed, None, device, model_id=model_id, mask=mask)
@@ -445,7 +434,7 @@ class CountSketchProjector(SparseProjector):
         *,
         model_id: int = 0,
         materialize: bool = True,
-        mask: SupportsSelect | None = None,
+        mask: MaskLike | None = None,
         chunk_size: int = DEFAULT_CHUNK,
     ) -> None:
         super().__init__(
@@ -475,7 +464,7 @@ class _DenseProjector(AbstractProjector):
         device: torch.device | str,
         dtype: torch.dtype,
         model_id: int,
-        mask: SupportsSelect | None,
+        mask: MaskLike | None,
     ) -> None:
         parsed = parse_proj_type(proj_type)
         super().__init__(grad_dim, proj_dim, seed, parsed, device, model_id=model_id, mask=mask)

@@ -28,8 +28,8 @@ import gradsketch.attribution._distributed
 import gradsketch.sampling._distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import free_port, one_thread, torchrun
-from _numerics import trak_score_tolerance
+from helpers.launch import free_port, one_thread, torchrun
+from helpers.numerics import trak_score_tolerance
 
 WORLD = 2
 
@@ -317,7 +317,7 @@ def test_two_ranks_under_torchrun(tmp_path):
     command's. XᵀX is not: each rank sums its own rows and ``all_reduce``
     adds the two partials, another order than one sum over all rows (on an
     AVX2 CPU this changed 85% of the scores by up to 6e-8). So the scores
-    must agree within the bound of ``tests/_numerics.py::trak_score_tolerance``:
+    must agree within the bound of ``tests/helpers/numerics.py::trak_score_tolerance``:
     the exact effect of the two stored XᵀX's difference plus each run's
     float32 rounding.
     """

@@ -45,8 +45,8 @@ from gradsketch.attribution._linalg import damped_inverse, xtx_blocked
 from gradsketch.attribution._scores import CheckpointGrads, score_checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _launch import one_thread, torchrun
-from _numerics import gamma, trak_score_tolerance
+from helpers.launch import one_thread, torchrun
+from helpers.numerics import gamma, trak_score_tolerance
 
 WORLD = 2
 LAMBDA = 0.05
@@ -253,7 +253,7 @@ def test_scores_within_derived_tolerance_of_one_process(runs, key):
 
     The two runs read bit-identical X, T, Q (tested above); their stored XᵀX
     differ (within the summation bound tested above). The bound, derived in
-    ``tests/_numerics.py::trak_score_tolerance``, is that difference's exact
+    ``tests/helpers/numerics.py::trak_score_tolerance``, is that difference's exact
     effect on the scores plus each run's float32 rounding.
     """
     ckpts = _checkpoints(runs["dist"])

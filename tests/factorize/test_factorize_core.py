@@ -7,7 +7,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from factorize_helpers import (
+
+from gradsketch.factorize import LowRankSolution, factorize_conv2d, factorize_matrix
+from helpers.factorize import (
     decaying_inputs,
     low_rank,
     predict,
@@ -16,8 +18,6 @@ from factorize_helpers import (
     svd_start,
     true_nmse,
 )
-
-from gradsketch.factorize import LowRankSolution, factorize_conv2d, factorize_matrix
 
 F64 = torch.float64
 

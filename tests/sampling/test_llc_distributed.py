@@ -29,7 +29,7 @@ from gradsketch.sampling._recording import METRIC_FIELDS
 from gradsketch.sketch import SKETCH_QUANTITIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _launch import one_thread, torchrun
+from helpers.launch import one_thread, torchrun
 
 WORLD = 2
 

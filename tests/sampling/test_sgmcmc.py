@@ -9,7 +9,19 @@ import warnings
 import pytest
 import torch
 
-from gradsketch.sampling import PRECONDITIONERS, SGLD, SGMCMC, Metrics
+from gradsketch.sampling import (
+    PRECONDITIONERS,
+    SGLD,
+    SGMCMC,
+    AdamPreconditioner,
+    IdentityPreconditioner,
+    Metrics,
+    NoseHooverThermostat,
+    Preconditioner,
+    PreconditionerCoefs,
+    RMSpropPreconditioner,
+    register_preconditioner,
+)
 from gradsketch.sampling import _reduce as reduce_module
 from gradsketch.sampling import _sgmcmc as sgmcmc_module
 from gradsketch.sketch import CountSketch
@@ -600,7 +612,41 @@ def test_errors(make, exc, match):
 
 
 def test_preconditioner_registry_lists_names():
-    assert {"identity", "rmsprop", "adam", "nht"} <= set(PRECONDITIONERS)
+    """The registry holds exactly the four built-ins under their names; a registered
+    preconditioner is usable by name and listed in the error, and a name cannot be
+    registered twice."""
+    assert PRECONDITIONERS == {
+        "identity": IdentityPreconditioner,
+        "rmsprop": RMSpropPreconditioner,
+        "adam": AdamPreconditioner,
+        "nht": NoseHooverThermostat,
+    }
+
+    @register_preconditioner("half_test")
+    class Half(Preconditioner):
+        def coefficients(self, param, grad, state):
+            return PreconditionerCoefs(grad_coef=0.5)
+
+    try:
+        assert PRECONDITIONERS["half_test"] is Half
+        with pytest.raises(ValueError, match=r"'half_test' is already registered to Half"):
+            register_preconditioner("half_test")(IdentityPreconditioner)
+        with pytest.raises(ValueError, match=r"must be one of \[.*'half_test'.*\]"):
+            SGMCMC(_p(), lr=0.1, preconditioner="no_such")
+        # Half the gradient coefficient at nbeta=2 is the identity step at nbeta=1.
+        steps = []
+        for name, nbeta in (("half_test", 2.0), ("identity", 1.0)):
+            w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+            opt = SGMCMC(
+                [w], lr=0.1, noise_level=0.0, localization=0.0, nbeta=nbeta, preconditioner=name
+            )
+            w.grad = torch.tensor([0.3, 0.1, -0.7], dtype=torch.float64)
+            opt.step()
+            steps.append(w.detach().clone())
+        torch.testing.assert_close(steps[0], steps[1], rtol=0, atol=1e-15)
+        assert not torch.equal(steps[1], torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+    finally:
+        del PRECONDITIONERS["half_test"]
 
 
 # ------------------------------------------------------------ devinterp parity

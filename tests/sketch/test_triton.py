@@ -284,10 +284,16 @@ def test_dense_float64_out_and_strided_block(kdev: torch.device) -> None:
     assert torch.equal(out.cpu(), ref)
 
 
-def test_dense_empty_block_leaves_out(kdev: torch.device) -> None:
-    out = torch.ones(0, 4, device=kdev)
-    _triton.triton_dense_project(torch.zeros(0, 9, device=kdev), 1, 0, 4, "normal", out)
-    assert out.shape == (0, 4)
+@pytest.mark.parametrize(("batch", "n"), [(0, 9), (3, 0)], ids=["no-rows", "no-coordinates"])
+@pytest.mark.parametrize("kind", ["normal", "rademacher"])
+def test_dense_empty_block_leaves_out(kdev: torch.device, batch: int, n: int, kind: str) -> None:
+    """An empty block adds nothing: ``out`` (with values in it) comes back unchanged."""
+    out = torch.arange(batch * 4, dtype=torch.float32, device=kdev).reshape(batch, 4) + 0.5
+    before = out.clone()
+    block = torch.ones(batch, n, device=kdev)
+    returned = _triton.triton_dense_project(block, 1, 0, 4, kind, out)
+    assert returned is out
+    assert torch.equal(out, before)
 
 
 # --------------------------------------------------------------------------

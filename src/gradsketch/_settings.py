@@ -80,19 +80,24 @@ def settings_record(
     return record
 
 
-def settings_from_record(cls: type, record: Mapping[str, Any]) -> Any:
+def settings_from_record(cls: type, record: Mapping[str, Any], *, what: str = "settings") -> Any:
     """Rebuild a settings dataclass from a record (``"versions"`` ignored).
 
     Unknown fields are an error naming the allowed ones, so that a record
     written by a newer version is not silently misread.
+
+    Args:
+        cls: the dataclass.
+        record: its record (from :func:`settings_record` or JSON).
+        what: what the record holds, for the message.
     """
     known = {f.name for f in dataclasses.fields(cls)}
     data = {k: v for k, v in record.items() if k != VERSIONS_KEY}
     unknown = sorted(set(data) - known)
     if unknown:
         raise SettingsMismatchError(
-            f"`record` has fields {unknown} that {cls.__name__} does not know; allowed fields "
-            f"are {sorted(known)}. Was it written by a newer gradsketch?"
+            f"`record` has unknown {what} fields {unknown} that {cls.__name__} does not know; "
+            f"allowed fields are {sorted(known)}. Was it written by a newer gradsketch?"
         )
     return cls(**data)
 

@@ -135,7 +135,7 @@ def test_missing_model_lists_both_spellings():
         ({"projector_seed": 1.5}, r"`projector_seed` must be an int, got 1.5"),
         (
             {"memory_budget": 0},
-            r"`memory_budget` must be a positive integer or None, got 0; pass a number of bytes",
+            r"`memory_budget` must be a positive integer or None, got 0; set a number of bytes",
         ),
         ({"memory_budget": 1.5e9}, r"`memory_budget` must be .* got 1500000000.0"),
         ({"gradients": "autograd"}, r"`gradients` must be one of .*'vmap'\], got 'autograd'"),

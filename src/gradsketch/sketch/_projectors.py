@@ -33,6 +33,7 @@ from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._tables import buckets_and_signs, dense_block, dense_key, sparse_key
 from gradsketch.sketch._validate import (
     batch_blocks,
+    check_block,
     check_device,
     check_float_tensor,
     check_range,
@@ -221,13 +222,8 @@ class AbstractProjector(ABC):
         Returns:
             ``out``, for chaining.
         """
-        check_float_tensor("block", block)
+        check_block(block)
         check_float_tensor("out", out)
-        if block.dim() != 2:
-            raise ValueError(
-                f"`block` must be 2-D [batch, n], got shape {tuple(block.shape)}; "
-                "reshape with block.reshape(batch, -1)."
-            )
         if out.shape != (block.shape[0], self.proj_dim):
             raise ValueError(
                 f"`out` must have shape ({block.shape[0]}, {self.proj_dim}) for this block, got "

@@ -38,7 +38,7 @@ from gradsketch._checks import check_int, nonnegative_int, positive_int
 from gradsketch._hash import MASK32, mix32
 from gradsketch.errors import GradsketchError
 from gradsketch.sketch._tables import AUX_SALT, PAIR_SALT, RADEMACHER_SALT
-from gradsketch.sketch._validate import check_float_tensor
+from gradsketch.sketch._validate import check_block, check_float_tensor
 
 try:  # optional: the `gpu` extra
     import triton
@@ -169,13 +169,8 @@ def _check_key(name: str, key: object) -> int:
 
 
 def _check_operands(block: torch.Tensor, out: torch.Tensor, offset: object, proj_dim: int) -> None:
-    check_float_tensor("block", block)
+    check_block(block)
     check_float_tensor("out", out)
-    if block.dim() != 2:
-        raise ValueError(
-            f"`block` must be 2-D [batch, n], got shape {tuple(block.shape)}; reshape with "
-            "block.reshape(batch, -1)."
-        )
     if out.dtype not in (torch.float32, torch.float64):
         raise TypeError(
             f"`out` must be float32 or float64 (the accumulator), got {out.dtype}; allocate "

@@ -28,6 +28,17 @@ def check_float_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def check_block(block: object) -> torch.Tensor:
+    """A floating ``[batch, n]`` block of coordinates (what every kernel streams)."""
+    tensor = check_float_tensor("block", block)
+    if tensor.dim() != 2:
+        raise ValueError(
+            f"`block` must be 2-D [batch, n], got shape {tuple(tensor.shape)}; reshape with "
+            "block.reshape(batch, -1)."
+        )
+    return tensor
+
+
 def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
     """Refuse a tensor on another device than the sketch (no silent copies)."""
     if tensor.device.type != device.type or (

@@ -422,17 +422,17 @@ def bench_lds(proj_dim: int, lds_models: int, num_targets: int, batch: int) -> N
     from gradsketch.attribution import TRAKer, linear_datamodeling_score
     from gradsketch.demos import (
         DemoSettings,
-        _train_checkpoints,
         build_mlp,
         digits_lds_ground_truth,
         load_digits_split,
+        train_checkpoints,
     )
 
     split = load_digits_split(seed=0)
     settings = DemoSettings(
         num_checkpoints=3, num_targets=num_targets, lds_models=lds_models, proj_dim=proj_dim
     )
-    checkpoints, accuracies = _train_checkpoints(split, settings, progress=False)
+    checkpoints, accuracies = train_checkpoints(split, settings, progress=False)
     xt, yt = split.x_test[:num_targets], split.y_test[:num_targets]
     masks, outputs = digits_lds_ground_truth(split, xt, yt, settings, progress=False)
     n = split.n_train

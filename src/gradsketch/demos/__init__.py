@@ -18,6 +18,7 @@ from gradsketch.demos._attribution import (
     gallery_rows,
     run_demo,
     to_numpy,
+    train_checkpoints,
     write_gallery,
 )
 from gradsketch.demos._digits import (
@@ -62,6 +63,7 @@ __all__ = [
     # `gradsketch demo`: TRAK on digits
     "DemoSettings",
     "run_demo",
+    "train_checkpoints",
     "attribute_digits",
     "digits_lds_ground_truth",
     "write_gallery",

@@ -233,7 +233,7 @@ def run_demo(
     y_target = split.y_test[: settings.num_targets]
 
     with _timed(timings, "train_checkpoints"):
-        checkpoints, accuracies = _train_checkpoints(split, settings, progress=progress)
+        checkpoints, accuracies = train_checkpoints(split, settings, progress=progress)
 
     scores, trak_timings = attribute_digits(
         checkpoints,
@@ -549,9 +549,14 @@ def to_numpy(scores: Any) -> np.ndarray:
     return np.asarray(scores[...] if hasattr(scores, "shape") else scores, dtype=np.float64)
 
 
-def _train_checkpoints(
+def train_checkpoints(
     split: DigitsSplit, settings: DemoSettings, *, progress: bool
 ) -> tuple[list[dict[str, Tensor]], list[float]]:
+    """The demo's independently trained models and their test accuracies.
+
+    Model ``i`` is :func:`train_digits_model` with seed ``settings.seed + i``;
+    there are ``settings.num_checkpoints`` of them.
+    """
     checkpoints, accuracies = [], []
     for i in tqdm(
         range(settings.num_checkpoints),

@@ -9,11 +9,12 @@ Python, never a size to a person).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int", "integer", "nonnegative_int", "positive_int"]
+__all__ = ["check_int", "check_number", "integer", "nonnegative_int", "positive_int"]
 
 
 def check_int(
@@ -77,6 +78,52 @@ def check_int(
     raise (error if is_int else type_error or error)(
         f"`{name}` must be {wanted}, got {got}; {fix}."
     )
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    strict: bool = False,
+    also: tuple[Any, ...] = (),
+    fix: str | None = None,
+    error: type[Exception] = ValueError,
+) -> Any:
+    """``value`` if it is a finite real number (not a bool) ``>= low`` (``> low`` if ``strict``).
+
+    Args:
+        name: the argument's name, shown in backticks.
+        value: what was received.
+        low: the bound (``None``: any finite number).
+        strict: whether ``low`` itself is refused.
+        also: other values accepted as they are (for example ``"auto"``).
+        fix: how to fix it (default: ``pass e.g. name=<low>``).
+        error: the exception raised.
+
+    Example:
+        >>> check_number("lambda_reg", "auto", low=0, also=("auto",))
+        'auto'
+        >>> check_number("lr", 0.0, low=0, strict=True, fix="pass e.g. lr=0.01")
+        Traceback (most recent call last):
+        ...
+        ValueError: `lr` must be a finite number > 0, got 0.0; pass e.g. lr=0.01.
+    """
+    if any(value == allowed and type(value) is type(allowed) for allowed in also):
+        return value
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, bool
+    )
+    if number and math.isfinite(value):
+        if low is None or value > low or (value == low and not strict):
+            return value
+    wanted = "a finite number"
+    if low is not None:
+        wanted += f" {'>' if strict else '>='} {low}"
+    wanted += "".join(f" or {allowed!r}" for allowed in also)
+    if fix is None:
+        fix = f"pass e.g. {name}={low if low is not None and not strict else 1}"
+    raise error(f"`{name}` must be {wanted}, got {value!r}; {fix}.")
 
 
 def positive_int(name: str, value: Any, **kwargs: Any) -> Any:

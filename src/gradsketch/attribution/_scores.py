@@ -34,7 +34,7 @@ import zarr
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gradsketch._checks import positive_int
+from gradsketch._checks import check_number, positive_int
 from gradsketch.attribution._linalg import (
     BackgroundWriter,
     block_plan,
@@ -86,19 +86,9 @@ class CheckpointGrads:
 
 def check_lambda(lambda_reg: object) -> float | str:
     """``lambda_reg`` is a non-negative finite number or ``"auto"``."""
-    if lambda_reg == "auto":
-        return "auto"
-    if (
-        isinstance(lambda_reg, bool)
-        or not isinstance(lambda_reg, (int, float))
-        or not np.isfinite(lambda_reg)
-        or lambda_reg < 0
-    ):
-        raise ValueError(
-            f"`lambda_reg` must be a finite number >= 0 or 'auto', got {lambda_reg!r}; "
-            "use 0.0 for TRAK's default or 'auto' for the cheap damping heuristic."
-        )
-    return float(lambda_reg)
+    fix = "use 0.0 for TRAK's default or 'auto' for the cheap damping heuristic"
+    value = check_number("lambda_reg", lambda_reg, low=0, also=("auto",), fix=fix)
+    return "auto" if value == "auto" else float(value)
 
 
 def _check_shapes(ckpts: Sequence[CheckpointGrads]) -> tuple[int, int, int]:

@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradsketch import _config
-from gradsketch._checks import check_int, positive_int
+from gradsketch._checks import check_int, check_number, positive_int
 from gradsketch._device import to_device
 from gradsketch.attribution import (
     AbstractGradientComputer,
@@ -145,20 +144,10 @@ class AttributeSettings:
             fix="set a number of bytes, e.g. `memory_budget = 2 * 1024**3`, or leave it out",
             error=ConfigError,
         )
-        lam = self.lambda_reg
-        if not (
-            lam == "auto"
-            or (
-                isinstance(lam, float | int)
-                and not isinstance(lam, bool)
-                and math.isfinite(lam)
-                and lam >= 0
-            )
-        ):
-            raise ConfigError(
-                f"`lambda_reg` must be a finite number >= 0 or 'auto', got {lam!r}; "
-                "set e.g. `lambda_reg = 0.0` in the config."
-            )
+        fix = "set e.g. `lambda_reg = 0.0` in the config"
+        check_number(
+            "lambda_reg", self.lambda_reg, low=0, also=("auto",), fix=fix, error=ConfigError
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Iterator, Mapping
@@ -33,7 +32,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gradsketch._checks import check_int
+from gradsketch._checks import check_int, check_number
 from gradsketch._plotting import new_figure, save_figure
 from gradsketch.demos._digits import (
     ARCHITECTURES,
@@ -120,18 +119,10 @@ class DemoSettings:
             raise DemoSettingsError(
                 f"`arch` must be one of {allowed}, got {self.arch!r}; pick one of those."
             )
-        lam = self.lambda_reg
-        ok = lam == "auto" or (
-            isinstance(lam, float | int)
-            and not isinstance(lam, bool)
-            and math.isfinite(lam)
-            and lam >= 0
+        fix = "pass e.g. lambda_reg=0.0 or lambda_reg='auto'"
+        check_number(
+            "lambda_reg", self.lambda_reg, low=0, also=("auto",), fix=fix, error=DemoSettingsError
         )
-        if not ok:
-            raise DemoSettingsError(
-                f"`lambda_reg` must be a finite number >= 0 or 'auto', got {lam!r}; "
-                "pass e.g. lambda_reg=0.0 or lambda_reg='auto'."
-            )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready settings (the training settings nested)."""

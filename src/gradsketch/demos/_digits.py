@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradsketch._checks import integer, positive_int
+from gradsketch._checks import check_number, integer, positive_int
 from gradsketch.errors import GradsketchError
 
 #: Pixels per digit image (8 x 8) and number of classes.
@@ -240,14 +240,14 @@ class TrainSettings:
         _check_positive_int("epochs", self.epochs)
         _check_positive_int("batch_size", self.batch_size)
         for name in ("lr", "weight_decay"):
-            value = getattr(self, name)
-            low_ok = value > 0 if name == "lr" else value >= 0
-            if not isinstance(value, float | int) or not math.isfinite(value) or not low_ok:
-                bound = "> 0" if name == "lr" else ">= 0"
-                raise DigitsSettingsError(
-                    f"`{name}` must be a finite number {bound}, got {value!r}; "
-                    f"the default is {getattr(TrainSettings, name)!r}."
-                )
+            check_number(
+                name,
+                getattr(self, name),
+                low=0,
+                strict=name == "lr",
+                fix=f"the default is {getattr(TrainSettings, name)!r}",
+                error=DigitsSettingsError,
+            )
         if not isinstance(self.momentum, float | int) or not 0.0 <= self.momentum < 1.0:
             raise DigitsSettingsError(
                 f"`momentum` must be in [0, 1), got {self.momentum!r}; the default is "

@@ -228,7 +228,7 @@ def _max_rel_diff(ref_path: str, our_path: str, n: int) -> float:
 
 
 def _models():
-    from gradsketch.attribution._digits import build_cnn, build_mlp
+    from gradsketch.demos import build_cnn, build_mlp
 
     return {"mlp": build_mlp(seed=0), "cnn": build_cnn(seed=0)}
 
@@ -281,7 +281,7 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
     from trak.projectors import BasicProjector
 
     from gradsketch.attribution import HookGradientComputer, TRAKer
-    from gradsketch.attribution._digits import load_digits_split
+    from gradsketch.demos import load_digits_split
     from gradsketch.sketch import FactorizedProjector
 
     split = load_digits_split(seed=0)
@@ -392,7 +392,7 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
 
 def _trak_loop(traker, checkpoints, split, num_targets: int, batch: int) -> np.ndarray:
     """The TRAK script both packages run unchanged (only the TRAKer differs)."""
-    from gradsketch.attribution._demo import to_numpy
+    from gradsketch.demos import to_numpy
 
     x, y = split.x_train, split.y_train
     for model_id, ckpt in enumerate(checkpoints):
@@ -420,18 +420,19 @@ def bench_lds(proj_dim: int, lds_models: int, num_targets: int, batch: int) -> N
     import trak
 
     from gradsketch.attribution import TRAKer, linear_datamodeling_score
-    from gradsketch.attribution._demo import (
+    from gradsketch.demos import (
         DemoSettings,
-        _train_checkpoints,
+        build_mlp,
         digits_lds_ground_truth,
+        load_digits_split,
+        train_checkpoints,
     )
-    from gradsketch.attribution._digits import build_mlp, load_digits_split
 
     split = load_digits_split(seed=0)
     settings = DemoSettings(
         num_checkpoints=3, num_targets=num_targets, lds_models=lds_models, proj_dim=proj_dim
     )
-    checkpoints, accuracies = _train_checkpoints(split, settings, progress=False)
+    checkpoints, accuracies = train_checkpoints(split, settings, progress=False)
     xt, yt = split.x_test[:num_targets], split.y_test[:num_targets]
     masks, outputs = digits_lds_ground_truth(split, xt, yt, settings, progress=False)
     n = split.n_train

@@ -77,7 +77,7 @@ def worker(out: Path, repeats: int, pin: bool) -> None:
     import torch.distributed as dist
 
     from gradsketch.attribution import TRAKer
-    from gradsketch.attribution._digits import build_mlp, load_digits_split, make_loader
+    from gradsketch.demos import build_mlp, load_digits_split, make_loader
 
     torch.set_num_threads(1)
     distributed = "RANK" in os.environ

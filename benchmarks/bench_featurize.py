@@ -49,8 +49,8 @@ from gradsketch.attribution import (
     ImageClassificationModelOutput,
     TransformerClassifier,
 )
-from gradsketch.attribution._digits import build_mlp, load_digits_split
 from gradsketch.attribution._hooks import HookGradientComputer
+from gradsketch.demos import build_mlp, load_digits_split
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector
 
 PROJ_DIM = 2048

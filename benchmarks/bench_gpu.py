@@ -40,7 +40,7 @@ from _common import emit, machine_info
 
 from gradsketch.sketch import _triton
 from gradsketch.sketch._countsketch import accumulate_folded
-from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
+from gradsketch.sketch._tables import buckets_and_signs, dense_block, dense_key, sparse_key
 
 _TILE_ROWS = 1 << 14  # rows of M generated at a time when building the matmul baseline
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from gradsketch.sampling import SGMCMC, estimate_learning_coeff_with_summary
-from gradsketch.sketch._native import native_status
+from gradsketch.sketch import native_status
 
 SETTINGS = {
     "plain": {},

@@ -1,14 +1,14 @@
 """Config for `gradsketch attribute examples/attribute_config.py --out attribute_out`.
 
 A config is plain Python: it defines the model, its checkpoints, the loaders
-and the task (see `gradsketch.attribution._cli` for every name). This one
+and the task (see `gradsketch.cli.attribute_command` for every name). This one
 trains two small digits MLPs on the spot (about a second each) so it runs
 anywhere; in your own config, point `checkpoints` at saved state dicts:
 
     checkpoints = ["runs/seed0/model.pt", "runs/seed1/model.pt"]
 """
 
-from gradsketch.attribution._digits import (
+from gradsketch.demos import (
     build_mlp,
     load_digits_split,
     make_loader,

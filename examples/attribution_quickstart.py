@@ -12,7 +12,7 @@ import tempfile
 import numpy as np
 
 from gradsketch.attribution import TRAKer
-from gradsketch.attribution._digits import build_mlp, load_digits_split, train_digits_model
+from gradsketch.demos import build_mlp, load_digits_split, train_digits_model
 
 split = load_digits_split(seed=0)  # scikit-learn's bundled 8x8 digits, no download
 x, y = split.x_train, split.y_train

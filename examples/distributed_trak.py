@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gradsketch.attribution import TRAKer
-from gradsketch.attribution._digits import (
+from gradsketch.demos import (
     build_mlp,
     load_digits_split,
     make_loader,

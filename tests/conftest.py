@@ -1,4 +1,11 @@
-"""Shared pytest fixtures: devices, float64 defaults, seeded generators, a one-rank group."""
+"""Shared pytest fixtures: devices, a seeded global generator, scatter backends, a one-rank group.
+
+Float64 references are built explicitly in each test (``dtype=torch.float64``
+or ``.double()``): torch's default dtype stays float32, as in users' code, so
+a path that silently drops to the default dtype shows up as a float32 result.
+Shared helpers (reference solvers, rounding bounds, torchrun) live in the
+``helpers`` package beside this file.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +25,19 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 
 @pytest.fixture(autouse=True)
-def _deterministic_threads() -> None:
+def _seeded_global_generator() -> None:
+    """Every test starts from the same global torch seed (tests that care pass generators)."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype_stays_float32() -> Iterator[None]:
+    """The float32 default the references rely on: a test that changes it must restore it."""
+    yield
+    assert torch.get_default_dtype() == torch.float32, (
+        f"the test left torch's default dtype at {torch.get_default_dtype()}; restore it "
+        "(torch.set_default_dtype(torch.float32)) or pass dtype= explicitly"
+    )
 
 
 @pytest.fixture(params=["native", "torch"])

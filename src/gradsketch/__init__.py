@@ -8,6 +8,11 @@ Subpackages, one capability each:
 - :mod:`gradsketch.sampling`: SGMCMC samplers and local learning coefficient.
 - :mod:`gradsketch.masked`: masked optimizers and parameter masks.
 - :mod:`gradsketch.factorize`: low-rank factorization of Linear / Conv2d.
+- :mod:`gradsketch.errors`: :class:`~gradsketch.errors.GradsketchError`, the
+  base of every exception the library raises.
+
+The command line and the demos live apart, in :mod:`gradsketch.cli` and
+:mod:`gradsketch.demos`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("sketch", "attribution", "sampling", "masked", "factorize")
+_SUBPACKAGES = ("sketch", "attribution", "sampling", "masked", "factorize", "errors")
 
 __all__ = ["__version__", *_SUBPACKAGES]
 

@@ -30,6 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsketch._checks import check_int
+from gradsketch.errors import GradsketchError
+
 __all__ = [
     # who am I
     "is_distributed",
@@ -69,7 +72,7 @@ _DEFAULT_FIX = (
 )
 
 
-class DistributedMismatchError(RuntimeError):
+class DistributedMismatchError(GradsketchError, RuntimeError):
     """Ranks of one job disagree on something that must be identical (weights, sizes, seeds)."""
 
 
@@ -144,11 +147,8 @@ def broadcast_object(value: Any, *, src: int = 0) -> Any:
         [1, 2]
     """
     world = world_size()
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
-        raise ValueError(
-            f"`src` must be a rank in range(0, {world}) (the world size), got {src!r}; "
-            "pass the rank that holds the value, usually 0."
-        )
+    fix = f"pass the rank that holds the value (the world size is {world}), usually 0"
+    check_int("src", src, low=0, high=world, fix=fix)
     if world == 1:
         return value
     box = [value]

@@ -9,18 +9,37 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-# Agg before pyplot is imported anywhere through us: gradsketch runs on
-# servers and in CI where there is no display.
-matplotlib.use("Agg")
+__all__ = ["new_figure", "pyplot", "save_figure"]
 
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
 
-__all__ = ["new_figure", "save_figure"]
+def pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the Agg backend, imported on first use.
+
+    Importing a capability never imports matplotlib; only drawing does.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed (the message names the extra).
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "gradsketch draws its plots with matplotlib, which is not installed; "
+            "pip install 'gradsketch[demo]' (or matplotlib).",
+            name=error.name,
+        ) from error
+    # Agg before pyplot is imported anywhere through us: gradsketch runs on
+    # servers and in CI where there is no display.
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def new_figure(
@@ -39,9 +58,9 @@ def new_figure(
     Example:
         >>> fig, ax = new_figure()
         >>> _ = ax.plot([0, 1], [1, 0])
-        >>> plt.close(fig)
+        >>> pyplot().close(fig)
     """
-    return plt.subplots(figsize=(width, height), **subplots_kwargs)
+    return pyplot().subplots(figsize=(width, height), **subplots_kwargs)
 
 
 def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: int = 120) -> Path:
@@ -70,5 +89,5 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: int = 120) ->
         out = out.with_name(out.name + ".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
+    pyplot().close(fig)
     return out

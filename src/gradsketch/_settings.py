@@ -24,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from gradsketch._json import jsonable
+from gradsketch.errors import GradsketchError
 
 #: Key under which :func:`settings_record` stores package versions.
 VERSIONS_KEY = "versions"
@@ -36,7 +38,7 @@ VERSIONS_KEY = "versions"
 DEFAULT_PACKAGES: tuple[str, ...] = ("gradsketch", "torch", "numpy", "zarr")
 
 
-class SettingsMismatchError(ValueError):
+class SettingsMismatchError(GradsketchError, ValueError):
     """Stored results were made with other settings than the ones requested."""
 
 
@@ -49,22 +51,6 @@ def package_versions(packages: Iterable[str] = DEFAULT_PACKAGES) -> dict[str, st
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return versions
-
-
-def _jsonable(value: Any) -> Any:
-    """Plain JSON types: tuples become lists, dataclasses dicts, others ``str``."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    # dtypes, devices, enums: their string form is what a person compares.
-    return str(value)
 
 
 def settings_record(
@@ -81,9 +67,9 @@ def settings_record(
         A dict of plain JSON values (round-trips through :func:`json.dumps`).
     """
     if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
-        record = _jsonable(settings)
+        record = jsonable(settings)
     elif isinstance(settings, Mapping):
-        record = _jsonable(dict(settings))
+        record = jsonable(dict(settings))
     else:
         raise TypeError(
             f"`settings` must be a dataclass instance or a mapping, got "
@@ -94,19 +80,24 @@ def settings_record(
     return record
 
 
-def settings_from_record(cls: type, record: Mapping[str, Any]) -> Any:
+def settings_from_record(cls: type, record: Mapping[str, Any], *, what: str = "settings") -> Any:
     """Rebuild a settings dataclass from a record (``"versions"`` ignored).
 
     Unknown fields are an error naming the allowed ones, so that a record
     written by a newer version is not silently misread.
+
+    Args:
+        cls: the dataclass.
+        record: its record (from :func:`settings_record` or JSON).
+        what: what the record holds, for the message.
     """
     known = {f.name for f in dataclasses.fields(cls)}
     data = {k: v for k, v in record.items() if k != VERSIONS_KEY}
     unknown = sorted(set(data) - known)
     if unknown:
         raise SettingsMismatchError(
-            f"`record` has fields {unknown} that {cls.__name__} does not know; allowed fields "
-            f"are {sorted(known)}. Was it written by a newer gradsketch?"
+            f"`record` has unknown {what} fields {unknown} that {cls.__name__} does not know; "
+            f"allowed fields are {sorted(known)}. Was it written by a newer gradsketch?"
         )
     return cls(**data)
 
@@ -126,8 +117,8 @@ def settings_diff(
     skip = set(ignore)
     lines = []
     for key in sorted((set(stored) | set(requested)) - skip):
-        a = _jsonable(stored.get(key, "<missing>"))
-        b = _jsonable(requested.get(key, "<missing>"))
+        a = jsonable(stored.get(key, "<missing>"))
+        b = jsonable(requested.get(key, "<missing>"))
         if a != b:
             lines.append(f"{key}: stored {a!r}, requested {b!r}")
     return lines
@@ -162,7 +153,7 @@ def write_record(path: str | Path, record: Mapping[str, Any]) -> None:
     """Write a record as indented, key-sorted JSON (atomically: temp file + rename)."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(_jsonable(dict(record)), indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(jsonable(dict(record)), indent=2, sort_keys=True) + "\n")
     tmp.replace(target)
 
 

@@ -12,7 +12,7 @@ import torch
 import zarr
 
 import gradsketch.attribution as attribution
-from gradsketch.attribution._cli import (
+from gradsketch.cli import (
     MODEL_NAMES,
     REQUIRED_NAMES,
     AttributeSettings,
@@ -22,15 +22,14 @@ from gradsketch.attribution._cli import (
     load_config,
     read_config,
 )
-from gradsketch.attribution._demo import to_numpy
-from gradsketch.attribution._digits import build_mlp, load_digits_split, make_loader
+from gradsketch.demos import build_mlp, load_digits_split, make_loader, to_numpy
 from gradsketch.sketch import FactorizedProjector
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 TINY_CONFIG = """
 import torch
-from gradsketch.attribution._digits import (
+from gradsketch.demos import (
     TrainSettings, build_mlp, load_digits_split, make_loader, train_model,
 )
 
@@ -136,7 +135,7 @@ def test_missing_model_lists_both_spellings():
         ({"projector_seed": 1.5}, r"`projector_seed` must be an int, got 1.5"),
         (
             {"memory_budget": 0},
-            r"`memory_budget` must be a positive number of bytes or None, got 0",
+            r"`memory_budget` must be a positive integer or None, got 0; set a number of bytes",
         ),
         ({"memory_budget": 1.5e9}, r"`memory_budget` must be .* got 1500000000.0"),
         ({"gradients": "autograd"}, r"`gradients` must be one of .*'vmap'\], got 'autograd'"),

@@ -11,29 +11,27 @@ import torch
 from torch import nn
 
 import gradsketch.attribution as attribution
-from gradsketch.attribution._demo import (
+from gradsketch.demos import (
+    ARCHITECTURES,
     DemoSettings,
     DemoSettingsError,
-    _gallery_rows,
-    digits_lds_ground_truth,
-    format_report,
-    run_demo,
-    to_numpy,
-    write_gallery,
-)
-from gradsketch.attribution._digits import (
-    ARCHITECTURES,
     DigitsSettingsError,
     TrainSettings,
     accuracy,
     build_cnn,
     build_mlp,
     build_model,
+    digits_lds_ground_truth,
+    format_report,
+    gallery_rows,
     load_digits_split,
     make_loader,
     margins,
+    run_demo,
+    to_numpy,
     train_digits_model,
     train_model,
+    write_gallery,
 )
 
 TINY_TRAIN = TrainSettings(epochs=2, batch_size=64)
@@ -218,8 +216,8 @@ def test_lds_ground_truth_masks_are_halves_and_outputs_are_margins(split):
 
 def test_gallery_rows_pick_distinct_classes_first():
     labels = torch.tensor([3, 3, 1, 4, 1, 5, 9, 2, 6])
-    assert _gallery_rows(labels, 6) == [0, 2, 3, 5, 6, 7]
-    assert _gallery_rows(torch.tensor([1, 1, 1]), 6) == [0, 1, 2]
+    assert gallery_rows(labels, 6) == [0, 2, 3, 5, 6, 7]
+    assert gallery_rows(torch.tensor([1, 1, 1]), 6) == [0, 1, 2]
 
 
 def test_write_gallery_writes_png(tmp_path, split):
@@ -241,9 +239,9 @@ def test_to_numpy_accepts_tensor_memmap_and_array(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_checkpoints": 0}, r"`num_checkpoints` must be an integer >= 1, got 0"),
+        ({"num_checkpoints": 0}, r"`num_checkpoints` must be a positive integer, got 0"),
         ({"lds_models": 2}, r"`lds_models` must be an integer >= 3, got 2"),
-        ({"proj_dim": 1.5}, r"`proj_dim` must be an integer >= 1, got 1.5"),
+        ({"proj_dim": 1.5}, r"`proj_dim` must be a positive integer, got 1.5"),
         ({"arch": "rnn"}, r"`arch` must be one of 'cnn', 'mlp', got 'rnn'"),
         ({"lambda_reg": -1.0}, r"`lambda_reg` must be a finite number >= 0 or 'auto', got -1.0"),
         ({"lambda_reg": "big"}, r"`lambda_reg` must be .* got 'big'"),

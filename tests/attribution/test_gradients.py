@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attr_helpers import logreg_checkpoints, logreg_data, margin_grad_reference, q_reference
 
 from gradsketch.attribution import (
     FunctionalGradientComputer,
@@ -14,6 +13,7 @@ from gradsketch.attribution import (
 )
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.sketch import CountSketchProjector
+from helpers.attribution import logreg_checkpoints, logreg_data, margin_grad_reference, q_reference
 
 
 def _mlp():

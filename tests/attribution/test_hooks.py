@@ -17,7 +17,6 @@ from gradsketch.attribution import (
     TRAKer,
     TransformerClassifier,
 )
-from gradsketch.attribution._digits import build_cnn, build_mlp
 from gradsketch.attribution._hooks import (
     GRAD_SAMPLERS,
     HookComputationError,
@@ -28,6 +27,7 @@ from gradsketch.attribution._hooks import (
     register_loss_grad_from_output,
 )
 from gradsketch.attribution._modelout import AbstractModelOutput, TextClassificationModelOutput
+from gradsketch.demos import build_cnn, build_mlp
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector
 
 F64 = torch.float64
@@ -545,7 +545,7 @@ def _digits_traker_scores(
 
 @pytest.fixture(scope="module")
 def digits_model():
-    from gradsketch.attribution._digits import TrainSettings, load_digits_split, train_digits_model
+    from gradsketch.demos import TrainSettings, load_digits_split, train_digits_model
 
     split = load_digits_split(seed=0)
     model = train_digits_model(
@@ -658,7 +658,7 @@ def test_lds_of_hooks_factorized_against_dense_count_sketch(tmp_path):
     better than chance (LDS > 0). The two values are printed for the README.
     """
     from gradsketch.attribution import lds_ground_truth, linear_datamodeling_score
-    from gradsketch.attribution._digits import (
+    from gradsketch.demos import (
         TrainSettings,
         load_digits_split,
         margins,

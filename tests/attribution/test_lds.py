@@ -64,8 +64,8 @@ def test_ground_truth_subsets_are_seeded_halves():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        pytest.param({"n_train": 1}, "`n_train` must be an int >= 2", id="n"),
-        pytest.param({"num_models": 0}, "`num_models` must be a positive int", id="models"),
+        pytest.param({"n_train": 1}, "`n_train` must be an integer >= 2", id="n"),
+        pytest.param({"num_models": 0}, "`num_models` must be a positive integer", id="models"),
         pytest.param({"subset_fraction": 1.0}, r"`subset_fraction` must be in \(0, 1\)", id="frac"),
     ],
 )

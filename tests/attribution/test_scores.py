@@ -217,7 +217,7 @@ def test_score_computers_match_float64(computer, lam):
 
 
 def test_basic_score_computer_errors():
-    with pytest.raises(ValueError, match="`CUDA_MAX_DIM_SIZE` must be a positive int"):
+    with pytest.raises(ValueError, match="`CUDA_MAX_DIM_SIZE` must be a positive integer"):
         BasicScoreComputer(torch.float32, "cpu", CUDA_MAX_DIM_SIZE=0)
     with pytest.raises(ValueError, match="`lambda_reg` must be"):
         BasicScoreComputer(torch.float32, "cpu", lambda_reg=-2)

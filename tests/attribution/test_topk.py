@@ -7,10 +7,10 @@ import logging
 import numpy as np
 import pytest
 import torch
-from _attr_helpers import logreg_checkpoints, logreg_data
 
 from gradsketch.attribution import TRAKer, trak_scores, trak_topk
 from gradsketch.attribution._topk import TopKCollector
+from helpers.attribution import logreg_checkpoints, logreg_data
 
 
 def _expected(full, k):

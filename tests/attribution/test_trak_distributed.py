@@ -45,8 +45,8 @@ from gradsketch.attribution._linalg import damped_inverse, xtx_blocked
 from gradsketch.attribution._scores import CheckpointGrads, score_checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _launch import one_thread, torchrun
-from _numerics import gamma, trak_score_tolerance
+from helpers.launch import one_thread, torchrun
+from helpers.numerics import gamma, trak_score_tolerance
 
 WORLD = 2
 LAMBDA = 0.05
@@ -253,7 +253,7 @@ def test_scores_within_derived_tolerance_of_one_process(runs, key):
 
     The two runs read bit-identical X, T, Q (tested above); their stored XᵀX
     differ (within the summation bound tested above). The bound, derived in
-    ``tests/_numerics.py::trak_score_tolerance``, is that difference's exact
+    ``tests/helpers/numerics.py::trak_score_tolerance``, is that difference's exact
     effect on the scores plus each run's float32 rounding.
     """
     ckpts = _checkpoints(runs["dist"])
@@ -302,12 +302,12 @@ def test_chunk_shard_sampler_yields_this_ranks_rows():
 
 
 BAD_SHARDS = [
-    ({"n_rows": -1, "chunk_rows": 2}, "`n_rows` must be a non-negative int, got -1"),
-    ({"n_rows": 4, "chunk_rows": 0}, "`chunk_rows` must be a positive int, got 0"),
+    ({"n_rows": -1, "chunk_rows": 2}, "`n_rows` must be a non-negative integer, got -1"),
+    ({"n_rows": 4, "chunk_rows": 0}, "`chunk_rows` must be a positive integer, got 0"),
     ({"n_rows": 4, "chunk_rows": 2, "rank": 2, "world_size": 2}, r"`rank` must lie in \[0, 2\)"),
     ({"n_rows": 4, "chunk_rows": 2, "rank": 0}, "pass both `rank` and `world_size`"),
     ({"n_rows": 4, "chunk_rows": 2, "rank": 0, "world_size": 0}, "`world_size` must be a positive"),
-    ({"n_rows": 4.0, "chunk_rows": 2}, "`n_rows` must be a non-negative int, got 4.0"),
+    ({"n_rows": 4.0, "chunk_rows": 2}, "`n_rows` must be a non-negative integer, got 4.0"),
 ]
 
 
@@ -324,7 +324,7 @@ def test_column_shard_errors():
 
 def test_traker_chunk_rows_error(tmp_path):
     model, *_ = problem()
-    with pytest.raises(ValueError, match=r"`chunk_rows` must be a positive int or None.*got 0"):
+    with pytest.raises(ValueError, match=r"`chunk_rows` must be a positive integer or None.*got 0"):
         TRAKer(model, "image_classification", 10, save_dir=tmp_path, chunk_rows=0, **QUIET)
 
 
@@ -337,11 +337,11 @@ def test_row_window_refuses_strided_slices():
 
 def test_mismatch_across_ranks_names_every_rank(monkeypatch):
     monkeypatch.setattr(common, "all_gather_object", lambda value: [value, "other"])
-    D.require_same_across_ranks("other", what="fingerprint")  # equal: no error
+    D.require_same_across_ranks("fingerprint", "other")  # equal: no error
     with pytest.raises(
         DistributedMismatchError, match=r"fingerprint differs across ranks \(rank 0: 'a', rank 1"
     ):
-        D.require_same_across_ranks("a", what="fingerprint")
+        D.require_same_across_ranks("fingerprint", "a")
 
 
 def test_shard_loader_only_for_in_order_map_style_loaders():
@@ -386,7 +386,7 @@ def test_no_group_helpers_are_identities():
         assert first
     t = torch.ones(2, 2)
     assert D.all_reduce_sum_(t) is t
-    D.require_same_across_ranks(object(), what="anything")
+    D.require_same_across_ranks("anything", object())
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from _attr_helpers import logreg_checkpoints, logreg_data, margin_grad_reference, q_reference
 
 from gradsketch._settings import SettingsMismatchError
 from gradsketch.attribution import (
@@ -25,6 +24,7 @@ from gradsketch.attribution import (
     UnknownTaskError,
 )
 from gradsketch.sketch import NoOpProjector
+from helpers.attribution import logreg_checkpoints, logreg_data, margin_grad_reference, q_reference
 
 QUIET = {"logging_level": logging.WARNING, "progress": False, "device": "cpu"}
 
@@ -170,7 +170,7 @@ CHILD = textwrap.dedent(
     import sys, time, logging, torch
     sys.path.insert(0, {tests!r})
     from gradsketch.attribution import TRAKer
-    from _attr_helpers import logreg_checkpoints, logreg_data
+    from helpers.attribution import logreg_checkpoints, logreg_data
     x, y = logreg_data(n=200)
     model = torch.nn.Linear(5, 3).double()
     traker = TRAKer(model, "image_classification", 200, save_dir={save!r}, proj_dim=8,
@@ -190,7 +190,7 @@ CHILD = textwrap.dedent(
 
 def test_sigkill_mid_featurize_then_resume_computes_only_missing_rows(tmp_path):
     save = tmp_path / "killed"
-    code = CHILD.format(tests=os.path.dirname(__file__), save=str(save))
+    code = CHILD.format(tests=os.path.dirname(os.path.dirname(__file__)), save=str(save))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     written = 0

@@ -10,9 +10,9 @@ from types import ModuleType
 
 import pytest
 import torch
-from factorize_helpers import predict, true_nmse
 
 from gradsketch.factorize import factorize_conv2d, factorize_matrix
+from helpers.factorize import predict, true_nmse
 
 pytestmark = pytest.mark.bench
 

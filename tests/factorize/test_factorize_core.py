@@ -7,7 +7,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from factorize_helpers import (
+
+from gradsketch.factorize import LowRankSolution, factorize_conv2d, factorize_matrix
+from helpers.factorize import (
     decaying_inputs,
     low_rank,
     predict,
@@ -16,8 +18,6 @@ from factorize_helpers import (
     svd_start,
     true_nmse,
 )
-
-from gradsketch.factorize import LowRankSolution, factorize_conv2d, factorize_matrix
 
 F64 = torch.float64
 
@@ -293,7 +293,10 @@ MATRIX_ERRORS = [
         {"bias": torch.randn(5)}, ValueError, r"`bias` must have shape \[4\]; got \[5\]", id="bias"
     ),
     pytest.param(
-        {"n_iters": -1}, ValueError, r"`n_iters` must be an int >= 0; got -1", id="n-iters"
+        {"n_iters": -1},
+        ValueError,
+        r"`n_iters` must be a non-negative integer, got -1",
+        id="n-iters",
     ),
     pytest.param(
         {"rank": 0},

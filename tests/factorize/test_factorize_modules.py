@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from factorize_helpers import low_rank, true_nmse
 from torch import nn
 
 from gradsketch.factorize import (
@@ -17,6 +16,7 @@ from gradsketch.factorize import (
     factorizing_could_speedup,
     max_rank_with_possible_speedup,
 )
+from helpers.factorize import low_rank, true_nmse
 
 
 def _linear_with_rank(n_in: int, n_out: int, r: int, *, bias: bool = True) -> nn.Linear:
@@ -85,10 +85,24 @@ def test_set_rank_without_bias_keeps_no_bias():
 
 
 def test_set_rank_on_batched_linear_inputs():
-    fact = FactorizedLinear.from_linear(nn.Linear(16, 16), 6)
-    x = torch.randn(4, 25, 16)
-    fact.set_rank(x, 2)
-    assert fact(x).shape == (4, 25, 16)
+    """Leading dimensions are rows: `set_rank` on ``[4, 25, 16]`` inputs gives the same
+    rank-2 factors (float64) as on the ``[100, 16]`` rows, and the module maps batched
+    inputs as it maps the rows."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 16).double()
+    x = torch.randn(4, 25, 16, dtype=torch.float64)
+    batched = FactorizedLinear.from_linear(linear, 6)
+    rows = FactorizedLinear.from_linear(linear, 6)
+    batched.set_rank(x, 2)
+    rows.set_rank(x.reshape(100, 16), 2)
+    assert batched.latent_size == rows.latent_size == 2
+    got, want = batched.state_dict(), rows.state_dict()
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
+    torch.testing.assert_close(batched(x), rows(x.reshape(100, 16)).reshape(4, 25, 16))
+    # Rank 2 of a generic 16x16 map changes the outputs: the refit really happened.
+    assert not torch.allclose(batched(x), linear(x), atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv"])
@@ -172,7 +186,7 @@ def test_grouped_and_unknown_conv_arguments_are_refused():
 
 
 def test_bad_sizes_are_refused():
-    with pytest.raises(ValueError, match=r"`in_size` must be a positive int; got 0"):
+    with pytest.raises(ValueError, match=r"`in_size` must be a positive integer, got 0"):
         FactorizedLinear(0, 4, latent_features=1)
     with pytest.raises(ValueError, match=r"`latent_features` must be an int >= 1"):
         FactorizedLinear(16, 16, latent_features=-1)

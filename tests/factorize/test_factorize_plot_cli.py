@@ -35,7 +35,7 @@ def test_rank_curve_png_and_monotone(tmp_path, kind):
 def test_rank_curve_errors():
     with pytest.raises(TypeError, match=r"`module` must be one of the registered types; got ReLU"):
         plot_rank_curve(nn.ReLU(), torch.randn(3, 3))
-    with pytest.raises(ValueError, match=r"`ranks` must hold ints in \[1, 7\] .*got 8"):
+    with pytest.raises(ValueError, match=r"`ranks\[...\]` must be an integer in \[1, 8\), got 8"):
         plot_rank_curve(nn.Linear(8, 8), torch.randn(20, 8), ranks=[2, 8])
 
 
@@ -83,5 +83,6 @@ def test_factorize_command_config_errors(tmp_path, body, exc, match):
 
 
 def test_factorize_command_missing_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"`config_path` '.*nope.py' does not exist"):
+    match = r"`config_path` must be an existing \.py file, got '.*nope.py'"
+    with pytest.raises(FileNotFoundError, match=match):
         factorize_command(tmp_path / "nope.py", tmp_path / "out")

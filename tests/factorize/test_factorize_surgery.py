@@ -198,8 +198,16 @@ def test_surgery_then_load_state_dict_round_trip():
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"min_features": -1}, ValueError, r"`min_features` must be an int >= 0; got -1"),
-        ({"min_channels": 1.5}, ValueError, r"`min_channels` must be an int >= 0; got 1.5"),
+        (
+            {"min_features": -1},
+            ValueError,
+            r"`min_features` must be a non-negative integer, got -1",
+        ),
+        (
+            {"min_channels": 1.5},
+            ValueError,
+            r"`min_channels` must be a non-negative integer, got 1.5",
+        ),
         ({"latent_features": 0}, ValueError, r"`latent_features` must be an int >= 1"),
         ({"latent_channels": "x"}, TypeError, r"`latent_channels` must be an int >= 1 .*'x'"),
         ({"optimizers": [1]}, TypeError, r"`optimizers` must be an Optimizer .* int"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from gradsketch.cli import llc_command
 from gradsketch.sampling import (
     SGMCMC,
     LLCRecordSettings,
@@ -22,7 +23,6 @@ from gradsketch.sampling import (
     open_draw_store,
     plot_trace,
 )
-from gradsketch.sampling._cli import llc_command
 
 # Each test runs with the native scatter kernels and with torch's scatter.
 pytestmark = pytest.mark.usefixtures("scatter_backend")

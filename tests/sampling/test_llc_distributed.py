@@ -29,7 +29,7 @@ from gradsketch.sampling._recording import METRIC_FIELDS
 from gradsketch.sketch import SKETCH_QUANTITIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _launch import one_thread, torchrun
+from helpers.launch import one_thread, torchrun
 
 WORLD = 2
 
@@ -162,8 +162,8 @@ def test_mismatch_is_refused_before_any_chain(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_chains": 0}, "`num_chains` must be a positive int, got 0"),
-        ({"num_draws": -1}, "`num_draws` must be a positive int, got -1"),
+        ({"num_chains": 0}, "`num_chains` must be a positive integer, got 0"),
+        ({"num_draws": -1}, "`num_draws` must be a positive integer, got -1"),
         ({"num_burnin_steps": -2}, "`num_burnin_steps` must be a non-negative int"),
         ({"loader": [(torch.zeros(2, 5), torch.zeros(2).long())]}, "has no `nbeta`"),
     ],

@@ -561,7 +561,7 @@ ERRORS = [
     pytest.param(
         lambda: SGMCMC(_p(), sketch_dim=0),
         ValueError,
-        r"`sketch_dim` must be a positive int",
+        r"`sketch_dim` must be a positive integer",
         id="sketch-dim",
     ),
     pytest.param(
@@ -643,7 +643,8 @@ def test_registering_a_taken_name_is_refused_and_a_new_one_resolves():
 
 #: The factories exactly as users see them (``help``, ``inspect``, positional calls).
 _TAIL = (
-    "bounding_box_size: 'float | None' = None, mask: 'object' = None, "
+    "bounding_box_size: 'float | None' = None, "
+    "mask: 'MaskLike | Sequence[torch.Tensor | None] | torch.Tensor | None' = None, "
     "save_metrics: 'bool' = False, sketch_dim: 'int | None' = None, sketch_seed: 'int' = 0"
 )
 _HEAD = (
@@ -708,6 +709,37 @@ def test_factories_take_positional_arguments_in_order(method):
     group = SGMCMC.get_method(method)(_p(), *args).param_groups[0]
     for name, value in values.items():
         assert group[name] == value, name
+
+
+def test_a_registered_preconditioner_steps_by_name():
+    """A registered preconditioner is usable by name, listed in the error, and steps as
+    its coefficients say; a name cannot be registered twice."""
+
+    @register_preconditioner("half_test")
+    class Half(Preconditioner):
+        def coefficients(self, param, grad, state):
+            return PreconditionerCoefs(grad_coef=0.5)
+
+    try:
+        assert PRECONDITIONERS["half_test"] is Half
+        with pytest.raises(ValueError, match=r"'half_test' is already registered to Half"):
+            register_preconditioner("half_test")(IdentityPreconditioner)
+        with pytest.raises(ValueError, match=r"must be one of \[.*'half_test'.*\]"):
+            SGMCMC(_p(), lr=0.1, preconditioner="no_such")
+        # Half the gradient coefficient at nbeta=2 is the identity step at nbeta=1.
+        steps = []
+        for name, nbeta in (("half_test", 2.0), ("identity", 1.0)):
+            w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+            opt = SGMCMC(
+                [w], lr=0.1, noise_level=0.0, localization=0.0, nbeta=nbeta, preconditioner=name
+            )
+            w.grad = torch.tensor([0.3, 0.1, -0.7], dtype=torch.float64)
+            opt.step()
+            steps.append(w.detach().clone())
+        torch.testing.assert_close(steps[0], steps[1], rtol=0, atol=1e-15)
+        assert not torch.equal(steps[1], torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+    finally:
+        del PRECONDITIONERS["half_test"]
 
 
 # ------------------------------------------------------------ devinterp parity

@@ -8,15 +8,8 @@ import random
 import pytest
 import torch
 
-from gradsketch._hash import MASK32
-from gradsketch.sketch._hash import (
-    buckets_and_signs,
-    dense_block,
-    dense_block_torch,
-    derive_key,
-    hash_indices,
-    mix32,
-)
+from gradsketch._hash import MASK32, derive_key, hash_indices, mix32
+from gradsketch.sketch._tables import buckets_and_signs, dense_block, dense_block_torch
 
 
 def naive_lowbias32(h: int) -> int:
@@ -104,7 +97,7 @@ def test_numpy_dense_generator_equals_torch_twin(kind, dtype, offset, length, co
 
 def test_chunked_table_equals_one_pass():
     """Tables longer than the hashing chunk are built in pieces with the same values."""
-    from gradsketch.sketch import _hash
+    from gradsketch.sketch import _tables as _hash
 
     cpu = torch.device("cpu")
     n = _hash._TABLE_CHUNK * 2 + 17

@@ -38,7 +38,7 @@ from gradsketch.sketch import (
     _triton,
 )
 from gradsketch.sketch._countsketch import accumulate_folded
-from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
+from gradsketch.sketch._tables import buckets_and_signs, dense_block, dense_key, sparse_key
 
 HAVE_TRITON = _triton.triton is not None
 CPU = torch.device("cpu")
@@ -284,10 +284,16 @@ def test_dense_float64_out_and_strided_block(kdev: torch.device) -> None:
     assert torch.equal(out.cpu(), ref)
 
 
-def test_dense_empty_block_leaves_out(kdev: torch.device) -> None:
-    out = torch.ones(0, 4, device=kdev)
-    _triton.triton_dense_project(torch.zeros(0, 9, device=kdev), 1, 0, 4, "normal", out)
-    assert out.shape == (0, 4)
+@pytest.mark.parametrize(("batch", "n"), [(0, 9), (3, 0)], ids=["no-rows", "no-coordinates"])
+@pytest.mark.parametrize("kind", ["normal", "rademacher"])
+def test_dense_empty_block_leaves_out(kdev: torch.device, batch: int, n: int, kind: str) -> None:
+    """An empty block adds nothing: ``out`` (with values in it) comes back unchanged."""
+    out = torch.arange(batch * 4, dtype=torch.float32, device=kdev).reshape(batch, 4) + 0.5
+    before = out.clone()
+    block = torch.ones(batch, n, device=kdev)
+    returned = _triton.triton_dense_project(block, 1, 0, 4, kind, out)
+    assert returned is out
+    assert torch.equal(out, before)
 
 
 # --------------------------------------------------------------------------
@@ -465,10 +471,25 @@ INVALID = [
         ValueError,
         r"`block` is on cpu but `out` is on meta",
     ),
-    ("offset_neg", {"offset": -1}, ValueError, r"`offset` must be a non-negative int, got -1"),
-    ("offset_bool", {"offset": True}, ValueError, r"`offset` must be a non-negative int, got True"),
-    ("key_neg", {"key": -5}, ValueError, r"`key` must be a 32-bit key.*got -5"),
-    ("key_wide", {"key": 2**32}, ValueError, r"`key` must be a 32-bit key.*got 4294967296"),
+    ("offset_neg", {"offset": -1}, ValueError, r"`offset` must be a non-negative integer, got -1"),
+    (
+        "offset_bool",
+        {"offset": True},
+        ValueError,
+        r"non-negative integer, got True of type bool",
+    ),
+    (
+        "key_neg",
+        {"key": -5},
+        ValueError,
+        r"`key` must be an integer in \[0, 2\*\*32\), got -5",
+    ),
+    (
+        "key_wide",
+        {"key": 2**32},
+        ValueError,
+        r"`key` must be .*2\*\*32\), got 4294967296",
+    ),
     ("proj_dim_zero", {"proj_dim": 0}, ValueError, r"`proj_dim` must be a positive integer, got 0"),
 ]
 

@@ -7,15 +7,7 @@ held in memory, memmaps or zarr arrays, and the linear datamodeling score.
 Park et al., "TRAK: Attributing Model Behavior at Scale", ICML 2023.
 """
 
-from gradsketch.attribution._cli import AttributeSettings, ConfigError, attribute_command
-from gradsketch.attribution._demo import DemoSettings, DemoSettingsError, run_demo
-from gradsketch.attribution._digits import (
-    TrainSettings,
-    build_cnn,
-    build_mlp,
-    load_digits_split,
-    train_digits_model,
-)
+from gradsketch._lazy import lazy_getattr
 from gradsketch.attribution._distributed import (
     ChunkShardSampler,
     DistributedMismatchError,
@@ -28,6 +20,7 @@ from gradsketch.attribution._gradient_computers import (
 )
 from gradsketch.attribution._hooks import (
     LOSS_GRAD_FROM_OUTPUT,
+    HookComputationError,
     HookGradientComputer,
     WrappedModelError,
     register_batch_output,
@@ -59,7 +52,6 @@ from gradsketch.attribution._score_computers import (
 from gradsketch.attribution._scores import MemoryBudgetError, trak_scores
 from gradsketch.attribution._topk import TopK, trak_topk
 from gradsketch.attribution._traker import ModelIDException, TRAKer, TRAKSettings
-from gradsketch.attribution._transformer import TransformerBlock, TransformerClassifier
 
 __all__ = [
     # front end
@@ -99,25 +91,38 @@ __all__ = [
     "linear_datamodeling_score",
     "lds_ground_truth",
     "LDSGroundTruth",
-    # demo and command line (`gradsketch demo`, `gradsketch attribute CONFIG.py`)
-    "DemoSettings",
-    "run_demo",
-    "load_digits_split",
-    "build_mlp",
-    "build_cnn",
-    "TransformerClassifier",
-    "TransformerBlock",
-    "train_digits_model",
-    "TrainSettings",
-    "AttributeSettings",
-    "attribute_command",
     # errors
     "ModelIDException",
     "WrappedModelError",
+    "HookComputationError",
     "MemoryBudgetError",
     "UnknownTaskError",
     "BatchFormatError",
-    "DemoSettingsError",
-    "ConfigError",
     "DistributedMismatchError",
 ]
+
+# The demo, its bundled data and the command line moved to gradsketch.demos and
+# gradsketch.cli; their names still import from here, loaded on first use (so
+# importing this package imports neither typer, matplotlib nor scikit-learn).
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        **dict.fromkeys(
+            (
+                "DemoSettings",
+                "DemoSettingsError",
+                "run_demo",
+                "load_digits_split",
+                "build_mlp",
+                "build_cnn",
+                "train_digits_model",
+                "TrainSettings",
+                "TransformerClassifier",
+                "TransformerBlock",
+            ),
+            "gradsketch.demos",
+        ),
+        **dict.fromkeys(("AttributeSettings", "attribute_command"), "gradsketch.cli"),
+        "ConfigError": "gradsketch.errors",
+    },
+)

@@ -42,13 +42,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, Subset
 
-from gradsketch import _distributed as _common
+from gradsketch._checks import nonnegative_int, positive_int
 from gradsketch._distributed import (
     DistributedMismatchError,
     barrier,
     is_distributed,
     rank_and_world,
     rank_zero_first,
+    require_same_across_ranks,
 )
 
 __all__ = [
@@ -66,34 +67,6 @@ __all__ = [
 ]
 
 
-def require_same_across_ranks(value: Any, *, what: str) -> None:
-    """:func:`gradsketch._distributed.require_same_across_ranks` with TRAK's argument order.
-
-    Kept for the TRAKer's calls; new code calls the ground-floor
-    ``require_same_across_ranks(name, value)`` directly.
-
-    Args:
-        value: a picklable value (a fingerprint, a size).
-        what: what it is, for the message.
-
-    Raises:
-        DistributedMismatchError: the ranks' values differ.
-    """
-    _common.require_same_across_ranks(
-        what,
-        value,
-        fix="Load the same checkpoint and settings on every rank (seed model construction "
-        "identically).",
-    )
-
-
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        kind = "non-negative" if low == 0 else "positive"
-        raise ValueError(f"`{name}` must be a {kind} int, got {value!r}.")
-    return int(value)
-
-
 def _check_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit ``rank``/``world_size``, or the process group's when both are ``None``."""
     if rank is None and world_size is None:
@@ -103,8 +76,8 @@ def _check_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
             f"pass both `rank` and `world_size` or neither (neither: the process group's), "
             f"got rank={rank!r}, world_size={world_size!r}."
         )
-    world_size = _check_int("world_size", world_size, 1)
-    rank = _check_int("rank", rank, 0)
+    world_size = positive_int("world_size", world_size)
+    rank = nonnegative_int("rank", rank)
     if rank >= world_size:
         raise ValueError(
             f"`rank` must lie in [0, {world_size}) for world_size={world_size}, got {rank}."
@@ -136,8 +109,8 @@ def chunk_shard(
         >>> [chunk_shard(7, 2, rank=r, world_size=3) for r in range(3)]
         [range(0, 2), range(2, 4), range(4, 7)]
     """
-    n_rows = _check_int("n_rows", n_rows, 0)
-    chunk_rows = _check_int("chunk_rows", chunk_rows, 1)
+    n_rows = nonnegative_int("n_rows", n_rows)
+    chunk_rows = positive_int("chunk_rows", chunk_rows)
     rank, world_size = _check_rank(rank, world_size)
     n_chunks = -(-n_rows // chunk_rows)
     first = rank * n_chunks // world_size
@@ -158,7 +131,7 @@ def column_shard(
         >>> [column_shard(5, rank=r, world_size=3) for r in range(3)]
         [range(0, 2), range(2, 4), range(4, 5)]
     """
-    n_columns = _check_int("n_columns", n_columns, 0)
+    n_columns = nonnegative_int("n_columns", n_columns)
     rank, world_size = _check_rank(rank, world_size)
     width = -(-n_columns // world_size)
     return range(min(n_columns, rank * width), min(n_columns, (rank + 1) * width))

@@ -44,6 +44,7 @@ from gradsketch.attribution._modelout import (
     TextClassificationModelOutput,
     _one_minus_p,
 )
+from gradsketch.errors import GradsketchError
 from gradsketch.sketch import FactorizedProjector
 from gradsketch.sketch._factorized import FactorizedLayer, PlainParam, param_layout
 from gradsketch.sketch._validate import output_dtype
@@ -78,11 +79,11 @@ BATCH_OUTPUTS: dict[type[AbstractModelOutput], BatchOutput] = {}
 LOSS_GRAD_FROM_OUTPUT: dict[type[AbstractModelOutput], LossGradFromOutput] = {}
 
 
-class WrappedModelError(ValueError):
+class WrappedModelError(GradsketchError, ValueError):
     """Raised for a model wrapped in DataParallel / DDP / FSDP."""
 
 
-class HookComputationError(RuntimeError):
+class HookComputationError(GradsketchError, RuntimeError):
     """Raised when a hooked forward / backward does not fit the per-example assumptions."""
 
 

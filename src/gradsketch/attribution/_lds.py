@@ -17,6 +17,8 @@ import torch
 from scipy.stats import rankdata
 from tqdm.auto import tqdm
 
+from gradsketch._checks import check_int, positive_int
+
 
 class LDSGroundTruth(NamedTuple):
     """Subsets and the retrained models' outputs.
@@ -163,10 +165,8 @@ def lds_ground_truth(
         >>> gt.subset_masks.shape, gt.target_outputs.shape
         ((4, 10), (4, 2))
     """
-    if isinstance(n_train, bool) or not isinstance(n_train, int) or n_train < 2:
-        raise ValueError(f"`n_train` must be an int >= 2, got {n_train!r}.")
-    if isinstance(num_models, bool) or not isinstance(num_models, int) or num_models < 1:
-        raise ValueError(f"`num_models` must be a positive int, got {num_models!r}.")
+    check_int("n_train", n_train, low=2, fix="a subset needs at least two rows to choose from")
+    positive_int("num_models", num_models)
     if not 0 < subset_fraction < 1:
         raise ValueError(
             f"`subset_fraction` must be in (0, 1), got {subset_fraction!r}; "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -124,11 +123,6 @@ class BackgroundWriter:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-
-
-def num_rows(array: Any) -> int:
-    """Length of the first axis of any supported array."""
-    return int(array.shape[0])
 
 
 def xtx_blocked(
@@ -438,8 +432,3 @@ def block_plan(
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive ints."""
     return -(-a // b)
-
-
-def is_finite_number(value: object) -> bool:
-    """True for real numbers that are finite (bools excluded)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

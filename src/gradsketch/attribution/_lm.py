@@ -45,12 +45,13 @@ from gradsketch.attribution._modelout import (
     _one_minus_p,
     register_task,
 )
+from gradsketch.errors import GradsketchError
 
 #: Label value of positions that are not predicted (Hugging Face's convention).
 IGNORE_INDEX = -100
 
 
-class BatchFormatError(ValueError):
+class BatchFormatError(GradsketchError, ValueError):
     """A batch does not have the fields (or the tuple length) the task expects."""
 
 

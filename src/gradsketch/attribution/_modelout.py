@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradsketch.errors import GradsketchError
 
-class UnknownTaskError(ValueError):
+
+class UnknownTaskError(GradsketchError, ValueError):
     """``task`` names no registered model output."""
 
 

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from gradsketch._checks import positive_int
 from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
 from gradsketch.attribution._scores import check_lambda
 
@@ -106,15 +107,7 @@ class BasicScoreComputer(AbstractScoreComputer):
         lambda_reg: float | str = 0.0,
     ) -> None:
         super().__init__(dtype, device)
-        if (
-            isinstance(CUDA_MAX_DIM_SIZE, bool)
-            or not isinstance(CUDA_MAX_DIM_SIZE, int)
-            or (CUDA_MAX_DIM_SIZE < 1)
-        ):
-            raise ValueError(
-                f"`CUDA_MAX_DIM_SIZE` must be a positive int (rows per block), got "
-                f"{CUDA_MAX_DIM_SIZE!r}."
-            )
+        positive_int("CUDA_MAX_DIM_SIZE", CUDA_MAX_DIM_SIZE, fix="pass the rows per block")
         self.CUDA_MAX_DIM_SIZE = CUDA_MAX_DIM_SIZE
         self.logger = logging.getLogger("ScoreComputer")
         self.logger.setLevel(logging_level)

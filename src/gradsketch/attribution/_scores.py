@@ -34,6 +34,7 @@ import zarr
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from gradsketch._checks import check_number, positive_int
 from gradsketch.attribution._linalg import (
     BackgroundWriter,
     block_plan,
@@ -47,6 +48,7 @@ from gradsketch.attribution._linalg import (
     rows_as_tensor,
     xtx_blocked,
 )
+from gradsketch.errors import GradsketchError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,11 @@ logger = logging.getLogger(__name__)
 APPLY_INVERSE_TO = ("auto", "targets", "train")
 
 
-class MemoryBudgetError(ValueError):
+#: How to fix a bad ``memory_budget`` (shared by every function that takes one).
+MEMORY_BUDGET_FIX = "pass a number of bytes, e.g. memory_budget=2 * 1024**3, or None"
+
+
+class MemoryBudgetError(GradsketchError, ValueError):
     """The result does not fit the memory budget and no on-disk destination was given."""
 
 
@@ -80,19 +86,9 @@ class CheckpointGrads:
 
 def check_lambda(lambda_reg: object) -> float | str:
     """``lambda_reg`` is a non-negative finite number or ``"auto"``."""
-    if lambda_reg == "auto":
-        return "auto"
-    if (
-        isinstance(lambda_reg, bool)
-        or not isinstance(lambda_reg, (int, float))
-        or not np.isfinite(lambda_reg)
-        or lambda_reg < 0
-    ):
-        raise ValueError(
-            f"`lambda_reg` must be a finite number >= 0 or 'auto', got {lambda_reg!r}; "
-            "use 0.0 for TRAK's default or 'auto' for the cheap damping heuristic."
-        )
-    return float(lambda_reg)
+    fix = "use 0.0 for TRAK's default or 'auto' for the cheap damping heuristic"
+    value = check_number("lambda_reg", lambda_reg, low=0, also=("auto",), fix=fix)
+    return "auto" if value == "auto" else float(value)
 
 
 def _check_shapes(ckpts: Sequence[CheckpointGrads]) -> tuple[int, int, int]:
@@ -205,12 +201,7 @@ def score_checkpoints(
         raise ValueError(
             f"`apply_inverse_to` must be one of {list(APPLY_INVERSE_TO)}, got {apply_inverse_to!r}."
         )
-    if memory_budget is not None and (
-        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
-    ):
-        raise ValueError(
-            f"`memory_budget` must be a positive number of bytes or None, got {memory_budget!r}."
-        )
+    positive_int("memory_budget", memory_budget, optional=True, fix=MEMORY_BUDGET_FIX)
     n, k, m = _check_shapes(checkpoints)
     if device is None:
         first = checkpoints[0].train

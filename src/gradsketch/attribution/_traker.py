@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -17,6 +16,8 @@ import zarr
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gradsketch._checks import positive_int
+from gradsketch._hash import TensorDigest
 from gradsketch._settings import SettingsMismatchError, read_record, write_record
 from gradsketch._store import RowStore, default_chunk_rows
 from gradsketch.attribution._distributed import (
@@ -44,12 +45,15 @@ from gradsketch.attribution._lm_data import as_loader, as_task_batch
 from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._scores import (
+    MEMORY_BUDGET_FIX,
     CheckpointGrads,
     check_lambda,
     create_score_array,
     score_checkpoints,
 )
 from gradsketch.attribution._topk import TopK, topk_checkpoints
+from gradsketch.errors import GradsketchError
+from gradsketch.masked import MaskLike
 from gradsketch.sketch import (
     CountSketchProjector,
     CudaProjector,
@@ -58,7 +62,7 @@ from gradsketch.sketch import (
 )
 
 
-class ModelIDException(RuntimeError):
+class ModelIDException(GradsketchError, RuntimeError):
     """A checkpoint (model id) is missing, incomplete or inconsistent (TRAK's name)."""
 
 
@@ -89,32 +93,31 @@ class TRAKSettings:
     def __post_init__(self) -> None:
         for name in ("train_set_size", "proj_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+            positive_int(name, value)
         if self.dtype not in ("float16", "float32"):
             raise ValueError(f"`dtype` must be 'float16' or 'float32', got {self.dtype!r}.")
 
 
 def model_fingerprint(model: nn.Module) -> str:
     """Hash of the architecture: parameter and buffer names, shapes and dtypes."""
-    h = hashlib.sha256()
+    digest = TensorDigest()
     for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, t in items:
-            h.update(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype};".encode())
-    return h.hexdigest()[:16]
+            digest.text(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype};")
+    return digest.hexdigest()
 
 
 def checkpoint_fingerprint(state: Mapping[str, Any]) -> str:
     """Hash of a checkpoint's values (so a model id cannot silently change weights)."""
-    h = hashlib.sha256()
+    digest = TensorDigest()
     for name in sorted(state):
         value = state[name]
-        h.update(name.encode())
+        digest.text(name)
         if isinstance(value, Tensor):
-            h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.tensor(value)
         else:
-            h.update(repr(value).encode())
-    return h.hexdigest()[:16]
+            digest.text(repr(value))
+    return digest.hexdigest()
 
 
 def _projector_record(projector: Any, grad_dim: int) -> dict[str, Any]:
@@ -265,7 +268,7 @@ class TRAKer:
         lambda_reg: float | str = 0.0,
         *,
         memory_budget: int | None = None,
-        mask: Any = None,
+        mask: MaskLike | None = None,
         precision: str = "float32",
         progress: bool = True,
         chunk_rows: int | None = None,
@@ -277,15 +280,7 @@ class TRAKer:
                 f"`saver`={saver!r} is not supported: gradsketch stores features in a resumable "
                 "zarr store under `save_dir`. Pass saver=None."
             )
-        if memory_budget is not None and (
-            isinstance(memory_budget, bool)
-            or not isinstance(memory_budget, int)
-            or memory_budget <= 0
-        ):
-            raise ValueError(
-                f"`memory_budget` must be a positive number of bytes or None, got "
-                f"{memory_budget!r}."
-            )
+        positive_int("memory_budget", memory_budget, optional=True, fix=MEMORY_BUDGET_FIX)
         self.model = model
         self.task = resolve_task(task)
         self.train_set_size = int(train_set_size)
@@ -346,13 +341,7 @@ class TRAKer:
         # Rank 0 writes the settings record; the others then compare with it.
         with rank_zero_first():
             self.store = RowStore(self.save_dir, self.settings, what="TRAK store")
-        if chunk_rows is not None and (
-            isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
-        ):
-            raise ValueError(
-                f"`chunk_rows` must be a positive int or None (about 1 MiB per chunk), got "
-                f"{chunk_rows!r}."
-            )
+        positive_int("chunk_rows", chunk_rows, optional=True, fix="pass None for ~1 MiB chunks")
         self._chunk_rows = chunk_rows or default_chunk_rows(
             (self.proj_dim,), np.dtype(self._np_dtype)
         )
@@ -378,7 +367,7 @@ class TRAKer:
         projector: Any,
         proj_dim: int,
         proj_max_batch_size: int,
-        mask: Any,
+        mask: MaskLike | None,
         gradient_computer: Any,
     ) -> None:
         if projector is None:
@@ -392,7 +381,7 @@ class TRAKer:
         self.logger.info("Using %s", type(self.projector).__name__)
 
     def _default_projector(
-        self, proj_dim: int, proj_max_batch_size: int, mask: Any, gradient_computer: Any
+        self, proj_dim: int, proj_max_batch_size: int, mask: MaskLike | None, gradient_computer: Any
     ) -> Any:
         """The projector used when none is given (see the class docstring)."""
         if self._wants_factorized(gradient_computer, mask):
@@ -420,7 +409,7 @@ class TRAKer:
             self.grad_dim, int(proj_dim), self.proj_seed, self.device, mask=mask
         )
 
-    def _wants_factorized(self, gradient_computer: Any, mask: Any) -> bool:
+    def _wants_factorized(self, gradient_computer: Any, mask: MaskLike | None) -> bool:
         """Hook gradients on CPU, no mask: the default projector is a FactorizedProjector."""
         return (
             isinstance(gradient_computer, type)
@@ -462,7 +451,7 @@ class TRAKer:
             SettingsMismatchError: ``model_id`` was featurized from other weights.
         """
         sha = checkpoint_fingerprint(checkpoint)
-        require_same_across_ranks((int(model_id), sha), what="(model_id, checkpoint fingerprint)")
+        require_same_across_ranks("(model_id, checkpoint fingerprint)", (int(model_id), sha))
         n, k = self.train_set_size, self.proj_dim
         base = self._ckpt(model_id)
         with rank_zero_first() as first:
@@ -634,7 +623,7 @@ class TRAKer:
         self.store.flush()
         barrier()
         ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
-        require_same_across_ranks(ids, what="the model ids to finalize")
+        require_same_across_ranks("the model ids to finalize", ids)
         rank, world = rank_and_world()
         bar = tqdm(ids, desc="finalizing features", disable=not self.progress or rank != 0)
         for model_id in bar:
@@ -647,7 +636,7 @@ class TRAKer:
             base = self._ckpt(model_id)
             done = self.store.done_rows(f"{base}/done")
             # Ranks decide together, from the same flags, whether to go on.
-            require_same_across_ranks(bool(done.all()), what=f"model id {model_id} complete")
+            require_same_across_ranks(f"model id {model_id} complete", bool(done.all()))
             if not done.all():
                 missing = np.nonzero(~done)[0]
                 raise ModelIDException(
@@ -735,8 +724,7 @@ class TRAKer:
         """
         if not exp_name or "/" in exp_name:
             raise ValueError(f"`exp_name` must be a non-empty name without '/', got {exp_name!r}.")
-        if isinstance(num_targets, bool) or not isinstance(num_targets, int) or num_targets < 1:
-            raise ValueError(f"`num_targets` must be a positive int, got {num_targets!r}.")
+        positive_int("num_targets", num_targets)
         if per_token and not callable(getattr(self.task, "per_token_batch", None)):
             raise ValueError(
                 f"`per_token`=True needs a task with per-token outputs (a `per_token_batch` "
@@ -748,8 +736,8 @@ class TRAKer:
                 "per-token targets in one process."
             )
         require_same_across_ranks(
+            "(exp_name, model_id, num_targets, checkpoint fingerprint)",
             (exp_name, int(model_id), num_targets, checkpoint_fingerprint(checkpoint)),
-            what="(exp_name, model_id, num_targets, checkpoint fingerprint)",
         )
         exp_dir = self.save_dir / self._exp_dir(exp_name)
         rec_path = exp_dir / "experiment.json"
@@ -887,7 +875,7 @@ class TRAKer:
             )
         experiment = read_record(rec_path)
         ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
-        require_same_across_ranks((exp_name, ids), what="(exp_name, model ids) to score")
+        require_same_across_ranks("(exp_name, model ids) to score", (exp_name, ids))
         if not ids:
             raise ModelIDException(f"no model ids to score in `{self.save_dir}`.")
         ckpts: list[CheckpointGrads] = []

@@ -7,7 +7,7 @@ solved in the R-factor space of the inputs so that every solve is
 what it replaced and skips (with a reason) what it cannot replace safely.
 """
 
-from gradsketch.factorize._cli import CONFIG_SETTINGS, factorize_command
+from gradsketch._lazy import lazy_getattr
 from gradsketch.factorize._core import (
     INITS,
     LowRankSolution,
@@ -50,9 +50,12 @@ __all__ = [
     "ReplacedModule",
     "SkippedModule",
     "DIRECT_WEIGHT_USERS",
-    # diagnostics and command line
+    # diagnostics
     "RankCurve",
     "plot_rank_curve",
-    "factorize_command",
-    "CONFIG_SETTINGS",
 ]
+
+# The command line moved to gradsketch.cli; its names still import from here.
+__getattr__ = lazy_getattr(
+    __name__, dict.fromkeys(("factorize_command", "CONFIG_SETTINGS"), "gradsketch.cli")
+)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gradsketch._checks import nonnegative_int
 from gradsketch.factorize._linalg import (
     SVD_METHODS,
     RFactor,
@@ -235,8 +236,7 @@ def _check_matrix_args(
         )
     if bias is not None and tuple(bias.shape) != (Y.shape[1],):
         raise ValueError(f"`bias` must have shape [{Y.shape[1]}]; got {_fmt_shape(bias)}.")
-    if isinstance(n_iters, bool) or not isinstance(n_iters, int) or n_iters < 0:
-        raise ValueError(f"`n_iters` must be an int >= 0; got {n_iters!r}.")
+    nonnegative_int("n_iters", n_iters, fix="pass 0 for the SVD start alone")
 
 
 def _finish(

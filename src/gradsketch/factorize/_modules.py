@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
+from gradsketch._checks import positive_int
 from gradsketch.factorize._core import (
     LowRankSolution,
     conv_inputs_to_matrix,
@@ -97,8 +98,7 @@ class _FactorizedModule(nn.Module, abc.ABC):
     ) -> None:
         super().__init__()
         for name, v in (("in_size", in_size), ("out_size", out_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"`{name}` must be a positive int; got {v!r}.")
+            positive_int(name, v)
         self.in_size = in_size
         self.out_size = out_size
         self.kernel = kernel

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
+from gradsketch._checks import check_int
 from gradsketch.factorize._core import factorize_matrix
 from gradsketch.factorize._modules import lookup_factorized_class, max_rank_with_possible_speedup
 
@@ -86,10 +87,8 @@ def plot_rank_curve(
     top = min(n_in * math.prod(kernel), n_out) - 1
     chosen = sorted(set(ranks)) if ranks is not None else _default_ranks(max(1, top))
     for r in chosen:
-        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= max(1, top):
-            raise ValueError(
-                f"`ranks` must hold ints in [1, {max(1, top)}] (below min(fan_in, out)); got {r!r}."
-            )
+        fix = f"ranks lie below min(fan_in, out) = {top + 1}"
+        check_int("ranks[...]", r, low=1, high=max(1, top) + 1, fix=fix)
     x, y = cls.regression_data(module, calibration_input)
     w = x.new_zeros(x.shape[1], y.shape[1])  # only its shape matters: the fit uses (x, y)
     errors = [factorize_matrix(x, y, w, rank=r, n_iters=n_iters, seed=seed).nmse for r in chosen]

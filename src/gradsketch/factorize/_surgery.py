@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from tqdm.auto import tqdm
 
+from gradsketch._checks import nonnegative_int
 from gradsketch.factorize._modules import (
     _FactorizedModule,
     clean_latent_size,
@@ -205,8 +206,7 @@ def _check_settings(
     latent_features: int | float,
 ) -> None:
     for name, v in (("min_channels", min_channels), ("min_features", min_features)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"`{name}` must be an int >= 0; got {v!r}.")
+        nonnegative_int(name, v, fix=f"pass e.g. {name}=0 to consider every layer")
     for name, lat in (("latent_channels", latent_channels), ("latent_features", latent_features)):
         clean_latent_size(lat, 1 << 20, 1 << 20, name)
 

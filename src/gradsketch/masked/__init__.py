@@ -10,13 +10,15 @@ and values. This subpackage gives masked semantics where they are needed:
 - :class:`ParamMask`, named boolean masks over a model's parameters that
   restrict optimizers, samplers, sketches and attribution to chosen weights.
 
-This is the ground floor of gradsketch: it imports nothing else from it.
+This is the ground floor of gradsketch: it imports none of the other
+capabilities, only the root helpers (hashing, checks, errors).
 """
 
 from ._errors import MaskError
 from ._functional import adagrad, adam, sgd
 from ._optimizers import MaskedAdagrad, MaskedAdam, MaskedSGD
 from ._parammask import ParamMask
+from ._protocol import MaskLike
 
 __all__ = [
     # optimizers
@@ -29,6 +31,7 @@ __all__ = [
     "sgd",
     # parameter masks
     "ParamMask",
+    "MaskLike",
     # errors
     "MaskError",
 ]

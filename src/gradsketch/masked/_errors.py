@@ -7,10 +7,12 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from gradsketch.errors import GradsketchError
+
 __all__ = ["MaskError", "describe", "name_list"]
 
 
-class MaskError(ValueError):
+class MaskError(GradsketchError, ValueError):
     """A mask does not fit what it is applied to.
 
     Raised for masks with the wrong dtype, shape or device, masks keyed by

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -13,8 +12,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from gradsketch._checks import check_int
+from gradsketch._hash import MASK32, TensorDigest, name_key, random_bits
+
 from ._errors import MaskError, describe, name_list
-from ._hash import MASK32, name_key, random_bits
 
 __all__ = ["ParamMask"]
 
@@ -231,8 +232,7 @@ class ParamMask:
             raise MaskError(f"`fraction` must be a float in [0, 1]; received {fraction!r}.")
         if not 0.0 <= fraction <= 1.0:
             raise MaskError(f"`fraction` must be in [0, 1]; received {fraction!r}.")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise MaskError(f"`seed` must be an int in [0, 2**64); received {seed!r}.")
+        check_int("seed", seed, low=0, high=2**64, fix="reduce it modulo 2**64", error=MaskError)
         threshold = round(fraction * (MASK32 + 1))
         params = _named_parameters(model, "`model`")
         return cls(
@@ -601,12 +601,10 @@ class ParamMask:
         key = versions + ids
         if self._fingerprint_cache is not None and self._fingerprint_cache[0] == key:
             return self._fingerprint_cache[1]
-        digest = hashlib.sha256(f"{_FORMAT}/v{_VERSION}".encode())
+        digest = TensorDigest(f"{_FORMAT}/v{_VERSION}")
         for name, mask in self._masks.items():
-            digest.update(name.encode("utf-8") + b"\0")
-            digest.update(repr(tuple(mask.shape)).encode() + b"\0")
-            digest.update(np.packbits(mask.detach().cpu().reshape(-1).numpy()).tobytes())
-        value = digest.hexdigest()[:16]
+            digest.text(name + "\0").text(repr(tuple(mask.shape)) + "\0").bits(mask)
+        value = digest.hexdigest()
         self._fingerprint_cache = (key, value)
         return value
 

@@ -10,7 +10,6 @@ floats per draw); every rank returns the same summary.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -22,6 +21,7 @@ from tqdm.auto import tqdm
 
 from gradsketch import _distributed as _common
 from gradsketch._distributed import DistributedMismatchError
+from gradsketch._hash import TensorDigest
 from gradsketch.sampling._llc import (
     Evaluate,
     _chain_seed,
@@ -44,11 +44,10 @@ __all__ = ["DistributedMismatchError", "estimate_learning_coeff_distributed"]
 
 def _model_fingerprint(model: torch.nn.Module) -> str:
     """Hash of the weights and buffers: ranks must start every chain from the same w*."""
-    h = hashlib.sha256()
+    digest = TensorDigest()
     for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+        digest.text(name).tensor(t)
+    return digest.hexdigest()
 
 
 def check_distributed_callbacks(callbacks: Sequence[Callable[..., Any]], world_size: int) -> None:

@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from gradsketch._checks import nonnegative_int, positive_int
+from gradsketch._device import to_device
 from gradsketch.sampling._metrics import DOT_FIELDS, NORM_FIELDS
 from gradsketch.sampling._recording import LLCRecordSettings, open_draw_store
 from gradsketch.sampling._sgmcmc import SGMCMC
@@ -76,12 +78,7 @@ def default_nbeta(loader_or_batch_size: DataLoader[Any] | int, grad_accum_steps:
             "`loader_or_batch_size` must be a torch DataLoader or a positive int, got "
             f"{type(loader_or_batch_size).__name__}."
         )
-    if (
-        isinstance(grad_accum_steps, bool)
-        or not isinstance(grad_accum_steps, int)
-        or grad_accum_steps < 1
-    ):
-        raise ValueError(f"`grad_accum_steps` must be a positive int, got {grad_accum_steps!r}.")
+    positive_int("grad_accum_steps", grad_accum_steps)
     m = size * grad_accum_steps
     if m <= 1:
         logger.warning("default nbeta is undefined for an effective batch size of %d; using 1.", m)
@@ -111,16 +108,6 @@ def _loss_of(output: Any) -> torch.Tensor:
             + "; reduce the loss with .mean()."
         )
     return loss.reshape(())
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
 
 
 def _forever(loader: Iterable[Any]) -> Iterator[Any]:
@@ -167,7 +154,7 @@ def _initial_loss(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for batch in loader:
-            total += float(_loss_of(evaluate(model, _to_device(batch, device))))
+            total += float(_loss_of(evaluate(model, to_device(batch, device))))
             count += 1
             if count >= INIT_LOSS_BATCHES:
                 break
@@ -225,7 +212,7 @@ def _run_chain(job: _ChainJob) -> tuple[int, np.ndarray]:
             optimizer.zero_grad()
             loss_value = 0.0
             for _ in range(job.grad_accum_steps):
-                batch = _to_device(next(batches), device)
+                batch = to_device(next(batches), device)
                 loss = _loss_of(job.evaluate(model, batch))
                 (loss / job.grad_accum_steps).backward()
                 loss_value += float(loss.detach()) / job.grad_accum_steps
@@ -300,11 +287,11 @@ def _resolve_run(
     ``nbeta`` defaults to :func:`default_nbeta` of a DataLoader. Shared by the
     one-process and the distributed estimators, so both read arguments alike.
     """
-    _check_count("num_draws", num_draws)
-    _check_count("num_chains", num_chains)
-    _check_count("num_steps_bw_draws", num_steps_bw_draws)
-    _check_count("grad_accum_steps", grad_accum_steps)
-    _check_count("num_burnin_steps", num_burnin_steps, allow_zero=True)
+    positive_int("num_draws", num_draws)
+    positive_int("num_chains", num_chains)
+    positive_int("num_steps_bw_draws", num_steps_bw_draws)
+    positive_int("grad_accum_steps", grad_accum_steps)
+    nonnegative_int("num_burnin_steps", num_burnin_steps)
     kwargs = dict(optimizer_kwargs or {})
     if "nbeta" not in kwargs:
         if not isinstance(loader, DataLoader):
@@ -467,7 +454,7 @@ def estimate_learning_coeff_with_summary(
         >>> out["loss/trace"].shape
         (2, 5)
     """
-    _check_count("cores", cores)
+    positive_int("cores", cores)
     if cores > 1 and callbacks:
         raise ValueError(
             f"`callbacks` run in the calling process and need `cores=1`, got cores={cores} with "
@@ -601,10 +588,3 @@ def estimate_learning_coeff(
             verbose=verbose,
         )["llc/mean"]
     )
-
-
-def _check_count(name: str, value: object, *, allow_zero: bool = False) -> None:
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        kind = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"`{name}` must be a {kind} int, got {value!r}.")

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from gradsketch._checks import nonnegative_int, positive_int
 from gradsketch._settings import (
     SettingsMismatchError,
     require_same_settings,
@@ -79,13 +80,8 @@ class LLCRecordSettings:
 
     def __post_init__(self) -> None:
         for name in ("num_chains", "num_draws", "num_steps_bw_draws"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-        if not isinstance(self.num_burnin_steps, int) or self.num_burnin_steps < 0:
-            raise ValueError(
-                f"`num_burnin_steps` must be a non-negative int, got {self.num_burnin_steps!r}."
-            )
+            positive_int(name, getattr(self, name))
+        nonnegative_int("num_burnin_steps", self.num_burnin_steps)
         if not (isinstance(self.nbeta, (int, float)) and self.nbeta > 0):
             raise ValueError(f"`nbeta` must be a positive number, got {self.nbeta!r}.")
         self.nbeta = float(self.nbeta)

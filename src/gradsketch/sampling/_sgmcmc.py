@@ -21,7 +21,6 @@ coefficients, the Gram/sketch pass) in :mod:`._workspace`.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import logging
 import math
@@ -33,6 +32,9 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
+from gradsketch._checks import integer, positive_int
+from gradsketch._hash import TensorDigest
+from gradsketch.masked import MaskLike
 from gradsketch.sampling import _workspace
 from gradsketch.sampling._kernels import update_group_
 from gradsketch.sampling._metrics import Metrics
@@ -51,12 +53,6 @@ from gradsketch.sampling._preconditioners import (
 from gradsketch.sampling._workspace import GroupPlan
 from gradsketch.sketch import CountSketch, Fingerprint, SketchBuffer
 
-_ParamMask: Any
-try:  # The masked subpackage is a sibling on the ground floor; tolerate it being absent.
-    from gradsketch.masked import ParamMask as _ParamMask
-except ImportError:  # pragma: no cover - depends on the masked subpackage
-    _ParamMask = None  # type: ignore[misc,assignment]
-
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -74,14 +70,13 @@ __all__ = [
 
 
 def _mask_fingerprint(masks: Sequence[torch.Tensor | None]) -> str:
-    digest = hashlib.sha256()
+    digest = TensorDigest()
     for m in masks:
         if m is None:
-            digest.update(b"all")
-            continue
-        digest.update(str(tuple(m.shape)).encode())
-        digest.update(m.detach().to("cpu", torch.bool).contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
+            digest.text("all")
+        else:
+            digest.text(str(tuple(m.shape))).tensor(m.bool())
+    return digest.hexdigest()
 
 
 _PRIOR_FORMS = (
@@ -184,7 +179,7 @@ class SGMCMC(Optimizer):
         preconditioner: str | Preconditioner = "identity",
         preconditioner_kwargs: dict[str, Any] | None = None,
         bounding_box_size: float | None = None,
-        mask: object = None,
+        mask: MaskLike | Sequence[torch.Tensor | None] | torch.Tensor | None = None,
         save_metrics: bool = False,
         sketch_dim: int | None = None,
         sketch_seed: int = 0,
@@ -200,14 +195,8 @@ class SGMCMC(Optimizer):
         _check_positive("weight_decay", weight_decay, allow_zero=True)
         if bounding_box_size is not None:
             _check_positive("bounding_box_size", bounding_box_size)
-        if sketch_dim is not None and (
-            isinstance(sketch_dim, bool) or not isinstance(sketch_dim, int) or sketch_dim < 1
-        ):
-            raise ValueError(
-                f"`sketch_dim` must be a positive int or None, got {sketch_dim!r}; e.g. 1024."
-            )
-        if isinstance(sketch_seed, bool) or not isinstance(sketch_seed, int):
-            raise TypeError(f"`sketch_seed` must be an int, got {sketch_seed!r}.")
+        positive_int("sketch_dim", sketch_dim, optional=True, fix="pass e.g. sketch_dim=1024")
+        integer("sketch_seed", sketch_seed)
         defaults = dict(
             lr=float(lr),
             noise_level=float(noise_level),
@@ -251,7 +240,7 @@ class SGMCMC(Optimizer):
         centers = self._resolve_prior(group, params)
         masks = self._resolve_mask(group.get("mask"), params)
         group["masks"] = masks
-        if _ParamMask is not None and isinstance(group.get("mask"), _ParamMask):
+        if isinstance(group.get("mask"), MaskLike):
             # The ParamMask's own digest, so sketches name the mask users built.
             group["mask_fingerprint"] = group["mask"].fingerprint
         else:
@@ -307,10 +296,10 @@ class SGMCMC(Optimizer):
         )
 
     @staticmethod
-    def _resolve_mask(mask: object, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    def _resolve_mask(mask: Any, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         if mask is None:
             return None
-        if _ParamMask is not None and isinstance(mask, _ParamMask):
+        if isinstance(mask, MaskLike):
             per_param = [m for _, m in mask.items()]
             if len(per_param) != len(params):
                 raise ValueError(

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
+from gradsketch._checks import integer, positive_int
+from gradsketch.masked import MaskLike
 from gradsketch.sketch import _backend
 from gradsketch.sketch._fingerprint import Fingerprint
-from gradsketch.sketch._hash import buckets_and_signs, sparse_key
+from gradsketch.sketch._tables import buckets_and_signs, sparse_key
 from gradsketch.sketch._validate import (
     check_device,
-    check_dim,
     check_float_tensor,
     check_range,
-    check_seed,
 )
 
 #: The sampler update components that get one sketch each.
@@ -162,18 +162,18 @@ class CountSketch:
         materialize: bool = True,
         device: torch.device | str = "cpu",
         chunk_size: int = DEFAULT_CHUNK,
-        mask: Any = None,
+        mask: MaskLike | None = None,
     ) -> None:
-        self._input_dim = check_dim("input_dim", input_dim)
+        self._input_dim = positive_int("input_dim", input_dim)
         if mask is not None and mask.numel != self._input_dim:
             raise ValueError(
                 f"`input_dim`={input_dim} but the mask selects {mask.numel} entries; with a "
                 "mask, pass input_dim=mask.numel."
             )
         self.mask = mask
-        self._output_dim = check_dim("output_dim", output_dim)
-        self.seed = check_seed("seed", seed)
-        self.chunk_size = check_dim("chunk_size", chunk_size)
+        self._output_dim = positive_int("output_dim", output_dim)
+        self.seed = integer("seed", seed)
+        self.chunk_size = positive_int("chunk_size", chunk_size)
         self.materialize = bool(materialize)
         self._device = torch.device(device)
         self._key = sparse_key(self.seed, 0, 0)
@@ -190,7 +190,7 @@ class CountSketch:
         *,
         materialize: bool = True,
         device: torch.device | str = "cpu",
-        mask: Any = None,
+        mask: MaskLike | None = None,
     ) -> CountSketch:
         """Build the sketch for ``input_dim`` coordinates into ``output_dim`` buckets.
 
@@ -367,7 +367,7 @@ class SketchBuffer:
         fingerprint: Fingerprint | None = None,
     ) -> SketchBuffer:
         """Zeroed buffers of size ``output_dim`` on ``device``."""
-        check_dim("output_dim", output_dim)
+        positive_int("output_dim", output_dim)
         zeros = {
             q: torch.zeros(output_dim, dtype=torch.float32, device=device) for q in cls.QUANTITIES
         }

@@ -23,11 +23,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from gradsketch._checks import nonnegative_int, positive_int
+from gradsketch._hash import derive_key
+from gradsketch.errors import GradsketchError
 from gradsketch.sketch._countsketch import accumulate_folded
 from gradsketch.sketch._fingerprint import Fingerprint
-from gradsketch.sketch._hash import buckets_and_signs, dense_block, derive_key
 from gradsketch.sketch._projectors import AbstractProjector, ProjectionType, parse_proj_type
-from gradsketch.sketch._validate import check_device, check_dim, check_float_tensor, output_dtype
+from gradsketch.sketch._tables import buckets_and_signs, dense_block
+from gradsketch.sketch._validate import check_device, check_float_tensor, output_dtype
 
 #: Hash stream of factorized maps (keeps them independent of every other kind).
 _FACTORIZED_STREAM = 0xFAC7
@@ -36,7 +39,7 @@ _REST_INDEX = 0xFFFFFFFF
 _IN, _OUT = 0, 1
 
 
-class FactorizedLayoutError(ValueError):
+class FactorizedLayoutError(GradsketchError, ValueError):
     """Raised when a model, a gradient or a factor does not fit a projector's layout."""
 
 
@@ -182,7 +185,7 @@ class FactorizedProjector(AbstractProjector):
             s for s in self.segments if isinstance(s, FactorizedLayer)
         )
         self.rest_dim = sum(s.numel for s in self.segments if isinstance(s, PlainParam))
-        self.rest_proj_dim = check_dim("rest_proj_dim", rest_proj_dim, allow_zero=True)
+        self.rest_proj_dim = nonnegative_int("rest_proj_dim", rest_proj_dim)
         if self.rest_dim and not self.rest_proj_dim:
             names = [s.name for s in self.segments if isinstance(s, PlainParam)]
             raise FactorizedLayoutError(
@@ -264,8 +267,8 @@ class FactorizedProjector(AbstractProjector):
             FactorizedLayoutError: if no parameter is selected or a name in
                 ``grad_wrt`` is not a parameter of ``model``.
         """
-        k_in = check_dim("k_in", k_in)
-        k_out = check_dim("k_out", k_out)
+        k_in = positive_int("k_in", k_in)
+        k_out = positive_int("k_out", k_out)
         all_names = [name for name, _ in model.named_parameters()]
         wanted = set(all_names) if grad_wrt is None else set(grad_wrt)
         unknown = sorted(wanted - set(all_names))
@@ -354,7 +357,7 @@ class FactorizedProjector(AbstractProjector):
             >>> p.layers[0].k_in, p.proj_dim  # 40 * 40 + 40 * 10 = 2000
             (40, 2000)
         """
-        budget = check_dim("proj_dim", proj_dim)
+        budget = positive_int("proj_dim", proj_dim)
         probe = cls.from_model(model, k_in=1, k_out=1, seed=seed, grad_wrt=grad_wrt, device="cpu")
         has_rest = probe.rest_dim > 0
 
@@ -626,7 +629,7 @@ class FactorizedProjector(AbstractProjector):
 def _check_segment(seg: object) -> None:
     if isinstance(seg, FactorizedLayer):
         for field_name in ("d_in", "d_out", "k_in", "k_out"):
-            check_dim(f"{seg.name}.{field_name}", getattr(seg, field_name))
+            positive_int(f"{seg.name}.{field_name}", getattr(seg, field_name))
         expected = 1 + int(seg.bias)
         if len(seg.param_names) != expected:
             raise FactorizedLayoutError(
@@ -635,7 +638,7 @@ def _check_segment(seg: object) -> None:
             )
         return
     if isinstance(seg, PlainParam):
-        check_dim(f"{seg.name}.numel", seg.numel)
+        positive_int(f"{seg.name}.numel", seg.numel)
         return
     raise TypeError(
         f"`segments` entries must be FactorizedLayer or PlainParam, got {type(seg).__name__}."

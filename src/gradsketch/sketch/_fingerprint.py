@@ -7,10 +7,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gradsketch.sketch._hash import HASH_VERSION
+from gradsketch._settings import settings_from_record
+from gradsketch.errors import GradsketchError
+from gradsketch.sketch._tables import HASH_VERSION
 
 
-class FingerprintMismatchError(ValueError):
+class FingerprintMismatchError(GradsketchError, ValueError):
     """Raised when sketches or stored features made by different maps are combined."""
 
 
@@ -66,14 +68,7 @@ class Fingerprint:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fingerprint:
         """Inverse of :meth:`to_dict`; unknown keys are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"`data` has unknown fingerprint fields {unknown}; allowed fields are "
-                f"{sorted(known)}. Was it written by a newer gradsketch?"
-            )
-        return cls(**data)
+        return settings_from_record(cls, data, what="fingerprint")
 
     @classmethod
     def from_json(cls, text: str) -> Fingerprint:

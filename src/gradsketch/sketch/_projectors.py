@@ -18,22 +18,23 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradsketch._checks import integer, positive_int
+from gradsketch.masked import MaskLike
 from gradsketch.sketch._backend import default_backend, triton
 from gradsketch.sketch._countsketch import DEFAULT_CHUNK, scatter_folded_
 from gradsketch.sketch._fingerprint import Fingerprint
-from gradsketch.sketch._hash import buckets_and_signs, dense_block, dense_key, sparse_key
+from gradsketch.sketch._tables import buckets_and_signs, dense_block, dense_key, sparse_key
 from gradsketch.sketch._validate import (
     batch_blocks,
+    check_block,
     check_device,
-    check_dim,
     check_float_tensor,
     check_range,
-    check_seed,
 )
 
 #: Entries of a dense tile generated at once (8 MiB of float32).
@@ -57,18 +58,6 @@ def parse_proj_type(value: object) -> ProjectionType:
             f"`proj_type` must be one of {allowed}, got {value!r}; pass e.g. "
             "proj_type=ProjectionType.rademacher."
         ) from None
-
-
-class SupportsSelect(Protocol):
-    """What a projector needs from a :class:`gradsketch.masked.ParamMask`."""
-
-    @property
-    def numel(self) -> int: ...
-
-    @property
-    def fingerprint(self) -> str: ...
-
-    def select_batched(self, tensors: Mapping[str, Tensor]) -> Tensor: ...
 
 
 class AbstractProjector(ABC):
@@ -106,14 +95,14 @@ class AbstractProjector(ABC):
         device: torch.device | str,
         *,
         model_id: int = 0,
-        mask: SupportsSelect | None = None,
+        mask: MaskLike | None = None,
     ) -> None:
-        self.grad_dim = check_dim("grad_dim", grad_dim)
-        self.proj_dim = check_dim("proj_dim", proj_dim)
-        self.seed = check_seed("seed", seed)
+        self.grad_dim = positive_int("grad_dim", grad_dim)
+        self.proj_dim = positive_int("proj_dim", proj_dim)
+        self.seed = integer("seed", seed)
         self.proj_type = proj_type
         self.device = torch.device(device)
-        self.model_id = check_seed("model_id", model_id)
+        self.model_id = integer("model_id", model_id)
         self.mask = mask
         if mask is not None and mask.numel != self.grad_dim:
             raise ValueError(
@@ -151,7 +140,7 @@ class AbstractProjector(ABC):
         """Switch to the map of checkpoint ``model_id`` (no-op if unchanged or None)."""
         if model_id is None or model_id == self.model_id:
             return
-        self.model_id = check_seed("model_id", model_id)
+        self.model_id = integer("model_id", model_id)
         self._on_model_change()
 
     def _out_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -214,13 +203,8 @@ class AbstractProjector(ABC):
         Returns:
             ``out``, for chaining.
         """
-        check_float_tensor("block", block)
+        check_block(block)
         check_float_tensor("out", out)
-        if block.dim() != 2:
-            raise ValueError(
-                f"`block` must be 2-D [batch, n], got shape {tuple(block.shape)}; "
-                "reshape with block.reshape(batch, -1)."
-            )
         if out.shape != (block.shape[0], self.proj_dim):
             raise ValueError(
                 f"`out` must have shape ({block.shape[0]}, {self.proj_dim}) for this block, got "
@@ -330,17 +314,17 @@ class SparseProjector(AbstractProjector):
         *,
         model_id: int = 0,
         materialize: bool = True,
-        mask: SupportsSelect | None = None,
+        mask: MaskLike | None = None,
         chunk_size: int = DEFAULT_CHUNK,
     ) -> None:
         super().__init__(grad_dim, proj_dim, seed, None, device, model_id=model_id, mask=mask)
-        self.nnz = check_dim("nnz", nnz)
+        self.nnz = positive_int("nnz", nnz)
         if self.nnz > self.proj_dim:
             raise ValueError(
                 f"`nnz`={nnz} exceeds proj_dim={proj_dim}; use nnz <= proj_dim (1 to 8 is typical)."
             )
         self.materialize = bool(materialize)
-        self.chunk_size = check_dim("chunk_size", chunk_size)
+        self.chunk_size = positive_int("chunk_size", chunk_size)
         self.scale = math.sqrt(self.proj_dim / self.nnz)
         self._tables: list[Tensor] | None = None
 
@@ -430,7 +414,7 @@ class CountSketchProjector(SparseProjector):
         *,
         model_id: int = 0,
         materialize: bool = True,
-        mask: SupportsSelect | None = None,
+        mask: MaskLike | None = None,
         chunk_size: int = DEFAULT_CHUNK,
     ) -> None:
         super().__init__(
@@ -460,7 +444,7 @@ class _DenseProjector(AbstractProjector):
         device: torch.device | str,
         dtype: torch.dtype,
         model_id: int,
-        mask: SupportsSelect | None,
+        mask: MaskLike | None,
     ) -> None:
         parsed = parse_proj_type(proj_type)
         super().__init__(grad_dim, proj_dim, seed, parsed, device, model_id=model_id, mask=mask)
@@ -576,7 +560,7 @@ class BasicProjector(_DenseProjector):
         super().__init__(
             grad_dim, proj_dim, seed, proj_type, device, dtype, model_id, kwargs.get("mask")
         )
-        self.block_size = min(self.proj_dim, check_dim("block_size", block_size))
+        self.block_size = min(self.proj_dim, positive_int("block_size", block_size))
 
     def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
         kernels = triton() if default_backend(out, kernel="dense") == "triton" else None
@@ -629,7 +613,7 @@ class CudaProjector(BasicProjector):
                 "CountSketchProjector (fastest) or BasicProjector (the same dense map as "
                 "CudaProjector)."
             )
-        self.max_batch_size = check_dim("max_batch_size", max_batch_size)
+        self.max_batch_size = positive_int("max_batch_size", max_batch_size)
         super().__init__(grad_dim, proj_dim, seed, proj_type, dev, *args, **kwargs)
 
     def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
@@ -668,7 +652,7 @@ class ChunkedCudaProjector:
         self.proj_dim = self.projector_per_chunk[0].proj_dim
         self.proj_type = self.projector_per_chunk[0].proj_type
         self.params_per_chunk = list(params_per_chunk)
-        self.max_chunk_size = check_dim("max_chunk_size", max_chunk_size)
+        self.max_chunk_size = positive_int("max_chunk_size", max_chunk_size)
         self.feat_bs = feat_bs
         self.device = torch.device(device)
         self.dtype = dtype

@@ -1,6 +1,6 @@
 """Triton kernels for the count sketch and the on-the-fly dense JL map.
 
-These are the GPU twins of the torch path in :mod:`gradsketch.sketch._hash`:
+These are the GPU twins of the torch path in :mod:`gradsketch.sketch._tables`:
 the same counter-based hash (``lowbias32`` on 32-bit words), written with
 ``uint32`` arithmetic, which wraps natively on the GPU, where the torch path
 emulates it with split multiplies in ``int64``. The *map* is therefore bit for
@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
+from gradsketch._checks import check_int, nonnegative_int, positive_int
 from gradsketch._hash import MASK32, mix32
-from gradsketch.sketch._hash import AUX_SALT, PAIR_SALT, RADEMACHER_SALT
-from gradsketch.sketch._validate import check_dim, check_float_tensor
+from gradsketch.errors import GradsketchError
+from gradsketch.sketch._tables import AUX_SALT, PAIR_SALT, RADEMACHER_SALT
+from gradsketch.sketch._validate import check_block, check_float_tensor
 
 try:  # optional: the `gpu` extra
     import triton
@@ -88,7 +90,7 @@ _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "0") not 
 _ANNOUNCED: set[str] = set()
 
 
-class TritonUnavailableError(RuntimeError):
+class TritonUnavailableError(GradsketchError, RuntimeError):
     """The Triton kernels were asked for where they cannot run."""
 
 
@@ -159,23 +161,16 @@ def _require_available(block: torch.Tensor) -> None:
         )
 
 
+_KEY_FIX = "a key is 32 bits: derive it with sparse_key(seed, model_id, row) or dense_key(...)"
+
+
 def _check_key(name: str, key: object) -> int:
-    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key <= MASK32:
-        raise ValueError(
-            f"`{name}` must be a 32-bit key, an int in [0, 2**32), got {key!r}; derive it "
-            "with sparse_key(seed, model_id, row) or dense_key(seed, model_id)."
-        )
-    return key
+    return check_int(name, key, low=0, high=MASK32 + 1, fix=_KEY_FIX)
 
 
 def _check_operands(block: torch.Tensor, out: torch.Tensor, offset: object, proj_dim: int) -> None:
-    check_float_tensor("block", block)
+    check_block(block)
     check_float_tensor("out", out)
-    if block.dim() != 2:
-        raise ValueError(
-            f"`block` must be 2-D [batch, n], got shape {tuple(block.shape)}; reshape with "
-            "block.reshape(batch, -1)."
-        )
     if out.dtype not in (torch.float32, torch.float64):
         raise TypeError(
             f"`out` must be float32 or float64 (the accumulator), got {out.dtype}; allocate "
@@ -195,8 +190,7 @@ def _check_operands(block: torch.Tensor, out: torch.Tensor, offset: object, proj
         raise ValueError(
             f"`block` is on {block.device} but `out` is on {out.device}; put both on one device."
         )
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"`offset` must be a non-negative int, got {offset!r}.")
+    nonnegative_int("offset", offset, fix="pass the index of the block's first coordinate")
 
 
 def _device_guard(tensor: torch.Tensor) -> Any:
@@ -368,7 +362,7 @@ def triton_count_sketch(
 
     ``S`` has one non-zero per coordinate: ``S[h(i), i] = s(i)`` with bucket
     ``h`` and sign ``s`` from the hash of ``(key, i)``, exactly as
-    :func:`gradsketch.sketch._hash.buckets_and_signs` (Charikar, Chen &
+    :func:`gradsketch.sketch._tables.buckets_and_signs` (Charikar, Chen &
     Farach-Colton, ICALP 2002). Contributions are summed in ``out.dtype`` into
     a zeroed scratch row by atomic adds, then added with ``alpha=scale``, the
     same two steps as :func:`gradsketch.sketch._countsketch.accumulate_folded`.
@@ -391,14 +385,14 @@ def triton_count_sketch(
             the interpreter.
 
     Example:
-        >>> from gradsketch.sketch._hash import sparse_key
+        >>> from gradsketch.sketch._tables import sparse_key
         >>> out = torch.zeros(2, 8)
         >>> if use_triton(out.device):  # CUDA, or CPU under TRITON_INTERPRET=1
         ...     _ = triton_count_sketch(torch.ones(2, 5), sparse_key(0, 0, 0), 0, 8, 1.0, out)
         >>> out.shape
         torch.Size([2, 8])
     """
-    _check_operands(block, out, offset, check_dim("proj_dim", proj_dim))
+    _check_operands(block, out, offset, positive_int("proj_dim", proj_dim))
     key = _check_key("key", key)
     _require_available(block)
     batch, n = block.shape
@@ -440,7 +434,7 @@ def triton_dense_project(
 ) -> torch.Tensor:
     """``out += block @ M[offset:offset+n, :proj_dim]`` with ``M`` generated on the fly.
 
-    ``M`` is the dense JL matrix of :func:`gradsketch.sketch._hash.dense_block`
+    ``M`` is the dense JL matrix of :func:`gradsketch.sketch._tables.dense_block`
     under ``key``: i.i.d. ±1 (``rademacher``) or N(0, 1) (``normal``, by
     Box-Muller) entries, ``E<Mᵀx, Mᵀy> = proj_dim * <x, y>`` (Johnson &
     Lindenstrauss, 1984; Achlioptas, 2003 for the ±1 entries). Tiles of ``M``
@@ -467,14 +461,14 @@ def triton_dense_project(
             the interpreter.
 
     Example:
-        >>> from gradsketch.sketch._hash import dense_key
+        >>> from gradsketch.sketch._tables import dense_key
         >>> out = torch.zeros(2, 4)
         >>> if use_triton(out.device):
         ...     _ = triton_dense_project(torch.ones(2, 6), dense_key(0, 0), 0, 4, "normal", out)
         >>> out.shape
         torch.Size([2, 4])
     """
-    _check_operands(block, out, offset, check_dim("proj_dim", proj_dim))
+    _check_operands(block, out, offset, positive_int("proj_dim", proj_dim))
     key = _check_key("key", key)
     if proj_type not in DENSE_KINDS:
         allowed = ", ".join(repr(k) for k in DENSE_KINDS)
@@ -483,7 +477,7 @@ def triton_dense_project(
             "proj_type='rademacher'."
         )
     if splits is not None:
-        check_dim("splits", splits)
+        positive_int("splits", splits)
     _require_available(block)
     batch, n = block.shape
     if batch == 0 or n == 0:

@@ -1,4 +1,4 @@
-"""Boundary checks shared by every sketch: one message style, one place."""
+"""Tensor checks shared by every sketch (integer arguments: :mod:`gradsketch._checks`)."""
 
 from __future__ import annotations
 
@@ -6,24 +6,10 @@ from collections.abc import Mapping
 
 import torch
 
+from gradsketch._checks import nonnegative_int
+
 #: Input dtypes every sketch accepts.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def check_dim(name: str, value: object, *, allow_zero: bool = False) -> int:
-    """Return ``value`` as an int if it is a positive (or non-negative) integer."""
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        kind = "a non-negative" if allow_zero else "a positive"
-        raise ValueError(f"`{name}` must be {kind} integer, got {value!r}.")
-    return value
-
-
-def check_seed(name: str, value: object) -> int:
-    """Seeds are plain integers (any sign)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {value!r} of type {type(value).__name__}.")
-    return value
 
 
 def check_float_tensor(name: str, value: object) -> torch.Tensor:
@@ -42,6 +28,17 @@ def check_float_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def check_block(block: object) -> torch.Tensor:
+    """A floating ``[batch, n]`` block of coordinates (what every kernel streams)."""
+    tensor = check_float_tensor("block", block)
+    if tensor.dim() != 2:
+        raise ValueError(
+            f"`block` must be 2-D [batch, n], got shape {tuple(tensor.shape)}; reshape with "
+            "block.reshape(batch, -1)."
+        )
+    return tensor
+
+
 def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
     """Refuse a tensor on another device than the sketch (no silent copies)."""
     if tensor.device.type != device.type or (
@@ -56,8 +53,7 @@ def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
 
 def check_range(offset: int, length: int, input_dim: int) -> None:
     """``offset + length`` must not run past ``input_dim``."""
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"`offset` must be a non-negative int, got {offset!r}.")
+    nonnegative_int("offset", offset, fix="pass the index of the block's first coordinate")
     if offset + length > input_dim:
         raise ValueError(
             f"coordinate range [offset, offset + length) = [{offset}, {offset + length}) runs past "

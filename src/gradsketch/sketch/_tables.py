@@ -1,4 +1,4 @@
-"""Counter-based hashing: the only source of randomness in gradsketch.
+"""The random tables of every sketch, drawn from counter-based hashing.
 
 Every random entry of every sketch is a pure function of (seed, model_id,
 stream, coordinate, output index), computed with 32-bit unsigned integer
@@ -6,9 +6,9 @@ arithmetic. Nothing depends on how the work is split into blocks, on the
 device, or on a generator's internal state, which is what makes promise 1 of
 the design ("same fingerprint, same map") hold.
 
-The mixer and its overflow-free int64 arithmetic live in
-:mod:`gradsketch._hash` (shared with random parameter masks), so CPU, CUDA and
-Triton agree bit for bit.
+The mixer, key derivation and coordinate hash live in :mod:`gradsketch._hash`
+(shared with random parameter masks), so CPU, CUDA and Triton agree bit for
+bit; this module turns them into count-sketch tables and dense JL blocks.
 """
 
 from __future__ import annotations
@@ -18,31 +18,15 @@ import math
 import numpy as np
 import torch
 
-from gradsketch._hash import GOLDEN, MASK32, mix32, mix32_numpy_
+from gradsketch._hash import derive_key, hash_indices, mix32, mix32_numpy_
 
 #: Coordinates hashed at once when a whole table is built.
 _TABLE_CHUNK = 1 << 18
 
 #: Version of the hash scheme, recorded in every fingerprint. Bump it if the
-#: functions below ever change, so that old sketches are refused, not mixed.
+#: functions below (or :func:`~gradsketch._hash.derive_key`) ever change, so
+#: that old sketches are refused, not mixed.
 HASH_VERSION = 1
-
-
-def derive_key(*parts: int) -> int:
-    """Fold integers (seed, model_id, stream, ...) into one 32-bit key.
-
-    Each part is taken modulo 2**64 (so negative seeds work) and consumed as
-    two 32-bit words.
-
-    >>> derive_key(0, 1) != derive_key(1, 0)
-    True
-    """
-    h = 0x243F6A88
-    for part in parts:
-        value = part % (1 << 64)
-        for word in (value & MASK32, value >> 32):
-            h = mix32(((h ^ word) + GOLDEN) & MASK32)
-    return h
 
 
 _SPARSE_STREAM = 0x5A
@@ -67,27 +51,6 @@ def sparse_key(seed: int, model_id: int, row: int) -> int:
 def dense_key(seed: int, model_id: int) -> int:
     """Key of a dense JL map."""
     return derive_key(seed, model_id, _DENSE_STREAM)
-
-
-def hash_indices(key: int, index: torch.Tensor) -> torch.Tensor:
-    """Hash coordinates ``index`` (int64, >= 0) under ``key`` to 32-bit words.
-
-    Indices below 2**32 use one mixing round; wider indices fold their high
-    word in with a second round, so the map is a fixed function of the index
-    whatever block it arrives in.
-
-    Args:
-        key: a key from :func:`derive_key`.
-        index: int64 tensor of non-negative coordinates, any shape.
-
-    Returns:
-        int64 tensor of the same shape, values in ``[0, 2**32)``.
-    """
-    h = mix32((index & MASK32) ^ key)
-    if index.numel() and int(index.max()) > MASK32:
-        high = index >> 32
-        h = torch.where(high > 0, mix32(h ^ mix32(high ^ mix32((key + 1) & MASK32))), h)
-    return h
 
 
 def coordinate_range(offset: int, length: int, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Command line: ``gradsketch demo | sketch-demo | attribute | llc | factorize | bench``.
+"""The typer app behind ``gradsketch demo | sketch-demo | attribute | llc | factorize | bench``.
 
 Each command imports its capability only when run, so ``gradsketch --help``
 is instant and a broken optional piece cannot break the others.
@@ -42,7 +42,7 @@ def demo(
 ) -> None:
     """The main job: TRAK attribution on scikit-learn's bundled digits, with LDS and a gallery."""
     _setup_logging(verbose)
-    from gradsketch.attribution._demo import format_report, run_demo
+    from gradsketch.demos._attribution import format_report, run_demo
 
     summary = run_demo(out, quick=quick)
     typer.echo(summary.get("report") or format_report(summary))
@@ -54,10 +54,10 @@ def sketch_demo(
     dim: int = typer.Option(1 << 14, help="Input dimension d."),
 ) -> None:
     """Inner-product error against sketch size k for every sketch kind (table, PNG, JSON)."""
-    from gradsketch.sketch._demo import format_table, run_sketch_demo
+    from gradsketch.demos._sketch import format_sketch_table, run_sketch_demo
 
     summary = run_sketch_demo(out, dim=dim)
-    typer.echo(format_table(summary))
+    typer.echo(format_sketch_table(summary))
     typer.echo(f"plot: {summary['plot']}\nsummary: {Path(out) / 'summary.json'}")
 
 
@@ -66,7 +66,7 @@ def attribute(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) ->
     """Run TRAK for your own model, checkpoints and loaders defined in CONFIG.py."""
     _setup_logging(verbose)
     from gradsketch._distributed import process_group_from_env, rank
-    from gradsketch.attribution._cli import attribute_command
+    from gradsketch.cli._attribute import attribute_command
 
     # Under torchrun (RANK/WORLD_SIZE set) the TRAKer shards the work across ranks.
     with process_group_from_env():
@@ -80,7 +80,7 @@ def llc(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
     """Estimate the local learning coefficient of the model in CONFIG.py; writes JSON and a plot."""
     _setup_logging(verbose)
     from gradsketch._distributed import barrier, process_group_from_env, rank
-    from gradsketch.sampling._cli import llc_command
+    from gradsketch.cli._llc import llc_command
 
     with process_group_from_env():
         summary_path = Path(llc_command(config, out))
@@ -90,11 +90,11 @@ def llc(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
     if not first:
         return
     summary = json.loads(summary_path.read_text())
-    ess, rhat = summary.get("llc/ess", float("nan")), summary.get("llc/rhat", float("nan"))
-    typer.echo(
-        f"LLC = {summary['llc/mean']:.4g} +- {summary['llc/std']:.2g} "
-        f"(ESS {ess:.0f}, R-hat {rhat:.3f})"
+    # Non-finite values are stored as "nan" / "inf" strings (see gradsketch._json).
+    mean, std, ess, rhat = (
+        float(summary.get(key, "nan")) for key in ("llc/mean", "llc/std", "llc/ess", "llc/rhat")
     )
+    typer.echo(f"LLC = {mean:.4g} +- {std:.2g} (ESS {ess:.0f}, R-hat {rhat:.3f})")
     typer.echo(f"summary: {summary_path}")
 
 
@@ -102,7 +102,7 @@ def llc(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
 def factorize(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
     """Factorize the Linear/Conv2d layers of the model in CONFIG.py; saves state_dict + report."""
     _setup_logging(verbose)
-    from gradsketch.factorize._cli import factorize_command
+    from gradsketch.cli._factorize import factorize_command
 
     typer.echo(str(factorize_command(config, out, progress=verbose)))
 
@@ -128,12 +128,3 @@ def bench(
         code = subprocess.call([sys.executable, str(script)])
         if code:
             raise typer.Exit(code)
-
-
-def main() -> None:
-    """Console-script entry point."""
-    app()
-
-
-if __name__ == "__main__":
-    main()

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import runpy
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradsketch.factorize._surgery import FactorizationReport, apply_factorization
+from gradsketch._config import load_config
+from gradsketch.errors import ConfigError
+from gradsketch.factorize import FactorizationReport, apply_factorization
 
 __all__ = ["CONFIG_SETTINGS", "REPORT_FILE", "STATE_DICT_FILE", "factorize_command"]
 
@@ -29,27 +30,18 @@ STATE_DICT_FILE = "factorized_state_dict.pt"
 REPORT_FILE = "factorization_report.json"
 
 
-def _load_config(config_path: Path) -> dict[str, Any]:
-    if not config_path.is_file():
-        raise FileNotFoundError(
-            f"`config_path` {str(config_path)!r} does not exist; pass a Python file defining "
-            "`model` (or `build_model()`) and `calibration_data`."
-        )
-    return runpy.run_path(str(config_path), run_name="__gradsketch_config__")
-
-
 def _model_from(config: dict[str, Any], config_path: Path) -> nn.Module:
     if "model" in config:
         model = config["model"]
     elif callable(config.get("build_model")):
         model = config["build_model"]()
     else:
-        raise ValueError(
+        raise ConfigError(
             f"config {str(config_path)!r} defines neither `model` nor `build_model()`; "
             "add one of them."
         )
     if not isinstance(model, nn.Module):
-        raise ValueError(f"config `model` must be a torch.nn.Module; got {type(model).__name__}.")
+        raise ConfigError(f"config `model` must be a torch.nn.Module; got {type(model).__name__}.")
     return model
 
 
@@ -75,8 +67,9 @@ def factorize_command(
         The :class:`FactorizationReport`.
 
     Raises:
-        FileNotFoundError: if ``config_path`` does not exist.
-        ValueError: if the config defines no model.
+        ConfigFileError: if ``config_path`` is not an existing ``.py`` file
+            (a ``FileNotFoundError``).
+        ConfigError: if the config defines no model (a ``ValueError``).
 
     Example:
         >>> import tempfile, pathlib
@@ -91,7 +84,7 @@ def factorize_command(
     """
     config_path = Path(config_path)
     out = Path(out_dir)
-    config = _load_config(config_path)
+    config = vars(load_config(config_path, template="examples/factorize_config.py"))
     model = _model_from(config, config_path)
     settings = {k: config[k] for k in CONFIG_SETTINGS if k in config}
     report = apply_factorization(model, calibration_data=config.get("calibration_data"), **settings)

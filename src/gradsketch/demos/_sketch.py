@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from gradsketch.sketch._projectors import (
+from gradsketch.sketch import (
     AbstractProjector,
     BasicProjector,
     CountSketchProjector,
@@ -122,7 +122,7 @@ def run_sketch_demo(
     return summary
 
 
-def format_table(summary: dict[str, Any]) -> str:
+def format_sketch_table(summary: dict[str, Any]) -> str:
     """The error table as aligned text: one row per kind, one column per k."""
     sizes = summary["sizes"]
     head = f"{'kind':<18}" + "".join(f"{'k=' + str(k):>10}" for k in sizes)

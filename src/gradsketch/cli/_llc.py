@@ -16,21 +16,22 @@ own name, so its functions pickle and ``cores > 1`` works.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from gradsketch._config import load_config
 from gradsketch._distributed import is_distributed, rank
-from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
-from gradsketch.sampling._llc import estimate_learning_coeff_with_summary
-from gradsketch.sampling._plot import plot_trace
+from gradsketch._json import jsonable
+from gradsketch.errors import ConfigError
+from gradsketch.sampling import (
+    estimate_learning_coeff_distributed,
+    estimate_learning_coeff_with_summary,
+    plot_trace,
+)
 
-__all__ = ["llc_command", "load_config"]
+__all__ = ["PLOT_FILE", "SUMMARY_FILE", "llc_command", "load_llc_config"]
 
 SUMMARY_FILE = "llc_summary.json"
 PLOT_FILE = "llc_trace.png"
@@ -53,30 +54,27 @@ _SETTINGS_ALLOWED = (
 )
 
 
-def load_config(config_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Import a config file and return ``{model, loader, evaluate, settings}``."""
-    path = Path(config_path).resolve()
-    if not path.is_file() or path.suffix != ".py":
-        raise FileNotFoundError(
-            f"`config_path` must be an existing .py file, got {str(config_path)!r}; see "
-            "examples/llc_config.py for a template."
-        )
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    module = importlib.import_module(path.stem)
-    if Path(getattr(module, "__file__", "") or "").resolve() != path:
-        module = importlib.reload(module)
-    missing = [name for name in _REQUIRED if not hasattr(module, name)]
+def load_llc_config(config_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Import a config file and return ``{model, loader, evaluate, settings}``.
+
+    Raises:
+        ConfigFileError: ``config_path`` is not an existing ``.py`` file.
+        ConfigError: the config lacks ``model`` or ``loader``, or its
+            ``settings`` hold keys the estimator does not take.
+    """
+    module = load_config(config_path, template="examples/llc_config.py")
+    name = Path(config_path).name
+    missing = [key for key in _REQUIRED if not hasattr(module, key)]
     if missing:
-        raise ValueError(
-            f"config {path.name} does not define {missing}; it must define {list(_REQUIRED)} "
+        raise ConfigError(
+            f"config {name} does not define {missing}; it must define {list(_REQUIRED)} "
             "and may define `evaluate` and `settings`."
         )
     settings = dict(getattr(module, "settings", {}) or {})
     unknown = sorted(set(settings) - set(_SETTINGS_ALLOWED))
     if unknown:
-        raise ValueError(
-            f"config {path.name}: unknown keys {unknown} in `settings`; allowed: "
+        raise ConfigError(
+            f"config {name}: unknown keys {unknown} in `settings`; allowed: "
             f"{list(_SETTINGS_ALLOWED)}."
         )
     return {
@@ -85,16 +83,6 @@ def load_config(config_path: str | os.PathLike[str]) -> dict[str, Any]:
         "evaluate": getattr(module, "evaluate", None),
         "settings": settings,
     }
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
-    return value
 
 
 def llc_command(config_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
@@ -111,7 +99,7 @@ def llc_command(config_path: str | os.PathLike[str], out_dir: str | os.PathLike[
     Returns:
         Path of the summary JSON. Its ``llc/mean`` is also printed by the CLI.
     """
-    config = load_config(config_path)
+    config = load_llc_config(config_path)
     out = Path(out_dir)
     if is_distributed():
         # Under torchrun the chains spread over ranks; every rank gets the same
@@ -128,7 +116,7 @@ def llc_command(config_path: str | os.PathLike[str], out_dir: str | os.PathLike[
         )
     out.mkdir(parents=True, exist_ok=True)
     plot_trace(results, out / PLOT_FILE)
-    summary = {key: _jsonable(value) for key, value in results.items()}
+    summary = {key: jsonable(value) for key, value in results.items()}
     summary["config"] = str(Path(config_path).resolve())
     path = out / SUMMARY_FILE
     path.write_text(json.dumps(summary, indent=2, sort_keys=True, allow_nan=False))

@@ -43,10 +43,8 @@ memory: it stays in the zarr array ``trak_store/scores/targets`` (no
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,12 +58,16 @@ import zarr
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from gradsketch.attribution._demo import to_numpy
-from gradsketch.attribution._gradient_computers import (
+from gradsketch import _config
+from gradsketch._checks import check_int, check_number, positive_int
+from gradsketch._device import to_device
+from gradsketch.attribution import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
+    HookGradientComputer,
 )
-from gradsketch.attribution._hooks import HookGradientComputer
+from gradsketch.demos._attribution import to_numpy
+from gradsketch.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +99,6 @@ EXPERIMENT = "targets"
 #: Targets whose top proponents are listed in ``summary.json``.
 SUMMARY_TARGETS = 10
 SUMMARY_TOP = 5
-
-
-class ConfigError(ValueError):
-    """Raised for a config file that cannot be loaded or lacks what the pipeline needs."""
 
 
 @dataclass(frozen=True)
@@ -135,39 +133,21 @@ class AttributeSettings:
                 'set e.g. `gradients = "hooks"` in the config, or leave it out.'
             )
         for name in ("proj_dim", "train_set_size", "num_targets"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(
-                    f"`{name}` must be a positive integer, got {value!r}; set `{name} = ...` "
-                    "in the config."
-                )
-        if isinstance(self.projector_seed, bool) or not isinstance(self.projector_seed, int):
-            raise ConfigError(
-                f"`projector_seed` must be an int, got {self.projector_seed!r}; "
-                "set e.g. `projector_seed = 0` in the config."
-            )
-        budget = self.memory_budget
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
-        ):
-            raise ConfigError(
-                f"`memory_budget` must be a positive number of bytes or None, got {budget!r}; "
-                "set e.g. `memory_budget = 2 * 1024**3` in the config, or leave it out."
-            )
-        lam = self.lambda_reg
-        if not (
-            lam == "auto"
-            or (
-                isinstance(lam, float | int)
-                and not isinstance(lam, bool)
-                and math.isfinite(lam)
-                and lam >= 0
-            )
-        ):
-            raise ConfigError(
-                f"`lambda_reg` must be a finite number >= 0 or 'auto', got {lam!r}; "
-                "set e.g. `lambda_reg = 0.0` in the config."
-            )
+            fix = f"set `{name} = ...` in the config"
+            positive_int(name, getattr(self, name), fix=fix, error=ConfigError)
+        fix = "set e.g. `projector_seed = 0` in the config"
+        check_int("projector_seed", self.projector_seed, fix=fix, error=ConfigError)
+        positive_int(
+            "memory_budget",
+            self.memory_budget,
+            optional=True,
+            fix="set a number of bytes, e.g. `memory_budget = 2 * 1024**3`, or leave it out",
+            error=ConfigError,
+        )
+        fix = "set e.g. `lambda_reg = 0.0` in the config"
+        check_number(
+            "lambda_reg", self.lambda_reg, low=0, also=("auto",), fix=fix, error=ConfigError
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
@@ -186,18 +166,7 @@ def load_config(config_path: str | Path) -> ModuleType:
     Raises:
         ConfigError: if the file is missing or not a ``.py`` file.
     """
-    path = Path(config_path)
-    if path.suffix != ".py" or not path.is_file():
-        raise ConfigError(
-            f"`config_path` must be an existing .py file, got {str(path)!r}; see "
-            "examples/attribute_config.py for a template."
-        )
-    spec = importlib.util.spec_from_file_location(f"gradsketch_config_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"`config_path` {str(path)!r} cannot be imported as a Python module.")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _config.load_config(config_path, template="examples/attribute_config.py")
 
 
 def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
@@ -217,7 +186,7 @@ def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
         >>> read_config({"model": nn.Linear(2, 2)})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        gradsketch.attribution._cli.ConfigError: the config does not define `checkpoints`, ...
+        gradsketch.errors.ConfigError: the config does not define `checkpoints`, ...
     """
     names = dict(config) if isinstance(config, Mapping) else vars(config)
     missing = [n for n in REQUIRED_NAMES if n not in names]
@@ -287,7 +256,7 @@ def attribute_command(
         >>> attribute_command("no_such_config.py", "out")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        gradsketch.attribution._cli.ConfigError: `config_path` must be an existing .py file, ...
+        gradsketch.errors.ConfigFileError: `config_path` must be an existing .py file, ...
     """
     config = read_config(load_config(config_path))
     from gradsketch.attribution import TRAKer
@@ -328,7 +297,7 @@ def attribute_command(
         for batch in config["train_loader"]:
             size = batch_size(batch)
             _check_rows("train_loader", seen + size, settings.train_set_size, partial=True)
-            traker.featurize(batch=_to_device(batch, settings.device), num_samples=size)
+            traker.featurize(batch=to_device(batch, settings.device), num_samples=size)
             seen += size
             bar.update(size)
         _check_rows("train_loader", seen, settings.train_set_size)
@@ -353,7 +322,7 @@ def attribute_command(
         for batch in config["target_loader"]:
             size = batch_size(batch)
             _check_rows("target_loader", seen + size, settings.num_targets, partial=True)
-            traker.score(batch=_to_device(batch, settings.device), num_samples=size)
+            traker.score(batch=to_device(batch, settings.device), num_samples=size)
             seen += size
         _check_rows("target_loader", seen, settings.num_targets)
     timings["score"] = time.perf_counter() - t0
@@ -419,20 +388,6 @@ def batch_size(batch: Any) -> int:
             f"batch dimension; got a batch whose first entry is {type(first).__name__}."
         )
     return int(first.shape[0])
-
-
-def _to_device(batch: Any, device: str) -> Any:
-    if device == "cpu":
-        return batch
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, list):
-        return [_to_device(v, device) for v in batch]
-    if isinstance(batch, tuple):
-        return tuple(_to_device(v, device) for v in batch)
-    return batch
 
 
 def _load_checkpoints(value: Any) -> list[dict[str, Tensor]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Iterator, Mapping
@@ -33,7 +32,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gradsketch.attribution._digits import (
+from gradsketch._checks import check_int, check_number
+from gradsketch._plotting import new_figure, save_figure
+from gradsketch.demos._digits import (
     ARCHITECTURES,
     DigitsSplit,
     TrainSettings,
@@ -44,6 +45,7 @@ from gradsketch.attribution._digits import (
     margins,
     train_digits_model,
 )
+from gradsketch.errors import GradsketchError
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ GALLERY_ROWS = 6
 GALLERY_TOP = 5
 
 
-class DemoSettingsError(ValueError):
+class DemoSettingsError(GradsketchError, ValueError):
     """Raised for invalid demo settings or an output folder holding another run."""
 
 
@@ -104,31 +106,23 @@ class DemoSettings:
             ("proj_dim", 1),
             ("batch_size", 1),
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise DemoSettingsError(
-                    f"`{name}` must be an integer >= {low}, got {value!r}; the default is "
-                    f"{getattr(DemoSettings, name)!r}."
-                )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise DemoSettingsError(f"`seed` must be an int, got {self.seed!r}; pass e.g. seed=0.")
+            check_int(
+                name,
+                getattr(self, name),
+                low=low,
+                fix=f"the default is {getattr(DemoSettings, name)!r}",
+                error=DemoSettingsError,
+            )
+        check_int("seed", self.seed, error=DemoSettingsError)
         if self.arch not in ARCHITECTURES:
             allowed = ", ".join(repr(a) for a in sorted(ARCHITECTURES))
             raise DemoSettingsError(
                 f"`arch` must be one of {allowed}, got {self.arch!r}; pick one of those."
             )
-        lam = self.lambda_reg
-        ok = lam == "auto" or (
-            isinstance(lam, float | int)
-            and not isinstance(lam, bool)
-            and math.isfinite(lam)
-            and lam >= 0
+        fix = "pass e.g. lambda_reg=0.0 or lambda_reg='auto'"
+        check_number(
+            "lambda_reg", self.lambda_reg, low=0, also=("auto",), fix=fix, error=DemoSettingsError
         )
-        if not ok:
-            raise DemoSettingsError(
-                f"`lambda_reg` must be a finite number >= 0 or 'auto', got {lam!r}; "
-                "pass e.g. lambda_reg=0.0 or lambda_reg='auto'."
-            )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready settings (the training settings nested)."""
@@ -230,7 +224,7 @@ def run_demo(
     y_target = split.y_test[: settings.num_targets]
 
     with _timed(timings, "train_checkpoints"):
-        checkpoints, accuracies = _train_checkpoints(split, settings, progress=progress)
+        checkpoints, accuracies = train_checkpoints(split, settings, progress=progress)
 
     scores, trak_timings = attribute_digits(
         checkpoints,
@@ -272,7 +266,7 @@ def run_demo(
     if with_auto and lds["auto"] > lds[gallery_key]:
         gallery_key, gallery_scores = "auto", auto_scores
     with _timed(timings, "gallery"):
-        rows = _gallery_rows(y_target, GALLERY_ROWS)
+        rows = gallery_rows(y_target, GALLERY_ROWS)
         write_gallery(out / "gallery.png", gallery_scores, split, rows, top=GALLERY_TOP)
     timings["total"] = time.perf_counter() - start
 
@@ -459,14 +453,9 @@ def write_gallery(
     Returns:
         The written path.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cols = 1 + 2 * top
-    fig, axes = plt.subplots(
-        len(rows), cols, figsize=(1.25 * cols, 1.45 * len(rows)), squeeze=False
+    fig, axes = new_figure(
+        width=1.25 * cols, height=1.45 * len(rows), nrows=len(rows), ncols=cols, squeeze=False
     )
     for r, target in enumerate(rows):
         column = scores[:, target]
@@ -499,10 +488,7 @@ def write_gallery(
         "opponents (lowest scores)", (0.5, 1.55), xycoords="axes fraction", ha="center"
     )
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 def format_report(summary: Mapping[str, Any]) -> str:
@@ -554,9 +540,14 @@ def to_numpy(scores: Any) -> np.ndarray:
     return np.asarray(scores[...] if hasattr(scores, "shape") else scores, dtype=np.float64)
 
 
-def _train_checkpoints(
+def train_checkpoints(
     split: DigitsSplit, settings: DemoSettings, *, progress: bool
 ) -> tuple[list[dict[str, Tensor]], list[float]]:
+    """The demo's independently trained models and their test accuracies.
+
+    Model ``i`` is :func:`train_digits_model` with seed ``settings.seed + i``;
+    there are ``settings.num_checkpoints`` of them.
+    """
     checkpoints, accuracies = [], []
     for i in tqdm(
         range(settings.num_checkpoints),
@@ -586,7 +577,7 @@ def _lambda_key(value: float | str) -> str:
     return str(value)
 
 
-def _gallery_rows(labels: Tensor, count: int) -> list[int]:
+def gallery_rows(labels: Tensor, count: int) -> list[int]:
     """First target of each of ``count`` different classes (fewer targets: first ones)."""
     rows: list[int] = []
     seen: set[int] = set()

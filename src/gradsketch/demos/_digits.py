@@ -24,12 +24,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from gradsketch._checks import check_number, integer, positive_int
+from gradsketch.errors import GradsketchError
+
 #: Pixels per digit image (8 x 8) and number of classes.
 NUM_FEATURES = 64
 NUM_CLASSES = 10
 
 
-class DigitsSettingsError(ValueError):
+class DigitsSettingsError(GradsketchError, ValueError):
     """Raised when digits data, model or training settings are invalid."""
 
 
@@ -237,14 +240,14 @@ class TrainSettings:
         _check_positive_int("epochs", self.epochs)
         _check_positive_int("batch_size", self.batch_size)
         for name in ("lr", "weight_decay"):
-            value = getattr(self, name)
-            low_ok = value > 0 if name == "lr" else value >= 0
-            if not isinstance(value, float | int) or not math.isfinite(value) or not low_ok:
-                bound = "> 0" if name == "lr" else ">= 0"
-                raise DigitsSettingsError(
-                    f"`{name}` must be a finite number {bound}, got {value!r}; "
-                    f"the default is {getattr(TrainSettings, name)!r}."
-                )
+            check_number(
+                name,
+                getattr(self, name),
+                low=0,
+                strict=name == "lr",
+                fix=f"the default is {getattr(TrainSettings, name)!r}",
+                error=DigitsSettingsError,
+            )
         if not isinstance(self.momentum, float | int) or not 0.0 <= self.momentum < 1.0:
             raise DigitsSettingsError(
                 f"`momentum` must be in [0, 1), got {self.momentum!r}; the default is "
@@ -424,17 +427,11 @@ def make_loader(x: Tensor, y: Tensor, *, batch_size: int = 256) -> DataLoader:
 @contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """Run a block under a fixed torch seed, then restore the global generator."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise DigitsSettingsError(
-            f"`seed` must be an int, got {seed!r} of type {type(seed).__name__}; pass e.g. seed=0."
-        )
+    integer("seed", seed, error=DigitsSettingsError, type_error=DigitsSettingsError)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
 
 
 def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DigitsSettingsError(
-            f"`{name}` must be a positive integer, got {value!r}; pass e.g. {name}=16."
-        )
+    positive_int(name, value, fix=f"pass e.g. {name}=16", error=DigitsSettingsError)

@@ -1,0 +1,34 @@
+"""Moving a user's batch to a device, whatever nesting of tensors it is."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["to_device"]
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """``batch`` with every tensor moved to ``device``; other leaves are kept.
+
+    Mappings, lists, tuples and named tuples are rebuilt with the same type;
+    a tensor already on ``device`` is returned as it is (``Tensor.to``).
+
+    Example:
+        >>> from collections import namedtuple
+        >>> Pair = namedtuple("Pair", "x y")
+        >>> moved = to_device({"a": [torch.ones(1)], "b": Pair(torch.zeros(1), "label")}, "cpu")
+        >>> type(moved["b"]).__name__, moved["b"].y, moved["a"][0].device.type
+        ('Pair', 'label', 'cpu')
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

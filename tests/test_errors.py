@@ -27,6 +27,7 @@ PARENTS = {
     "UnknownTaskError": ValueError,
     "WrappedModelError": ValueError,
     "HookComputationError": RuntimeError,
+    "BatchFormatError": ValueError,
     "DemoSettingsError": ValueError,
     "DigitsSettingsError": ValueError,
 }

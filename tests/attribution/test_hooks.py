@@ -18,16 +18,18 @@ from gradsketch.attribution import (
     TransformerClassifier,
 )
 from gradsketch.attribution._digits import build_cnn, build_mlp
-from gradsketch.attribution._hooks import (
+from gradsketch.attribution._hook_computer import HookGradientComputer, WrappedModelError
+from gradsketch.attribution._layers import (
     GRAD_SAMPLERS,
     HookComputationError,
-    HookGradientComputer,
-    WrappedModelError,
-    register_batch_output,
     register_grad_sampler,
+)
+from gradsketch.attribution._modelout import (
+    AbstractModelOutput,
+    TextClassificationModelOutput,
+    register_batch_output,
     register_loss_grad_from_output,
 )
-from gradsketch.attribution._modelout import AbstractModelOutput, TextClassificationModelOutput
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector
 
 F64 = torch.float64

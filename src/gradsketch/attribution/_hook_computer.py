@@ -40,6 +40,7 @@ from gradsketch.attribution._layers import (
     LAYER_FACTORS,
     ROW_SPARSE_SAMPLERS,
     HookComputationError,
+    register_optional_rules,
 )
 from gradsketch.attribution._modelout import (
     LOSS_GRAD_FROM_OUTPUT,
@@ -218,6 +219,7 @@ class HookGradientComputer(AbstractGradientComputer):
             self.model = model
             self._names = [n for n, _ in model.named_parameters()]
             self.grad_wrt: list[str] | None = resolve_grad_wrt(self._names, self._grad_wrt_arg)
+            register_optional_rules(model)
             self._units = self._find_units(model)
             self._units_model = model
             self._checked_layouts = set()
@@ -303,6 +305,11 @@ class HookGradientComputer(AbstractGradientComputer):
             capture = self._capture
             if capture is None:
                 return None
+            if capture.batch_size > 1 and _broadcasts_over_batch(args, kwargs, output):
+                # Learned position embeddings return [1, T, D] and let `+`
+                # broadcast it; expanded to the batch here, the gradient keeps
+                # one row per example and the rule sees per-example inputs.
+                args, kwargs, output = _expand_to_batch((args, kwargs, output), capture.batch_size)
             call = _Call(unit, _detach(args), _detach(kwargs))
 
             def route(t: Any) -> Any:
@@ -320,7 +327,8 @@ class HookGradientComputer(AbstractGradientComputer):
                         f"module {unit.name!r} ({type(module).__name__}) returned shape "
                         f"{tuple(t.shape)} for a batch of {capture.batch_size}; layer hooks "
                         "need the batch on dim 0 (use batch_first=True), or use "
-                        "FunctionalGradientComputer."
+                        "FunctionalGradientComputer. (A module whose inputs are all integer "
+                        "indices may return a leading dim of 1, broadcast over the batch.)"
                     )
                 routed = t if t.requires_grad else t + capture.dummy(t)
                 call.grads.append(None)
@@ -584,6 +592,32 @@ class HookGradientComputer(AbstractGradientComputer):
             f"HookGradientComputer(units={len(self._units)}, rules={rules}, "
             f"fallback={len(self._units) - rules}, hooks_installed={self.hooks_installed})"
         )
+
+
+def _broadcasts_over_batch(args: Any, kwargs: Any, output: Any) -> bool:
+    """Whether a call saw no batch and returned values meant to broadcast over it.
+
+    True when no input is floating point (indices such as ``position_ids
+    [1, T]``, or nothing) and every floating output has a leading dim of 1:
+    the same values for every example, as learned position embeddings give.
+    A floating input would carry the batch itself (or be sequence-first).
+    """
+    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    if any(t.is_floating_point() or t.is_complex() for t in inputs):
+        return False
+    outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    return bool(outs) and all(t.dim() > 0 and t.shape[0] == 1 for t in outs)
+
+
+def _expand_to_batch(tree: Any, batch_size: int) -> Any:
+    """Every tensor with a leading dim of 1 expanded (a view) to ``batch_size``."""
+
+    def expand(t: Any) -> Any:
+        if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == 1:
+            return t.expand(batch_size, *t.shape[1:])
+        return t
+
+    return tree_map(expand, tree)
 
 
 def _single_grad(call: _Call) -> Tensor | None:

@@ -339,3 +339,33 @@ def test_traker_text_classification_on_gpt2_with_the_default_computer(tmp_path):
         scores[name] = np.asarray(traker.finalize_scores("val"))
     np.testing.assert_allclose(scores["default"], scores["hooks"], rtol=1e-4, atol=1e-6)
     assert np.abs(scores["hooks"]).max() > 0
+
+
+@pytest.mark.parametrize(
+    "module_path",
+    [
+        "transformers.models.llama.modeling_llama.LlamaRMSNorm",
+        # (1 + weight) * n(x): the rule needs no formula per variant.
+        "transformers.models.gemma.modeling_gemma.GemmaRMSNorm",
+    ],
+    ids=["llama", "gemma"],
+)
+def test_rms_norm_variants_get_the_elementwise_scale_rule(module_path):
+    from gradsketch.attribution._layers import GRAD_SAMPLERS, hf
+    from gradsketch.attribution._layers.norm import elementwise_scale_grad_sample
+
+    module_name, _, cls_name = module_path.rpartition(".")
+    cls = getattr(pytest.importorskip(module_name), cls_name)
+    torch.manual_seed(0)
+    norm = cls(8).to(F64)
+    with torch.no_grad():
+        norm.weight.normal_()
+    container = nn.Sequential(norm)
+    registered = hf.register_model_types(container)
+    assert GRAD_SAMPLERS[cls] is elementwise_scale_grad_sample
+    assert registered in ([cls], [])  # [] when an earlier test registered it
+    x, g = torch.randn(3, 4, 8, dtype=F64), torch.randn(3, 4, 8, dtype=F64)
+    got = GRAD_SAMPLERS[cls](norm, (x,), g)["weight"]
+    for b in range(3):
+        (expected,) = torch.autograd.grad((norm(x[b]) * g[b]).sum(), [norm.weight])
+        torch.testing.assert_close(got[b], expected)

@@ -149,8 +149,9 @@ class HookGradientComputer(AbstractGradientComputer):
     """Per-example gradients from layer hooks, one forward and one backward per batch.
 
     Modules are visited from the root: a module whose exact type has a rule
-    in :data:`GRAD_SAMPLERS` (Linear, Conv2d, Embedding, LayerNorm, or any
-    type you register) is hooked; any other module owning parameters is
+    in :data:`GRAD_SAMPLERS` (Linear, Conv2d, Embedding, LayerNorm, RMSNorm,
+    Hugging Face's Conv1D and RMSNorm classes, or any type you register) is
+    hooked; any other module owning parameters is
     hooked as a whole and its parameters' per-example gradients come from
     ``torch.func`` (``vmap`` of ``grad``) on its stored inputs; parameter-free
     containers are descended into. The batched output
@@ -160,7 +161,13 @@ class HookGradientComputer(AbstractGradientComputer):
 
     Assumptions (as for any per-example method): the batch axis is dim 0 of
     every hooked module's inputs and outputs, and examples do not interact
-    (eval-mode BatchNorm, no cross-example attention).
+    (eval-mode BatchNorm, no cross-example attention, padding masked out).
+    One exception is handled: a module that sees only integer indices and
+    returns a leading dim of 1 (learned position embeddings, ``[1, T, D]``)
+    has its output expanded to the batch, so each example's gradient stays
+    its own. A weight used by several modules (tied input and output
+    embeddings) gets the sum of its uses' gradients, under the parameter's
+    first name in ``named_parameters``.
 
     :meth:`project` with a :class:`gradsketch.sketch.FactorizedProjector`
     returns projected features without per-example gradients of the factorized

@@ -26,6 +26,7 @@ from gradsketch.attribution import (  # noqa: E402
     FunctionalGradientComputer,
     HookGradientComputer,
     TRAKer,
+    _hook_computer,
 )
 from gradsketch.attribution._gradient_computers import VmapTraceError  # noqa: E402
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector  # noqa: E402
@@ -256,9 +257,17 @@ def test_padding_contributes_nothing(family, head):
         torch.testing.assert_close(grads[name][:1], ref, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("head", ["cls", "lm"])
-def test_factorized_projection_covers_conv1d_and_the_tied_embedding(head):
-    """GPT-2's Conv1D layers are factorized; the hooks' projection equals the dense one."""
+@pytest.mark.parametrize(
+    ("head", "chunk_bytes"), [("cls", None), ("lm", None), ("lm", 1)], ids=["cls", "lm", "lm-rows"]
+)
+def test_factorized_projection_covers_conv1d_and_the_tied_embedding(head, chunk_bytes, monkeypatch):
+    """GPT-2's Conv1D layers are factorized; the hooks' projection equals the dense one.
+
+    The tied LM head's weight is a rest parameter: its gradient is formed in
+    row chunks (``lm-rows``: one row at a time) and count-sketched.
+    """
+    if chunk_bytes is not None:
+        monkeypatch.setattr(_hook_computer, "REST_CHUNK_BYTES", chunk_bytes)
     model = FAMILIES[0].build(head)
     task, batch = _task(head), _batch(head)
     projector = FactorizedProjector.from_model(model, k_in=4, k_out=3, seed=5, rest_proj_dim=16)

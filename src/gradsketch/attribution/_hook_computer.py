@@ -48,10 +48,18 @@ from gradsketch.attribution._modelout import (
     resolve_batch_output,
 )
 from gradsketch.sketch import FactorizedProjector
-from gradsketch.sketch._factorized import FactorizedLayer, PlainParam, param_layout
+from gradsketch.sketch._factorized import (
+    TRANSPOSED_WEIGHT,
+    FactorizedLayer,
+    PlainParam,
+    param_layout,
+)
 from gradsketch.sketch._validate import output_dtype
 
 logger = logging.getLogger(__name__)
+
+#: Bytes of one chunk of a per-example weight gradient formed for the rest block.
+REST_CHUNK_BYTES = 64 << 20
 
 
 class WrappedModelError(ValueError):
@@ -521,10 +529,52 @@ class HookGradientComputer(AbstractGradientComputer):
                 coords = (base + rows.unsqueeze(-1) * width + cols).reshape(batch_size, -1)
                 projector.project_rest_sparse_into_(out, coords, values.reshape(batch_size, -1))
             return
+        if (
+            not unit.fallback
+            and module_type in LAYER_FACTORS
+            and set(unit.params) <= {"weight", "bias"}
+            and "weight" in unit.params
+        ):
+            g = _single_grad(call)
+            if g is None or self._project_rest_weight(call, g, projector, out, batch_size):
+                return
         for name, grad in self._call_grads(call, batch_size).items():
             projector.project_rest_into_(
                 out, grad.reshape(batch_size, -1), projector.rest_offset_of(name)
             )
+
+    def _project_rest_weight(
+        self, call: _Call, g: Tensor, projector: FactorizedProjector, out: Tensor, batch_size: int
+    ) -> bool:
+        """A layer with Kronecker factors whose weight is a rest parameter, in row chunks.
+
+        That is a weight shared with another module (an LM head tied to the
+        input embedding): its per-example gradient ``sum_t g_t a_t^T`` would be
+        ``[B, vocab, width]`` at once, so it is formed and count-sketched
+        :data:`REST_CHUNK_BYTES` at a time. The bias gradient is ``sum_t g_t``.
+        Returns False, projecting nothing, for an instance without factors
+        (a grouped Conv2d).
+        """
+        unit = call.unit
+        try:
+            a, g3 = LAYER_FACTORS[type(unit.module)](unit.module, call.args, g)
+        except HookComputationError:
+            return False
+        a = a.to(g3.dtype)
+        # Rows of the stored weight: d_out rows of d_in, or d_in rows of d_out when transposed.
+        rows_f, cols_f = (a, g3) if type(unit.module) in TRANSPOSED_WEIGHT else (g3, a)
+        n_rows, width = rows_f.shape[-1], cols_f.shape[-1]
+        base = projector.rest_offset_of(unit.params["weight"])
+        step = max(1, REST_CHUNK_BYTES // max(1, batch_size * width * g3.element_size()))
+        for r0 in range(0, n_rows, step):
+            r1 = min(n_rows, r0 + step)
+            chunk = torch.einsum("btr,btc->brc", rows_f[..., r0:r1], cols_f)
+            projector.project_rest_into_(out, chunk.reshape(batch_size, -1), base + r0 * width)
+        if "bias" in unit.params:
+            projector.project_rest_into_(
+                out, g3.sum(1), projector.rest_offset_of(unit.params["bias"])
+            )
+        return True
 
     def _check_layout(self, projector: FactorizedProjector) -> None:
         """The projector must cover exactly this computer's parameters, layer by layer."""

@@ -46,10 +46,10 @@ from torch import nn
 
 from gradsketch.attribution import (
     FunctionalGradientComputer,
+    HookGradientComputer,
     ImageClassificationModelOutput,
     TransformerClassifier,
 )
-from gradsketch.attribution._hooks import HookGradientComputer
 from gradsketch.demos import build_mlp, load_digits_split
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector
 

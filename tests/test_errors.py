@@ -28,6 +28,7 @@ PARENTS = {
     "WrappedModelError": ValueError,
     "HookComputationError": RuntimeError,
     "BatchFormatError": ValueError,
+    "VmapTraceError": RuntimeError,
     "DemoSettingsError": ValueError,
     "DigitsSettingsError": ValueError,
 }

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         MemoryBudgetError,
         ModelIDException,
         UnknownTaskError,
+        VmapTraceError,
         WrappedModelError,
     )
     from gradsketch.demos import DemoSettingsError, DigitsSettingsError
@@ -52,6 +53,7 @@ __all__ = [
     "WrappedModelError",
     "HookComputationError",
     "BatchFormatError",
+    "VmapTraceError",
     "DemoSettingsError",
     "DigitsSettingsError",
 ]
@@ -84,6 +86,7 @@ __getattr__ = lazy_getattr(
         "WrappedModelError": "gradsketch.attribution",
         "HookComputationError": "gradsketch.attribution",
         "BatchFormatError": "gradsketch.attribution",
+        "VmapTraceError": "gradsketch.attribution",
         "DemoSettingsError": "gradsketch.demos",
         "DigitsSettingsError": "gradsketch.demos",
     },

@@ -17,16 +17,13 @@ from gradsketch.attribution._distributed import (
 from gradsketch.attribution._gradient_computers import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
+    VmapTraceError,
 )
-from gradsketch.attribution._hooks import (
-    LOSS_GRAD_FROM_OUTPUT,
+from gradsketch.attribution._hook_computer import HookGradientComputer, WrappedModelError
+from gradsketch.attribution._layers import (
     HookComputationError,
-    HookGradientComputer,
-    WrappedModelError,
-    register_batch_output,
     register_grad_sampler,
     register_layer_factors,
-    register_loss_grad_from_output,
     register_row_sparse_sampler,
 )
 from gradsketch.attribution._lds import LDSGroundTruth, lds_ground_truth, linear_datamodeling_score
@@ -37,11 +34,14 @@ from gradsketch.attribution._lm import (
 )
 from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import (
+    LOSS_GRAD_FROM_OUTPUT,
     TASK_TO_MODELOUT,
     AbstractModelOutput,
     ImageClassificationModelOutput,
     TextClassificationModelOutput,
     UnknownTaskError,
+    register_batch_output,
+    register_loss_grad_from_output,
     register_task,
 )
 from gradsketch.attribution._score_computers import (
@@ -98,6 +98,7 @@ __all__ = [
     "MemoryBudgetError",
     "UnknownTaskError",
     "BatchFormatError",
+    "VmapTraceError",
     "DistributedMismatchError",
 ]
 

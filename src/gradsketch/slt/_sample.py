@@ -755,7 +755,7 @@ class _Run:
                 p.copy_(ref)
 
     # ------------------------------------------------------------ init loss
-    @torch.no_grad()
+    @torch.inference_mode()
     def _init_loss(self, work: nn.Module, chain: int, cache: dict[int, np.ndarray]) -> np.ndarray:
         s = self.s
         shared = s.match_sampling_input_ids_across_chains and not s.init_noise
@@ -849,7 +849,7 @@ class _Run:
                 draw, since = divmod(step - s.num_burnin_steps, s.num_steps_bw_draws)
                 if draw >= 0 and since == 0:
                     draw_loss[draw] = acc.cpu().numpy()
-                    with torch.no_grad():
+                    with torch.inference_mode():
                         values = self._forward_rows(work, obs_ids, check=False).numpy()
                     for buf_, part_ in zip(obs_loss, np.split(values, obs_split)):
                         buf_[draw] = part_

@@ -44,7 +44,7 @@ def cpu_model() -> str:
 
 
 def corpus(chunks: int, seq: int) -> torch.Tensor:
-    """``[chunks, seq]`` byte tokens from the standard library's .py files (sorted, concatenated)."""
+    """``[chunks, seq]`` byte tokens of the standard library's .py files, sorted and joined."""
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     need = chunks * seq
     data = bytearray()
@@ -77,9 +77,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=512)
     parser.add_argument("--seq", type=int, default=65)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--tasks", nargs="+", default=["llc", "bif", "susceptibilities"]
-    )
+    parser.add_argument("--tasks", nargs="+", default=["llc", "bif", "susceptibilities"])
     args = parser.parse_args()
     setup_torch(args.threads)
     warnings.filterwarnings("ignore")
@@ -119,9 +117,7 @@ def main() -> None:
         fn = slt.susceptibilities if lib == "gradsketch" else d_sus.susceptibilities
         obs = {"train": train, "probe": probe}
         wrs = {"full": None, "l0h0": head}
-        return lambda: fn(
-            model, train, obs, wrs, sampling_task="train", output_path=out, **common
-        )
+        return lambda: fn(model, train, obs, wrs, sampling_task="train", output_path=out, **common)
 
     def estimate(task: str, result: Any) -> float:
         if task == "llc":

@@ -10,7 +10,7 @@ from _slt_helpers import tiny_gpt2, tiny_llama, token_data
 
 from gradsketch.slt._cli import load_tokens, run_llc_command
 
-SMALL = dict(num_chains=2, num_draws=3, batch_size=4, context_length=16, lr=1e-4)
+SMALL = dict(num_chains=2, num_draws=2, batch_size=4, context_length=16, lr=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -196,6 +196,17 @@ def _model_digest(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def _noise_seed(init_seed: int, chain: int) -> int:
+    """The seed of a chain's sampler noise, unrelated to ``init_seed + chain``.
+
+    torch's global generator, which draws dropout masks, is seeded with
+    ``init_seed + chain`` (as devinterp); a noise generator with the same seed
+    would replay that stream, correlating the noise with the dropout masks.
+    """
+    state = np.random.SeedSequence([init_seed, chain, 0x5EED]).generate_state(1, np.uint64)
+    return int(state[0] >> 1)
+
+
 def _loader_order(n: int, *, seed: int, shuffle: bool) -> torch.Tensor:
     """The row order of devinterp's DataLoader for one seeded generator (first epoch).
 
@@ -800,7 +811,7 @@ class _Run:
                 for param, sel in zip(chosen, per_param):
                     noise = torch.randn_like(param) * s.init_noise
                     param.add_(noise if sel is None else noise * sel)
-        noise_gen = torch.Generator(device=self.device).manual_seed(s.init_seed + chain)
+        noise_gen = torch.Generator(device=self.device).manual_seed(_noise_seed(s.init_seed, chain))
         order = self._order(chain)
         steps, draws = s.num_steps, s.num_draws
         micro_loss = np.full((steps, gas * bs, ctx), np.nan, dtype=np.float32)

@@ -383,3 +383,18 @@ def test_data_errors(tmp_path: Path, data: torch.Tensor) -> None:
 
     with pytest.raises(ValueError, match=r"`loss_fn` must return the per-token loss of shape"):
         sample(model, data, {"d": data}, output_path=tmp_path / "d", loss_fn=bad_shape, **BASE)
+
+
+def test_noise_stream_is_not_the_dropout_stream() -> None:
+    """The global generator (dropout) is seeded init_seed + chain, as in devinterp; the
+    noise generator must not replay it (a shared stream correlated noise and dropout
+    masks and biased the LLC upwards). Two independent streams of 1000 normals have a
+    sample correlation with sd 1/sqrt(1000) ~ 0.032, so 0.15 is ~4.7 sd; the same
+    stream would give 1."""
+    for chain in range(4):
+        seed = sample_module._noise_seed(100, chain)
+        assert seed not in {100 + c for c in range(8)}
+        noise = torch.randn(1000, generator=torch.Generator().manual_seed(seed))
+        dropout_stream = torch.randn(1000, generator=torch.Generator().manual_seed(100 + chain))
+        assert abs(float(torch.corrcoef(torch.stack([noise, dropout_stream]))[0, 1])) < 0.15
+    assert len({sample_module._noise_seed(100, c) for c in range(64)}) == 64

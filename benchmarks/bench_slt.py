@@ -1,0 +1,173 @@
+"""gradsketch.slt vs devinterp.slt 2.0.1: llc, bif and susceptibilities end to end.
+
+A tiny GPT-2 (2 layers, width 64, byte vocabulary) over the Python standard
+library's own source files (``sysconfig.get_paths()["stdlib"]``: present on
+every machine, nothing downloaded), cut into byte-level chunks. Both
+libraries get identical arguments (``save_metrics=True``, fresh output
+paths) and run in turn inside one loop, so both see the same machine load.
+Each task prints one JSON line: median wall and process-CPU seconds of each,
+their ratios (devinterp / gradsketch), both estimates, and the CPU model.
+
+Run: ``.venv/bin/python benchmarks/bench_slt.py [--repeats 3] [--draws 20]
+[--chains 2] [--chunks 512] [--tasks llc bif susceptibilities]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import statistics
+import sysconfig
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from _common import emit, machine_info, setup_torch
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def corpus(chunks: int, seq: int) -> torch.Tensor:
+    """``[chunks, seq]`` byte tokens of the standard library's .py files, sorted and joined."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    need = chunks * seq
+    data = bytearray()
+    for f in files:
+        data += f.read_bytes()
+        if len(data) >= need:
+            break
+    return torch.tensor(list(data[:need]), dtype=torch.int64).view(chunks, seq)
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=128)
+    return GPT2LMHeadModel(cfg)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--draws", type=int, default=20)
+    parser.add_argument("--chains", type=int, default=2)
+    parser.add_argument("--chunks", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=65)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tasks", nargs="+", default=["llc", "bif", "susceptibilities"])
+    args = parser.parse_args()
+    setup_torch(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from datasets import Dataset
+    from devinterp.slt import bif as d_bif
+    from devinterp.slt import llc as d_llc
+    from devinterp.slt import susceptibilities as d_sus
+    from devinterp.slt import weight_restrictions as d_wr
+
+    from gradsketch import slt
+
+    ids = corpus(args.chunks, args.seq)
+    train = Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
+    probe = Dataset.from_dict({"input_ids": ids[: max(96, args.chunks // 8)].flip(1).tolist()})
+    probe = probe.with_format("torch")
+    model = tiny_gpt2()
+    common: dict[str, Any] = dict(
+        lr=1e-4,
+        n_beta=30.0,
+        localization=100.0,
+        num_chains=args.chains,
+        num_draws=args.draws,
+        batch_size=32,
+        save_metrics=True,
+    )
+    head = d_wr.create_param_masks(model, "l0h0")
+
+    def task_fns(task: str, lib: str, out: Path) -> Callable[[], Any]:
+        if task == "llc":
+            fn = slt.llc if lib == "gradsketch" else d_llc.llc
+            return lambda: fn(model, train, {"train": train}, output_path=out, **common)
+        if task == "bif":
+            fn = slt.bif if lib == "gradsketch" else d_bif.bif
+            obs = {"train": train, "probe": probe}
+            return lambda: fn(model, train, obs, output_path=out, bif_device="cpu", **common)
+        fn = slt.susceptibilities if lib == "gradsketch" else d_sus.susceptibilities
+        obs = {"train": train, "probe": probe}
+        wrs = {"full": None, "l0h0": head}
+        return lambda: fn(model, train, obs, wrs, sampling_task="train", output_path=out, **common)
+
+    def estimate(task: str, result: Any) -> float:
+        if task == "llc":
+            return float(result["llc_mean"])
+        if task == "bif":
+            return float(np.nanmean(result["influences"].values))
+        return float(np.nanmean(result["susceptibilities"].dataset["sus"].values))
+
+    info = {**machine_info(), "cpu_model": cpu_model()}
+    for task in args.tasks:
+        times: dict[str, list[tuple[float, float]]] = {"gradsketch": [], "devinterp": []}
+        estimates: dict[str, list[float]] = {"gradsketch": [], "devinterp": []}
+        for _ in range(args.repeats):
+            for lib in ("devinterp", "gradsketch"):
+                tmp = Path(tempfile.mkdtemp())
+                try:
+                    wall, cpu, result = timed(task_fns(task, lib, tmp / "s.zarr"))
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                times[lib].append((wall, cpu))
+                estimates[lib].append(estimate(task, result))
+        med = {
+            lib: (
+                statistics.median(t[0] for t in v),
+                statistics.median(t[1] for t in v),
+            )
+            for lib, v in times.items()
+        }
+        emit(
+            {
+                "bench": "slt",
+                "task": task,
+                "gradsketch_s": med["gradsketch"][0],
+                "devinterp_s": med["devinterp"][0],
+                "speedup": med["devinterp"][0] / med["gradsketch"][0],
+                "gradsketch_cpu_s": med["gradsketch"][1],
+                "devinterp_cpu_s": med["devinterp"][1],
+                "cpu_speedup": med["devinterp"][1] / med["gradsketch"][1],
+                "estimate_gradsketch": statistics.median(estimates["gradsketch"]),
+                "estimate_devinterp": statistics.median(estimates["devinterp"]),
+                "repeats": args.repeats,
+                "chains": args.chains,
+                "draws": args.draws,
+                "chunks": args.chunks,
+                "seq": args.seq,
+                "save_metrics": True,
+                **info,
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()

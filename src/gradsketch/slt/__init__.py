@@ -1,0 +1,70 @@
+"""devinterp 2.0's language-model layer on gradsketch's samplers.
+
+Call-compatible with ``devinterp.slt`` (2.0.1): :func:`sample` runs SGMCMC
+chains (:class:`gradsketch.sampling.SGMCMC`, every preconditioner, masks,
+metrics and sketches) from a Hugging Face language model's weights and
+records the per-token losses of every observable at every draw in a zarr
+store with devinterp's layout; :func:`compute_llc`, :func:`compute_bif` and
+:func:`compute_susceptibilities` turn a store (gradsketch's or devinterp's)
+into estimates, and :func:`llc`, :func:`bif`, :func:`susceptibilities` do
+both. Weight restrictions (:func:`create_param_masks`) are
+:class:`gradsketch.masked.ParamMask` objects, so the same restriction also
+restricts sketches and attribution.
+
+Needs the ``hf`` extra (transformers, datasets, xarray).
+"""
+
+from gradsketch.slt._data import LossFn, NonFiniteLossError, per_token_loss
+from gradsketch.slt._estimates import (
+    bif,
+    compute_bif,
+    compute_llc,
+    compute_susceptibilities,
+    llc,
+    susceptibilities,
+)
+from gradsketch.slt._restrictions import (
+    STRUCTURES,
+    HeadParam,
+    Structure,
+    create_param_masks,
+    param_masks_dict,
+    preview_weight_restriction,
+    register_structure,
+    to_param_mask,
+)
+from gradsketch.slt._sample import (
+    SAMPLING_METHODS,
+    OutputPathMismatchError,
+    SamplerSettings,
+    UnsavedSamplesWarning,
+    sample,
+)
+
+__all__ = [
+    # sampling
+    "sample",
+    "SamplerSettings",
+    "SAMPLING_METHODS",
+    "OutputPathMismatchError",
+    "UnsavedSamplesWarning",
+    "NonFiniteLossError",
+    "LossFn",
+    "per_token_loss",
+    # estimates
+    "llc",
+    "compute_llc",
+    "bif",
+    "compute_bif",
+    "susceptibilities",
+    "compute_susceptibilities",
+    # weight restrictions
+    "create_param_masks",
+    "preview_weight_restriction",
+    "param_masks_dict",
+    "to_param_mask",
+    "Structure",
+    "HeadParam",
+    "STRUCTURES",
+    "register_structure",
+]

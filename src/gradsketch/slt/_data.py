@@ -1,0 +1,169 @@
+"""Token data for the SLT layer: datasets as tensors, per-token losses, observables.
+
+Datasets arrive as a ``datasets.Dataset`` with an ``input_ids`` column, a
+``[n, seq]`` integer tensor, or any sequence of ``{"input_ids": ...}`` rows;
+they are turned into one ``[n, seq]`` int64 tensor once, so that batches are
+index lookups rather than a DataLoader's per-row collation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LossFn",
+    "NonFiniteLossError",
+    "Observable",
+    "as_token_tensor",
+    "obs_id",
+    "per_token_loss",
+    "token_digest",
+]
+
+#: ``(model, input_ids [batch, seq]) -> per-token loss [batch, seq - 1]``.
+LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class NonFiniteLossError(ValueError):
+    """A chain's per-token loss was NaN or infinite."""
+
+
+def as_token_tensor(dataset: Any, *, name: str = "dataset") -> torch.Tensor:
+    """The ``input_ids`` of a dataset as one ``[n, seq]`` int64 CPU tensor.
+
+    Example:
+        >>> as_token_tensor([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6]}]).shape
+        torch.Size([2, 3])
+    """
+    if isinstance(dataset, torch.Tensor):
+        ids = dataset
+    elif hasattr(dataset, "column_names") and hasattr(dataset, "with_format"):
+        if "input_ids" not in dataset.column_names:
+            raise ValueError(
+                f"`{name}` has columns {dataset.column_names} but no 'input_ids'; tokenize it "
+                "into an 'input_ids' column of equal-length sequences."
+            )
+        ids = torch.as_tensor(np.asarray(dataset.with_format("numpy")["input_ids"]))
+    elif isinstance(dataset, Mapping) and "input_ids" in dataset:
+        ids = torch.as_tensor(dataset["input_ids"])
+    else:
+        try:
+            rows = [row["input_ids"] for row in dataset]
+        except (TypeError, KeyError, IndexError) as exc:
+            raise TypeError(
+                f"`{name}` must be a datasets.Dataset with an 'input_ids' column, a [n, seq] "
+                f"integer tensor, or rows {{'input_ids': ...}}; got {type(dataset).__name__}."
+            ) from exc
+        ids = torch.stack([torch.as_tensor(r) for r in rows]) if rows else torch.empty(0, 0)
+    if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(
+            f"`{name}` must hold integer token ids of shape [n, seq], got dtype {ids.dtype} and "
+            f"shape {tuple(ids.shape)}; pad or chunk the sequences to one length."
+        )
+    if ids.shape[1] < 2:
+        raise ValueError(
+            f"`{name}` sequences must have at least 2 tokens for a next-token loss, got "
+            f"{ids.shape[1]}."
+        )
+    return ids.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def token_digest(ids: torch.Tensor) -> str:
+    """A short digest of a token tensor (its shape and values), for settings records."""
+    digest = hashlib.blake2b(repr(tuple(ids.shape)).encode(), digest_size=8)
+    digest.update(ids.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is in the hf extra
+        PreTrainedModel = ()  # type: ignore[assignment,misc]
+    if isinstance(model, PreTrainedModel):
+        # Skip the KV cache and the output wrapper: only the logits are used.
+        return model(input_ids, return_dict=False, use_cache=False)[0]  # type: ignore[no-any-return]
+    out = model(input_ids)
+    return out.logits if hasattr(out, "logits") else out  # type: ignore[no-any-return]
+
+
+def per_token_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of every position: ``[batch, seq - 1]``.
+
+    ``loss[b, t] = -log softmax(logits[b, t])[input_ids[b, t + 1]]``, computed
+    by one fused ``cross_entropy`` (no ``[batch, seq, vocab]`` log-softmax).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 5))
+        >>> per_token_loss(model, torch.tensor([[0, 1, 2]])).shape
+        torch.Size([1, 2])
+    """
+    logits = _logits(model, input_ids)
+    b, s, v = logits.shape
+    return F.cross_entropy(
+        logits[:, :-1].reshape(b * (s - 1), v),
+        input_ids[:, 1:].reshape(-1),
+        reduction="none",
+    ).view(b, s - 1)
+
+
+def obs_id(task_name: str) -> str:
+    """An observable's name as an identifier (devinterp's rule: non-alphanumerics become ``_``).
+
+    Example:
+        >>> obs_id("pile-10k")
+        'pile_10k'
+    """
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in task_name)
+    if out and out[0].isdigit():
+        out = "_" + out
+    return out or "_"
+
+
+class Observable:
+    """A probe dataset whose per-token loss is recorded at every draw.
+
+    The sequences are fixed once: ``batch_size * batches_per_draw`` rows
+    drawn without replacement by ``random.Random(seed).sample`` (devinterp's
+    choice, so both pick the same rows).
+
+    Args:
+        name: The observable's name (its variables are ``loss_<obs_id>``).
+        ids: ``[n, seq]`` token ids.
+        batches_per_draw: Batches evaluated at each draw.
+        batch_size: Rows per batch.
+        seed: Seed of the row choice.
+    """
+
+    def __init__(
+        self, name: str, ids: torch.Tensor, *, batches_per_draw: int, batch_size: int, seed: int
+    ) -> None:
+        if isinstance(batches_per_draw, bool) or not isinstance(batches_per_draw, int):
+            raise TypeError(
+                f"`batches_per_draw` of {name!r} must be an int, got {batches_per_draw!r}."
+            )
+        if batches_per_draw < 1:
+            raise ValueError(
+                f"`batches_per_draw` of {name!r} must be >= 1, got {batches_per_draw}."
+            )
+        self.name = name
+        self.obs_id = obs_id(name)
+        self.batches_per_draw = batches_per_draw
+        self.n_samples = batch_size * batches_per_draw
+        if ids.shape[0] < self.n_samples:
+            raise ValueError(
+                f"observable {name!r} has {ids.shape[0]} sequences but needs batch_size * "
+                f"batches_per_draw = {self.n_samples}; lower `batches_per_draw` for it (pass "
+                "(dataset, batches_per_draw)) or give more sequences."
+            )
+        rows = random.Random(seed).sample(range(ids.shape[0]), self.n_samples)
+        self.input_ids = ids[torch.tensor(rows, dtype=torch.int64)]
+        self.digest = token_digest(ids)

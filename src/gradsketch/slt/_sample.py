@@ -1,0 +1,908 @@
+"""``sample``: SGMCMC chains on a language model, per-token losses of observables in zarr.
+
+The store has devinterp 2.0's layout (variable names, dimensions and root
+``metadata``), so code that reads ``devinterp.slt.sample``'s output reads
+this one's. Per chain, per step, per draw::
+
+    sampling_loss_micro      [chain, step, batch_sampling, token_pos]  every micro-batch
+    sampling_input_ids_micro [chain, step, batch_sampling, token]
+    sampling_loss            [chain, draw, batch, token_pos]   the step's loss at a draw
+    loss_<obs>               [chain, draw, batch_<obs>, token_pos]  fixed probe sequences
+    input_ids_<obs>          [batch_<obs>, token]
+    init_loss                [chain, token_pos]   L(w*) per position
+    metrics_<field>          [chain, step]        with save_metrics (norms, dot products)
+    sketch_<component>       [chain, step, sketch] with sketch_dim (count sketches)
+
+The chains run on :class:`gradsketch.sampling.SGMCMC` (every preconditioner,
+masks, metrics, sketches). Differences from devinterp that change no
+estimate: batches are index lookups into one token tensor (the same batches
+as devinterp's DataLoader for the same seed); the per-token loss is one fused
+cross-entropy; every observable of a draw is evaluated in one forward pass
+(in chunks bounded by the logits' size); the initial loss, which depends only
+on the weights and the batches, is computed once when every chain sees the
+same batches; and each finished chain is written by a background thread while
+the next one samples (data first, then the chain's done flag, as
+:mod:`gradsketch._store` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import inspect
+import logging
+import tempfile
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from torch import nn
+from tqdm.auto import tqdm
+
+from gradsketch._settings import SettingsMismatchError, settings_diff, settings_record
+from gradsketch.masked import ParamMask
+from gradsketch.sampling import SGMCMC, Metrics
+from gradsketch.slt._data import (
+    LossFn,
+    NonFiniteLossError,
+    Observable,
+    as_token_tensor,
+    per_token_loss,
+    token_digest,
+)
+from gradsketch.slt._restrictions import to_param_mask
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SAMPLING_METHODS",
+    "OutputPathMismatchError",
+    "SamplerSettings",
+    "UnsavedSamplesWarning",
+    "sample",
+]
+
+#: ``sampling_method`` names (devinterp's, plus gradsketch's other samplers) -> SGMCMC factory.
+SAMPLING_METHODS: dict[str, Callable[..., SGMCMC]] = {
+    "sgmcmc_sgld": SGMCMC.sgld,
+    "rmsprop_sgld": SGMCMC.rmsprop_sgld,
+    "adam_sgld": SGMCMC.adam_sgld,
+    "sgnht": SGMCMC.sgnht,
+}
+
+#: Upper bound on the bytes of one forward pass's logits when evaluating observables.
+EVAL_LOGIT_BYTES = 256 << 20
+#: Bytes of one stored chunk, at most (chunks span one chain and several draws).
+CHUNK_BYTES = 32 << 20
+#: Base64 of NaN as float64: xarray's encoding of a NaN fill value.
+_NAN_FILL = "AAAAAAAA+H8="
+_FORMAT = "gradsketch.slt.sample/1"
+#: Root attribute holding the settings record of a gradsketch sample store.
+SETTINGS_ATTR = "gradsketch_settings"
+
+
+class OutputPathMismatchError(SettingsMismatchError, RuntimeError):
+    """``output_path`` holds samples made with other settings (or is not a sample store)."""
+
+
+class UnsavedSamplesWarning(UserWarning):
+    """A large run writes to a temporary directory (pass ``output_path`` to keep it)."""
+
+
+@dataclasses.dataclass
+class SamplerSettings:
+    """The sampler settings of :func:`sample`, in devinterp's ``SamplerConfig`` order.
+
+    They are stored in the store's root ``metadata`` exactly as devinterp
+    stores them, and compared when an ``output_path`` is reused.
+    """
+
+    lr: float
+    n_beta: float
+    batch_size: int = 32
+    num_chains: int = 4
+    num_draws: int = 200
+    num_burnin_steps: int = 0
+    num_steps_bw_draws: int = 1
+    gradient_accumulation_steps: int = 1
+    num_init_loss_batches: int = 32
+    init_seed: int = 100
+    localization: float = 0.0
+    noise_level: float = 1.0
+    llc_weight_decay: float = 0.0
+    bounding_box_size: float | None = None
+    sampling_method: str = "sgmcmc_sgld"
+    sampling_method_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    init_noise: float | None = None
+    save_metrics: bool = False
+    shuffle: bool = True
+    epoch_mode: str = "cycle"
+    match_sampling_input_ids_across_chains: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "n_beta", "localization", "noise_level", "llc_weight_decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative number, got {value!r}.")
+            setattr(self, name, float(value))
+        for name in ("lr", "n_beta"):
+            if getattr(self, name) == 0:
+                raise ValueError(f"`{name}` must be positive, got 0.")
+        for name, low in (
+            ("batch_size", 1),
+            ("num_chains", 1),
+            ("num_draws", 1),
+            ("num_burnin_steps", 0),
+            ("num_steps_bw_draws", 1),
+            ("gradient_accumulation_steps", 1),
+            ("num_init_loss_batches", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "non-negative" if low == 0 else "positive"
+                raise ValueError(f"`{name}` must be a {kind} int, got {value!r}.")
+        if isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int):
+            raise TypeError(f"`init_seed` must be an int, got {self.init_seed!r}.")
+        for name in ("bounding_box_size", "init_noise"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise ValueError(
+                        f"`{name}` must be None or a non-negative number, got {value!r}."
+                    )
+                setattr(self, name, float(value))
+        if self.sampling_method not in SAMPLING_METHODS:
+            raise ValueError(
+                f"`sampling_method` must be one of {sorted(SAMPLING_METHODS)}, got "
+                f"{self.sampling_method!r}."
+            )
+        if self.epoch_mode != "cycle":
+            raise ValueError(f"`epoch_mode` must be 'cycle', got {self.epoch_mode!r}.")
+
+    @property
+    def num_steps(self) -> int:
+        """Sampler steps per chain: ``num_draws * num_steps_bw_draws + num_burnin_steps``."""
+        return self.num_draws * self.num_steps_bw_draws + self.num_burnin_steps
+
+    def metadata(self) -> dict[str, Any]:
+        """The ``config.sampler`` record devinterp 2.0.1 writes (with its legacy fields)."""
+        return {
+            **dataclasses.asdict(self),
+            "scheduler_type": "constant",
+            "scheduler_kwargs": None,
+            "cores": 1,
+            "online": False,
+        }
+
+
+def _model_digest(model: nn.Module) -> str:
+    """A digest of the parameters' and buffers' names, shapes and values."""
+    digest = hashlib.blake2b(type(model).__name__.encode(), digest_size=8)
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    for name, t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel() > 1 << 20:
+            # Large tensors: a fixed stride of values and the sum (hashing GBs costs seconds).
+            step = flat.numel() // (1 << 20)
+            flat = torch.cat([flat[::step], flat.float().sum().reshape(1).to(flat.dtype)])
+        digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _noise_seed(init_seed: int, chain: int) -> int:
+    """The seed of a chain's sampler noise, unrelated to ``init_seed + chain``.
+
+    torch's global generator, which draws dropout masks, is seeded with
+    ``init_seed + chain`` (as devinterp); a noise generator with the same seed
+    would replay that stream, correlating the noise with the dropout masks.
+    """
+    state = np.random.SeedSequence([init_seed, chain, 0x5EED]).generate_state(1, np.uint64)
+    return int(state[0] >> 1)
+
+
+def _loader_order(n: int, *, seed: int, shuffle: bool) -> torch.Tensor:
+    """The row order of devinterp's DataLoader for one seeded generator (first epoch).
+
+    A DataLoader iterator draws one int64 from the generator for its workers'
+    base seed before the RandomSampler's ``randperm``; the same draw is made here
+    so that both give the same batches.
+    """
+    if not shuffle:
+        return torch.arange(n)
+    gen = torch.Generator().manual_seed(seed)
+    torch.empty((), dtype=torch.int64).random_(generator=gen)
+    return torch.randperm(n, generator=gen)
+
+
+def _factory_kwargs(
+    settings: SamplerSettings, mask: list[torch.Tensor | None] | None, sketch_dim: int | None
+) -> tuple[Callable[..., SGMCMC], dict[str, Any]]:
+    factory = SAMPLING_METHODS[settings.sampling_method]
+    kwargs: dict[str, Any] = {
+        "lr": settings.lr,
+        "nbeta": settings.n_beta,
+        "localization": settings.localization,
+        "weight_decay": settings.llc_weight_decay,
+        "bounding_box_size": settings.bounding_box_size,
+        "save_metrics": settings.save_metrics,
+        "noise_level": settings.noise_level,
+        "mask": mask,
+        "sketch_dim": sketch_dim,
+    }
+    accepted = set(inspect.signature(factory).parameters) - {"params"}
+    for name in list(kwargs):
+        if name in accepted:
+            continue
+        default = {"noise_level": 1.0, "mask": None}.get(name)
+        if kwargs[name] != default:
+            what = "a weight restriction" if name == "mask" else f"{name}={kwargs[name]!r}"
+            raise ValueError(
+                f"`sampling_method`={settings.sampling_method!r} does not take {what}; use "
+                "'sgmcmc_sgld' or 'rmsprop_sgld' for it."
+            )
+        del kwargs[name]
+    extra = dict(settings.sampling_method_kwargs)
+    unknown = sorted(set(extra) - accepted)
+    if unknown:
+        raise ValueError(
+            f"`sampling_method_kwargs` has {unknown}, which {settings.sampling_method!r} does not "
+            f"take; it takes {sorted(accepted - set(kwargs))}."
+        )
+    return factory, {**kwargs, **extra}
+
+
+class _Arrays:
+    """Creates the store's arrays with devinterp's names, dimensions and fill values."""
+
+    def __init__(self, root: zarr.Group) -> None:
+        self.root = root
+
+    def create(self, name: str, dims: tuple[str, ...], shape: tuple[int, ...], dtype: str) -> None:
+        if name in self.root:
+            return
+        np_dtype = np.dtype(dtype)
+        chunks = list(shape)
+        if len(shape) >= 2 and dims[0] == "chain":
+            # One chain per chunk, as many draws (steps) as fit in CHUNK_BYTES.
+            row = int(np.prod(shape[2:], dtype=np.int64)) * np_dtype.itemsize
+            chunks[0] = 1
+            chunks[1] = max(1, min(shape[1], CHUNK_BYTES // max(row, 1)))
+        floating = np_dtype.kind == "f"
+        self.root.create_array(
+            name,
+            shape=shape,
+            dtype=np_dtype,
+            chunks=tuple(chunks),
+            dimension_names=dims,
+            fill_value=np.nan if floating else 0,
+            compressors=None,
+            attributes={"_FillValue": _NAN_FILL} if floating else {},
+        )
+
+
+def _array(root: zarr.Group, name: str) -> zarr.Array:
+    node = root[name]
+    if not isinstance(node, zarr.Array):
+        raise TypeError(f"{name!r} in the sample store is a {type(node).__name__}, not an array.")
+    return node
+
+
+class _ChainWriter:
+    """Writes finished chains in one background thread, data first and its done flag last.
+
+    The rule of :mod:`gradsketch._store`: a chain's flag is set only after all
+    its arrays are on disk (zarr replaces each chunk file atomically), so a
+    killed run leaves every chain either flagged and complete or unflagged
+    and redone. The sampler hands a chain over and goes on with the next.
+    """
+
+    def __init__(self, root: zarr.Group) -> None:
+        self.root = root
+        self._arrays: dict[str, zarr.Array] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsketch-slt")
+        self._pending: list[Future[None]] = []
+
+    def _array(self, name: str) -> zarr.Array:
+        if name not in self._arrays:
+            self._arrays[name] = _array(self.root, name)
+        return self._arrays[name]
+
+    def _write(self, chain: int, values: dict[str, np.ndarray], flag: str) -> None:
+        for name, value in values.items():
+            self._array(name)[chain] = value
+        self._array(flag)[chain] = 1
+
+    def write(self, chain: int, values: dict[str, np.ndarray], flag: str) -> None:
+        """Queue chain ``chain``'s rows of every array in ``values``, then its ``flag``."""
+        self._raise_failures(wait=False)
+        self._pending.append(self._pool.submit(self._write, chain, values, flag))
+
+    def _raise_failures(self, *, wait: bool) -> None:
+        keep = []
+        for future in self._pending:
+            if wait or future.done():
+                future.result()  # re-raises a failed write
+            else:
+                keep.append(future)
+        self._pending = keep
+
+    def close(self) -> None:
+        """Wait for every queued write; raise the first failure."""
+        try:
+            self._raise_failures(wait=True)
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def _check_existing(path: Path, record: dict[str, Any], sampler: dict[str, Any]) -> str:
+    """``"new"``, ``"resume"`` or ``"done"`` for an existing ``output_path``; refuse mismatches."""
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return "new"
+    try:
+        attrs: dict[str, Any] = dict(zarr.open_group(str(path), mode="r").attrs)
+    except Exception as exc:
+        raise OutputPathMismatchError(
+            f"`output_path`={str(path)!r} exists but is not a zarr store ({exc!r}); pass "
+            "another path or delete it."
+        ) from exc
+    if SETTINGS_ATTR in attrs:
+        diffs = settings_diff(attrs[SETTINGS_ATTR], record)
+        if diffs:
+            raise OutputPathMismatchError(
+                f"`output_path`={str(path)!r} holds samples made with other settings:\n  "
+                + "\n  ".join(diffs)
+                + "\nPass another output_path for the new settings, delete the old samples, "
+                "or rerun with the stored settings."
+            )
+        return "done" if attrs.get("completed") == 1 else "resume"
+    # Written by devinterp: reuse it when complete and made with the same sampler settings.
+    stored = attrs.get("metadata", {}).get("config", {}).get("sampler")
+    if stored is None:
+        raise OutputPathMismatchError(
+            f"`output_path`={str(path)!r} is a zarr store but holds no samples (no "
+            "metadata.config.sampler); pass another path or delete it."
+        )
+    diffs = settings_diff(stored, sampler)
+    if diffs or attrs.get("completed") != 1:
+        state = "is incomplete" if not diffs else "was made with other sampler settings"
+        raise OutputPathMismatchError(
+            f"`output_path`={str(path)!r} holds devinterp samples that {state}:\n  "
+            + "\n  ".join(diffs or ["completed: stored <missing>, requested 1"])
+            + "\nPass another output_path or delete it."
+        )
+    return "done"
+
+
+def _open_tree(path: Path) -> Any:
+    import xarray as xr
+
+    return xr.open_datatree(str(path), engine="zarr", consolidated=False)
+
+
+def _chunks(rows: int, limit: int) -> list[slice]:
+    return [slice(i, min(i + limit, rows)) for i in range(0, rows, limit)]
+
+
+def _eval_rows(model: nn.Module, seq: int, batch_size: int) -> int:
+    """Rows per forward pass so that one pass's logits stay under EVAL_LOGIT_BYTES."""
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", None) or 50_000)
+    return max(batch_size, EVAL_LOGIT_BYTES // max(1, seq * vocab * 4))
+
+
+def sample(
+    model: nn.Module,
+    dataset: Any,
+    observables: Mapping[str, Any],
+    *,
+    lr: float,
+    n_beta: float,
+    param_masks: ParamMask | Mapping[str, torch.Tensor | None] | None = None,
+    num_chains: int = 4,
+    num_draws: int = 200,
+    batch_size: int = 32,
+    num_burnin_steps: int = 0,
+    num_steps_bw_draws: int = 1,
+    num_init_loss_batches: int = 32,
+    init_seed: int = 100,
+    batches_per_draw: int = 3,
+    obs_seed: int = 1337,
+    gradient_accumulation_steps: int = 1,
+    localization: float = 0.0,
+    noise_level: float = 1.0,
+    llc_weight_decay: float = 0.0,
+    bounding_box_size: float | None = None,
+    sampling_method: str = "sgmcmc_sgld",
+    sampling_method_kwargs: dict[str, Any] | None = None,
+    rmsprop_eps: float | None = None,
+    rmsprop_alpha: float | None = None,
+    shuffle: bool = True,
+    match_sampling_input_ids_across_chains: bool = True,
+    init_noise: float | None = None,
+    device: str | torch.device | None = None,
+    save_metrics: bool = False,
+    output_path: str | Path | None = None,
+    loss_fn: LossFn | None = None,
+    sketch_dim: int | None = None,
+) -> Any:
+    """Run SGMCMC chains from ``model``'s weights; record per-token losses of every observable.
+
+    Call-compatible with ``devinterp.slt.sampling.sample`` (2.0.1): same
+    arguments, same store layout (see the module docstring). Chain ``c``
+    seeds torch's global generator (dropout: the model runs in train mode,
+    as in devinterp) and its noise generator from ``init_seed + c``; with
+    ``match_sampling_input_ids_across_chains`` every chain sees the batches
+    of devinterp's DataLoader seeded with ``init_seed``.
+
+    A completed ``output_path`` made with the same settings (model, datasets,
+    masks and sampler) is returned as it is, also one written by devinterp;
+    one made with other settings is refused, showing both values of every
+    difference; an interrupted one resumes at its first unfinished chain.
+
+    Args:
+        model: The trained language model (not modified).
+        dataset: Sampling data: a ``datasets.Dataset`` with ``input_ids``, a
+            ``[n, seq]`` token tensor, or rows ``{"input_ids": ...}``.
+        observables: ``{name: data}`` or ``{name: (data, batches_per_draw)}``;
+            ``batch_size * batches_per_draw`` fixed sequences each.
+        lr: Step size ``eps``.
+        n_beta: Inverse temperature times sample size.
+        param_masks: Which weights move: None (all), a ParamMask from
+            :func:`~gradsketch.slt.create_param_masks`, or devinterp's dict
+            ``{name: bool mask or None}`` (unlisted parameters are frozen).
+        num_chains: Chains.
+        num_draws: Draws per chain.
+        batch_size: Sequences per (micro-)batch and per observable batch.
+        num_burnin_steps: Steps before the first draw.
+        num_steps_bw_draws: Steps between draws.
+        num_init_loss_batches: Batches (times ``gradient_accumulation_steps``)
+            averaged for ``init_loss``.
+        init_seed: Seed of chains, batches and initial noise.
+        batches_per_draw: Default batches of an observable given without one.
+        obs_seed: Seed of the observables' fixed sequences.
+        gradient_accumulation_steps: Micro-batches per step.
+        localization: ``gamma``, the pull towards the initial weights.
+        noise_level: Noise standard deviation (1 samples the posterior).
+        llc_weight_decay: ``lambda``, a Gaussian prior centred at zero.
+        bounding_box_size: Clamp to ``w0 +- b`` when set.
+        sampling_method: A name in :data:`SAMPLING_METHODS`.
+        sampling_method_kwargs: Extra keywords of the sampler factory.
+        rmsprop_eps: Shorthand for ``sampling_method_kwargs["eps"]`` (rmsprop only).
+        rmsprop_alpha: Shorthand for ``sampling_method_kwargs["alpha"]`` (rmsprop only).
+        shuffle: Shuffle the sampling data.
+        match_sampling_input_ids_across_chains: Every chain sees the same batches.
+        init_noise: Gaussian noise of this std added to the restricted weights first.
+        device: Where chains run; default CUDA when available.
+        save_metrics: Record the sampler's per-step norms and dot products.
+        output_path: Directory of the zarr store; default a temporary one.
+        loss_fn: ``(model, input_ids) -> [batch, seq - 1]`` per-token loss;
+            default next-token cross-entropy.
+        sketch_dim: Also record count sketches of size ``k`` of every update
+            component per step (gradsketch only).
+
+    Returns:
+        ``xarray.DataTree`` read lazily from the store.
+
+    Example:
+        >>> import tempfile
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+        >>> ids = torch.randint(0, 16, (16, 9))
+        >>> tree = sample(model, ids, {"probe": ids}, lr=1e-4, n_beta=10.0, num_chains=2,
+        ...               num_draws=3, batch_size=4, batches_per_draw=2,
+        ...               output_path=tempfile.mkdtemp() + "/s.zarr")
+        >>> tree.dataset["loss_probe"].dims, tree.dataset["loss_probe"].shape
+        (('chain', 'draw', 'batch_probe', 'token_pos'), (2, 3, 8, 8))
+    """
+    kwargs = dict(sampling_method_kwargs or {})
+    for short, value in (("eps", rmsprop_eps), ("alpha", rmsprop_alpha)):
+        if value is None:
+            continue
+        if sampling_method != "rmsprop_sgld":
+            raise ValueError(
+                f"`rmsprop_{short}` is only valid with sampling_method='rmsprop_sgld', got "
+                f"sampling_method={sampling_method!r}."
+            )
+        if short in kwargs:
+            raise ValueError(
+                f"`rmsprop_{short}` is given and so is sampling_method_kwargs[{short!r}]; give one."
+            )
+        kwargs[short] = value
+    settings = SamplerSettings(
+        lr=lr,
+        n_beta=n_beta,
+        batch_size=batch_size,
+        num_chains=num_chains,
+        num_draws=num_draws,
+        num_burnin_steps=num_burnin_steps,
+        num_steps_bw_draws=num_steps_bw_draws,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        num_init_loss_batches=num_init_loss_batches,
+        init_seed=init_seed,
+        localization=localization,
+        noise_level=noise_level,
+        llc_weight_decay=llc_weight_decay,
+        bounding_box_size=bounding_box_size,
+        sampling_method=sampling_method,
+        sampling_method_kwargs=kwargs,
+        init_noise=init_noise,
+        save_metrics=save_metrics,
+        shuffle=shuffle,
+        match_sampling_input_ids_across_chains=match_sampling_input_ids_across_chains,
+    )
+    if sketch_dim is not None and (
+        isinstance(sketch_dim, bool) or not isinstance(sketch_dim, int) or sketch_dim < 1
+    ):
+        raise ValueError(f"`sketch_dim` must be None or a positive int, got {sketch_dim!r}.")
+    if not isinstance(observables, Mapping) or not observables:
+        raise ValueError(
+            "`observables` must be a non-empty dict {name: dataset or (dataset, "
+            f"batches_per_draw)}}, got {type(observables).__name__}."
+        )
+    data = as_token_tensor(dataset)
+    if data.shape[0] < batch_size:
+        raise ValueError(
+            f"`dataset` has {data.shape[0]} sequences, fewer than `batch_size`={batch_size}; "
+            "lower batch_size or give more data (batches drop the last partial one)."
+        )
+    context_length = data.shape[1] - 1
+    obs_list: list[Observable] = []
+    for name, spec in observables.items():
+        obs_data, bpd = spec if isinstance(spec, tuple) else (spec, batches_per_draw)
+        ids = as_token_tensor(obs_data, name=f"observables[{name!r}]")
+        if ids.shape[1] != data.shape[1]:
+            raise ValueError(
+                f"observable {name!r} has sequences of {ids.shape[1]} tokens but `dataset` has "
+                f"{data.shape[1]}; all sequences must have one length."
+            )
+        obs_list.append(
+            Observable(name, ids, batches_per_draw=bpd, batch_size=batch_size, seed=obs_seed)
+        )
+    ids_seen = [o.obs_id for o in obs_list]
+    if len(set(ids_seen)) != len(ids_seen):
+        raise ValueError(
+            f"`observables` names map to repeated identifiers {ids_seen}; rename them."
+        )
+    mask = to_param_mask(model, param_masks)
+    if mask.numel == 0:
+        raise ValueError("`param_masks` selects no weight; select at least one entry.")
+    loss = loss_fn if loss_fn is not None else per_token_loss
+    record = {
+        "format": _FORMAT,
+        **settings.metadata(),
+        "context_length": context_length,
+        "dataset": token_digest(data),
+        "observables": [
+            {"obs_id": o.obs_id, "batches_per_draw": o.batches_per_draw, "data": o.digest}
+            for o in obs_list
+        ],
+        "obs_seed": obs_seed,
+        "model": _model_digest(model),
+        "param_masks": mask.fingerprint,
+        "loss_fn": getattr(loss, "__qualname__", repr(loss)),
+        "sketch_dim": sketch_dim,
+    }
+    if output_path is None:
+        total = num_chains * settings.num_steps * batch_size
+        if total > 1000:
+            warnings.warn(
+                f"sample() writes {total} sampled sequences to a temporary directory that is "
+                "not kept; pass output_path='samples.zarr' to keep them.",
+                UnsavedSamplesWarning,
+                stacklevel=2,
+            )
+        path = Path(tempfile.mkdtemp()) / "samples.zarr"
+    else:
+        path = Path(output_path)
+    state = _check_existing(path, record, settings.metadata())
+    if state == "done":
+        logger.info("sample(): reusing the completed samples at %s", path)
+        return _open_tree(path)
+    torch_device = torch.device(
+        device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    _Run(
+        model=model,
+        data=data,
+        observables=obs_list,
+        settings=settings,
+        mask=mask,
+        loss_fn=loss,
+        device=torch_device,
+        path=path,
+        record=record,
+        sketch_dim=sketch_dim,
+    ).run()
+    return _open_tree(path)
+
+
+class _Run:
+    """One call of :func:`sample`: store layout, initial loss, chains, writes."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        data: torch.Tensor,
+        observables: list[Observable],
+        settings: SamplerSettings,
+        mask: ParamMask,
+        loss_fn: LossFn,
+        device: torch.device,
+        path: Path,
+        record: dict[str, Any],
+        sketch_dim: int | None,
+    ) -> None:
+        self.model = model
+        self.data = data
+        self.obs = observables
+        self.s = settings
+        self.mask = mask
+        self.loss_fn = loss_fn
+        self.device = device
+        self.path = path
+        self.record = record
+        self.sketch_dim = sketch_dim
+        self.ctx = data.shape[1] - 1
+        self.n_batches = data.shape[0] // settings.batch_size
+
+    # ------------------------------------------------------------------ layout
+    def _layout(self, root: zarr.Group) -> None:
+        s, ctx = self.s, self.ctx
+        arrays = _Arrays(root)
+        micro = s.gradient_accumulation_steps * s.batch_size
+        arrays.create("init_loss", ("chain", "token_pos"), (s.num_chains, ctx), "float32")
+        arrays.create(
+            "sampling_loss",
+            ("chain", "draw", "batch", "token_pos"),
+            (s.num_chains, s.num_draws, s.batch_size, ctx),
+            "float32",
+        )
+        arrays.create(
+            "sampling_loss_micro",
+            ("chain", "step", "batch_sampling", "token_pos"),
+            (s.num_chains, s.num_steps, micro, ctx),
+            "float32",
+        )
+        arrays.create(
+            "sampling_input_ids_micro",
+            ("chain", "step", "batch_sampling", "token"),
+            (s.num_chains, s.num_steps, micro, ctx + 1),
+            "int64",
+        )
+        for o in self.obs:
+            dim = f"batch_{o.obs_id}"
+            arrays.create(
+                f"loss_{o.obs_id}",
+                ("chain", "draw", dim, "token_pos"),
+                (s.num_chains, s.num_draws, o.n_samples, ctx),
+                "float32",
+            )
+            arrays.create(f"input_ids_{o.obs_id}", (dim, "token"), (o.n_samples, ctx + 1), "int64")
+        if s.save_metrics:
+            for name in (*Metrics.NORM_FIELDS, *Metrics.DOT_FIELDS):
+                arrays.create(
+                    f"metrics_{name}", ("chain", "step"), (s.num_chains, s.num_steps), "float32"
+                )
+        if self.sketch_dim is not None:
+            for q in ("scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise"):
+                arrays.create(
+                    f"sketch_{q}",
+                    ("chain", "step", "sketch"),
+                    (s.num_chains, s.num_steps, self.sketch_dim),
+                    "float32",
+                )
+        progress = zarr.open_group(str(self.path / "progress"), mode="a")
+        flags = _Arrays(progress)
+        flags.create("init_done", ("chain",), (s.num_chains,), "uint8")
+        flags.create("chain_done", ("chain",), (s.num_chains,), "uint8")
+        attrs: dict[str, Any] = {
+            "metadata": {
+                "config": {
+                    "sampler": s.metadata(),
+                    "observables": [
+                        {
+                            "type": "ObserveDifferentDataset",
+                            "obs_id": o.obs_id,
+                            "batches_per_draw": o.batches_per_draw,
+                        }
+                        for o in self.obs
+                    ],
+                    "chain_buffer_size": min(50, s.num_draws),
+                    "shared_observable_dims": ["token", "token_pos"],
+                    "tokenizer_context_length": ctx + 1,
+                }
+            },
+            SETTINGS_ATTR: settings_record(self.record),
+        }
+        if s.save_metrics:
+            attrs["metrics_numel"] = self.mask.numel
+        if SETTINGS_ATTR not in root.attrs:
+            root.update_attributes(attrs)
+        for o in self.obs:
+            _array(root, f"input_ids_{o.obs_id}")[...] = o.input_ids.numpy()
+
+    # --------------------------------------------------------------- helpers
+    def _order(self, chain: int) -> torch.Tensor:
+        s = self.s
+        seed = s.init_seed if s.match_sampling_input_ids_across_chains else s.init_seed + chain
+        return _loader_order(self.data.shape[0], seed=seed, shuffle=s.shuffle)
+
+    def _batch_rows(self, order: torch.Tensor, first: int, count: int) -> torch.Tensor:
+        """Row indices of ``count`` consecutive batches from batch ``first`` (cycling)."""
+        bs = self.s.batch_size
+        idx = (torch.arange(first, first + count) % self.n_batches).repeat_interleave(bs)
+        return order[idx * bs + torch.arange(bs).repeat(count)]
+
+    def _forward_rows(self, model: nn.Module, ids: torch.Tensor, *, check: bool) -> torch.Tensor:
+        """Per-token loss of every row of ``ids``, in forward passes of bounded size."""
+        limit = _eval_rows(model, ids.shape[1], self.s.batch_size)
+        out = torch.empty(ids.shape[0], self.ctx, dtype=torch.float32)
+        for sl in _chunks(ids.shape[0], limit):
+            loss = self.loss_fn(model, ids[sl].to(self.device))
+            if check:
+                self._check_shape(loss, sl.stop - sl.start)
+            out[sl] = loss.detach().float().cpu()
+        return out
+
+    def _check_shape(self, loss: torch.Tensor, rows: int) -> None:
+        if tuple(loss.shape) != (rows, self.ctx):
+            raise ValueError(
+                f"`loss_fn` must return the per-token loss of shape {(rows, self.ctx)} for "
+                f"input_ids of shape {(rows, self.ctx + 1)}, got {tuple(loss.shape)}."
+            )
+
+    def _reset(self, work: nn.Module) -> None:
+        with torch.no_grad():
+            for p, ref in zip(work.parameters(), self.model.parameters()):
+                p.copy_(ref)
+
+    # ------------------------------------------------------------ init loss
+    @torch.inference_mode()
+    def _init_loss(self, work: nn.Module, chain: int, cache: dict[int, np.ndarray]) -> np.ndarray:
+        s = self.s
+        shared = s.match_sampling_input_ids_across_chains and not s.init_noise
+        if shared and cache:
+            # Same weights, same batches: the same L(w*) (up to dropout's draws).
+            return next(iter(cache.values()))
+        torch.manual_seed(s.init_seed + chain)
+        self._reset(work)
+        if s.init_noise:
+            # devinterp: noise on every weight (ignoring the restriction) for L(w*).
+            for p in work.parameters():
+                p.add_(torch.randn_like(p) * s.init_noise)
+        count = s.gradient_accumulation_steps * s.num_init_loss_batches
+        rows = self._batch_rows(self._order(chain), 0, count)
+        work.train()
+        losses = self._forward_rows(work, self.data[rows], check=True)
+        value = losses.double().mean(dim=0).float().numpy()
+        cache[chain] = value
+        return value
+
+    # ---------------------------------------------------------------- chain
+    def _chain(self, work: nn.Module, chain: int, writer: _ChainWriter, bar: Any) -> None:
+        s = self.s
+        bs, gas, ctx = s.batch_size, s.gradient_accumulation_steps, self.ctx
+        torch.manual_seed(s.init_seed + chain)
+        self._reset(work)
+        masks = [self.mask[n] for n, _ in work.named_parameters()]
+        chosen: list[torch.Tensor] = []
+        per_param: list[torch.Tensor | None] = []
+        for (_, p), m in zip(work.named_parameters(), masks):
+            selected = bool(m.any())
+            p.requires_grad_(selected)
+            p.grad = None
+            if selected:
+                chosen.append(p)
+                per_param.append(None if bool(m.all()) else m.to(p.device))
+        restricted = any(sel is not None for sel in per_param)
+        factory, kwargs = _factory_kwargs(s, per_param if restricted else None, self.sketch_dim)
+        optimizer = factory(chosen, **kwargs)
+        if s.init_noise:
+            with torch.no_grad():
+                for param, sel in zip(chosen, per_param):
+                    noise = torch.randn_like(param) * s.init_noise
+                    param.add_(noise if sel is None else noise * sel)
+        noise_gen = torch.Generator(device=self.device).manual_seed(_noise_seed(s.init_seed, chain))
+        order = self._order(chain)
+        steps, draws = s.num_steps, s.num_draws
+        micro_loss = np.full((steps, gas * bs, ctx), np.nan, dtype=np.float32)
+        micro_rows = np.zeros((steps, gas * bs), dtype=np.int64)
+        draw_loss = np.full((draws, bs, ctx), np.nan, dtype=np.float32)
+        obs_loss = [np.full((draws, o.n_samples, ctx), np.nan, dtype=np.float32) for o in self.obs]
+        obs_ids = torch.cat([o.input_ids for o in self.obs]).to(self.device)
+        obs_split = np.cumsum([o.n_samples for o in self.obs])[:-1]
+        fields = (*Metrics.NORM_FIELDS, *Metrics.DOT_FIELDS)
+        metrics = np.full((steps, len(fields)), np.nan, dtype=np.float32)
+        sketches = (
+            np.full((steps, 5, self.sketch_dim), np.nan, dtype=np.float32)
+            if self.sketch_dim is not None
+            else None
+        )
+        work.train()
+        step_fn: Any = optimizer.step
+        try:
+            for step in range(steps):
+                rows = self._batch_rows(order, step * gas, gas)
+                micro_rows[step] = rows.numpy()
+                acc: torch.Tensor | None = None
+                for j in range(gas):
+                    ids = self.data[rows[j * bs : (j + 1) * bs]].to(self.device)
+                    loss = self.loss_fn(work, ids)
+                    if step == 0 and j == 0:
+                        self._check_shape(loss, bs)
+                    loss = loss.float()
+                    (loss.mean() / gas).backward()
+                    part = loss.detach() / gas
+                    acc = part if acc is None else acc + part
+                    micro_loss[step, j * bs : (j + 1) * bs] = loss.detach().cpu().numpy()
+                assert acc is not None
+                if not bool(torch.isfinite(acc).all()):
+                    raise NonFiniteLossError(
+                        f"chain {chain}: the loss is NaN or infinite at step {step}"
+                    )
+                step_fn(noise_generator=noise_gen)
+                if s.save_metrics:
+                    record = optimizer.get_metrics()
+                    metrics[step] = [float(getattr(record, f)) for f in fields]
+                if sketches is not None:
+                    buf = optimizer.get_sketches()
+                    sketches[step] = torch.stack(list(buf.as_dict().values())).numpy()
+                optimizer.zero_grad(set_to_none=True)
+                draw, since = divmod(step - s.num_burnin_steps, s.num_steps_bw_draws)
+                if draw >= 0 and since == 0:
+                    draw_loss[draw] = acc.cpu().numpy()
+                    with torch.inference_mode():
+                        values = self._forward_rows(work, obs_ids, check=False).numpy()
+                    for buf_, part_ in zip(obs_loss, np.split(values, obs_split)):
+                        buf_[draw] = part_
+                bar.update()
+        except NonFiniteLossError as exc:
+            # As devinterp: a failed chain warns and keeps NaN from its failure on.
+            warnings.warn(f"Chain failed: {exc}; lower `lr` or raise `localization`.", stacklevel=3)
+        out: dict[str, np.ndarray] = {
+            "sampling_loss": draw_loss[None],
+            "sampling_loss_micro": micro_loss[None],
+            "sampling_input_ids_micro": self.data.numpy()[micro_rows][None],
+        }
+        for o, buf_ in zip(self.obs, obs_loss):
+            out[f"loss_{o.obs_id}"] = buf_[None]
+        if s.save_metrics:
+            for i, f in enumerate(fields):
+                out[f"metrics_{f}"] = metrics[None, :, i]
+        if sketches is not None:
+            names = ("scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise")
+            for i, q in enumerate(names):
+                out[f"sketch_{q}"] = sketches[None, :, i]
+        writer.write(chain, {k: v[0] for k, v in out.items()}, "progress/chain_done")
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> None:
+        s = self.s
+        root = zarr.open_group(str(self.path), mode="a")
+        self._layout(root)
+        writer = _ChainWriter(root)
+        try:
+            work = copy.deepcopy(self.model).to(self.device)
+            init_done = np.asarray(_array(root, "progress/init_done")[:], dtype=bool)
+            cache: dict[int, np.ndarray] = {}
+            for chain in range(s.num_chains):
+                if not init_done[chain]:
+                    value = self._init_loss(work, chain, cache)
+                    writer.write(chain, {"init_loss": value}, "progress/init_done")
+            done = np.asarray(_array(root, "progress/chain_done")[:], dtype=bool)
+            todo = [c for c in range(s.num_chains) if not done[c]]
+            with tqdm(total=len(todo) * s.num_steps, desc="sampling", disable=None) as bar:
+                for chain in todo:
+                    self._chain(work, chain, writer, bar)
+        finally:
+            writer.close()
+        root.update_attributes({"completed": 1})

@@ -1,0 +1,83 @@
+"""Tiny Hugging Face language models and token data for the slt tests (built in code)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+SEQ = 17  # tokens per sequence: 16 predicted positions
+
+
+def tiny_gpt2(*, dropout: float = 0.0, n_head: int = 4, seed: int = 0) -> torch.nn.Module:
+    """GPT-2, 2 layers, width 32, byte vocabulary; dropout off unless asked."""
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=n_head,
+        vocab_size=VOCAB,
+        n_positions=64,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def tiny_llama(*, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=64,
+        vocab_size=64,
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def tiny_neox(*, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.GPTNeoXConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=64,
+        tie_word_embeddings=False,
+    )
+    return transformers.GPTNeoXForCausalLM(cfg)
+
+
+def tiny_qwen2(*, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        tie_word_embeddings=False,
+    )
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def token_data(n: int, *, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
+    """``[n, seq]`` byte tokens with some structure (repeated runs), so losses vary."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, VOCAB, (n, seq // 2 + 1), generator=gen)
+    return base.repeat_interleave(2, dim=1)[:, :seq].contiguous()
+
+
+def reference_token_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Float64 next-token cross-entropy by log-softmax and gather (the obvious way)."""
+    with torch.no_grad():
+        logits = model(ids).logits.double()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return -logp.gather(-1, ids[:, 1:, None])[..., 0]

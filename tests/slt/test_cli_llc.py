@@ -1,0 +1,64 @@
+"""run_llc_command: a saved HF model and local text or a saved dataset, end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _slt_helpers import tiny_gpt2, tiny_llama, token_data
+
+from gradsketch.slt._cli import load_tokens, run_llc_command
+
+SMALL = dict(num_chains=2, num_draws=2, batch_size=4, context_length=16, lr=1e-4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    tiny_gpt2().save_pretrained(path)
+    return path
+
+
+def test_llc_from_text_files(model_dir: Path, tmp_path: Path) -> None:
+    text = tmp_path / "corpus"
+    text.mkdir()
+    (text / "a.py").write_text("def f(x):\n    return x + 1\n" * 20)
+    (text / "b.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "out"
+    summary = run_llc_command(model_dir, text, out=out, restriction="l1 attn", **SMALL)
+    assert summary["tokens_from"] == "bytes"
+    assert summary["context_length"] == 16
+    assert len(summary["llc_per_chain"]) == 2
+    assert summary["selected_weights"] < summary["total_weights"]
+    written = json.loads((out / "llc_summary.json").read_text())
+    assert written["llc_mean"] == pytest.approx(summary["llc_mean"])
+    assert (out / "llc_trace.png").stat().st_size > 0
+    # A rerun reuses the completed samples: the same estimate.
+    again = run_llc_command(model_dir, text, out=out, restriction="l1 attn", **SMALL)
+    assert again["llc_mean"] == summary["llc_mean"]
+
+
+def test_llc_from_a_saved_dataset(model_dir: Path, tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    ids = token_data(16)
+    datasets.Dataset.from_dict({"input_ids": ids.tolist()}).save_to_disk(str(tmp_path / "ds"))
+    tokens, how = load_tokens(tmp_path / "ds", model_dir, context_length=16, max_sequences=12)
+    assert how == "datasets.load_from_disk" and tokens.shape == (12, 17)
+    summary = run_llc_command(model_dir, tmp_path / "ds", out=tmp_path / "out", n_beta=5.0, **SMALL)
+    assert summary["n_beta"] == 5.0 and summary["sequences"] == 16
+
+
+def test_llc_command_errors(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no config.json"):
+        run_llc_command(tmp_path, tmp_path, out=tmp_path / "o")
+    with pytest.raises(FileNotFoundError, match=r"does not exist"):
+        run_llc_command(model_dir, tmp_path / "missing", out=tmp_path / "o")
+    (tmp_path / "t.txt").write_text("short")
+    with pytest.raises(ValueError, match=r"fewer than one sequence of 17"):
+        run_llc_command(model_dir, tmp_path / "t.txt", out=tmp_path / "o", context_length=16)
+    small = tmp_path / "llama"
+    tiny_llama().save_pretrained(small)  # vocabulary of 64: bytes do not fit
+    (tmp_path / "u.txt").write_text("zzzz" * 40)
+    with pytest.raises(ValueError, match=r"token id 122 but the model's vocabulary has 64"):
+        run_llc_command(small, tmp_path / "u.txt", out=tmp_path / "o", **SMALL)

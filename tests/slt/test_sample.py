@@ -1,0 +1,400 @@
+"""``sample``: store layout, the batches and losses it records, reuse, refusal and resume."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _slt_helpers import SEQ, reference_token_loss, tiny_gpt2, token_data
+from torch.utils.data import DataLoader
+
+from gradsketch.slt import (
+    OutputPathMismatchError,
+    compute_llc,
+    create_param_masks,
+    per_token_loss,
+    sample,
+)
+from gradsketch.slt import _sample as sample_module
+
+pytest.importorskip("xarray")
+
+BASE: dict[str, Any] = dict(
+    lr=1e-4,
+    n_beta=20.0,
+    localization=100.0,
+    num_chains=2,
+    num_draws=3,
+    batch_size=4,
+    batches_per_draw=2,
+    num_init_loss_batches=2,
+)
+
+#: devinterp 2.0.1's SamplerConfig fields, in order, plus its legacy fields.
+DEVINTERP_SAMPLER_FIELDS = [
+    "lr",
+    "n_beta",
+    "batch_size",
+    "num_chains",
+    "num_draws",
+    "num_burnin_steps",
+    "num_steps_bw_draws",
+    "gradient_accumulation_steps",
+    "num_init_loss_batches",
+    "init_seed",
+    "localization",
+    "noise_level",
+    "llc_weight_decay",
+    "bounding_box_size",
+    "sampling_method",
+    "sampling_method_kwargs",
+    "init_noise",
+    "save_metrics",
+    "shuffle",
+    "epoch_mode",
+    "match_sampling_input_ids_across_chains",
+    "scheduler_type",
+    "scheduler_kwargs",
+    "cores",
+    "online",
+]
+
+
+@pytest.fixture(scope="module")
+def data() -> torch.Tensor:
+    return token_data(32)
+
+
+@pytest.fixture(scope="module")
+def probe() -> torch.Tensor:
+    return token_data(12, seed=1)
+
+
+@pytest.fixture(scope="module")
+def stored(
+    tmp_path_factory: pytest.TempPathFactory, data: torch.Tensor, probe: torch.Tensor
+) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp("slt") / "s.zarr"
+    tree = sample(
+        tiny_gpt2(),
+        data,
+        {"train": data, "probe-set": (probe, 3)},
+        output_path=path,
+        save_metrics=True,
+        **BASE,
+    )
+    return path, tree
+
+
+@pytest.fixture(scope="module")
+def run(stored: tuple[Path, Any]) -> Any:
+    return stored[1]
+
+
+def test_layout_is_devinterps(run: Any) -> None:
+    ds = run.dataset
+    ctx = SEQ - 1
+    expected = {
+        "init_loss": (("chain", "token_pos"), (2, ctx)),
+        "sampling_loss": (("chain", "draw", "batch", "token_pos"), (2, 3, 4, ctx)),
+        "sampling_loss_micro": (("chain", "step", "batch_sampling", "token_pos"), (2, 3, 4, ctx)),
+        "sampling_input_ids_micro": (("chain", "step", "batch_sampling", "token"), (2, 3, 4, SEQ)),
+        "loss_train": (("chain", "draw", "batch_train", "token_pos"), (2, 3, 8, ctx)),
+        "input_ids_train": (("batch_train", "token"), (8, SEQ)),
+        "loss_probe_set": (("chain", "draw", "batch_probe_set", "token_pos"), (2, 3, 12, ctx)),
+        "input_ids_probe_set": (("batch_probe_set", "token"), (12, SEQ)),
+    }
+    for name in ("scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise"):
+        expected[f"metrics_{name}"] = (("chain", "step"), (2, 3))
+    for name in ("distance", "dot_grad_prior", "dot_grad_noise", "dot_prior_noise"):
+        expected[f"metrics_{name}"] = (("chain", "step"), (2, 3))
+    assert {v: (ds[v].dims, ds[v].shape) for v in ds.data_vars} == expected
+    sampler = ds.attrs["metadata"]["config"]["sampler"]
+    assert list(sampler) == DEVINTERP_SAMPLER_FIELDS
+    assert sampler["n_beta"] == 20.0 and sampler["save_metrics"] is True
+    assert ds.attrs["completed"] == 1
+    assert ds.attrs["metrics_numel"] == sum(p.numel() for p in tiny_gpt2().parameters())
+    assert np.isfinite(ds["loss_probe_set"].values).all()
+
+
+def test_batches_are_devinterps_dataloader_batches(run: Any, data: torch.Tensor) -> None:
+    # devinterp: DataLoader(shuffle=True, generator seeded init_seed, drop_last=True).
+    loader = DataLoader(
+        [{"input_ids": r} for r in data],
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(100),
+        drop_last=True,
+    )
+    batches = [b["input_ids"] for b, _ in zip(loader, range(3))]
+    stored = run.dataset["sampling_input_ids_micro"].values
+    for chain in range(2):
+        for step in range(3):
+            assert np.array_equal(stored[chain, step], batches[step].numpy())
+
+
+def test_observables_are_devinterps_fixed_rows(run: Any, probe: torch.Tensor) -> None:
+    rows = random.Random(1337).sample(range(12), 12)
+    assert np.array_equal(run.dataset["input_ids_probe_set"].values, probe[rows].numpy())
+
+
+def test_losses_match_a_float64_reference(run: Any, data: torch.Tensor) -> None:
+    """First step's loss is the trained model's; init_loss the mean over the first batches.
+
+    The model has no dropout, so these are deterministic; float32 against float64
+    on 16 positions of a 32-wide model agrees to ~1e-6 relative.
+    """
+    model = tiny_gpt2()
+    ds = run.dataset
+    first = torch.as_tensor(ds["sampling_input_ids_micro"].values[0, 0])
+    ref = reference_token_loss(model, first)
+    for chain in range(2):
+        np.testing.assert_allclose(ds["sampling_loss_micro"].values[chain, 0], ref, rtol=1e-5)
+    init_ids = torch.as_tensor(ds["sampling_input_ids_micro"].values[0, :2].reshape(-1, SEQ))
+    init_ref = reference_token_loss(model, init_ids).mean(dim=0)
+    np.testing.assert_allclose(ds["init_loss"].values[0], init_ref, rtol=1e-5)
+    np.testing.assert_array_equal(ds["init_loss"].values[0], ds["init_loss"].values[1])
+    # One step per draw, one micro-batch per step: the draw's loss is the step's.
+    np.testing.assert_array_equal(ds["sampling_loss"].values, ds["sampling_loss_micro"].values)
+
+
+def test_per_token_loss_matches_log_softmax_gather(data: torch.Tensor) -> None:
+    model = tiny_gpt2()
+    with torch.no_grad():
+        fast = per_token_loss(model, data[:5])
+    torch.testing.assert_close(
+        fast.double(), reference_token_loss(model, data[:5]), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_without_noise_or_steps_observables_see_the_trained_model(
+    tmp_path: Path, data: torch.Tensor, probe: torch.Tensor
+) -> None:
+    """noise_level=0 and lr=1e-12: weights move by < 1e-9, so each draw's probe loss is
+    the trained model's to float32 rounding, and the LLC is n_beta times the difference
+    of the trained model's mean losses on the step batches and on the init batches
+    (float32 means of ~5.3 carry ~1e-6 relative error; 1e-5 leaves a margin)."""
+    model = tiny_gpt2()
+    kw = {**BASE, "lr": 1e-12, "noise_level": 0.0}
+    tree = sample(model, data, {"probe": (probe, 3)}, output_path=tmp_path / "s.zarr", **kw)
+    ref = reference_token_loss(model, torch.as_tensor(tree.dataset["input_ids_probe"].values))
+    for chain in range(2):
+        for draw in range(3):
+            np.testing.assert_allclose(
+                tree.dataset["loss_probe"].values[chain, draw], ref, rtol=1e-5
+            )
+    ids = torch.as_tensor(tree.dataset["sampling_input_ids_micro"].values[0])
+    step_mean = float(reference_token_loss(model, ids.reshape(-1, SEQ)).mean())
+    init_mean = float(reference_token_loss(model, ids[:2].reshape(-1, SEQ)).mean())
+    expected = 20.0 * (step_mean - init_mean)
+    assert abs(float(compute_llc(tree).llc_mean) - expected) < 20.0 * 1e-5 * step_mean
+
+
+def test_gradient_accumulation_averages_micro_batches(tmp_path: Path, data: torch.Tensor) -> None:
+    kw = {**BASE, "gradient_accumulation_steps": 2, "num_draws": 2}
+    ds = sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "s.zarr", **kw).dataset
+    micro = ds["sampling_loss_micro"].values  # [chain, step, 2 * batch, tok]
+    assert micro.shape == (2, 2, 8, SEQ - 1)
+    halves = (micro[:, :, :4] / 2 + micro[:, :, 4:] / 2).astype(np.float32)
+    np.testing.assert_allclose(ds["sampling_loss"].values, halves, rtol=1e-6)
+
+
+def test_restricted_sampling_records_the_restricted_count(
+    tmp_path: Path, data: torch.Tensor
+) -> None:
+    model = tiny_gpt2()
+    mask = create_param_masks(model, "l1h2")
+    kw = {**BASE, "num_draws": 2, "save_metrics": True}
+    ds = sample(
+        model, data, {"d": data}, param_masks=mask, output_path=tmp_path / "a", **kw
+    ).dataset
+    assert ds.attrs["metrics_numel"] == mask.numel
+    # devinterp's dict form selects the same weights: the same run, bit for bit.
+    as_dict = {n: m for n, m in mask.items() if m.any()}
+    other = sample(model, data, {"d": data}, param_masks=as_dict, output_path=tmp_path / "b", **kw)
+    np.testing.assert_array_equal(ds["loss_d"].values, other.dataset["loss_d"].values)
+    # Noise only on the head's entries: ||noise||^2 ~ lr * numel (chi-square, numel=1048 dof).
+    noise = ds["metrics_noise"].values
+    assert np.all(np.abs(noise**2 / (1e-4 * mask.numel) - 1) < 0.25)
+
+
+@pytest.mark.parametrize("method", ["rmsprop_sgld", "adam_sgld"])
+def test_other_samplers_run(tmp_path: Path, data: torch.Tensor, method: str) -> None:
+    kw = {**BASE, "num_draws": 2, "sampling_method": method}
+    ds = sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "s", **kw).dataset
+    assert np.isfinite(ds["loss_d"].values).all()
+    assert ds.attrs["metadata"]["config"]["sampler"]["sampling_method"] == method
+
+
+def test_sketches_are_recorded(tmp_path: Path, data: torch.Tensor) -> None:
+    kw = {**BASE, "num_draws": 2}
+    ds = sample(
+        tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "s", sketch_dim=16, **kw
+    ).dataset
+    assert ds["sketch_noise"].dims == ("chain", "step", "sketch")
+    assert ds["sketch_noise"].shape == (2, 2, 16)
+    assert np.isfinite(ds["sketch_noise"].values).all()
+
+
+def test_completed_store_is_reused_and_other_settings_refused(
+    stored: tuple[Path, Any],
+    data: torch.Tensor,
+    probe: torch.Tensor,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    root, tree = stored
+    monkeypatch.setattr(sample_module._Run, "run", _fail)
+    out = tree.dataset
+    again = sample(
+        tiny_gpt2(),
+        data,
+        {"train": data, "probe-set": (probe, 3)},
+        output_path=root,
+        save_metrics=True,
+        **BASE,
+    )
+    np.testing.assert_array_equal(again.dataset["loss_train"].values, out["loss_train"].values)
+    with pytest.raises(OutputPathMismatchError, match=r"lr: stored 0.0001, requested 0.0002"):
+        sample(
+            tiny_gpt2(),
+            data,
+            {"train": data, "probe-set": (probe, 3)},
+            output_path=root,
+            save_metrics=True,
+            **{**BASE, "lr": 2e-4},
+        )
+    with pytest.raises(OutputPathMismatchError, match=r"model: stored '[0-9a-f]+', requested"):
+        sample(
+            tiny_gpt2(seed=1),
+            data,
+            {"train": data, "probe-set": (probe, 3)},
+            output_path=root,
+            save_metrics=True,
+            **BASE,
+        )
+
+
+def _fail(self: Any) -> None:
+    raise AssertionError("a completed store was sampled again")
+
+
+def test_killed_run_resumes_at_the_unfinished_chain(
+    tmp_path: Path, data: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kw = {**BASE, "num_chains": 3, "num_draws": 2}
+    whole = sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "whole", **kw).dataset
+    original = sample_module._Run._chain
+    calls: list[int] = []
+
+    def killed(self: Any, work: Any, chain: int, writer: Any, bar: Any) -> None:
+        calls.append(chain)
+        if chain == 1:
+            raise KeyboardInterrupt
+        original(self, work, chain, writer, bar)
+
+    monkeypatch.setattr(sample_module._Run, "_chain", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "cut", **kw)
+
+    def counted(self: Any, work: Any, chain: int, writer: Any, bar: Any) -> None:
+        calls.append(chain)
+        original(self, work, chain, writer, bar)
+
+    monkeypatch.setattr(sample_module._Run, "_chain", counted)
+    resumed = sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "cut", **kw).dataset
+    assert calls == [0, 1, 1, 2]
+    assert resumed.attrs["completed"] == 1
+    # Each chain's computation is repeated with the same seeds, shapes and threads.
+    np.testing.assert_array_equal(resumed["loss_d"].values, whole["loss_d"].values)
+    np.testing.assert_array_equal(resumed["init_loss"].values, whole["init_loss"].values)
+
+
+def test_a_diverging_chain_warns_and_keeps_nan(tmp_path: Path, data: torch.Tensor) -> None:
+    def nan_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return per_token_loss(model, ids) * float("nan")
+
+    kw = {**BASE, "num_draws": 2, "num_chains": 1}
+    with pytest.warns(UserWarning, match=r"Chain failed: chain 0: the loss is NaN"):
+        ds = sample(
+            tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "s", loss_fn=nan_loss, **kw
+        ).dataset
+    assert np.isnan(ds["loss_d"].values).all()
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"rmsprop_eps": 0.1}, ValueError, r"`rmsprop_eps` is only valid with sampling_method"),
+        (
+            {
+                "sampling_method": "rmsprop_sgld",
+                "rmsprop_alpha": 0.9,
+                "sampling_method_kwargs": {"alpha": 0.9},
+            },
+            ValueError,
+            r"`rmsprop_alpha` is given and so is",
+        ),
+        ({"sampling_method": "hmc"}, ValueError, r"`sampling_method` must be one of"),
+        ({"sampling_method_kwargs": {"beta": 1}}, ValueError, r"has \['beta'\], which"),
+        ({"num_chains": 0}, ValueError, r"`num_chains` must be a positive int, got 0"),
+        ({"lr": -1.0}, ValueError, r"`lr` must be a non-negative number"),
+        ({"batches_per_draw": 9}, ValueError, r"has 32 sequences but needs batch_size"),
+        ({"batch_size": 64}, ValueError, r"fewer than `batch_size`=64"),
+        (
+            {"param_masks": {"transformer.wte.weight": torch.zeros(256, 32, dtype=torch.bool)}},
+            ValueError,
+            r"selects no weight",
+        ),
+    ],
+    ids=[
+        "eps-sgld",
+        "alpha-twice",
+        "method",
+        "method-kwargs",
+        "chains",
+        "lr",
+        "obs-size",
+        "batch",
+        "empty-mask",
+    ],
+)
+def test_argument_errors(
+    tmp_path: Path, data: torch.Tensor, change: dict[str, Any], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "s", **{**BASE, **change})
+
+
+def test_data_errors(tmp_path: Path, data: torch.Tensor) -> None:
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=r"has sequences of 9 tokens but `dataset` has 17"):
+        sample(model, data, {"d": data[:, :9]}, output_path=tmp_path / "a", **BASE)
+    with pytest.raises(ValueError, match=r"integer token ids of shape \[n, seq\]"):
+        sample(model, data.float(), {"d": data}, output_path=tmp_path / "b", **BASE)
+    with pytest.raises(ValueError, match=r"non-empty dict"):
+        sample(model, data, {}, output_path=tmp_path / "c", **BASE)
+
+    def bad_shape(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return per_token_loss(m, ids).mean(dim=1)
+
+    with pytest.raises(ValueError, match=r"`loss_fn` must return the per-token loss of shape"):
+        sample(model, data, {"d": data}, output_path=tmp_path / "d", loss_fn=bad_shape, **BASE)
+
+
+def test_noise_stream_is_not_the_dropout_stream() -> None:
+    """The global generator (dropout) is seeded init_seed + chain, as in devinterp; the
+    noise generator must not replay it (a shared stream correlated noise and dropout
+    masks and biased the LLC upwards). Two independent streams of 1000 normals have a
+    sample correlation with sd 1/sqrt(1000) ~ 0.032, so 0.15 is ~4.7 sd; the same
+    stream would give 1."""
+    for chain in range(4):
+        seed = sample_module._noise_seed(100, chain)
+        assert seed not in {100 + c for c in range(8)}
+        noise = torch.randn(1000, generator=torch.Generator().manual_seed(seed))
+        dropout_stream = torch.randn(1000, generator=torch.Generator().manual_seed(100 + chain))
+        assert abs(float(torch.corrcoef(torch.stack([noise, dropout_stream]))[0, 1])) < 0.15
+    assert len({sample_module._noise_seed(100, c) for c in range(64)}) == 64

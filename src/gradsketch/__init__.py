@@ -6,6 +6,8 @@ Subpackages, one capability each:
   JL projectors) with a JSON fingerprint.
 - :mod:`gradsketch.attribution`: TRAK data attribution.
 - :mod:`gradsketch.sampling`: SGMCMC samplers and local learning coefficient.
+- :mod:`gradsketch.slt`: devinterp 2.0's language-model layer (``sample``,
+  ``llc``, ``bif``, ``susceptibilities``, head-level weight restrictions).
 - :mod:`gradsketch.masked`: masked optimizers and parameter masks.
 - :mod:`gradsketch.factorize`: low-rank factorization of Linear / Conv2d.
 - :mod:`gradsketch.errors`: :class:`~gradsketch.errors.GradsketchError`, the
@@ -22,7 +24,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("sketch", "attribution", "sampling", "masked", "factorize", "errors")
+_SUBPACKAGES = ("sketch", "attribution", "sampling", "slt", "masked", "factorize", "errors")
 
 __all__ = ["__version__", *_SUBPACKAGES]
 

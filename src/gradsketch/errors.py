@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from gradsketch.masked import MaskError
     from gradsketch.sketch import FactorizedLayoutError, FingerprintMismatchError
     from gradsketch.sketch._triton import TritonUnavailableError
+    from gradsketch.slt import NonFiniteLossError, OutputPathMismatchError
 
 __all__ = [
     "GradsketchError",
@@ -54,6 +55,8 @@ __all__ = [
     "HookComputationError",
     "BatchFormatError",
     "VmapTraceError",
+    "NonFiniteLossError",
+    "OutputPathMismatchError",
     "DemoSettingsError",
     "DigitsSettingsError",
 ]
@@ -87,6 +90,8 @@ __getattr__ = lazy_getattr(
         "HookComputationError": "gradsketch.attribution",
         "BatchFormatError": "gradsketch.attribution",
         "VmapTraceError": "gradsketch.attribution",
+        "NonFiniteLossError": "gradsketch.slt",
+        "OutputPathMismatchError": "gradsketch.slt",
         "DemoSettingsError": "gradsketch.demos",
         "DigitsSettingsError": "gradsketch.demos",
     },

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from _slt_helpers import tiny_gpt2, tiny_llama, token_data
 
-from gradsketch.slt._cli import load_tokens, run_llc_command
+from gradsketch.cli._slt import load_tokens, run_llc_command
 
 SMALL = dict(num_chains=2, num_draws=2, batch_size=4, context_length=16, lr=1e-4)
 
@@ -62,3 +62,22 @@ def test_llc_command_errors(model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "u.txt").write_text("zzzz" * 40)
     with pytest.raises(ValueError, match=r"token id 122 but the model's vocabulary has 64"):
         run_llc_command(small, tmp_path / "u.txt", out=tmp_path / "o", **SMALL)
+
+
+def test_gradsketch_llc_command_takes_a_model_directory(model_dir: Path, tmp_path: Path) -> None:
+    """`gradsketch llc MODEL_DIR --dataset TEXT` runs the devinterp-2.0 LLC end to end."""
+    from typer.testing import CliRunner
+
+    from gradsketch.cli._app import app
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("import os\nprint(os.getcwd())\n" * 40)
+    args = ["llc", str(model_dir), "--dataset", str(text), "--out", str(tmp_path / "o")]
+    small = ["--num-chains", "2", "--num-draws", "2", "--batch-size", "4"]
+    result = CliRunner().invoke(app, [*args, *small, "--context-length", "16", "--no-verbose"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "o" / "llc_summary.json").read_text())
+    assert len(summary["llc_per_chain"]) == 2
+    assert f'"llc_mean": {summary["llc_mean"]}' in result.output
+    missing = CliRunner().invoke(app, ["llc", str(model_dir), "--out", str(tmp_path / "p")])
+    assert missing.exit_code != 0 and "--dataset" in missing.output

@@ -76,14 +76,62 @@ def attribute(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) ->
 
 
 @app.command()
-def llc(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
-    """Estimate the local learning coefficient of the model in CONFIG.py; writes JSON and a plot."""
+def llc(
+    target: Path = typer.Argument(
+        ...,
+        exists=True,
+        help="A Python config file, or a Hugging Face model directory (save_pretrained).",
+    ),
+    out: Path = _OUT,
+    dataset: Path | None = typer.Option(
+        None,
+        exists=True,
+        help="With a model directory: a datasets directory (save_to_disk, input_ids) or text.",
+    ),
+    restriction: str = typer.Option("full", help="Weights to sample, e.g. 'l0 attn' or 'l0h1'."),
+    lr: float = typer.Option(1e-4, help="SGLD step size."),
+    localization: float = typer.Option(100.0, help="Localization strength gamma."),
+    num_chains: int = typer.Option(4, help="Chains."),
+    num_draws: int = typer.Option(200, help="Draws per chain."),
+    batch_size: int = typer.Option(32, help="Sequences per step."),
+    context_length: int = typer.Option(64, help="Tokens per sequence cut from text."),
+    verbose: bool = True,
+) -> None:
+    """Estimate the local learning coefficient: of the model in CONFIG.py, or of a local HF LM.
+
+    With a config file, writes JSON and a plot as `llc_summary.json` and
+    `llc_trace.png`. With a Hugging Face model directory and `--dataset`,
+    runs devinterp 2.0's `llc` on gradsketch (`gradsketch.slt`) and also keeps
+    the sample store `samples.zarr` (a rerun reuses it, a killed one resumes).
+    """
     _setup_logging(verbose)
+    if target.is_dir():
+        if dataset is None:
+            raise typer.BadParameter(
+                f"{target} is a model directory; pass the data with --dataset DIR_OR_TEXT.",
+                param_hint="--dataset",
+            )
+        from gradsketch.cli._slt import run_llc_command
+
+        result = run_llc_command(
+            target,
+            dataset,
+            out=out,
+            restriction=restriction,
+            lr=lr,
+            localization=localization,
+            num_chains=num_chains,
+            num_draws=num_draws,
+            batch_size=batch_size,
+            context_length=context_length,
+        )
+        typer.echo(json.dumps(result, indent=2, default=str))
+        return
     from gradsketch._distributed import barrier, process_group_from_env, rank
     from gradsketch.cli._llc import llc_command
 
     with process_group_from_env():
-        summary_path = Path(llc_command(config, out))
+        summary_path = Path(llc_command(target, out))
         # Rank 0 writes the summary; the others wait so the job ends together.
         barrier()
         first = rank() == 0

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradsketch.errors import GradsketchError
+
 __all__ = [
     "LossFn",
     "NonFiniteLossError",
@@ -32,7 +34,7 @@ __all__ = [
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
-class NonFiniteLossError(ValueError):
+class NonFiniteLossError(GradsketchError, ValueError):
     """A chain's per-token loss was NaN or infinite."""
 
 

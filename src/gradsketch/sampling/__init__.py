@@ -30,6 +30,11 @@ from gradsketch.sampling._sgmcmc import (
     RMSpropPreconditioner,
     register_preconditioner,
 )
+from gradsketch.sampling._truth import (
+    deep_linear_learning_coefficient,
+    normal_crossing_learning_coefficient,
+    reduced_rank_learning_coefficient,
+)
 
 __all__ = [
     # samplers
@@ -58,4 +63,8 @@ __all__ = [
     "SettingsMismatchError",
     "open_draw_store",
     "plot_trace",
+    # closed-form learning coefficients (ground truth for the estimator)
+    "deep_linear_learning_coefficient",
+    "reduced_rank_learning_coefficient",
+    "normal_crossing_learning_coefficient",
 ]

@@ -8,6 +8,11 @@ optimizer layer is call-compatible with devinterp 2.0's ``SGMCMC`` / ``SGLD``.
 """
 
 from gradsketch._distributed import DistributedMismatchError
+from gradsketch.sampling._calibrate import (
+    StepSizeCalibration,
+    StepSizeDiagnostic,
+    calibrate_step_size,
+)
 from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
 from gradsketch.sampling._llc import (
     default_nbeta,
@@ -67,4 +72,8 @@ __all__ = [
     "deep_linear_learning_coefficient",
     "reduced_rank_learning_coefficient",
     "normal_crossing_learning_coefficient",
+    # step-size calibration from the chain's discretization-bias diagnostic
+    "calibrate_step_size",
+    "StepSizeCalibration",
+    "StepSizeDiagnostic",
 ]

@@ -1,0 +1,369 @@
+"""Calibration of the LLC estimator on models whose learning coefficient is known.
+
+Ground truth (``gradsketch.sampling._truth``): deep linear networks (Aoyagi
+2024; the protocol of Furman & Lau, "Estimating the local learning
+coefficient at scale", 2024), reduced-rank regression at the zero map
+(Aoyagi & Watanabe 2005) and normal crossings.
+
+Deep linear networks: a teacher ``x -> W_L ... W_1 x`` with Gaussian layers
+(std ``1 / sqrt(fan_in)``) and its middle layer cut to rank ``r``; noiseless
+data ``x ~ N(0, I)``, ``y = teacher(x)``; the loss ``|f(x) - y|^2 / 2``
+averaged over the batch, so ``L(w*) = 0`` on every batch and ``L`` is the
+population ``K = |W - W*|_F^2 / 2`` up to the sample covariance. The
+estimate is taken at the teacher (``w* = teacher``).
+
+Sections (each run stays under about a minute on 2 cores):
+
+* ``truth``: the chosen recipe on every case -> one JSON line per case
+  (truth, estimate, relative error, settings, seconds).
+* ``sweep``: one mid-size network; step size, localization, nbeta, chain
+  length and preconditioner varied one at a time around the recipe.
+* ``plot``: reads the JSON lines written by ``truth`` and draws estimate vs
+  truth with the 10% band to ``benchmarks/llc_calibration.png``.
+
+The recipe: ``nbeta = 1000``, ``gamma = 1``, SGLD, ``lr`` from
+:func:`gradsketch.sampling.calibrate_step_size` with ``target_bias=0.025``
+(pilots of 200 steps see the bias of the early, not yet spread chain, about
+half of what the full chain reaches), 2000 burn-in steps, 2000 draws.
+
+Run: ``python benchmarks/llc_calibration.py --section truth [--max-params 70000]
+--out benchmarks/llc_calibration.jsonl`` then ``--section plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import setup_torch
+
+from gradsketch.sampling import (
+    StepSizeDiagnostic,
+    calibrate_step_size,
+    deep_linear_learning_coefficient,
+    estimate_learning_coeff_with_summary,
+    normal_crossing_learning_coefficient,
+    reduced_rank_learning_coefficient,
+)
+
+HERE = Path(__file__).resolve().parent
+
+#: The recipe every ``truth`` row uses (see the module docstring).
+RECIPE = dict(
+    nbeta=1000.0, gamma=1.0, target_bias=0.025, burnin=2000, draws=2000, chains=1, batch=64
+)
+
+#: (widths, teacher rank of the middle layer) from 64 to ~0.65M parameters.
+DLN_CASES: list[tuple[list[int], int]] = [
+    ([5, 4, 3, 4, 5], 1),
+    ([20, 16, 12, 16, 20], 4),
+    ([50, 40, 30, 40, 50], 10),
+    ([160, 128, 96, 128, 160], 32),
+    ([512, 400, 300, 400, 512], 100),
+]
+
+
+def emit(row: dict[str, Any], out: Path | None) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(line + "\n")
+
+
+# ----------------------------------------------------------------- models
+def deep_linear_teacher(
+    widths: list[int], rank: int, seed: int
+) -> tuple[torch.nn.Sequential, int]:
+    """Teacher DLN with its middle layer cut to ``rank``; returns it and its product's rank."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+        layer = torch.nn.Linear(fan_in, fan_out, bias=False)
+        w = torch.randn(fan_out, fan_in, generator=gen, dtype=torch.float64) / math.sqrt(fan_in)
+        if i == (len(widths) - 1) // 2:
+            u, s, vh = torch.linalg.svd(w, full_matrices=False)
+            w = (u[:, :rank] * s[:rank]) @ vh[:rank]
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        layers.append(layer)
+    model = torch.nn.Sequential(*layers)
+    prod = torch.eye(widths[0], dtype=torch.float64)
+    for layer in layers:
+        prod = layer.weight.double() @ prod
+    # float32 rounding leaves singular values ~1e-8 where the cut made zeros.
+    true_rank = int(torch.linalg.matrix_rank(prod, rtol=1e-4))
+    return model, true_rank
+
+
+def half_squared_error(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return 0.5 * (model(x) - y).square().sum(1).mean()
+
+
+def dln_problem(
+    widths: list[int], rank: int, seed: int, batch: int, n: int = 4096
+) -> tuple[torch.nn.Module, DataLoader, float]:
+    model, true_rank = deep_linear_teacher(widths, rank, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(n, widths[0], generator=gen)
+    with torch.no_grad():
+        y = model(x)
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
+    return model, loader, deep_linear_learning_coefficient(widths, true_rank)
+
+
+class ReplicatedRRR(torch.nn.Module):
+    """``copies`` independent ``B A`` at the zero map; population loss; lambda adds."""
+
+    def __init__(self, copies: int, m: int, h: int, n: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(copies, h, m))
+        self.b = torch.nn.Parameter(torch.zeros(copies, n, h))
+
+
+def rrr_loss(model: ReplicatedRRR, batch: Any) -> torch.Tensor:
+    return 0.5 * torch.bmm(model.b, model.a).square().sum()
+
+
+class Crossing(torch.nn.Module):
+    def __init__(self, powers: list[int]) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(len(powers)))
+        self.powers = powers
+
+
+def crossing_loss(model: Crossing, batch: Any) -> torch.Tensor:
+    out = torch.ones(())
+    for wi, k in zip(model.w, model.powers):
+        out = out * wi ** (2 * k)
+    return out
+
+
+def dummy_loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=8)
+
+
+# ---------------------------------------------------------------- running
+def estimate(
+    case: str,
+    model: torch.nn.Module,
+    loader: DataLoader,
+    evaluate: Any,
+    truth: float,
+    *,
+    nbeta: float,
+    gamma: float,
+    target_bias: float,
+    burnin: int,
+    draws: int,
+    chains: int,
+    lr: float | None = None,
+    method: str = "sgld",
+    seed: int = 0,
+    extra: dict[str, Any] | None = None,
+    **info: Any,
+) -> dict[str, Any]:
+    """Calibrate (unless ``lr`` is given), estimate, and return the result row."""
+    start = time.perf_counter()
+    calibration = None
+    if lr is None:
+        calibration = calibrate_step_size(
+            model,
+            loader,
+            evaluate,
+            nbeta=nbeta,
+            localization=gamma,
+            target_bias=target_bias,
+            lr=1e-5,
+            init_loss=0.0,
+            seed=seed + 1000,
+        )
+        lr = calibration.lr
+    calibrate_s = time.perf_counter() - start
+    diag = StepSizeDiagnostic() if method == "sgld" else None
+    out = estimate_learning_coeff_with_summary(
+        model,
+        loader,
+        evaluate=evaluate,
+        sampling_method=method,
+        optimizer_kwargs=dict(lr=lr, nbeta=nbeta, localization=gamma, **(extra or {})),
+        num_draws=draws,
+        num_chains=chains,
+        num_burnin_steps=burnin,
+        init_loss=0.0,
+        seed=seed,
+        verbose=False,
+        callbacks=[diag] if diag is not None else (),
+    )
+    llc = float(out["llc/mean"])
+    trace = out["nbeta"] * out["loss/trace"]
+    return dict(
+        case=case,
+        params=sum(p.numel() for p in model.parameters()),
+        truth=truth,
+        estimate=llc,
+        rel_error=llc / truth - 1.0,
+        first_half=float(trace[:, : draws // 2].mean()),
+        second_half=float(trace[:, draws // 2 :].mean()),
+        step_bias=float(out["llc/step_bias"]) / llc if diag is not None else None,
+        lr=lr,
+        calibration_pilots=None if calibration is None else len(calibration.pilots),
+        nbeta=nbeta,
+        gamma=gamma,
+        method=method,
+        burnin=burnin,
+        draws=draws,
+        chains=chains,
+        ess=float(out["llc/ess"]),
+        calibrate_s=round(calibrate_s, 2),
+        seconds=round(time.perf_counter() - start, 2),
+        **info,
+    )
+
+
+def truth_section(max_params: int, out: Path | None, seed: int) -> None:
+    recipe = dict(RECIPE)
+    batch = int(recipe.pop("batch"))
+    for widths, rank in DLN_CASES:
+        params = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+        if params > max_params:
+            continue
+        model, loader, truth = dln_problem(widths, rank, seed, batch)
+        emit(
+            estimate(
+                f"dln {widths} r={rank}",
+                model,
+                loader,
+                half_squared_error,
+                truth,
+                seed=seed,
+                widths=widths,
+                **recipe,  # type: ignore[arg-type]
+            ),
+            out,
+        )
+    # Reduced-rank regression (5, 3, 5) at the zero map: 32 independent copies.
+    copies = 32
+    lam = reduced_rank_learning_coefficient(5, 3, 5)
+    emit(
+        estimate(
+            "rrr (5,3,5) r=0 x32",
+            ReplicatedRRR(copies, 5, 3, 5),
+            dummy_loader(),
+            rrr_loss,
+            copies * lam,
+            seed=seed,
+            **recipe,  # type: ignore[arg-type]
+        ),
+        out,
+    )
+    for powers in ([1, 1], [1, 2]):
+        emit(
+            estimate(
+                f"crossing {powers}",
+                Crossing(powers),
+                dummy_loader(),
+                crossing_loss,
+                normal_crossing_learning_coefficient(powers),
+                seed=seed,
+                **{**recipe, "chains": 4},  # type: ignore[arg-type]
+            ),
+            out,
+        )
+
+
+def sweep_section(out: Path | None, seed: int) -> None:
+    """One knob at a time around the recipe, on the 1k-parameter network."""
+    widths, rank = DLN_CASES[1]
+    recipe = dict(RECIPE)
+    batch = int(recipe.pop("batch"))
+    model, loader, truth = dln_problem(widths, rank, seed, batch)
+    base = estimate("sweep base", model, loader, half_squared_error, truth, seed=seed, **recipe)  # type: ignore[arg-type]
+    emit({**base, "knob": "recipe"}, out)
+    lr = base["lr"]
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("lr x0.25", dict(lr=lr / 4)),
+        ("lr x4", dict(lr=lr * 4)),
+        ("gamma 10", dict(gamma=10.0)),
+        ("gamma 100", dict(gamma=100.0)),
+        ("nbeta 100", dict(nbeta=100.0, lr=None)),
+        ("nbeta 10000", dict(nbeta=1e4, lr=None)),
+        ("chain 500+500", dict(burnin=500, draws=500)),
+        ("chain 8000+4000", dict(burnin=8000, draws=4000)),
+        ("rmsprop eps=1", dict(method="rmsprop_sgld", lr=lr, extra=dict(eps=1.0))),
+    ]
+    for knob, change in variants:
+        kwargs: dict[str, Any] = {**recipe, "lr": lr, **change}
+        emit({**estimate("sweep", model, loader, half_squared_error, truth, seed=seed, **kwargs), "knob": knob}, out)
+
+
+def plot_section(path: Path, png: Path) -> None:
+    from gradsketch._plotting import new_figure, save_figure
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("knob") is None]
+    fig, ax = new_figure(width=6.4, height=5.0)
+    truths = np.array([r["truth"] for r in rows])
+    lo, hi = truths.min() / 2, truths.max() * 2
+    grid = np.geomspace(lo, hi, 100)
+    ax.plot(grid, grid, color="black", lw=1, label="estimate = truth")
+    ax.fill_between(grid, 0.9 * grid, 1.1 * grid, color="tab:green", alpha=0.2, label="±10%")
+    for marker, prefix in (("o", "dln"), ("s", "rrr"), ("^", "crossing")):
+        sel = [r for r in rows if r["case"].startswith(prefix)]
+        if sel:
+            ax.scatter(
+                [r["truth"] for r in sel],
+                [r["estimate"] for r in sel],
+                marker=marker,
+                zorder=3,
+                label=prefix,
+            )
+            for r in sel:
+                ax.annotate(
+                    f"{r['params']:,} p, {100 * r['rel_error']:+.1f}%",
+                    (r["truth"], r["estimate"]),
+                    textcoords="offset points",
+                    xytext=(6, -10),
+                    fontsize=7,
+                )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("true learning coefficient λ (Aoyagi)")
+    ax.set_ylabel("LLC estimate (SGLD, calibrated step)")
+    ax.set_title("gradsketch LLC vs closed-form λ (nβ=1000, γ=1, 2000+2000 steps)")
+    ax.legend(loc="upper left", fontsize=8)
+    save_figure(fig, png)
+    print(json.dumps({"plot": str(png), "rows": len(rows)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=["truth", "sweep", "plot"], default="truth")
+    parser.add_argument("--max-params", type=int, default=70_000)
+    parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
+    parser.add_argument("--png", type=Path, default=HERE / "llc_calibration.png")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    setup_torch(args.threads)
+    if args.section == "truth":
+        truth_section(args.max_params, args.out, args.seed)
+    elif args.section == "sweep":
+        sweep_section(args.out, args.seed)
+    else:
+        plot_section(args.out or HERE / "llc_calibration.jsonl", args.png)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ from gradsketch.sampling._calibrate import (
     StepSizeCalibration,
     StepSizeDiagnostic,
     calibrate_step_size,
+    estimate_learning_coeff_calibrated,
 )
 from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
 from gradsketch.sampling._llc import (
@@ -76,4 +77,5 @@ __all__ = [
     "calibrate_step_size",
     "StepSizeCalibration",
     "StepSizeDiagnostic",
+    "estimate_learning_coeff_calibrated",
 ]

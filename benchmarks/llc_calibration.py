@@ -151,6 +151,16 @@ def crossing_loss(model: Crossing, batch: Any) -> torch.Tensor:
     return out
 
 
+def crossing_tempered(powers: list[int], nbeta: float, gamma: float, grid: int = 4001) -> float:
+    """Exact ``E[nbeta K]`` under ``exp(-nbeta K - gamma |w|^2 / 2)`` by quadrature (2-D grid)."""
+    axis = np.linspace(-8.0 / math.sqrt(gamma), 8.0 / math.sqrt(gamma), grid)
+    w1, w2 = np.meshgrid(axis, axis, indexing="ij")
+    k = w1 ** (2 * powers[0]) * w2 ** (2 * powers[1])
+    log_p = -nbeta * k - gamma * (w1**2 + w2**2) / 2
+    p = np.exp(log_p - log_p.max())
+    return float((nbeta * k * p).sum() / p.sum())
+
+
 def dummy_loader() -> DataLoader:
     return DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=8)
 
@@ -236,12 +246,14 @@ def estimate(
     )
 
 
-def truth_section(max_params: int, out: Path | None, seed: int) -> None:
+def truth_section(
+    max_params: int, out: Path | None, seed: int, min_params: int = 0, potentials: bool = True
+) -> None:
     recipe = dict(RECIPE)
     batch = int(recipe.pop("batch"))
     for widths, rank in DLN_CASES:
         params = sum(a * b for a, b in itertools.pairwise(widths))
-        if params > max_params:
+        if not min_params <= params <= max_params:
             continue
         model, loader, truth = dln_problem(widths, rank, seed, batch)
         emit(
@@ -257,6 +269,8 @@ def truth_section(max_params: int, out: Path | None, seed: int) -> None:
             ),
             out,
         )
+    if not potentials:
+        return
     # Reduced-rank regression (5, 3, 5) at the zero map: 32 independent copies.
     copies = 32
     lam = reduced_rank_learning_coefficient(5, 3, 5)
@@ -281,6 +295,7 @@ def truth_section(max_params: int, out: Path | None, seed: int) -> None:
                 crossing_loss,
                 normal_crossing_learning_coefficient(powers),
                 seed=seed,
+                tempered=crossing_tempered(powers, recipe["nbeta"], recipe["gamma"]),
                 **{**recipe, "chains": 4},  # type: ignore[arg-type]
             ),
             out,
@@ -361,6 +376,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--section", choices=["truth", "sweep", "plot"], default="truth")
     parser.add_argument("--max-params", type=int, default=70_000)
+    parser.add_argument("--min-params", type=int, default=0)
+    parser.add_argument(
+        "--no-potentials", action="store_true", help="deep linear networks only (no RRR/crossing)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     parser.add_argument("--png", type=Path, default=HERE / "llc_calibration.png")
     parser.add_argument("--seed", type=int, default=0)
@@ -368,7 +387,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_torch(args.threads)
     if args.section == "truth":
-        truth_section(args.max_params, args.out, args.seed)
+        truth_section(args.max_params, args.out, args.seed, args.min_params, not args.no_potentials)
     elif args.section == "sweep":
         sweep_section(args.out, args.seed)
     else:

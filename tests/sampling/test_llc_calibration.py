@@ -1,0 +1,106 @@
+"""The calibrated LLC recipe against closed-form learning coefficients (slow).
+
+Recipe (``benchmarks/llc_calibration.py``, where the study behind it is):
+``nbeta = 1000``, ``gamma = 1``, SGLD, 2000 burn-in steps and 2000 draws,
+the step from :func:`estimate_learning_coeff_calibrated` with
+``target_bias = 0.05``.
+
+Deep linear networks (Aoyagi 2024; the protocol of Furman & Lau 2024): a
+teacher with Gaussian layers (std ``1 / sqrt(fan_in)``) whose middle layer is
+cut to rank ``r``; noiseless data ``y = teacher(x)``, ``x ~ N(0, I)``; loss
+``|f(x) - y|^2 / 2`` averaged over a batch of 64; the estimate is taken at
+the teacher, so ``L(w*) = 0`` exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gradsketch.sampling import (
+    deep_linear_learning_coefficient,
+    estimate_learning_coeff_calibrated,
+)
+
+
+def teacher(widths: list[int], rank: int, seed: int) -> tuple[torch.nn.Sequential, int]:
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
+        layer = torch.nn.Linear(fan_in, fan_out, bias=False)
+        w = torch.randn(fan_out, fan_in, generator=gen, dtype=torch.float64) / math.sqrt(fan_in)
+        if i == (len(widths) - 1) // 2:
+            u, s, vh = torch.linalg.svd(w, full_matrices=False)
+            w = (u[:, :rank] * s[:rank]) @ vh[:rank]
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        layers.append(layer)
+    prod = torch.eye(widths[0], dtype=torch.float64)
+    for layer in layers:
+        prod = layer.weight.double() @ prod
+    return torch.nn.Sequential(*layers), int(torch.linalg.matrix_rank(prod, rtol=1e-4))
+
+
+def half_squared_error(model, batch):
+    x, y = batch
+    return 0.5 * (model(x) - y).square().sum(1).mean()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("widths", "rank", "lam", "chains"),
+    [([5, 4, 3, 4, 5], 1, 7.0, 8), ([20, 16, 12, 16, 20], 4, 112.0, 1)],
+    ids=["64-params", "1024-params"],
+)
+def test_deep_linear_llc_within_ten_percent(widths, rank, lam, chains):
+    """The recipe's estimate is within 10% of Aoyagi's lambda.
+
+    Error budget (measured in the study, see benchmarks/RESULTS.md):
+
+    * finite temperature: the exact tempered value E[nbeta K] under
+      exp(-nbeta K - gamma |w - w*|^2 / 2), computed by blocked Gibbs
+      sampling (each layer's conditional is Gaussian), is 3.6% (64 params)
+      and 1.7% (1024 params) below lambda at nbeta = 1000, gamma = 1;
+    * discretization: the full chain's diagnostic rho = eps E|nbeta grad L|^2 / (8 LLC)
+      is checked to be <= 1.5 * 0.05 (the calibrated estimator reruns
+      otherwise); the measured bias is 0.5-1 times rho, so at most +7.5%;
+    * Monte Carlo: SE = sd / sqrt(ESS) of the draws' nbeta L (ArviZ); the
+      test requires 3 SE <= 5% of lambda, so noise alone cannot carry the
+      estimate through the band and a pass is not luck (the 64-parameter
+      network has lambda = 7 and fluctuations of the same order: 8 chains).
+
+    The first two have opposite signs and each stays inside 10%; the band is
+    the issue's target, not widened for the test.
+    """
+    model, true_rank = teacher(widths, rank, seed=0)
+    assert true_rank == rank
+    assert deep_linear_learning_coefficient(widths, true_rank) == lam
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, widths[0], generator=gen)
+    with torch.no_grad():
+        y = model(x)
+    loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)
+    out = estimate_learning_coeff_calibrated(
+        model,
+        loader,
+        half_squared_error,
+        nbeta=1000.0,
+        localization=1.0,
+        target_bias=0.05,
+        num_burnin_steps=2000,
+        num_draws=2000,
+        num_chains=chains,
+        init_loss=0.0,
+        seed=0,
+        verbose=False,
+    )
+    assert out["llc/step_bias_rel"] <= 0.075
+    trace = out["nbeta"] * out["loss/trace"]
+    se = float(np.std(trace)) / math.sqrt(out["llc/ess"])
+    assert 3 * se <= 0.05 * lam, (se, out["llc/ess"])
+    assert abs(out["llc/mean"] - lam) <= 0.1 * lam, (out["llc/mean"], lam)

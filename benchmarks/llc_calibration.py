@@ -334,40 +334,54 @@ def sweep_section(out: Path | None, seed: int) -> None:
 
 
 def plot_section(path: Path, png: Path) -> None:
+    """Left: estimate vs truth (log-log). Right: relative error with the ±10% band."""
     from gradsketch._plotting import new_figure, save_figure
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("knob") is None]
-    fig, ax = new_figure(width=6.4, height=5.0)
+    fig, (ax, rel) = new_figure(width=12.0, height=5.0, ncols=2)
     truths = np.array([r["truth"] for r in rows])
-    lo, hi = truths.min() / 2, truths.max() * 2
-    grid = np.geomspace(lo, hi, 100)
+    grid = np.geomspace(truths.min() / 2, truths.max() * 2, 100)
     ax.plot(grid, grid, color="black", lw=1, label="estimate = truth")
-    ax.fill_between(grid, 0.9 * grid, 1.1 * grid, color="tab:green", alpha=0.2, label="±10%")
+    ax.fill_between(grid, 0.9 * grid, 1.1 * grid, color="tab:green", alpha=0.3, label="±10%")
+    rel.axhline(0.0, color="black", lw=1)
+    rel.axhspan(-10, 10, color="tab:green", alpha=0.2, label="±10%")
     for marker, prefix in (("o", "dln"), ("s", "rrr"), ("^", "crossing")):
         sel = [r for r in rows if r["case"].startswith(prefix)]
-        if sel:
-            ax.scatter(
-                [r["truth"] for r in sel],
-                [r["estimate"] for r in sel],
-                marker=marker,
-                zorder=3,
-                label=prefix,
+        if not sel:
+            continue
+        x = [r["truth"] for r in sel]
+        ax.scatter(x, [r["estimate"] for r in sel], marker=marker, zorder=3, label=prefix)
+        rel.scatter(x, [100 * r["rel_error"] for r in sel], marker=marker, zorder=3, label=prefix)
+        for r in sel:
+            rel.annotate(
+                f"{r['params']:,} p",
+                (r["truth"], 100 * r["rel_error"]),
+                textcoords="offset points",
+                xytext=(6, 4),
+                fontsize=7,
             )
-            for r in sel:
-                ax.annotate(
-                    f"{r['params']:,} p, {100 * r['rel_error']:+.1f}%",
-                    (r["truth"], r["estimate"]),
-                    textcoords="offset points",
-                    xytext=(6, -10),
-                    fontsize=7,
-                )
-    ax.set_xscale("log")
+    tempered = [r for r in rows if r.get("tempered") is not None]
+    if tempered:
+        rel.scatter(
+            [r["truth"] for r in tempered],
+            [100 * (r["tempered"] / r["truth"] - 1) for r in tempered],
+            marker="x",
+            color="black",
+            zorder=4,
+            label="exact tempered E[nβK] (quadrature)",
+        )
+    for a in (ax, rel):
+        a.set_xscale("log")
+        a.set_xlabel("true learning coefficient λ (closed form)")
     ax.set_yscale("log")
-    ax.set_xlabel("true learning coefficient λ (Aoyagi)")
-    ax.set_ylabel("LLC estimate (SGLD, calibrated step)")
-    ax.set_title("gradsketch LLC vs closed-form λ (nβ=1000, γ=1, 2000+2000 steps)")
+    ax.set_ylabel("LLC estimate")
+    rel.set_ylabel("estimate / λ - 1 (%)")
+    rel.set_ylim(-30, 30)
+    ax.set_title("SGLD, nβ=1000, γ=1, 2000+2000 steps, calibrated step")
+    rel.set_title("relative error (crossings: finite-temperature gap in x)")
     ax.legend(loc="upper left", fontsize=8)
+    rel.legend(loc="lower right", fontsize=8)
     save_figure(fig, png)
     print(json.dumps({"plot": str(png), "rows": len(rows)}))
 

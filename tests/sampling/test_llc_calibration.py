@@ -60,7 +60,7 @@ def half_squared_error(model, batch):
 def test_deep_linear_llc_within_ten_percent(widths, rank, lam, chains):
     """The recipe's estimate is within 10% of Aoyagi's lambda.
 
-    Error budget (measured in the study, see benchmarks/RESULTS.md):
+    Error budget (measured in the study, see benchmarks/llc_calibration.py):
 
     * finite temperature: the exact tempered value E[nbeta K] under
       exp(-nbeta K - gamma |w - w*|^2 / 2), computed by blocked Gibbs

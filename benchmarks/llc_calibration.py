@@ -53,12 +53,14 @@ exact ``E[nbeta K]`` at nbeta = 1000, gamma = 1 (quadrature) is 0.390 for
 [1,1] (-22%: multiplicity 2, the gap decays like 1 / log nbeta) and 0.225
 for [1,2] (-10%); the sampler is within 3-4% of those. Exact blocked Gibbs
 sampling of the deep linear posteriors (every layer's conditional is
-Gaussian) puts the tempered targets at -3.6% (64 params), -1.7% (1,024) and
--1.4% (6,400) of lambda; for the reduced-rank regression (Gibbs sampler of
-tests/sampling/test_rrr.py) at -4.5%. The 64-parameter row is a lucky
-chain: with 4 chains the same recipe gives 6.47 (-7.6%, SE 0.17), 4% below
-its Gibbs value (6.75): the smallest network is the least equilibrated
-after 2000 + 2000 steps and is not pinned by a slow test.
+Gaussian; ``--section gibbs``) puts the tempered targets at -5.1% (64
+params, 6.65 +- 0.05) and -1.7% (1,024, 110.1 +- 0.1) of lambda, and at
+-1.4% for the 6,400-parameter shape (on another draw of its teacher); for
+the reduced-rank regression (the Gibbs sampler of tests/sampling/test_rrr.py)
+at -4.5%. The 64-parameter row is a lucky chain: with 4 chains the same
+recipe gives 6.47 (-7.6%, SE 0.17), 2.7% below its Gibbs value; the
+smallest network is the least equilibrated after 2000 + 2000 steps and is
+not pinned by a slow test.
 
 Sweep on the 1,024-parameter network (``--section sweep``), one knob moved
 from the recipe (calibrated lr = 1e-5, truth 112):

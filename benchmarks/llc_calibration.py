@@ -481,8 +481,8 @@ def plot_section(path: Path, png: Path) -> None:
     """Left: estimate vs truth (log-log). Right: relative error with the ±10% band."""
     from gradsketch._plotting import new_figure, save_figure
 
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("knob") is None]
+    every = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in every if r.get("knob") is None]
     fig, (ax, rel) = new_figure(width=12.0, height=5.0, ncols=2)
     truths = np.array([r["truth"] for r in rows])
     grid = np.geomspace(truths.min() / 2, truths.max() * 2, 100)
@@ -505,7 +505,7 @@ def plot_section(path: Path, png: Path) -> None:
                 xytext=(6, 4),
                 fontsize=7,
             )
-    tempered = [r for r in rows if r.get("tempered") is not None]
+    tempered = [r for r in every if r.get("tempered") is not None]
     if tempered:
         rel.scatter(
             [r["truth"] for r in tempered],
@@ -513,7 +513,7 @@ def plot_section(path: Path, png: Path) -> None:
             marker="x",
             color="black",
             zorder=4,
-            label="exact tempered E[nβK] (quadrature)",
+            label="exact tempered E[nβK] (quadrature / Gibbs)",
         )
     for a in (ax, rel):
         a.set_xscale("log")
@@ -523,7 +523,7 @@ def plot_section(path: Path, png: Path) -> None:
     rel.set_ylabel("estimate / λ - 1 (%)")
     rel.set_ylim(-30, 30)
     ax.set_title("SGLD, nβ=1000, γ=1, 2000+2000 steps, calibrated step")
-    rel.set_title("relative error (crossings: finite-temperature gap in x)")
+    rel.set_title("relative error; x: the exact tempered value (no sampler)")
     ax.legend(loc="upper left", fontsize=8)
     rel.legend(loc="lower right", fontsize=8)
     save_figure(fig, png)

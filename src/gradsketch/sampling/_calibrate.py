@@ -14,9 +14,16 @@ which the chain measures for free (the gradient is already computed). Its
 ratio to the estimate, ``rho = bias / LLC``, is the relative discretization
 bias; :func:`calibrate_step_size` picks the ``eps`` that makes ``rho`` a
 chosen target, since ``rho`` is proportional to ``eps``. On deep linear
-networks and reduced-rank regressions the measured bias is about 0.5-1 times
-``rho`` (``benchmarks/llc_calibration.py``): a target of 0.05 keeps it
-within 5%.
+networks, reduced-rank regressions and normal crossings the measured bias
+is 0.5-1.1 times ``rho`` (``benchmarks/llc_calibration.py``).
+
+:func:`estimate_learning_coeff_calibrated` is the recipe that study
+settled on: pilots at half the target (short pilots from ``w*`` see 2-5
+times less bias than the spread chain on singular models), then the full
+chain's ``rho`` is checked and the run repeated with a rescaled step when it
+exceeds 1.5 times the target. With ``nbeta = 1000``, ``gamma = 1`` and
+2000 + 2000 steps it put deep linear networks of 1k-65k parameters within
+1% of Aoyagi's lambda and reduced-rank regression at the zero map within 2%.
 """
 
 from __future__ import annotations

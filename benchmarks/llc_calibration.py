@@ -40,6 +40,7 @@ average of 15-20, so the seconds are upper bounds; one chain unless stated):
 case                                  params   lambda    estimate  error    rho     s
 ====================================  =======  ========  ========  =======  ======  =====
 dln [5,4,3,4,5] r=1                   64       7         6.92      -1.1%    0.018   33
+dln [5,4,3,4,5] r=1 (4 chains)        64       7         6.47      -7.6%    0.029   12
 dln [20,16,12,16,20] r=4              1,024    112       112.2     +0.2%    0.021   32
 dln [50,40,30,40,50] r=10             6,400    700       695.6     -0.6%    0.043   32
 dln [160,128,96,128,160] r=32         65,536   7,168     7,155     -0.2%    0.060   171
@@ -312,9 +313,16 @@ def estimate(
 
 
 def truth_section(
-    max_params: int, out: Path | None, seed: int, min_params: int = 0, potentials: bool = True
+    max_params: int,
+    out: Path | None,
+    seed: int,
+    min_params: int = 0,
+    potentials: bool = True,
+    chains: int | None = None,
 ) -> None:
     recipe = dict(RECIPE)
+    if chains is not None:
+        recipe["chains"] = chains
     batch = int(recipe.pop("batch"))
     for widths, rank in DLN_CASES:
         params = sum(a * b for a, b in itertools.pairwise(widths))
@@ -535,6 +543,7 @@ def main() -> None:
     parser.add_argument("--section", choices=["truth", "sweep", "gibbs", "plot"], default="truth")
     parser.add_argument("--max-params", type=int, default=70_000)
     parser.add_argument("--min-params", type=int, default=0)
+    parser.add_argument("--chains", type=int, default=None, help="override the recipe's 1")
     parser.add_argument(
         "--no-potentials", action="store_true", help="deep linear networks only (no RRR/crossing)"
     )
@@ -545,7 +554,14 @@ def main() -> None:
     args = parser.parse_args()
     setup_torch(args.threads)
     if args.section == "truth":
-        truth_section(args.max_params, args.out, args.seed, args.min_params, not args.no_potentials)
+        truth_section(
+            args.max_params,
+            args.out,
+            args.seed,
+            args.min_params,
+            not args.no_potentials,
+            args.chains,
+        )
     elif args.section == "sweep":
         sweep_section(args.out, args.seed)
     elif args.section == "gibbs":

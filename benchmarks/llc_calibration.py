@@ -34,7 +34,8 @@ Run: ``python benchmarks/llc_calibration.py --section truth [--max-params 70000]
 --out benchmarks/llc_calibration.jsonl`` then ``--section plot``.
 
 Results (``benchmarks/llc_calibration.jsonl``; 2-core shared CPU with a load
-average of 15-20, so the seconds are upper bounds; one chain unless stated):
+average of 15-20 for most rows (3-6 for the 4-chain, 262k and 650k rows), so
+the seconds are upper bounds; one chain unless stated):
 
 ====================================  =======  ========  ========  =======  ======  =====
 case                                  params   lambda    estimate  error    rho     s
@@ -44,6 +45,8 @@ dln [5,4,3,4,5] r=1 (4 chains)        64       7         6.47      -7.6%    0.02
 dln [20,16,12,16,20] r=4              1,024    112       112.2     +0.2%    0.021   32
 dln [50,40,30,40,50] r=10             6,400    700       695.6     -0.6%    0.043   32
 dln [160,128,96,128,160] r=32         65,536   7,168     7,155     -0.2%    0.060   171
+dln [320,256,192,256,320] r=64        262,144  28,672    27,515    -4.0%    0.051   43
+dln [512,400,300,400,512] r=100       649,600  71,200    65,344    -8.2%    0.039   176
 rrr (5,3,5) r=0, 32 copies            960      208       203.8     -2.0%    0.036   32
 crossing [1,1] (4 chains)             2        0.5       0.402     -19.6%   0.058   132
 crossing [1,2] (4 chains)             2        0.25      0.234     -6.3%    0.047   232
@@ -96,6 +99,14 @@ to 6000 and reaches ~765 (+9%) by step 8000. The diagnostic's rho grows
 along (0.021 at 4,000 steps, 0.037 at 12,000 on the 1,024 network), and the
 rerun check bounds it; a smaller step removes the drift but needs
 proportionally more steps, so the recipe fixes the chain length instead.
+(5) The fixed 2000 + 2000 steps stop being enough from ~250k parameters:
+the calibrated step falls with width (1e-5 at 1k, 4.7e-6 at 65k, 2.4e-6 at
+262k, 1.3e-6 at 650k parameters) and the chain covers proportionally less
+of the singular directions, so the estimate is still rising (650k: first
+half -9.8%, second half -6.7%). Scaling the chain as ``lr * steps = 0.02``
+for both burn-in and draws (what 2000 steps are at lr = 1e-5) is the
+natural rule; at 650k that is ~15,000 + 15,000 steps, ~20 minutes here,
+and was not run.
 """
 
 from __future__ import annotations
@@ -138,6 +149,7 @@ DLN_CASES: list[tuple[list[int], int]] = [
     ([20, 16, 12, 16, 20], 4),
     ([50, 40, 30, 40, 50], 10),
     ([160, 128, 96, 128, 160], 32),
+    ([320, 256, 192, 256, 320], 64),
     ([512, 400, 300, 400, 512], 100),
 ]
 

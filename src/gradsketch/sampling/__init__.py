@@ -8,6 +8,12 @@ optimizer layer is call-compatible with devinterp 2.0's ``SGMCMC`` / ``SGLD``.
 """
 
 from gradsketch._distributed import DistributedMismatchError
+from gradsketch.sampling._calibrate import (
+    StepSizeCalibration,
+    StepSizeDiagnostic,
+    calibrate_step_size,
+    estimate_learning_coeff_calibrated,
+)
 from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
 from gradsketch.sampling._llc import (
     default_nbeta,
@@ -29,6 +35,11 @@ from gradsketch.sampling._preconditioners import (
 )
 from gradsketch.sampling._recording import LLCRecordSettings, SettingsMismatchError, open_draw_store
 from gradsketch.sampling._sgmcmc import SGLD, SGMCMC
+from gradsketch.sampling._truth import (
+    deep_linear_learning_coefficient,
+    normal_crossing_learning_coefficient,
+    reduced_rank_learning_coefficient,
+)
 
 __all__ = [
     # samplers
@@ -57,4 +68,13 @@ __all__ = [
     "SettingsMismatchError",
     "open_draw_store",
     "plot_trace",
+    # closed-form learning coefficients (ground truth for the estimator)
+    "deep_linear_learning_coefficient",
+    "reduced_rank_learning_coefficient",
+    "normal_crossing_learning_coefficient",
+    # step-size calibration from the chain's discretization-bias diagnostic
+    "calibrate_step_size",
+    "StepSizeCalibration",
+    "StepSizeDiagnostic",
+    "estimate_learning_coeff_calibrated",
 ]

@@ -1,0 +1,350 @@
+"""Step-size calibration of SGLD for LLC estimation, from the chain's own gradients.
+
+SGLD's update ``w <- w - (eps / 2) grad U + sqrt(eps) xi`` with
+``U = nbeta L + gamma |w - w*|^2 / 2`` samples a distribution that differs
+from ``exp(-U)`` at first order in ``eps``. For a quadratic mode of curvature
+``c`` the chain is ``w' = (1 - eps c / 2) w + sqrt(eps) xi``, whose stationary
+variance is ``1 / (c (1 - eps c / 4))``: the mode's share of ``E[nbeta L]``
+grows by ``eps c / 8`` (absolute), and since ``E|c w|^2 = c`` at equilibrium,
+summing over modes gives the absolute bias of the LLC estimate::
+
+    bias ~= eps * E|nbeta grad L|^2 / 8
+
+which the chain measures for free (the gradient is already computed). Its
+ratio to the estimate, ``rho = bias / LLC``, is the relative discretization
+bias; :func:`calibrate_step_size` picks the ``eps`` that makes ``rho`` a
+chosen target, since ``rho`` is proportional to ``eps``. On deep linear
+networks, reduced-rank regressions and normal crossings the measured bias
+is 0.5-1.1 times ``rho`` (``benchmarks/llc_calibration.py``).
+
+:func:`estimate_learning_coeff_calibrated` is the recipe that study
+settled on: pilots at half the target (short pilots from ``w*`` see 2-5
+times less bias than the spread chain on singular models), then the full
+chain's ``rho`` is checked and the run repeated with a rescaled step when it
+exceeds 1.5 times the target. With ``nbeta = 1000``, ``gamma = 1`` and
+2000 + 2000 steps it put deep linear networks of 1k-65k parameters within
+1% of Aoyagi's lambda and reduced-rank regression at the zero map within 2%.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradsketch.sampling._llc import Evaluate, estimate_learning_coeff_with_summary
+
+__all__ = [
+    "StepSizeCalibration",
+    "StepSizeDiagnostic",
+    "calibrate_step_size",
+    "estimate_learning_coeff_calibrated",
+]
+
+
+class StepSizeDiagnostic:
+    """Callback measuring SGLD's first-order discretization bias ``eps E|nbeta grad L|^2 / 8``.
+
+    Pass it in ``callbacks=`` of
+    :func:`~gradsketch.sampling.estimate_learning_coeff_with_summary`; after
+    each draw it reads the gradient the step used (still in ``.grad``) and
+    the step size. ``get_results()`` adds ``llc/step_bias`` (absolute, in LLC
+    units, averaged over draws and chains). Identity-preconditioned SGLD only:
+    a preconditioner changes the step per coordinate and the formula with it.
+
+    Example:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from gradsketch.sampling import estimate_learning_coeff_with_summary
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> loader = DataLoader(TensorDataset(torch.randn(32, 2), torch.zeros(32, 1)), 8)
+        >>> diag = StepSizeDiagnostic()
+        >>> out = estimate_learning_coeff_with_summary(
+        ...     model, loader, evaluate=lambda m, b: (m(b[0]) - b[1]).square().mean(),
+        ...     optimizer_kwargs=dict(lr=1e-3, nbeta=10.0), num_draws=20, num_chains=1,
+        ...     seed=0, callbacks=[diag], verbose=False)
+        >>> out["llc/step_bias"] > 0
+        True
+    """
+
+    def __init__(self) -> None:
+        self._values: list[float] = []
+
+    def __call__(
+        self,
+        *,
+        chain: int,
+        draw: int,
+        loss: float,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        """Record ``eps nbeta^2 |grad L|^2 / 8`` of the step just taken."""
+        total = 0.0
+        for group in optimizer.param_groups:
+            precond = group.get("preconditioner")
+            if precond is not None and not getattr(precond, "is_identity", False):
+                raise ValueError(
+                    f"StepSizeDiagnostic needs identity-preconditioned SGLD, got {precond!r}; "
+                    "calibrate with sampling_method=SGMCMC.sgld."
+                )
+            sq = sum(float(p.grad.square().sum()) for p in group["params"] if p.grad is not None)
+            total += group["lr"] * group["nbeta"] ** 2 * sq / 8.0
+        self._values.append(total)
+
+    def get_results(self) -> dict[str, float]:
+        """``{"llc/step_bias": mean over recorded draws}`` (NaN before any draw)."""
+        return {"llc/step_bias": float(np.mean(self._values)) if self._values else math.nan}
+
+
+@dataclass(frozen=True)
+class StepSizeCalibration:
+    """Result of :func:`calibrate_step_size`.
+
+    Attributes:
+        lr: The step size to use.
+        predicted_bias: ``rho`` expected at ``lr`` (relative): the last pilot's,
+            or the target when the pilots did not converge.
+        pilots: ``(lr, rho, llc)`` of every pilot run, in order.
+        converged: Whether a pilot landed within a factor 1.5 of the target;
+            if not, ``lr`` is the target over the pooled ``rho / lr`` of the
+            last pilots.
+    """
+
+    lr: float
+    predicted_bias: float
+    pilots: list[tuple[float, float, float]] = field(default_factory=list)
+    converged: bool = True
+
+
+def calibrate_step_size(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    evaluate: Evaluate | None = None,
+    *,
+    nbeta: float,
+    localization: float = 0.0,
+    target_bias: float = 0.05,
+    lr: float = 1e-4,
+    pilot_steps: int = 200,
+    max_pilots: int = 6,
+    init_loss: float | None = None,
+    seed: int = 0,
+    optimizer_kwargs: dict[str, Any] | None = None,
+) -> StepSizeCalibration:
+    """The SGLD step size whose first-order discretization bias is ``target_bias`` of the LLC.
+
+    Runs short pilot chains from ``model``'s weights (half burn-in, half
+    draws), measures ``rho = eps E|nbeta grad L|^2 / (8 LLC)`` with
+    :class:`StepSizeDiagnostic` and rescales ``eps`` by ``target_bias / rho``
+    (``rho`` is proportional to ``eps``; the ratio ``rho / eps`` is pooled
+    over the last three pilots), until a pilot lands within a factor 1.5 of
+    the target or ``max_pilots`` ran. A pilot whose loss diverges divides
+    ``eps`` by 10.
+
+    Args:
+        model: The trained network (not modified).
+        loader: Batches, as for the estimator.
+        evaluate: ``evaluate(model, batch)``; default cross-entropy.
+        nbeta: The inverse temperature the estimate will use.
+        localization: ``gamma`` the estimate will use.
+        target_bias: Relative bias wanted, in ``(0, 1)``; 0.05 by default.
+        lr: First pilot's step size.
+        pilot_steps: Steps per pilot (>= 20).
+        max_pilots: Pilots at most.
+        init_loss: ``L(w*)``; default as in the estimator.
+        seed: Seed of the pilots.
+        optimizer_kwargs: Further SGLD keywords (``bounding_box_size`` ...).
+
+    Returns:
+        A :class:`StepSizeCalibration`.
+
+    Example:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = torch.nn.Linear(3, 2, bias=False)
+        >>> x = torch.randn(64, 3)
+        >>> loader = DataLoader(TensorDataset(x, model(x).detach()), batch_size=16)
+        >>> cal = calibrate_step_size(
+        ...     model, loader, lambda m, b: 0.5 * (m(b[0]) - b[1]).square().sum(1).mean(),
+        ...     nbeta=100.0, localization=1.0, lr=1e-3, pilot_steps=100)
+        >>> 0.05 / 1.5 <= cal.predicted_bias <= 0.05 * 1.5
+        True
+    """
+    if not (isinstance(target_bias, float) and 0.0 < target_bias < 1.0):
+        raise ValueError(
+            f"`target_bias` must be a float in (0, 1), got {target_bias!r}; e.g. 0.05."
+        )
+    if isinstance(pilot_steps, bool) or not isinstance(pilot_steps, int) or pilot_steps < 20:
+        raise ValueError(f"`pilot_steps` must be an int >= 20, got {pilot_steps!r}.")
+    if isinstance(max_pilots, bool) or not isinstance(max_pilots, int) or max_pilots < 1:
+        raise ValueError(f"`max_pilots` must be a positive int, got {max_pilots!r}.")
+    if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"`lr` must be a positive float, got {lr!r}.")
+    pilots: list[tuple[float, float, float]] = []
+    eps = float(lr)
+    rho = math.nan
+    for pilot in range(max_pilots):
+        diag = StepSizeDiagnostic()
+        kwargs = dict(optimizer_kwargs or {})
+        kwargs.update(lr=eps, nbeta=float(nbeta), localization=float(localization))
+        try:
+            out = estimate_learning_coeff_with_summary(
+                model,
+                loader,
+                evaluate=evaluate,
+                optimizer_kwargs=kwargs,
+                num_draws=pilot_steps - pilot_steps // 2,
+                num_burnin_steps=pilot_steps // 2,
+                num_chains=1,
+                init_loss=init_loss,
+                seed=seed + pilot,
+                callbacks=[diag],
+                verbose=False,
+            )
+        except RuntimeError as err:  # the estimator's non-finite-loss error
+            if "non-finite loss" not in str(err):
+                raise
+            pilots.append((eps, math.inf, math.nan))
+            eps /= 10.0
+            continue
+        llc, bias = float(out["llc/mean"]), float(out["llc/step_bias"])
+        if not llc > 0:
+            raise RuntimeError(
+                f"pilot {pilot} at lr={eps:g} estimated LLC={llc:g} <= 0, so the relative bias "
+                "is undefined; raise `pilot_steps` (the loss must rise above L(w*))."
+            )
+        rho = bias / llc
+        pilots.append((eps, rho, llc))
+        if 1 / 1.5 <= target_bias / rho <= 1.5:
+            return StepSizeCalibration(lr=eps, predicted_bias=rho, pilots=pilots)
+        eps = _next_step(pilots, target_bias)
+    return StepSizeCalibration(lr=eps, predicted_bias=target_bias, pilots=pilots, converged=False)
+
+
+def _next_step(pilots: list[tuple[float, float, float]], target: float) -> float:
+    """``target / k`` with ``k = rho / eps`` pooled (median) over the last three finite pilots.
+
+    ``rho`` is proportional to ``eps``; pooling damps the noise of short
+    pilots on low-dimensional models, where one pilot's ``rho`` can be off by
+    a factor 2. A step changes by at most a factor 10 per pilot.
+    """
+    finite = [(e, r) for e, r, _ in pilots if math.isfinite(r) and r > 0][-3:]
+    k = float(np.median([r / e for e, r in finite]))
+    last = pilots[-1][0]
+    return min(10 * last, max(last / 10, target / k))
+
+
+def estimate_learning_coeff_calibrated(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    evaluate: Evaluate | None = None,
+    *,
+    nbeta: float,
+    localization: float = 1.0,
+    target_bias: float = 0.05,
+    lr: float = 1e-5,
+    num_burnin_steps: int = 2000,
+    num_draws: int = 2000,
+    num_chains: int = 1,
+    max_runs: int = 2,
+    init_loss: float | None = None,
+    seed: int = 0,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """LLC estimate with an SGLD step size chosen and then verified by the bias diagnostic.
+
+    1. :func:`calibrate_step_size` with ``target_bias / 2``: short pilots
+       start at ``w*`` and see the bias of a chain that has not spread yet,
+       which on singular models is 2-5 times below what the full chain
+       reaches (deep linear networks, reduced-rank regression at 0).
+    2. The estimate, with :class:`StepSizeDiagnostic` on every draw.
+    3. If the full chain's ``rho`` exceeds ``1.5 target_bias``, the step is
+       rescaled by ``target_bias / rho`` and the estimate rerun (at most
+       ``max_runs`` estimates in all).
+
+    Args:
+        model: The trained network.
+        loader: Batches.
+        evaluate: ``evaluate(model, batch)``; default cross-entropy.
+        nbeta: Inverse temperature.
+        localization: ``gamma``.
+        target_bias: Relative discretization bias allowed (``rho`` of the full chain).
+        lr: First pilot's step size.
+        num_burnin_steps: Burn-in steps per chain.
+        num_draws: Draws per chain.
+        num_chains: Chains.
+        max_runs: Estimates at most (1: no verification rerun).
+        init_loss: ``L(w*)``; default as in the estimator.
+        seed: Seed of pilots and chains.
+        optimizer_kwargs: Further SGLD keywords.
+        **kwargs: Passed on to
+            :func:`~gradsketch.sampling.estimate_learning_coeff_with_summary`.
+
+    Returns:
+        The estimator's summary plus ``llc/lr`` (the step used),
+        ``llc/step_bias`` (absolute) and ``llc/step_bias_rel`` (``rho``) of
+        the run returned, and ``llc/runs`` (estimates made).
+
+    Example:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = torch.nn.Linear(3, 2, bias=False)
+        >>> x = torch.randn(64, 3)
+        >>> out = estimate_learning_coeff_calibrated(
+        ...     model, DataLoader(TensorDataset(x, model(x).detach()), batch_size=16),
+        ...     lambda m, b: 0.5 * (m(b[0]) - b[1]).square().sum(1).mean(),
+        ...     nbeta=100.0, lr=1e-3, num_burnin_steps=50, num_draws=100, verbose=False)
+        >>> out["llc/step_bias_rel"] < 0.075
+        True
+    """
+    if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
+        raise ValueError(f"`max_runs` must be a positive int, got {max_runs!r}.")
+    if "callbacks" in kwargs:
+        raise ValueError(
+            "`callbacks` is set by estimate_learning_coeff_calibrated (it adds its "
+            "StepSizeDiagnostic); call estimate_learning_coeff_with_summary to add your own."
+        )
+    calibration = calibrate_step_size(
+        model,
+        loader,
+        evaluate,
+        nbeta=nbeta,
+        localization=localization,
+        target_bias=target_bias / 2,
+        lr=lr,
+        init_loss=init_loss,
+        seed=seed + 1_000_003,
+        optimizer_kwargs=optimizer_kwargs,
+    )
+    eps = calibration.lr
+    for run in range(max_runs):
+        diag = StepSizeDiagnostic()
+        opt_kwargs = dict(optimizer_kwargs or {})
+        opt_kwargs.update(lr=eps, nbeta=float(nbeta), localization=float(localization))
+        out = estimate_learning_coeff_with_summary(
+            model,
+            loader,
+            evaluate=evaluate,
+            optimizer_kwargs=opt_kwargs,
+            num_draws=num_draws,
+            num_burnin_steps=num_burnin_steps,
+            num_chains=num_chains,
+            init_loss=init_loss,
+            seed=seed,
+            callbacks=[diag],
+            **kwargs,
+        )
+        llc = float(out["llc/mean"])
+        rho = float(out["llc/step_bias"]) / llc if llc > 0 else math.inf
+        out.update({"llc/lr": eps, "llc/step_bias_rel": rho, "llc/runs": run + 1})
+        if rho <= 1.5 * target_bias or not math.isfinite(rho):
+            break
+        eps *= target_bias / rho
+    return out

@@ -1,0 +1,405 @@
+"""Hugging Face conventions: a language-modeling task, classification without token types.
+
+Tasks here take batches the way Hugging Face code builds them: a dict with
+``input_ids``, ``attention_mask`` and ``labels`` (what a tokenizer and a data
+collator return) or TRAK's positional tuple. :meth:`as_batch` turns either
+into the task's canonical tuple, which is what the gradient computers see
+(``vmap`` and the layer hooks index batches by position).
+
+**Language modeling** (TRAK's extension to sequences; Park et al., ICML
+2023, used there for fact tracing). A causal LM predicts token ``y_t`` from
+the tokens before it with probability ``p_t = softmax(z_{t-1})[y_t]``; its
+loss is ``L = -Σ_t log p_t`` over the predicted tokens (``labels != -100``).
+Writing each token's loss as a logistic loss of its log-odds,
+
+    f_t = log(p_t / (1 - p_t)) = z_{y_t} - logsumexp_{j≠y_t} z_j,
+    -log p_t = log(1 + exp(-f_t)),
+
+makes each token one example of TRAK's binary-classification derivation, so
+the model output of a sequence is ``f = Σ_t f_t`` and the out-to-loss term
+is ``-dL/df_t = 1 - p_t``, a diagonal ``Q = diag(1 - p_t)`` over the tokens:
+the loss gradient is ``∇L = -Σ_t (1 - p_t) ∇f_t``. TRAK's score keeps one
+out-to-loss weight per training example, so the diagonal is replaced by its
+mean over the example's predicted tokens, ``q = mean_t (1 - p_t)``: exact
+when the tokens' ``1 - p_t`` agree, and the weight for which ``q ∇f`` matches
+``Σ_t (1 - p_t) ∇f_t`` in expectation when the token gradients are
+exchangeable. Because ``f`` is a sum over tokens, a query's feature is the
+sum of its tokens' features, and per-token scores (``per_token=True`` in
+:meth:`TRAKer.start_scoring_checkpoint`) add up over the tokens to the
+query's score.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradsketch.attribution._hooks import register_loss_grad_from_output
+from gradsketch.attribution._modelout import (
+    AbstractModelOutput,
+    TextClassificationModelOutput,
+    _one_minus_p,
+    register_task,
+)
+
+#: Label value of positions that are not predicted (Hugging Face's convention).
+IGNORE_INDEX = -100
+
+
+class BatchFormatError(ValueError):
+    """A batch does not have the fields (or the tuple length) the task expects."""
+
+
+@functools.cache
+def _forward_params(model_type: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_type.forward).parameters)
+
+
+def _call_model(
+    model: nn.Module,
+    params: tuple[dict[str, Tensor], dict[str, Tensor]] | None,
+    kwargs: dict[str, Tensor],
+) -> Tensor:
+    """Logits of ``model(**kwargs)``, without a KV cache, through ``functional_call`` if given."""
+    accepted = _forward_params(type(model))
+    kw: dict[str, Any] = {k: v for k, v in kwargs.items() if k in accepted or k == "input_ids"}
+    if "use_cache" in accepted:
+        kw["use_cache"] = False
+    if params is None:
+        out = model(**kw)
+    else:
+        out = torch.func.functional_call(model, params, args=(), kwargs=kw)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _get(batch: Mapping[str, Any], key: str) -> Tensor | None:
+    value = batch.get(key)
+    return None if value is None else torch.as_tensor(value)
+
+
+def _require_ids(batch: Mapping[str, Any], task: str) -> Tensor:
+    ids = _get(batch, "input_ids")
+    if ids is None:
+        raise BatchFormatError(
+            f"`batch` for {task} is a mapping without 'input_ids'; it has keys {sorted(batch)}. "
+            "Pass the tokenizer's output (input_ids, attention_mask, ...)."
+        )
+    return ids
+
+
+# -- language modeling ----------------------------------------------------------
+def _upcast_half(t: Tensor) -> Tensor:
+    # Log-softmax over a vocabulary in bf16 / fp16 loses the small probabilities;
+    # the loss head runs in float32 (its gradient flows back in the model's dtype).
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def token_log_odds(logits: Tensor, labels: Tensor) -> Tensor:
+    """``[B, T]`` log-odds ``f_t = log(p_t / (1 - p_t))`` of each label, 0 where ignored.
+
+    Follows Hugging Face's shift: ``labels[:, t]`` is predicted from
+    ``logits[:, t - 1]``, so position 0 is never predicted (its entry is 0).
+
+    Args:
+        logits: ``[B, T, V]`` next-token logits.
+        labels: ``[B, T]`` token ids, ``-100`` where not predicted.
+
+    Example:
+        >>> logits = torch.zeros(1, 3, 4)          # uniform: p = 1/4, log-odds log(1/3)
+        >>> token_log_odds(logits, torch.tensor([[5, 1, -100]]))
+        tensor([[ 0.0000, -1.0986,  0.0000]])
+    """
+    z = _upcast_half(logits[:, :-1])
+    target = labels[:, 1:]
+    valid = target != IGNORE_INDEX
+    safe = target.masked_fill(~valid, 0).long()
+    is_label = torch.arange(z.shape[-1], device=z.device) == safe.unsqueeze(-1)
+    correct = (z * is_label).sum(-1)
+    others = z.masked_fill(is_label, float("-inf")).logsumexp(-1)
+    odds = (correct - others) * valid.to(z.dtype)
+    return torch.cat([torch.zeros_like(odds[:, :1]), odds], dim=1)
+
+
+def token_one_minus_p(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """``[B, T]`` per-token out-to-loss terms ``1 - p_t`` (0 where ignored), detached."""
+    target = labels[:, 1:]
+    valid = target != IGNORE_INDEX
+    probs = torch.softmax(_upcast_half(logits[:, :-1]) / temperature, dim=-1)
+    p = probs.gather(-1, target.masked_fill(~valid, 0).long().unsqueeze(-1)).squeeze(-1)
+    q = (1 - p) * valid.to(p.dtype)
+    return torch.cat([torch.zeros_like(q[:, :1]), q], dim=1).detach()
+
+
+def _mean_over_tokens(q: Tensor, labels: Tensor) -> Tensor:
+    """``[B, 1]``: the mean of ``q`` over each example's predicted tokens (0 if none)."""
+    count = (labels[:, 1:] != IGNORE_INDEX).sum(1, keepdim=True).clamp(min=1)
+    return q.sum(1, keepdim=True) / count.to(q.dtype)
+
+
+@register_task("language_modeling")
+class LanguageModelingModelOutput(AbstractModelOutput):
+    """Causal LM output: summed per-token log-odds; ``Q`` the mean of ``1 - p_t`` (module docs).
+
+    Batches: a dict with ``input_ids`` and optionally ``attention_mask`` and
+    ``labels``, or a tuple ``(input_ids,)``, ``(input_ids, attention_mask)``
+    or ``(input_ids, attention_mask, labels)``, all ``[B, T]``. Missing
+    ``attention_mask`` means every token is real; missing ``labels`` means
+    ``input_ids`` with padding (``attention_mask == 0``) set to ``-100``, as
+    Hugging Face's language-modeling collator does. Labels are not shifted by
+    the caller: the model's logits at ``t - 1`` predict ``labels[:, t]``.
+    The model is called as ``model(input_ids=..., attention_mask=...)``
+    (``use_cache=False`` where accepted) and must return ``[B, T, V]``
+    logits or an object with ``.logits``.
+
+    Args:
+        temperature: softmax temperature of the out-to-loss term.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+        >>> model = LlamaForCausalLM(cfg).eval()
+        >>> task = LanguageModelingModelOutput()
+        >>> batch = task.as_batch({"input_ids": torch.tensor([[1, 5, 7, 2], [3, 4, 0, 0]]),
+        ...                        "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])})
+        >>> batch[2]
+        tensor([[   1,    5,    7,    2],
+                [   3,    4, -100, -100]])
+        >>> task.get_batch_output(model, *batch).shape
+        torch.Size([2])
+    """
+
+    #: Columns a ``datasets.Dataset`` may provide (``input_ids`` required).
+    columns = ("input_ids", "attention_mask", "labels")
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        self.loss_temperature = float(temperature)
+
+    @staticmethod
+    def as_batch(batch: Mapping[str, Any] | Sequence[Any]) -> tuple[Tensor, Tensor, Tensor]:
+        """The canonical ``(input_ids, attention_mask, labels)`` of a dict or tuple batch."""
+        if isinstance(batch, Mapping):
+            ids = _require_ids(batch, "language_modeling")
+            mask, labels = _get(batch, "attention_mask"), _get(batch, "labels")
+        else:
+            items = list(batch)
+            if not 1 <= len(items) <= 3:
+                raise BatchFormatError(
+                    f"`batch` for language_modeling has {len(items)} entries; expected "
+                    "(input_ids,), (input_ids, attention_mask) or (input_ids, attention_mask, "
+                    "labels), or a dict with those keys."
+                )
+            items += [None] * (3 - len(items))
+            ids, mask, labels = (None if t is None else torch.as_tensor(t) for t in items)
+            assert ids is not None
+        if ids.dim() != 2:
+            raise BatchFormatError(
+                f"`input_ids` must be [batch, seq_len], got shape {tuple(ids.shape)}."
+            )
+        if mask is None:
+            mask = torch.ones_like(ids)
+        if labels is None:
+            labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+        for name, t in (("attention_mask", mask), ("labels", labels)):
+            if tuple(t.shape) != tuple(ids.shape):
+                raise BatchFormatError(
+                    f"`{name}` has shape {tuple(t.shape)} but `input_ids` has "
+                    f"{tuple(ids.shape)}; they must match."
+                )
+        return ids, mask, labels
+
+    @staticmethod
+    def per_token_batch(batch: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """``B * T`` copies of a canonical batch, copy ``(b, t)`` keeping only label ``t``.
+
+        The output of copy ``(b, t)`` is ``f_t`` of example ``b``, so its
+        gradient is that token's: per-token features come from the ordinary
+        per-example path.
+
+        Example:
+            >>> ids = torch.tensor([[4, 5, 6]])
+            >>> LanguageModelingModelOutput.per_token_batch((ids, torch.ones_like(ids), ids))[2]
+            tensor([[   4, -100, -100],
+                    [-100,    5, -100],
+                    [-100, -100,    6]])
+        """
+        ids, mask, labels = batch
+        b, t = ids.shape
+        eye = torch.eye(t, dtype=torch.bool, device=labels.device)
+        per_token = labels.unsqueeze(1).masked_fill(~eye, IGNORE_INDEX).reshape(b * t, t)
+        return (
+            ids.repeat_interleave(t, dim=0),
+            mask.repeat_interleave(t, dim=0),
+            per_token,
+        )
+
+    @staticmethod
+    def get_output(
+        model: nn.Module,
+        weights: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        *example: Any,
+    ) -> Tensor:
+        """``Σ_t f_t`` for one ``(input_ids, attention_mask, labels)`` example (no batch axis)."""
+        ids, mask, labels = example
+        logits = _call_model(
+            model,
+            (weights, buffers),
+            {"input_ids": ids.unsqueeze(0), "attention_mask": mask.unsqueeze(0)},
+        )
+        return token_log_odds(logits, labels.unsqueeze(0)).sum()
+
+    @staticmethod
+    def get_batch_output(
+        model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor
+    ) -> Tensor:
+        """``[B]`` outputs ``Σ_t f_t`` of one batched forward (used by layer hooks)."""
+        logits = _call_model(
+            model, None, {"input_ids": input_ids, "attention_mask": attention_mask}
+        )
+        return token_log_odds(logits, labels).sum(1)
+
+    def out_to_loss_from_logits(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """``[B, 1]``: the mean over predicted tokens of ``1 - p_t``."""
+        q = token_one_minus_p(logits.detach(), labels, self.loss_temperature)
+        return _mean_over_tokens(q, labels)
+
+    def get_out_to_loss_grad(
+        self,
+        model: nn.Module,
+        weights: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        batch: Iterable[Tensor],
+    ) -> Tensor:
+        """``[B, 1]`` out-to-loss terms (mean of ``1 - p_t`` over predicted tokens)."""
+        ids, mask, labels = batch
+        with torch.no_grad():
+            logits = _call_model(
+                model, (weights, buffers), {"input_ids": ids, "attention_mask": mask}
+            )
+        return self.out_to_loss_from_logits(logits, labels)
+
+
+@register_loss_grad_from_output(LanguageModelingModelOutput)
+def language_modeling_loss_grad(
+    task: LanguageModelingModelOutput, output: Any, batch: Sequence[Tensor]
+) -> Tensor:
+    """Out-to-loss terms from the logits of the hooked forward."""
+    logits = output.logits if hasattr(output, "logits") else output
+    return task.out_to_loss_from_logits(logits, batch[2])
+
+
+# -- sequence classification ------------------------------------------------------
+def _class_margins(logits: Tensor, labels: Tensor) -> Tensor:
+    is_label = torch.arange(logits.shape[-1], device=logits.device) == labels.reshape(-1, 1)
+    correct = (logits * is_label).sum(-1)
+    return correct - logits.masked_fill(is_label, float("-inf")).logsumexp(-1)
+
+
+@register_task("text_classification")
+class SequenceClassificationModelOutput(TextClassificationModelOutput):
+    """TRAK's text-classification margin, also for models without ``token_type_ids``.
+
+    Registered as ``"text_classification"``. Batches: TRAK's tuple
+    ``(input_ids, token_type_ids, attention_mask, label)``, the tuple
+    ``(input_ids, attention_mask, label)`` for tokenizers without token types
+    (GPT-2, Llama), or a dict with ``input_ids``, ``attention_mask``,
+    ``labels`` (or ``label``) and optionally ``token_type_ids``.
+    ``token_type_ids`` reach the model only when its ``forward`` takes them.
+    Output and out-to-loss term are TRAK's (margin, ``1 - p_y``).
+
+    Example:
+        >>> batch = SequenceClassificationModelOutput.as_batch(
+        ...     {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.tensor([0, 1])})
+        >>> [tuple(t.shape) for t in batch]
+        [(2, 3), (2, 3), (2,)]
+    """
+
+    columns = ("input_ids", "token_type_ids", "attention_mask", "labels", "label")
+
+    @staticmethod
+    def as_batch(batch: Mapping[str, Any] | Sequence[Any]) -> tuple[Tensor, ...]:
+        """``(input_ids[, token_type_ids], attention_mask, labels)`` of a dict or tuple batch."""
+        if not isinstance(batch, Mapping):
+            items = tuple(torch.as_tensor(t) for t in batch)
+            if len(items) not in (3, 4):
+                raise BatchFormatError(
+                    f"`batch` for text_classification has {len(items)} entries; expected "
+                    "(input_ids, token_type_ids, attention_mask, label), (input_ids, "
+                    "attention_mask, label), or a dict with those keys."
+                )
+            return items
+        ids = _require_ids(batch, "text_classification")
+        labels = _get(batch, "labels")
+        if labels is None:
+            labels = _get(batch, "label")
+        if labels is None:
+            raise BatchFormatError(
+                f"`batch` for text_classification has no 'labels' (or 'label'); it has keys "
+                f"{sorted(batch)}."
+            )
+        mask = _get(batch, "attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
+        types = _get(batch, "token_type_ids")
+        return (ids, mask, labels) if types is None else (ids, types, mask, labels)
+
+    @staticmethod
+    def _kwargs(example: Sequence[Tensor], unsqueeze: bool) -> tuple[dict[str, Tensor], Tensor]:
+        def prep(t: Tensor) -> Tensor:
+            return t.unsqueeze(0) if unsqueeze else t
+
+        if len(example) == 4:
+            ids, types, mask, labels = example
+            kw = {"input_ids": prep(ids), "token_type_ids": prep(types)}
+        else:
+            ids, mask, labels = example
+            kw = {"input_ids": prep(ids)}
+        kw["attention_mask"] = prep(mask)
+        return kw, labels
+
+    @staticmethod
+    def get_output(
+        model: nn.Module,
+        weights: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        *example: Any,
+    ) -> Tensor:
+        """Margin for one tokenised example (no batch axis)."""
+        kw, label = SequenceClassificationModelOutput._kwargs(example, unsqueeze=True)
+        return _class_margins(_call_model(model, (weights, buffers), kw), label).sum()
+
+    @staticmethod
+    def get_batch_output(model: nn.Module, *batch: Tensor) -> Tensor:
+        """``[B]`` margins of one batched forward (used by layer hooks)."""
+        kw, labels = SequenceClassificationModelOutput._kwargs(batch, unsqueeze=False)
+        return _class_margins(_call_model(model, None, kw), labels)
+
+    def get_out_to_loss_grad(
+        self,
+        model: nn.Module,
+        weights: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        batch: Iterable[Tensor],
+    ) -> Tensor:
+        """``[B, 1]``: ``1 - p_y``."""
+        kw, labels = self._kwargs(tuple(batch), unsqueeze=False)
+        with torch.no_grad():
+            logits = _call_model(model, (weights, buffers), kw)
+        return _one_minus_p(logits, labels, self.loss_temperature)
+
+
+@register_loss_grad_from_output(SequenceClassificationModelOutput)
+def sequence_classification_loss_grad(
+    task: SequenceClassificationModelOutput, output: Any, batch: Sequence[Tensor]
+) -> Tensor:
+    """``1 - p_y`` from the logits of the hooked forward."""
+    logits = output.logits if hasattr(output, "logits") else output
+    return _one_minus_p(logits, batch[-1], task.loss_temperature)

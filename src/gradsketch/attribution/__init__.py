@@ -37,6 +37,12 @@ from gradsketch.attribution._hooks import (
     register_row_sparse_sampler,
 )
 from gradsketch.attribution._lds import LDSGroundTruth, lds_ground_truth, linear_datamodeling_score
+from gradsketch.attribution._lm import (
+    BatchFormatError,
+    LanguageModelingModelOutput,
+    SequenceClassificationModelOutput,
+)
+from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import (
     TASK_TO_MODELOUT,
     AbstractModelOutput,
@@ -51,6 +57,7 @@ from gradsketch.attribution._score_computers import (
     BasicSingleBlockScoreComputer,
 )
 from gradsketch.attribution._scores import MemoryBudgetError, trak_scores
+from gradsketch.attribution._topk import TopK, trak_topk
 from gradsketch.attribution._traker import ModelIDException, TRAKer, TRAKSettings
 from gradsketch.attribution._transformer import TransformerBlock, TransformerClassifier
 
@@ -60,6 +67,8 @@ __all__ = [
     "TRAKSettings",
     # scoring
     "trak_scores",
+    "trak_topk",
+    "TopK",
     "AbstractScoreComputer",
     "BasicSingleBlockScoreComputer",
     "BasicScoreComputer",
@@ -81,6 +90,9 @@ __all__ = [
     "AbstractModelOutput",
     "ImageClassificationModelOutput",
     "TextClassificationModelOutput",
+    "SequenceClassificationModelOutput",
+    "LanguageModelingModelOutput",
+    "select_parameters",
     "TASK_TO_MODELOUT",
     "register_task",
     # evaluation
@@ -104,6 +116,7 @@ __all__ = [
     "WrappedModelError",
     "MemoryBudgetError",
     "UnknownTaskError",
+    "BatchFormatError",
     "DemoSettingsError",
     "ConfigError",
     "DistributedMismatchError",

@@ -121,7 +121,7 @@ def token_log_odds(logits: Tensor, labels: Tensor) -> Tensor:
     is_label = torch.arange(z.shape[-1], device=z.device) == safe.unsqueeze(-1)
     correct = (z * is_label).sum(-1)
     others = z.masked_fill(is_label, float("-inf")).logsumexp(-1)
-    odds = (correct - others) * valid.to(z.dtype)
+    odds = (correct - others).masked_fill(~valid, 0.0)
     return torch.cat([torch.zeros_like(odds[:, :1]), odds], dim=1)
 
 

@@ -40,6 +40,8 @@ from gradsketch.attribution._gradient_computers import (
 )
 from gradsketch.attribution._hooks import HookGradientComputer
 from gradsketch.attribution._linalg import block_plan, default_block_rows, xtx_blocked
+from gradsketch.attribution._lm_data import as_loader, as_task_batch
+from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._scores import (
     CheckpointGrads,
@@ -47,6 +49,7 @@ from gradsketch.attribution._scores import (
     create_score_array,
     score_checkpoints,
 )
+from gradsketch.attribution._topk import TopK, topk_checkpoints
 from gradsketch.sketch import (
     CountSketchProjector,
     CudaProjector,
@@ -167,8 +170,8 @@ class TRAKer:
 
     Args:
         model: the model.
-        task: a task name (``"image_classification"``, ``"text_classification"``)
-            or an :class:`AbstractModelOutput`.
+        task: a task name (``"image_classification"``, ``"text_classification"``,
+            ``"language_modeling"``) or an :class:`AbstractModelOutput`.
         train_set_size: number of training rows n.
         save_dir: directory of the store.
         load_from_save_dir: resume from rows already in ``save_dir``; ``False``
@@ -189,12 +192,18 @@ class TRAKer:
         use_half_precision: store float16 features (default: on CUDA only).
         proj_max_batch_size: batch size of the CUDA projector.
         projector_seed: seed of the default projector.
-        grad_wrt: parameter names to differentiate (``None``: all).
+        grad_wrt: parameters to differentiate: names or fnmatch patterns (a
+            list, or one string of ``|``-separated patterns such as
+            ``"*.q_proj.weight|*.v_proj.weight"``) or a whole-parameter
+            :class:`~gradsketch.masked.ParamMask`. ``None``: all parameters,
+            or only the trainable ones when some are frozen (a ``peft`` LoRA
+            model's adapters). Recorded, as names, in the store's settings.
         lambda_reg: ridge damping λ >= 0, or ``"auto"``.
         memory_budget: bytes of working memory for finalize steps (``None``:
             unbounded).
         mask: optional :class:`gradsketch.masked.ParamMask` for the default
-            projector (only the selected entries are projected).
+            projector (only the selected entries are projected; only the
+            parameters it selects entries of are differentiated).
         precision: GEMM precision of scoring (``"float32"``, ``"bf16x3"``, ``"auto"``).
         progress: show tqdm bars.
         chunk_rows: rows per chunk of the stored features (default: about
@@ -286,17 +295,11 @@ class TRAKer:
         self.precision = precision
         self.progress = progress
         self.load_from_save_dir = bool(load_from_save_dir)
-        self.grad_wrt = None if grad_wrt is None else list(grad_wrt)
+        self.grad_wrt = select_parameters(model, grad_wrt, mask)
 
         params = dict(model.named_parameters())
         self.num_params = sum(p.numel() for p in params.values())
         if self.grad_wrt is not None:
-            unknown = [n for n in self.grad_wrt if n not in params]
-            if unknown:
-                raise ValueError(
-                    f"`grad_wrt` names {unknown} are not parameters of the model; allowed names "
-                    f"are {list(params)}."
-                )
             self.num_params_for_grad = sum(params[n].numel() for n in self.grad_wrt)
         else:
             self.num_params_for_grad = self.num_params
@@ -356,6 +359,7 @@ class TRAKer:
         self._exp: str | None = None
         self._exp_model_id: int | None = None
         self._exp_done: np.ndarray | None = None
+        self._exp_per_token = False
         self._last_ind_target = 0
         self.scores: Any = None
 
@@ -509,7 +513,8 @@ class TRAKer:
         gradients are not recomputed.
 
         Args:
-            batch: tuple of ``[B, ...]`` tensors, as the task expects.
+            batch: tuple of ``[B, ...]`` tensors, as the task expects, or (for
+                the Hugging Face tasks) a dict such as a tokenizer returns.
             inds: ``[B]`` row indices in the training set.
             num_samples: ``B``, when rows follow the previous batch.
         """
@@ -518,6 +523,7 @@ class TRAKer:
                 "no checkpoint loaded; call traker.load_checkpoint(state_dict, model_id) "
                 "before featurize."
             )
+        batch = as_task_batch(self.task, batch)
         idx = _resolve_inds(inds, num_samples, self._last_ind, self.train_set_size, "featurize")
         if num_samples is not None:
             self._last_ind += int(num_samples)
@@ -544,8 +550,12 @@ class TRAKer:
         )
         self._done[idx] = True
 
-    def featurize_loader(self, loader: Iterable[Sequence[Tensor]]) -> None:
+    def featurize_loader(self, loader: Iterable[Any], *, batch_size: int = 16) -> None:
         """Featurize every batch of ``loader`` in order, with a progress bar.
+
+        ``loader`` yields tuple or dict batches, or is a ``datasets.Dataset``
+        with the task's columns (read in order, ``batch_size`` rows at a time,
+        ragged token columns right-padded and masked).
 
         Under ``torch.distributed``, an in-order map-style ``DataLoader`` is
         re-batched over this rank's rows still to do, so each rank loads only
@@ -558,7 +568,7 @@ class TRAKer:
                 "before featurize_loader."
             )
         self._last_ind = self._run_loader(
-            loader,
+            as_loader(loader, self.task, batch_size),
             self.featurize,
             self._done,
             self._owned,
@@ -569,7 +579,7 @@ class TRAKer:
 
     def _run_loader(
         self,
-        loader: Iterable[Sequence[Tensor]],
+        loader: Iterable[Any],
         step: Any,
         done: np.ndarray,
         owned: np.ndarray,
@@ -586,12 +596,14 @@ class TRAKer:
             rows = np.nonzero(owned[window] & ~done[window])[0]
             sharded = shard_loader(loader, rows)
         if sharded is None:
-            for batch in tqdm(loader, desc=desc, disable=disable):
+            for raw in tqdm(loader, desc=desc, disable=disable):
+                batch = as_task_batch(self.task, raw)
                 step(batch, num_samples=int(batch[0].shape[0]))
                 first_row += int(batch[0].shape[0])
             return first_row
         start = 0
-        for batch in tqdm(sharded, desc=desc, disable=disable):
+        for raw in tqdm(sharded, desc=desc, disable=disable):
+            batch = as_task_batch(self.task, raw)
             count = int(batch[0].shape[0])
             step(batch, inds=first_row + rows[start : start + count])
             start += count
@@ -697,23 +709,48 @@ class TRAKer:
         checkpoint: Mapping[str, Any],
         model_id: int,
         num_targets: int,
+        *,
+        per_token: bool = False,
     ) -> None:
         """Load ``checkpoint`` to compute target features of experiment ``exp_name``.
 
+        Args:
+            exp_name: the experiment's name.
+            checkpoint: the state dict of checkpoint ``model_id``.
+            model_id: the checkpoint's id (featurized before).
+            num_targets: number of targets m.
+            per_token: also keep one feature per target token, for
+                :meth:`finalize_scores` with ``per_token=True`` (tasks with a
+                ``per_token_batch``, as ``"language_modeling"``; each target
+                costs ``T`` per-example gradients).
+
         Raises:
-            SettingsMismatchError: ``exp_name`` exists with another ``num_targets``.
+            SettingsMismatchError: ``exp_name`` exists with another ``num_targets``
+                or ``per_token``.
         """
         if not exp_name or "/" in exp_name:
             raise ValueError(f"`exp_name` must be a non-empty name without '/', got {exp_name!r}.")
         if isinstance(num_targets, bool) or not isinstance(num_targets, int) or num_targets < 1:
             raise ValueError(f"`num_targets` must be a positive int, got {num_targets!r}.")
+        if per_token and not callable(getattr(self.task, "per_token_batch", None)):
+            raise ValueError(
+                f"`per_token`=True needs a task with per-token outputs (a `per_token_batch` "
+                f"method, as 'language_modeling' has); {type(self.task).__name__} has none."
+            )
+        if per_token and rank_and_world()[1] > 1:
+            raise ValueError(
+                "`per_token`=True is not supported under torch.distributed yet; score the "
+                "per-token targets in one process."
+            )
         require_same_across_ranks(
             (exp_name, int(model_id), num_targets, checkpoint_fingerprint(checkpoint)),
             what="(exp_name, model_id, num_targets, checkpoint fingerprint)",
         )
         exp_dir = self.save_dir / self._exp_dir(exp_name)
         rec_path = exp_dir / "experiment.json"
-        requested = {"num_targets": num_targets}
+        requested: dict[str, Any] = {"num_targets": num_targets}
+        if per_token:
+            requested["per_token"] = True
         base = f"{self._exp_dir(exp_name)}/{int(model_id)}"
         with rank_zero_first():
             exp_dir.mkdir(parents=True, exist_ok=True)
@@ -724,6 +761,12 @@ class TRAKer:
                         f"experiment {exp_name!r} in `{self.save_dir}` has num_targets="
                         f"{stored.get('num_targets')}, requested {num_targets}. Use a new "
                         "exp_name."
+                    )
+                if bool(stored.get("per_token", False)) != bool(per_token):
+                    raise SettingsMismatchError(
+                        f"experiment {exp_name!r} in `{self.save_dir}` has per_token="
+                        f"{bool(stored.get('per_token', False))}, requested {per_token}. Use a "
+                        "new exp_name."
                     )
             else:
                 write_record(rec_path, requested)
@@ -739,6 +782,7 @@ class TRAKer:
         self._load_weights(checkpoint, model_id)
         self._exp, self._exp_model_id = exp_name, int(model_id)
         self._exp_num_targets = num_targets
+        self._exp_per_token = bool(per_token)
         self._last_ind_target = 0
 
     def score(
@@ -749,6 +793,7 @@ class TRAKer:
             raise ModelIDException(
                 "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before score."
             )
+        batch = as_task_batch(self.task, batch)
         idx = _resolve_inds(
             inds, num_samples, self._last_ind_target, self._exp_num_targets, "score"
         )
@@ -763,25 +808,50 @@ class TRAKer:
             keep = torch.as_tensor(np.nonzero(todo)[0])
             batch = tuple(t.index_select(0, keep.to(t.device)) for t in batch)
             idx = idx[todo]
-        phi = self._features(batch, self._exp_model_id)
         base = f"{self._exp_dir(self._exp)}/{self._exp_model_id}"
-        self.store.write_rows(
-            idx,
-            {f"{base}/grads": phi.detach().to(self.dtype).cpu().numpy()},
-            done=f"{base}/done",
-            background=True,
-        )
+        rows: dict[str, np.ndarray] = {}
+        if self._exp_per_token:
+            # f = Σ_t f_t: the target's feature is the sum of its tokens' features.
+            size, length = (int(s) for s in batch[0].shape[:2])
+            expanded = tuple(self.task.per_token_batch(batch))  # type: ignore[attr-defined]
+            tokens = self._features(expanded, self._exp_model_id).reshape(size, length, -1)
+            phi = tokens.sum(1)
+            name = self._token_array(base, length)
+            rows[name] = tokens.detach().reshape(size, -1).to(self.dtype).cpu().numpy()
+        else:
+            phi = self._features(batch, self._exp_model_id)
+        rows[f"{base}/grads"] = phi.detach().to(self.dtype).cpu().numpy()
+        self.store.write_rows(idx, rows, done=f"{base}/done", background=True)
         self._exp_done[idx] = True
 
-    def score_loader(self, loader: Iterable[Sequence[Tensor]]) -> None:
-        """Score every batch of ``loader`` in order (sharded like :meth:`featurize_loader`)."""
+    def _token_array(self, base: str, length: int) -> str:
+        """The ``[m, T * k]`` per-token target features of an experiment (made on first use)."""
+        name = f"{base}/token_grads"
+        width = length * self.proj_dim
+        if self.store.has(name):
+            stored = int(self.store.array(name).shape[1]) // self.proj_dim
+            if stored != length:
+                raise ValueError(
+                    f"per-token targets of experiment {self._exp!r} have {stored} tokens, this "
+                    f"batch has {length}; pad every target to the same length."
+                )
+        self.store.require_array(
+            name,
+            (self._exp_num_targets, width),
+            self._np_dtype,
+            chunk_rows=default_chunk_rows((width,), np.dtype(self._np_dtype)),
+        )
+        return name
+
+    def score_loader(self, loader: Iterable[Any], *, batch_size: int = 16) -> None:
+        """Score every batch of ``loader`` in order (inputs, sharding: see ``featurize_loader``)."""
         if self._exp_done is None or self._exp_owned is None:
             raise ModelIDException(
                 "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before "
                 "score_loader."
             )
         self._last_ind_target = self._run_loader(
-            loader,
+            as_loader(loader, self.task, batch_size),
             self.score,
             self._exp_done,
             self._exp_owned,
@@ -790,19 +860,10 @@ class TRAKer:
         )
         self.store.flush()
 
-    def finalize_scores(
-        self,
-        exp_name: str,
-        model_ids: Iterable[int] | None = None,
-        allow_skip: bool = False,
-    ) -> Any:
-        """Ensemble the checkpoints' scores for experiment ``exp_name``.
-
-        Returns:
-            ``[train_set_size, num_targets]`` float32 scores: a numpy array, or
-            (when it exceeds ``memory_budget``) the zarr array
-            ``save_dir/scores/<exp_name>`` on disk. Both are also saved there.
-        """
+    def _scoring_inputs(
+        self, exp_name: str, model_ids: Iterable[int] | None, allow_skip: bool
+    ) -> tuple[dict[str, Any], list[int], list[CheckpointGrads]]:
+        """The experiment's record, the usable model ids and their scoring inputs."""
         # Every rank's target features must be on disk before anyone reads them.
         self.store.flush()
         barrier()
@@ -812,12 +873,13 @@ class TRAKer:
                 f"experiment {exp_name!r} does not exist in `{self.save_dir}`; start it with "
                 "start_scoring_checkpoint(...) and score targets first."
             )
-        num_targets = int(read_record(rec_path)["num_targets"])
+        experiment = read_record(rec_path)
         ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
         require_same_across_ranks((exp_name, ids), what="(exp_name, model ids) to score")
         if not ids:
             raise ModelIDException(f"no model ids to score in `{self.save_dir}`.")
         ckpts: list[CheckpointGrads] = []
+        used: list[int] = []
         for model_id in ids:
             record = self._ckpt_record(model_id)
             base = f"{self._exp_dir(exp_name)}/{model_id}"
@@ -835,6 +897,7 @@ class TRAKer:
                 raise ModelIDException(problem + "; or pass allow_skip=True.")
             cbase = self._ckpt(model_id)
             has_features = bool(record.get("features"))
+            used.append(model_id)
             ckpts.append(
                 CheckpointGrads(
                     train=self.store.array(
@@ -850,6 +913,35 @@ class TRAKer:
             raise ModelIDException(
                 f"every model id was skipped for {exp_name!r}; nothing to score."
             )
+        return experiment, used, ckpts
+
+    def finalize_scores(
+        self,
+        exp_name: str,
+        model_ids: Iterable[int] | None = None,
+        allow_skip: bool = False,
+        *,
+        per_token: bool = False,
+    ) -> Any:
+        """Ensemble the checkpoints' scores for experiment ``exp_name``.
+
+        Args:
+            exp_name: the experiment.
+            model_ids: checkpoints to ensemble (default: all featurized).
+            allow_skip: skip checkpoints not finalized or not scored.
+            per_token: scores of each target token (the experiment was started
+                with ``per_token=True``): ``[n, m, T]``, summing over ``T`` to
+                the ``[n, m]`` scores. Computed in memory and not saved.
+
+        Returns:
+            ``[train_set_size, num_targets]`` float32 scores: a numpy array, or
+            (when it exceeds ``memory_budget``) the zarr array
+            ``save_dir/scores/<exp_name>`` on disk. Both are also saved there.
+        """
+        experiment, used, ckpts = self._scoring_inputs(exp_name, model_ids, allow_skip)
+        num_targets = int(experiment["num_targets"])
+        if per_token:
+            return self._per_token_scores(exp_name, experiment, used, ckpts)
         n, m = self.train_set_size, num_targets
         on_disk = self.memory_budget is not None and 4 * n * m > self.memory_budget
         rank, world = rank_and_world()
@@ -878,11 +970,85 @@ class TRAKer:
                 arr[:] = scores
             (self.save_dir / "scores").mkdir(exist_ok=True)
             (self.save_dir / "scores" / f"{exp_name}.json").write_text(
-                json.dumps({"model_ids": [int(i) for i in ids], "num_targets": m}) + "\n"
+                json.dumps({"model_ids": [int(i) for i in used], "num_targets": m}) + "\n"
             )
         barrier()
         self.scores = scores
         return scores
+
+    def _per_token_scores(
+        self,
+        exp_name: str,
+        experiment: Mapping[str, Any],
+        model_ids: Sequence[int],
+        ckpts: Sequence[CheckpointGrads],
+    ) -> np.ndarray:
+        """``[n, m, T]`` scores of each target token (targets' token features in memory)."""
+        if not experiment.get("per_token"):
+            raise ValueError(
+                f"experiment {exp_name!r} was not started with per_token=True; start a new one "
+                "with start_scoring_checkpoint(..., per_token=True) to get per-token scores."
+            )
+        n, m = self.train_set_size, int(experiment["num_targets"])
+        if self.memory_budget is not None and 4 * n * m > self.memory_budget:
+            raise ValueError(
+                f"per-token scores need at least {4 * n * m} bytes but `memory_budget`="
+                f"{self.memory_budget}; score fewer targets per experiment."
+            )
+        tokens = []
+        for model_id in model_ids:
+            # The targets' rows: [m, T * k] stored, [m * T, k] for the kernel.
+            name = f"{self._exp_dir(exp_name)}/{model_id}/token_grads"
+            stored = np.asarray(self.store.array(name)[:], dtype=np.float32)
+            tokens.append(stored.reshape(m * (stored.shape[1] // self.proj_dim), self.proj_dim))
+        length = tokens[0].shape[0] // m
+        per_token = [
+            CheckpointGrads(
+                ck.train, torch.from_numpy(t), ck.out_to_loss, ck.xtx, ck.preconditioned
+            )
+            for ck, t in zip(ckpts, tokens)
+        ]
+        scores = score_checkpoints(
+            per_token,
+            self.lambda_reg,
+            self.memory_budget,
+            precision=self.precision,
+            device=self.device,
+            progress=self.progress,
+        )
+        return np.asarray(scores).reshape(n, m, length)
+
+    def topk(
+        self,
+        exp_name: str,
+        k: int,
+        model_ids: Iterable[int] | None = None,
+        allow_skip: bool = False,
+    ) -> TopK:
+        """The ``k`` top proponents and opponents of each target of ``exp_name``.
+
+        Streams the score tiles of :meth:`finalize_scores` (sized by
+        ``memory_budget``) into running top-k lists: the ``[n, m]`` score
+        matrix is never formed, memory is ``O((block + k) * m)``.
+
+        Returns:
+            :class:`~gradsketch.attribution.TopK` with ``[k, m]`` training-row
+            indices and scores (proponents highest first, opponents lowest first).
+        """
+        if rank_and_world()[1] > 1:
+            raise ValueError(
+                "TRAKer.topk is not supported under torch.distributed yet; call it in one "
+                "process on the finalized store."
+            )
+        _, _, ckpts = self._scoring_inputs(exp_name, model_ids, allow_skip)
+        return topk_checkpoints(
+            ckpts,
+            k,
+            self.lambda_reg,
+            self.memory_budget,
+            device=self.device,
+            progress=self.progress,
+        )
 
     def _distributed_scores(
         self, exp_name: str, ckpts: Sequence[CheckpointGrads], n: int, m: int, on_disk: bool

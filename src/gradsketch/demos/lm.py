@@ -58,6 +58,12 @@ logger = logging.getLogger(__name__)
 #: Name of the TRAK experiment holding the query chunks.
 EXPERIMENT = "stdlib_queries"
 
+#: The LDS's subsets are random halves of the training chunks.
+LDS_SUBSET_FRACTION = 0.5
+
+#: What the LDS correlates with the predicted subset sums.
+LDS_MEASUREMENT = "summed log-likelihood of the query chunk"
+
 #: Model families the demo can build (GPT-2 is the demo's; the others share the hook path).
 ARCHITECTURES = ("gpt2", "llama", "gpt_neox")
 
@@ -100,7 +106,8 @@ class LMDemoSettings:
         top_k: proponents and opponents per query in the report.
         report_queries: queries shown in the report.
         seed: seeds the split, the models, the projector and the LDS subsets.
-        threads: torch intra-op threads during the run.
+        threads: torch intra-op threads during the run (1 by default: on a shared
+            machine, OpenMP threads that wait for each other cost more than they gain).
         modules: standard-library files of the corpus.
     """
 
@@ -109,7 +116,7 @@ class LMDemoSettings:
     width: int = 64
     n_head: int = 2
     chunk_len: int = 64
-    num_train: int = 1024
+    num_train: int = 768
     num_queries: int = 16
     epochs: int = 4
     batch_size: int = 32
@@ -118,11 +125,11 @@ class LMDemoSettings:
     num_checkpoints: int = 2
     proj_dim: int = 512
     lambda_reg: float | str = 0.0
-    lds_models: int = 24
+    lds_models: int = 20
     top_k: int = 3
     report_queries: int = 8
     seed: int = 0
-    threads: int = 2
+    threads: int = 1
     modules: tuple[str, ...] = STDLIB_MODULES
 
     def __post_init__(self) -> None:
@@ -350,8 +357,9 @@ def attribute(
     settings: LMDemoSettings,
     save_dir: str | Path,
     *,
+    per_token: bool = True,
     progress: bool = False,
-) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
     """TRAK scores of the queries, whole and per token, ensembled over ``models``.
 
     Args:
@@ -360,11 +368,13 @@ def attribute(
         query_ids: ``[m, T]`` query chunks.
         settings: the demo's settings (projection, damping, batch size, seed).
         save_dir: the TRAK store's folder.
+        per_token: also compute per-token scores (``T`` gradients per query).
         progress: show progress bars.
 
     Returns:
         ``scores [n, m]``, ``token_scores [n, m, T]`` (summing over ``T`` to
-        ``scores``) and a record of the TRAKer's settings.
+        ``scores``; ``None`` without ``per_token``) and a record of the
+        TRAKer's settings.
     """
     import gradsketch.attribution._lm  # noqa: F401  (registers "language_modeling")
     from gradsketch.attribution import HookGradientComputer, TRAKer
@@ -393,15 +403,17 @@ def attribute(
     traker.finalize_features()
     for model_id, model in enumerate(models):
         traker.start_scoring_checkpoint(
-            EXPERIMENT, model.state_dict(), model_id=model_id, num_targets=m, per_token=True
+            EXPERIMENT, model.state_dict(), model_id=model_id, num_targets=m, per_token=per_token
         )
         # Per-token scoring runs T per-example gradients per query: smaller batches.
-        step = max(1, bs // 8)
+        step = max(1, bs // 8) if per_token else bs
         for start in range(0, m, step):
             batch = _lm_batch(query_ids[start : start + step])
             traker.score(batch, num_samples=int(batch[0].shape[0]))
     scores = np.asarray(traker.finalize_scores(EXPERIMENT))
-    token_scores = np.asarray(traker.finalize_scores(EXPERIMENT, per_token=True))
+    token_scores = (
+        np.asarray(traker.finalize_scores(EXPERIMENT, per_token=True)) if per_token else None
+    )
     record = {
         "proj_dim": int(traker.proj_dim),
         "projector": traker.settings.projector,
@@ -479,6 +491,7 @@ def run_lm_demo(
         scores, token_scores, trak_record = attribute(
             models, train_ids, query_ids, s, store, progress=progress
         )
+        assert token_scores is not None
         timings["attribute_s"] = time.perf_counter() - start
 
         log_lik = sequence_log_likelihood(models[0], query_ids)
@@ -559,24 +572,25 @@ def run_lm_demo(
     return summary
 
 
-def _lds(
-    s: LMDemoSettings,
-    train_ids: Tensor,
-    query_ids: Tensor,
-    scores: np.ndarray,
-    progress: bool,
-) -> tuple[float | None, list[float | None], dict[str, Any]]:
-    from gradsketch.attribution import lds_ground_truth, linear_datamodeling_score
+def lds_truth(
+    s: LMDemoSettings, train_ids: Tensor, query_ids: Tensor, *, progress: bool = False
+) -> Any:
+    """Retrain on ``s.lds_models`` random halves; each query's summed log-likelihood.
 
-    record: dict[str, Any] = {
-        "num_models": s.lds_models,
-        "subset_fraction": 0.5,
-        "measurement": "summed log-likelihood of the query chunk",
-        "training": "same settings as the checkpoints; model i seeded with seed + 1 + i",
-        "subset_seed": s.seed,
-    }
-    if s.lds_models == 0:
-        return None, [], record
+    Model ``i`` is :func:`train_lm` on subset ``i`` with seed ``s.seed + 1 + i``
+    (the subsets come from ``s.seed``; see
+    :func:`~gradsketch.attribution.lds_ground_truth`).
+
+    Returns:
+        :class:`~gradsketch.attribution.LDSGroundTruth`: ``[lds_models, n]``
+        masks and ``[lds_models, m]`` log-likelihoods.
+    """
+    from gradsketch.attribution import lds_ground_truth
+
+    if s.lds_models < 3:
+        raise LMDemoSettingsError(
+            f"`lds_models`={s.lds_models}: the LDS needs at least 3 retrained models."
+        )
 
     def train(idx: np.ndarray, seed: int) -> nn.Module:
         return train_lm(train_ids[torch.as_tensor(idx)], s, seed=seed)[0]
@@ -584,10 +598,36 @@ def _lds(
     def evaluate(model: nn.Module) -> np.ndarray:
         return sequence_log_likelihood(model, query_ids)
 
-    truth = lds_ground_truth(
-        train, evaluate, int(train_ids.shape[0]), s.lds_models, 0.5, seed=s.seed,
+    return lds_ground_truth(
+        train,
+        evaluate,
+        int(train_ids.shape[0]),
+        s.lds_models,
+        LDS_SUBSET_FRACTION,
+        seed=s.seed,
         progress=progress,
     )
+
+
+def _lds(
+    s: LMDemoSettings,
+    train_ids: Tensor,
+    query_ids: Tensor,
+    scores: np.ndarray,
+    progress: bool,
+) -> tuple[float | None, list[float | None], dict[str, Any]]:
+    from gradsketch.attribution import linear_datamodeling_score
+
+    record: dict[str, Any] = {
+        "num_models": s.lds_models,
+        "subset_fraction": LDS_SUBSET_FRACTION,
+        "measurement": LDS_MEASUREMENT,
+        "training": "same settings as the checkpoints; model i seeded with seed + 1 + i",
+        "subset_seed": s.seed,
+    }
+    if s.lds_models == 0:
+        return None, [], record
+    truth = lds_truth(s, train_ids, query_ids, progress=progress)
     lds, per_query = linear_datamodeling_score(
         scores, truth.subset_masks, truth.target_outputs, return_per_target=True
     )

@@ -1,4 +1,4 @@
-"""Language-model benchmark: featurization throughput and LDS, side by side with dattri and Kronfluence.
+"""LM benchmark: featurization throughput and LDS, side by side with dattri and Kronfluence.
 
 **Throughput** (``--part throughput``), in tokens per second, on two causal
 LMs built from configs (byte vocabulary of 257, random init, no dropout):
@@ -151,7 +151,7 @@ def _kronfluence_scores(
     workdir: str,
     batch_size: int,
 ) -> np.ndarray:
-    """``[n_train, n_query]`` Kronfluence scores of ``strategy`` on a Linear-only copy of ``model``."""
+    """``[n_train, n_query]`` Kronfluence scores of ``strategy`` on a Linear-only ``model`` copy."""
     import copy
     import logging
 
@@ -306,7 +306,8 @@ def lds(arch: str, num_train: int, num_queries: int, lds_models: int, epochs: in
         epochs=epochs,
         lds_models=lds_models,
         num_checkpoints=1,
-        proj_dim=512,
+        # Below n, so that ΦᵀΦ is invertible without damping.
+        proj_dim=min(512, num_train // 2),
     )
     corpus = load_corpus(s.modules, chunk_len=s.chunk_len)
     train_idx, query_idx = split_chunks(len(corpus), num_train, num_queries, seed=s.seed)

@@ -1,4 +1,4 @@
-"""The language-model demo: corpus, training, report, the run end to end, and its page in a browser."""
+"""The language-model demo: corpus, training, report, a run end to end, its page in a browser."""
 
 from __future__ import annotations
 
@@ -135,9 +135,7 @@ def test_log_likelihood_matches_a_float64_loop() -> None:
     with torch.no_grad():
         logits = model(input_ids=ids).logits.double()
     for b in range(3):
-        ref = sum(
-            float(torch.log_softmax(logits[b, t - 1], -1)[ids[b, t]]) for t in range(1, 64)
-        )
+        ref = sum(float(torch.log_softmax(logits[b, t - 1], -1)[ids[b, t]]) for t in range(1, 64))
         assert got[b] == pytest.approx(ref, rel=1e-12, abs=1e-9)
 
 
@@ -254,7 +252,7 @@ def _chromium() -> str | None:
 
 @pytest.mark.skipif(_chromium() is None, reason="no chromium on this machine")
 def test_report_renders_in_a_browser(tiny_run: tuple[Path, dict[str, Any]]) -> None:
-    """Headless Chromium loads the page; its DOM's numbers match ``scores`` and it paints shading."""
+    """Headless Chromium loads the page, its DOM's numbers match ``scores``, it paints shading."""
     from PIL import Image
 
     out = tiny_run[0]

@@ -108,11 +108,11 @@ def stdlib_dir() -> Path:
 
 
 def chunk_bytes(data: bytes, source: str, chunk_len: int) -> list[Chunk]:
-    """Non-overlapping ``chunk_len``-byte chunks of ``data`` (a trailing partial one dropped).
+    r"""Non-overlapping ``chunk_len``-byte chunks of ``data`` (a trailing partial one dropped).
 
     Example:
-        >>> [(c.offset, c.line, c.data) for c in chunk_bytes(b"ab\\ncd\\nef", "x.py", 3)]
-        [(0, 1, b'ab\\n'), (3, 2, b'cd\\n')]
+        >>> [(c.offset, c.line, c.data) for c in chunk_bytes(b"ab\ncd\nef", "x.py", 3)]
+        [(0, 1, b'ab\n'), (3, 2, b'cd\n')]
     """
     if isinstance(chunk_len, bool) or not isinstance(chunk_len, int) or chunk_len < 2:
         raise CorpusError(f"`chunk_len` must be an int >= 2, got {chunk_len!r}.")

@@ -121,9 +121,7 @@ def _rows(kind: str, items: Sequence[tuple[int, Chunk, float]]) -> str:
     return "".join(out)
 
 
-def render_report(
-    views: Sequence[QueryView], *, title: str, facts: Mapping[str, Any]
-) -> str:
+def render_report(views: Sequence[QueryView], *, title: str, facts: Mapping[str, Any]) -> str:
     """The report page as a string (see the module docstring).
 
     Args:
@@ -145,8 +143,8 @@ def render_report(
         sections.append(
             f'<section class="query" data-query="{v.query}" data-shaded-by="{v.shaded_by}">'
             f"<h2>Query {i + 1}: {html.escape(v.chunk.source)}:{v.chunk.line}"
-            f' <span class="meta">(log-likelihood {v.log_likelihood:.1f} nats; shaded by '
-            f"training chunk {v.shaded_by})</span></h2>"
+            f' <span class="meta">(log-likelihood {v.log_likelihood:.1f} nats; tokens shaded '
+            f"by proponent 1, training chunk {v.shaded_by})</span></h2>"
             f'<pre class="tokens">{shaded_tokens(v.chunk.data, v.token_scores)}</pre>'
             "<table><tr><th></th><th>score</th><th>source</th><th>training chunk</th></tr>"
             f"{_rows('proponent', v.proponents)}{_rows('opponent', v.opponents)}</table>"
@@ -166,7 +164,7 @@ def query_views(
     token_scores: np.ndarray,
     train_chunks: Sequence[Chunk],
     query_chunks: Sequence[Chunk],
-    log_likelihoods: Sequence[float],
+    log_likelihoods: Sequence[float] | np.ndarray,
     *,
     top_k: int,
     queries: Sequence[int],

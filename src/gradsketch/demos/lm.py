@@ -47,7 +47,6 @@ from gradsketch.demos._lm_corpus import (
     BYTE_VOCAB,
     EOS_ID,
     STDLIB_MODULES,
-    Corpus,
     load_corpus,
     split_chunks,
 )
@@ -158,8 +157,7 @@ class LMDemoSettings:
                 )
         if self.arch not in ARCHITECTURES:
             raise LMDemoSettingsError(
-                f"`arch` must be one of {', '.join(map(repr, ARCHITECTURES))}, got "
-                f"{self.arch!r}."
+                f"`arch` must be one of {', '.join(map(repr, ARCHITECTURES))}, got {self.arch!r}."
             )
         if self.width % self.n_head:
             raise LMDemoSettingsError(

@@ -91,7 +91,13 @@ def conv1d_to_linear(model: nn.Module) -> nn.Module:
         for child_name, child in list(module.named_children()):
             if isinstance(child, Conv1D):
                 w = child.weight
-                linear = nn.Linear(w.shape[0], w.shape[1], bias=child.bias is not None)
+                linear = nn.Linear(
+                    w.shape[0],
+                    w.shape[1],
+                    bias=child.bias is not None,
+                    dtype=w.dtype,
+                    device=w.device,
+                )
                 with torch.no_grad():
                     linear.weight.copy_(w.t())
                     if child.bias is not None:
@@ -103,7 +109,8 @@ def conv1d_to_linear(model: nn.Module) -> nn.Module:
 
 def _token_loss(logits: Tensor, ids: Tensor) -> Tensor:
     """``[B]`` summed next-token cross-entropy of each sequence."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    z = logits[:, :-1]
+    logp = torch.log_softmax(z.float() if z.dtype in (torch.float16, torch.bfloat16) else z, -1)
     return -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).sum(-1)
 
 
@@ -250,11 +257,11 @@ def throughput_worker(arch: str, shape: str, method: str, repeats: int) -> dict[
     return {"seconds": seconds, "proj_dim": proj_dim}
 
 
-def throughput(arch: str, shapes: list[str], repeats: int) -> None:
+def throughput(arch: str, shapes: list[str], repeats: int, methods: list[str]) -> None:
     for shape in shapes:
         layers, width, _, seq, batch = SHAPES[shape]
         results: dict[str, dict[str, Any]] = {}
-        for method in METHODS:
+        for method in methods:
             load = os.getloadavg()
             try:
                 out = run_isolated(
@@ -269,7 +276,7 @@ def throughput(arch: str, shapes: list[str], repeats: int) -> None:
                 last = str(err).strip().splitlines()[-1:] or ["?"]
                 results[method] = {"error": last[0][:300]}
             results[method]["loadavg_1min_before"] = round(load[0], 2)
-        base = results["forward+backward"].get("median_s")
+        base = results.get("forward+backward", {}).get("median_s")
         for method, res in results.items():
             record: dict[str, Any] = {
                 "bench": "lm_featurize",
@@ -367,12 +374,15 @@ def main() -> None:
     parser.add_argument("--arch", default="gpt2", help="gpt2, llama or gpt_neox")
     parser.add_argument("--quick", action="store_true", help="tiny shape only, small LDS")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shape", choices=list(SHAPES), action="append", help="repeatable")
+    parser.add_argument("--method", choices=METHODS, action="append", help="repeatable")
     args = parser.parse_args()
     setup_torch(1)
     emit({"bench": "lm", "machine": machine_info()})
     if args.part in ("throughput", "both"):
-        shapes = ["tiny"] if args.quick else list(SHAPES)
-        throughput(args.arch, shapes, 1 if args.quick else args.repeats)
+        shapes = args.shape or (["tiny"] if args.quick else list(SHAPES))
+        methods = args.method or list(METHODS)
+        throughput(args.arch, shapes, 1 if args.quick else args.repeats, methods)
     if args.part in ("lds", "both"):
         if args.quick:
             lds(args.arch, num_train=128, num_queries=8, lds_models=6, epochs=2)

@@ -95,7 +95,8 @@ class LMDemoSettings:
         num_train: training chunks.
         num_queries: held-out query chunks scored.
         epochs: passes over the training chunks (also for the LDS models).
-        batch_size: chunks per optimiser step and per featurize / score call.
+        batch_size: chunks per optimiser step.
+        featurize_batch_size: chunks per featurize / score call.
         lr: AdamW learning rate (linear decay to 0 over the run).
         weight_decay: AdamW weight decay.
         num_checkpoints: independently seeded models TRAK ensembles over.
@@ -118,8 +119,9 @@ class LMDemoSettings:
     num_train: int = 768
     num_queries: int = 16
     epochs: int = 4
-    batch_size: int = 32
-    lr: float = 3e-3
+    batch_size: int = 8
+    featurize_batch_size: int = 32
+    lr: float = 1e-3
     weight_decay: float = 0.01
     num_checkpoints: int = 2
     proj_dim: int = 512
@@ -141,6 +143,7 @@ class LMDemoSettings:
             "num_queries": 1,
             "epochs": 1,
             "batch_size": 1,
+            "featurize_batch_size": 1,
             "num_checkpoints": 1,
             "proj_dim": 1,
             "lds_models": 0,
@@ -392,7 +395,7 @@ def attribute(
         progress=progress,
         logging_level=logging.WARNING,
     )
-    bs = settings.batch_size
+    bs = settings.featurize_batch_size
     for model_id, model in enumerate(models):
         traker.load_checkpoint(model.state_dict(), model_id=model_id)
         for start in range(0, n, bs):

@@ -38,11 +38,17 @@ log-likelihood), so its scores enter the LDS unchanged.
     python benchmarks/bench_lm.py                  # both parts
     python benchmarks/bench_lm.py --quick          # tiny model only, smaller LDS
     python benchmarks/bench_lm.py --part lds --arch llama
+    python benchmarks/bench_lm.py --part lds --from-demo demo_lm_out   # the demo's own LDS
+
+With ``--from-demo`` the LDS part reuses a finished demo run: its first
+checkpoint, its ground truth (``lds_truth.npz``) and its ensemble scores,
+so the comparison is on exactly the demo's protocol without retraining.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -301,10 +307,62 @@ def throughput(arch: str, shapes: list[str], repeats: int, methods: list[str]) -
 
 
 # -- LDS -----------------------------------------------------------------------------
-def lds(arch: str, num_train: int, num_queries: int, lds_models: int, epochs: int) -> None:
+def _compare(
+    s: Any,
+    model: nn.Module,
+    train_ids: Tensor,
+    query_ids: Tensor,
+    masks: np.ndarray,
+    outputs: np.ndarray,
+    common: dict[str, Any],
+    extra: dict[str, np.ndarray],
+) -> None:
+    """LDS of gradsketch TRAK (one checkpoint), ``extra`` scores and Kronfluence's strategies."""
     from gradsketch.attribution import linear_datamodeling_score
+    from gradsketch.demos.lm import attribute
+
+    for method, scores in extra.items():
+        emit({**common, "method": method, "lds": linear_datamodeling_score(scores, masks, outputs)})
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        scores, _, record = attribute(
+            [model], train_ids, query_ids, s, Path(tmp) / "trak", per_token=False
+        )
+        seconds = time.perf_counter() - start
+        emit(
+            {
+                **common,
+                "method": "gradsketch TRAK (hooks+factorized, 1 checkpoint)",
+                "proj_dim": record["proj_dim"],
+                "lds": linear_datamodeling_score(scores, masks, outputs),
+                "seconds": seconds,
+            }
+        )
+        for strategy in ("identity", "ekfac"):
+            start = time.perf_counter()
+            try:
+                kf = _kronfluence_scores(
+                    model, train_ids, query_ids, strategy, str(Path(tmp) / "kf"), 32
+                )
+            except Exception as err:  # reported, not dropped
+                emit({**common, "method": f"kronfluence {strategy}", "error": str(err)[:300]})
+                continue
+            seconds = time.perf_counter() - start
+            value = linear_datamodeling_score(kf, masks, outputs)
+            emit({**common, "method": f"kronfluence {strategy}", "lds": value, "seconds": seconds})
+
+
+def _split(s: Any) -> tuple[Tensor, Tensor]:
     from gradsketch.demos._lm_corpus import load_corpus, split_chunks
-    from gradsketch.demos.lm import LMDemoSettings, attribute, lds_truth, train_lm
+
+    corpus = load_corpus(s.modules, chunk_len=s.chunk_len)
+    train_idx, query_idx = split_chunks(len(corpus), s.num_train, s.num_queries, seed=s.seed)
+    return corpus.token_ids(train_idx), corpus.token_ids(query_idx)
+
+
+def lds(arch: str, num_train: int, num_queries: int, lds_models: int, epochs: int) -> None:
+    """Train one model and its LDS ground truth here, then compare the methods on them."""
+    from gradsketch.demos.lm import LMDemoSettings, lds_truth, train_lm
 
     s = LMDemoSettings(
         arch=arch,
@@ -316,17 +374,15 @@ def lds(arch: str, num_train: int, num_queries: int, lds_models: int, epochs: in
         # Below n, so that ΦᵀΦ is invertible without damping.
         proj_dim=min(512, num_train // 2),
     )
-    corpus = load_corpus(s.modules, chunk_len=s.chunk_len)
-    train_idx, query_idx = split_chunks(len(corpus), num_train, num_queries, seed=s.seed)
-    train_ids, query_ids = corpus.token_ids(train_idx), corpus.token_ids(query_idx)
+    train_ids, query_ids = _split(s)
     start = time.perf_counter()
     model, _ = train_lm(train_ids, s, seed=s.seed + 1)
     train_s = time.perf_counter() - start
     start = time.perf_counter()
     truth = lds_truth(s, train_ids, query_ids)
-    truth_s = time.perf_counter() - start
     common = {
         "bench": "lm_lds",
+        "source": "trained here",
         "arch": arch,
         "num_train": num_train,
         "num_queries": num_queries,
@@ -334,36 +390,38 @@ def lds(arch: str, num_train: int, num_queries: int, lds_models: int, epochs: in
         "epochs": epochs,
         "measurement": "summed log-likelihood of the query chunk",
         "train_s": train_s,
-        "ground_truth_s": truth_s,
+        "ground_truth_s": time.perf_counter() - start,
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        scores, _, record = attribute(
-            [model], train_ids, query_ids, s, Path(tmp) / "trak", per_token=False
-        )
-        seconds = time.perf_counter() - start
-        value = linear_datamodeling_score(scores, truth.subset_masks, truth.target_outputs)
-        emit(
-            {
-                **common,
-                "method": "gradsketch TRAK (hooks+factorized, 1 checkpoint)",
-                "proj_dim": record["proj_dim"],
-                "lds": value,
-                "seconds": seconds,
-            }
-        )
-        for strategy in ("identity", "ekfac"):
-            start = time.perf_counter()
-            try:
-                kf = _kronfluence_scores(
-                    model, train_ids, query_ids, strategy, str(Path(tmp) / "kf"), 32
-                )
-            except Exception as err:
-                emit({**common, "method": f"kronfluence {strategy}", "error": str(err)[:300]})
-                continue
-            seconds = time.perf_counter() - start
-            value = linear_datamodeling_score(kf, truth.subset_masks, truth.target_outputs)
-            emit({**common, "method": f"kronfluence {strategy}", "lds": value, "seconds": seconds})
+    _compare(s, model, train_ids, query_ids, truth.subset_masks, truth.target_outputs, common, {})
+
+
+def lds_from_demo(demo_dir: str) -> None:
+    """Compare the methods on the LM demo's first checkpoint and LDS ground truth."""
+    from gradsketch.demos.lm import LMDemoSettings, build_lm
+
+    folder = Path(demo_dir)
+    summary = json.loads((folder / "summary.json").read_text())
+    fields = {**summary["settings"], "modules": tuple(summary["settings"]["modules"])}
+    s = LMDemoSettings(**fields)
+    train_ids, query_ids = _split(s)
+    model = build_lm(s, seed=0)
+    model.load_state_dict(torch.load(folder / "model_0.pt", weights_only=True))
+    model.eval()
+    truth = np.load(folder / "lds_truth.npz")
+    common = {
+        "bench": "lm_lds",
+        "source": f"LM demo run in {demo_dir}",
+        "arch": s.arch,
+        "num_train": s.num_train,
+        "num_queries": s.num_queries,
+        "lds_models": s.lds_models,
+        "epochs": s.epochs,
+        "measurement": summary["lds_protocol"]["measurement"],
+    }
+    extra = {
+        f"gradsketch TRAK (demo, {s.num_checkpoints} checkpoints)": np.load(folder / "scores.npy")
+    }
+    _compare(s, model, train_ids, query_ids, truth["masks"], truth["outputs"], common, extra)
 
 
 def main() -> None:
@@ -376,6 +434,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shape", choices=list(SHAPES), action="append", help="repeatable")
     parser.add_argument("--method", choices=METHODS, action="append", help="repeatable")
+    parser.add_argument(
+        "--from-demo", metavar="DIR", help="LDS on a finished LM demo run (its model and truth)"
+    )
     args = parser.parse_args()
     setup_torch(1)
     emit({"bench": "lm", "machine": machine_info()})
@@ -384,7 +445,9 @@ def main() -> None:
         methods = args.method or list(METHODS)
         throughput(args.arch, shapes, 1 if args.quick else args.repeats, methods)
     if args.part in ("lds", "both"):
-        if args.quick:
+        if args.from_demo:
+            lds_from_demo(args.from_demo)
+        elif args.quick:
             lds(args.arch, num_train=128, num_queries=8, lds_models=6, epochs=2)
         else:
             lds(args.arch, num_train=512, num_queries=16, lds_models=16, epochs=3)

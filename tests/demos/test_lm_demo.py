@@ -235,6 +235,18 @@ def test_run_writes_consistent_outputs(tiny_run: tuple[Path, dict[str, Any]]) ->
     assert saved["lds"] is None or -1.0 <= saved["lds"] <= 1.0
     assert set(saved["corpus"]["files"]) == set(TINY["modules"])
     assert summary["lds"] == saved["lds"]
+    truth = np.load(out / "lds_truth.npz")
+    assert truth["masks"].shape == (3, TINY["num_train"])
+    assert truth["outputs"].shape == (3, TINY["num_queries"])
+    assert np.all(truth["masks"].sum(1) == TINY["num_train"] // 2)
+    # The saved first checkpoint is the model whose log-likelihoods the summary holds.
+    settings = {**saved["settings"], "modules": tuple(saved["settings"]["modules"])}
+    model = lm.build_lm(LMDemoSettings(**settings), seed=123)
+    model.load_state_dict(torch.load(out / "model_0.pt", weights_only=True))
+    queries = load_corpus(settings["modules"]).token_ids(saved["corpus"]["query_chunks"])
+    np.testing.assert_allclose(
+        lm.sequence_log_likelihood(model.eval(), queries), saved["query_log_likelihood"], rtol=1e-6
+    )
     chunks = json.loads((out / "chunks.json").read_text())
     assert len(chunks["train"]) == TINY["num_train"]
     _check_page_numbers((out / "report.html").read_text(encoding="utf-8"), out)

@@ -440,8 +440,11 @@ def run_lm_demo(
     (``[num_train, num_queries]``), ``token_scores.npy``
     (``[num_train, num_queries, chunk_len]``), ``chunks.json`` (the training
     and query chunks' source files, lines and offsets), ``summary.json``
-    (settings, corpus files and hashes, timings, losses, LDS) and the TRAK
-    store under ``trak_store/``.
+    (settings, corpus files and hashes, timings, losses, LDS), the first
+    checkpoint's weights (``model_0.pt``), the LDS ground truth
+    (``lds_truth.npz``: subset ``masks`` and retrained ``outputs``; both
+    read by ``benchmarks/bench_lm.py --from-demo``) and the TRAK store under
+    ``trak_store/``.
 
     Args:
         out_dir: output folder (created; an earlier run there is replaced).
@@ -497,10 +500,11 @@ def run_lm_demo(
 
         log_lik = sequence_log_likelihood(models[0], query_ids)
         start = time.perf_counter()
-        lds, per_query, lds_record = _lds(s, train_ids, query_ids, scores, progress)
+        lds, per_query, lds_record = _lds(s, out, train_ids, query_ids, scores, progress)
         timings["lds_s"] = time.perf_counter() - start
 
     np.save(out / "scores.npy", scores)
+    torch.save(models[0].state_dict(), out / "model_0.pt")
     np.save(out / "token_scores.npy", token_scores)
     train_chunks = [corpus.chunks[int(i)] for i in train_idx]
     query_chunks = [corpus.chunks[int(i)] for i in query_idx]
@@ -612,6 +616,7 @@ def lds_truth(
 
 def _lds(
     s: LMDemoSettings,
+    out: Path,
     train_ids: Tensor,
     query_ids: Tensor,
     scores: np.ndarray,
@@ -629,6 +634,7 @@ def _lds(
     if s.lds_models == 0:
         return None, [], record
     truth = lds_truth(s, train_ids, query_ids, progress=progress)
+    np.savez(out / "lds_truth.npz", masks=truth.subset_masks, outputs=truth.target_outputs)
     lds, per_query = linear_datamodeling_score(
         scores, truth.subset_masks, truth.target_outputs, return_per_target=True
     )

@@ -50,7 +50,7 @@ from gradsketch.attribution import (
     TransformerClassifier,
 )
 from gradsketch.attribution._digits import build_mlp, load_digits_split
-from gradsketch.attribution._hooks import HookGradientComputer
+from gradsketch.attribution._hook_computer import HookGradientComputer
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector
 
 PROJ_DIM = 2048

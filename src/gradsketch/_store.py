@@ -47,9 +47,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-import queue
 import shutil
-import threading
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -65,6 +63,7 @@ from gradsketch._settings import (
     settings_record,
     write_record,
 )
+from gradsketch._writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +75,8 @@ _Job = tuple[Any, dict[str, np.ndarray], str | None]
 
 #: Default bytes per chunk when ``chunk_rows`` is not given.
 DEFAULT_CHUNK_BYTES = 1 << 20
-#: Background writes queued at most (each a batch; the caller waits beyond).
+#: Background writes queued at most besides the one being written (each a
+#: batch; the caller waits beyond).
 WRITE_QUEUE = 4
 #: Queued writes are merged into one while their data stay under this size.
 MERGE_MAX_BYTES = 64 << 20
@@ -191,9 +191,7 @@ class RowStore:
         # Opened arrays, by name: a lookup through the group re-reads metadata
         # from disk (~1.5 ms), and an array's shape never changes once created.
         self._arrays: dict[str, zarr.Array] = {}
-        self._queue: queue.Queue[_Job | None] | None = None
-        self._writer: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._writer: BackgroundWriter[_Job] | None = None
 
     # -- write-behind -------------------------------------------------------
     def flush(self) -> None:
@@ -203,10 +201,11 @@ class RowStore:
             RuntimeError: a background write failed (the original exception is
                 chained); its rows stay unflagged and are redone by a rerun.
         """
-        if self._queue is not None and threading.current_thread() is not self._writer:
-            self._queue.join()
-        failure, self._failure = self._failure, None
-        if failure is not None:
+        if self._writer is None:
+            return
+        try:
+            self._writer.wait()
+        except BaseException as failure:
             raise RuntimeError(
                 f"a background write to the {self.what} at `{self.path}` failed: "
                 f"{failure!r}. Its rows were not flagged done; rerun to redo them."
@@ -217,63 +216,33 @@ class RowStore:
         try:
             self.flush()
         finally:
-            if self._queue is not None and self._writer is not None:
-                self._queue.put(None)
-                self._writer.join()
-            self._queue, self._writer = None, None
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                writer.close()
 
-    def _start_writer(self) -> queue.Queue[_Job | None]:
-        if self._queue is not None:
-            return self._queue
-        # A few queued batches: enough to overlap compute with writing and to
-        # merge small batches, while a kill loses little and memory stays bounded.
-        work: queue.Queue[_Job | None] = queue.Queue(maxsize=WRITE_QUEUE)
+    def _background(self) -> BackgroundWriter[_Job]:
+        if self._writer is not None:
+            return self._writer
         store_ref = weakref.ref(self)
 
-        def write(item: _Job, taken: int) -> None:
-            try:
-                store = store_ref()
-                if store is not None and store._failure is None:  # after a failure, write nothing
-                    try:
-                        store.write_rows(item[0], item[1], done=item[2])
-                    except BaseException as exc:  # re-raised by flush()
-                        store._failure = exc
-                del store
-            finally:
-                for _ in range(taken):
-                    work.task_done()
+        def write(job: _Job) -> None:
+            # A weak reference: the thread must not keep a dropped store alive.
+            store = store_ref()
+            if store is not None:
+                store.write_rows(job[0], job[1], done=job[2])
 
-        def run() -> None:
-            while True:
-                item = work.get()
-                if item is None:
-                    work.task_done()
-                    return
-                taken = 1
-                # Merge what else is queued: zarr's cost per write call (~1 ms
-                # per array) and per partly written chunk dwarfs a small batch's.
-                while True:
-                    try:
-                        nxt = work.get_nowait()
-                    except queue.Empty:
-                        break
-                    merged = None if nxt is None else _merge_jobs(item, nxt)
-                    if merged is not None:
-                        item, taken = merged, taken + 1
-                        continue
-                    write(item, taken)
-                    if nxt is None:
-                        work.task_done()
-                        return
-                    item, taken = nxt, 1
-                write(item, taken)
-
-        name = f"gradsketch-store-{id(self):x}"
-        self._writer = threading.Thread(target=run, name=name, daemon=True)
-        self._queue = work
-        self._writer.start()
+        # A few queued batches: enough to overlap compute with writing and to
+        # merge small batches (zarr's cost per write call, ~1 ms per array and
+        # per partly written chunk, dwarfs a small batch's), while a kill loses
+        # little and memory stays bounded.
+        self._writer = BackgroundWriter(
+            write,
+            max_pending=WRITE_QUEUE + 1,
+            merge=_merge_jobs,
+            name=f"gradsketch-store-{id(self):x}",
+        )
         atexit.register(_flush_at_exit, weakref.ref(self))
-        return work
+        return self._writer
 
     # -- arrays -------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -400,12 +369,13 @@ class RowStore:
                 first, so the caller may reuse its buffers.
         """
         if background:
-            if self._failure is not None:
+            writer = self._background()
+            if writer.failed:
                 self.flush()  # raises
             copies = {name: np.array(values, copy=True) for name, values in data.items()}
             if isinstance(rows, np.ndarray):
                 rows = rows.copy()
-            self._start_writer().put((rows, copies, done))
+            writer.submit((rows, copies, done))
             return
         names = list(data)
         if not names:

@@ -18,16 +18,18 @@ from gradsketch.attribution import (
     TransformerClassifier,
 )
 from gradsketch.attribution._digits import build_cnn, build_mlp
-from gradsketch.attribution._hooks import (
+from gradsketch.attribution._hook_computer import HookGradientComputer, WrappedModelError
+from gradsketch.attribution._layers import (
     GRAD_SAMPLERS,
     HookComputationError,
-    HookGradientComputer,
-    WrappedModelError,
-    register_batch_output,
     register_grad_sampler,
+)
+from gradsketch.attribution._modelout import (
+    AbstractModelOutput,
+    TextClassificationModelOutput,
+    register_batch_output,
     register_loss_grad_from_output,
 )
-from gradsketch.attribution._modelout import AbstractModelOutput, TextClassificationModelOutput
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector
 
 F64 = torch.float64
@@ -67,6 +69,21 @@ class Reused(nn.Module):
         return self.head(F.relu(self.lin(F.relu(self.lin(x), inplace=True))))
 
 
+class LearnedPositions(nn.Module):
+    """Positions embedded once as [1, T, D] and broadcast over the batch; an RMSNorm."""
+
+    def __init__(self, vocab: int = 11, seq: int = 5, width: int = 8) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq, width)
+        self.norm = nn.RMSNorm(width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        return self.head(self.norm(self.tok(tokens) + self.pos(positions)).tanh().mean(1))
+
+
 def _seeded(make):
     torch.manual_seed(0)
     return make().double().eval()
@@ -91,6 +108,7 @@ CASES = {
     "transformer": (TinyTransformer, lambda: token_batch()),
     "torch-encoder": (TorchEncoder, lambda: token_batch()),
     "reused-inplace-frozen": (Reused, lambda: image_batch(width=6)),
+    "learned-positions-rmsnorm": (LearnedPositions, lambda: token_batch()),
     # No output requires grad: every layer output needs the zero-add path.
     "all-frozen": (lambda: build_mlp(hidden=16, seed=0).requires_grad_(False), image_batch),
 }
@@ -458,6 +476,15 @@ ERRORS = [
         ),
         HookComputationError,
         r"module 'lin' \(Linear\) returned shape \(5, 2, 3\) for a batch of 2; .*batch on dim 0",
+    ),
+    (
+        # One position, sequence first: a leading 1 over a floating input is no broadcast.
+        "batch-not-first-one-position",
+        lambda: HookGradientComputer(SeqFirst(), TASK).compute_per_sample_grad(
+            (torch.randn(2, 1, 4), torch.tensor([0, 1]))
+        ),
+        HookComputationError,
+        r"module 'lin' \(Linear\) returned shape \(1, 2, 3\) for a batch of 2; .*batch on dim 0",
     ),
     (
         "projector-params",

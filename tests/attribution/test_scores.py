@@ -14,11 +14,10 @@ from gradsketch.attribution import (
     trak_scores,
 )
 from gradsketch.attribution import _linalg as linalg
+from gradsketch.attribution._io import block_plan, iter_row_blocks
 from gradsketch.attribution._linalg import (
     bf16x3_error_bound,
-    block_plan,
     damped_inverse,
-    iter_row_blocks,
     matmul_nt,
     resolve_lambda,
     xtx_blocked,

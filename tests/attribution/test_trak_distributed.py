@@ -42,7 +42,11 @@ from gradsketch.attribution import (
 )
 from gradsketch.attribution import _distributed as D
 from gradsketch.attribution._linalg import damped_inverse, xtx_blocked
-from gradsketch.attribution._scores import CheckpointGrads, score_checkpoints
+from gradsketch.attribution._scores import (
+    CheckpointGrads,
+    score_checkpoints,
+    scores_with_computer,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _launch import one_thread, torchrun
@@ -203,8 +207,12 @@ def test_score_computer_path_bit_equal_to_column_sharded_reference(runs):
     ]
     with one_thread():
         blocks = [
-            reader._scores_with_computer(
-                D.shard_checkpoint_targets(ckpts, column_shard(N_TARGETS, rank=r, world_size=WORLD))
+            scores_with_computer(
+                reader.score_computer,
+                D.shard_checkpoint_targets(
+                    ckpts, column_shard(N_TARGETS, rank=r, world_size=WORLD)
+                ),
+                device=reader.device,
             )
             for r in range(WORLD)
         ]

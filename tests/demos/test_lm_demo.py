@@ -26,7 +26,7 @@ from gradsketch.demos._lm_report import query_views, render_report, shaded_token
 from gradsketch.demos.lm import LMDemoSettings, LMDemoSettingsError, run_lm_demo
 
 #: Architecture of the end-to-end test: the demo's own.
-ARCH = "llama"
+ARCH = LMDemoSettings().arch
 
 #: A run small enough for the default suite (seconds on one thread).
 TINY: dict[str, Any] = {

@@ -26,14 +26,10 @@ from gradsketch.attribution._gradient_computers import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
 )
-from gradsketch.attribution._hooks import (
-    LOSS_GRAD_FROM_OUTPUT,
-    HookGradientComputer,
-    WrappedModelError,
-    register_batch_output,
+from gradsketch.attribution._hook_computer import HookGradientComputer, WrappedModelError
+from gradsketch.attribution._layers import (
     register_grad_sampler,
     register_layer_factors,
-    register_loss_grad_from_output,
     register_row_sparse_sampler,
 )
 from gradsketch.attribution._lds import LDSGroundTruth, lds_ground_truth, linear_datamodeling_score
@@ -44,11 +40,14 @@ from gradsketch.attribution._lm import (
 )
 from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import (
+    LOSS_GRAD_FROM_OUTPUT,
     TASK_TO_MODELOUT,
     AbstractModelOutput,
     ImageClassificationModelOutput,
     TextClassificationModelOutput,
     UnknownTaskError,
+    register_batch_output,
+    register_loss_grad_from_output,
     register_task,
 )
 from gradsketch.attribution._score_computers import (

@@ -65,7 +65,7 @@ from gradsketch.attribution._gradient_computers import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
 )
-from gradsketch.attribution._hooks import HookGradientComputer
+from gradsketch.attribution._hook_computer import HookGradientComputer
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,10 @@ from gradsketch.attribution._modelout import AbstractModelOutput
 logger = logging.getLogger(__name__)
 
 
+class VmapTraceError(RuntimeError):
+    """``torch.func.vmap`` cannot trace the model, and layer hooks cannot stand in."""
+
+
 class AbstractGradientComputer(ABC):
     """Computes per-example gradients of a model output (TRAK's interface).
 
@@ -69,6 +73,12 @@ class AbstractGradientComputer(ABC):
         return projector.project(self.compute_per_sample_grad(batch), model_id=model_id)
 
 
+def _is_vmap_trace_failure(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is vmap refusing the model's code (not an error in the inputs)."""
+    text = str(exc)
+    return text.startswith("vmap") or "data-dependent" in text or "Batching rule" in text
+
+
 def resolve_grad_wrt(names: Sequence[str], grad_wrt: Iterable[str] | None) -> list[str] | None:
     """Check ``grad_wrt`` against a model's parameter ``names``; return them in model order.
 
@@ -105,6 +115,14 @@ class FunctionalGradientComputer(AbstractGradientComputer):
     parameter passed as a constant, so gradients of the others are never
     computed (TRAK computes all and then drops some).
 
+    Some models cannot be traced by ``vmap``: Hugging Face transformers
+    decide how to build the attention mask from its values (data-dependent
+    control flow). Then, on the first batch, the computation moves to a
+    :class:`~gradsketch.attribution.HookGradientComputer` on the same model
+    (same per-example gradients, exactly), and the reason is logged; when
+    the task has no batched output for hooks, :class:`VmapTraceError` says
+    what to do instead.
+
     Args:
         model: the model (put it in eval mode for deterministic outputs).
         task: the model output function.
@@ -136,10 +154,14 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         names = [name for name, _ in model.named_parameters()]
         self.grad_wrt: list[str] | None = resolve_grad_wrt(names, grad_wrt)
         self._vmapped: dict[int, Callable[..., dict[str, Tensor]]] = {}
+        #: The layer-hook computer that took over when vmap could not trace the model.
+        self.hooks: AbstractGradientComputer | None = None
         self.load_model_params(model)
 
     def load_model_params(self, model: nn.Module) -> None:
         """Split the parameters into differentiated weights and constants."""
+        if self.hooks is not None:
+            self.hooks.load_model_params(model)
         self.model = model
         params = {n: p.detach() for n, p in model.named_parameters()}
         keep = self.grad_wrt if self.grad_wrt is not None else list(params)
@@ -162,9 +184,63 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         return self._vmapped[arity]
 
     def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
-        """``{name: [batch, *shape]}`` for the differentiated parameters, in model order."""
+        """``{name: [batch, *shape]}`` for the differentiated parameters, in model order.
+
+        Raises:
+            VmapTraceError: ``vmap`` cannot trace the model and the task has no
+                batched output for layer hooks (see the class docstring).
+        """
+        if self.hooks is not None:
+            return self.hooks.compute_per_sample_grad(batch)
         fn = self._per_sample_fn(len(batch))
-        return fn(self.func_weights, self.func_buffers, *batch)
+        try:
+            return fn(self.func_weights, self.func_buffers, *batch)
+        except RuntimeError as exc:
+            if not _is_vmap_trace_failure(exc):
+                raise
+            reason = str(exc).strip().splitlines()[0][:200]
+        return self._route_to_hooks(reason).compute_per_sample_grad(batch)
+
+    def project(self, batch: Sequence[Tensor], projector: Any, model_id: int | None) -> Tensor:
+        """``[batch, proj_dim]`` projected gradients (through the hooks once they took over)."""
+        if self.hooks is not None:
+            return self.hooks.project(batch, projector, model_id)
+        return super().project(batch, projector, model_id)
+
+    def _route_to_hooks(self, reason: str) -> AbstractGradientComputer:
+        # Imported here: the hook computer is built on this module.
+        from gradsketch.attribution._hook_computer import HookGradientComputer
+        from gradsketch.attribution._modelout import resolve_batch_output
+
+        model_type = type(self.model).__name__
+        try:
+            resolve_batch_output(self.modelout_fn)
+        except ValueError:
+            raise VmapTraceError(
+                f"torch.func.vmap cannot trace {model_type} ({reason}), so "
+                "FunctionalGradientComputer cannot give its per-example gradients; Hugging Face "
+                "models build their attention masks with data-dependent control flow. Use "
+                "HookGradientComputer (TRAKer(..., gradient_computer=HookGradientComputer)); "
+                f"it needs a batched output for the task {type(self.modelout_fn).__name__}: "
+                "give it a method `get_batch_output(model, *batch) -> [B]` or register one "
+                "with @register_batch_output."
+            ) from None
+        logger.warning(
+            "FunctionalGradientComputer: torch.func.vmap cannot trace %s (%s); per-example "
+            "gradients now come from layer hooks (HookGradientComputer), which are exact too. "
+            "Pass gradient_computer=HookGradientComputer to choose them from the start.",
+            model_type,
+            reason,
+        )
+        self.hooks = HookGradientComputer(
+            self.model,
+            self.modelout_fn,
+            self.grad_dim,
+            self.dtype,
+            self.device,
+            grad_wrt=self.grad_wrt,
+        )
+        return self.hooks
 
     def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
         """``[batch, 1]`` out-to-loss terms from the task."""

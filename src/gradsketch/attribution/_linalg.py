@@ -1,23 +1,23 @@
 """Dense kernels behind the score computers: blocked XᵀX, damped inverse, fast GEMM.
 
-Reading rows works for torch tensors, numpy arrays and memmaps, and zarr
-arrays alike (anything with ``shape`` and row slicing), so the same kernels
+The kernels read their operands through :mod:`._io`, which handles torch
+tensors, numpy arrays and memmaps, and zarr arrays alike, so the same kernels
 score features held in memory or on disk.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
-from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from gradsketch.attribution._io import iter_row_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -30,100 +30,6 @@ SYRK_TILE = 512
 
 #: Allowed values of ``precision``.
 PRECISIONS = ("float32", "bf16x3", "auto")
-
-#: Bytes of one row block read at once when no memory budget is given: large
-#: enough that every GEMM runs at full speed, small enough to stay far below
-#: the size of an ``[n, k]`` store (50,000 x 2,048 float32 is 400 MB).
-DEFAULT_BLOCK_BYTES = 64 << 20
-
-
-def rows_as_tensor(
-    array: Any, start: int, stop: int, *, device: torch.device, dtype: torch.dtype
-) -> Tensor:
-    """Rows ``start:stop`` of a tensor, numpy array, memmap or zarr array, as a tensor."""
-    if isinstance(array, Tensor):
-        block = array[start:stop]
-    else:
-        block = torch.from_numpy(np.ascontiguousarray(np.asarray(array[start:stop])))
-    return block.to(device=device, dtype=dtype)
-
-
-def default_block_rows(n: int, k: int, itemsize: int = 4) -> int:
-    """Rows of ``k`` columns in :data:`DEFAULT_BLOCK_BYTES` (at least 1, at most ``n``)."""
-    return max(1, min(max(n, 1), DEFAULT_BLOCK_BYTES // max(1, itemsize * k)))
-
-
-def iter_row_blocks(
-    array: Any,
-    block_rows: int,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    start: int = 0,
-    stop: int | None = None,
-    prefetch: bool = True,
-) -> Generator[tuple[int, int, Tensor], None, None]:
-    """``(i0, i1, rows i0:i1 as a tensor)`` over ``start:stop`` in blocks of ``block_rows``.
-
-    For arrays that live outside torch (zarr, memmaps, numpy) the next block is
-    read in a background thread while the caller multiplies the current one,
-    so reading a store from disk overlaps the GEMMs instead of adding to them.
-    At most two blocks are held at once (one without ``prefetch``, for
-    callers that budget memory for a single block).
-    """
-    stop = int(array.shape[0]) if stop is None else stop
-    edges = [*range(start, stop, max(1, block_rows)), stop]
-    spans = list(itertools.pairwise(edges))
-    if not prefetch or isinstance(array, Tensor) or len(spans) < 2:
-        for i0, i1 in spans:
-            yield i0, i1, rows_as_tensor(array, i0, i1, device=device, dtype=dtype)
-        return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsketch-read") as pool:
-
-        def read(span: tuple[int, int]) -> Tensor:
-            return rows_as_tensor(array, span[0], span[1], device=device, dtype=dtype)
-
-        pending: Future[Tensor] = pool.submit(read, spans[0])
-        for i, (i0, i1) in enumerate(spans):
-            block = pending.result()
-            if i + 1 < len(spans):
-                pending = pool.submit(read, spans[i + 1])
-            yield i0, i1, block
-
-
-class BackgroundWriter:
-    """Writes row blocks into an array in a background thread, one write in flight.
-
-    Used for destinations outside memory (zarr arrays on disk): the write of
-    one tile overlaps the multiplication of the next. :meth:`close` waits for
-    the last write and re-raises its error, if any.
-    """
-
-    def __init__(self, array: Any) -> None:
-        self.array = array
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsketch-write")
-        self._pending: Future[None] | None = None
-
-    def _store(self, rows: slice, cols: slice, values: np.ndarray) -> None:
-        self.array[rows, cols] = values
-
-    def write(self, rows: slice, cols: slice, values: np.ndarray) -> None:
-        """Queue ``array[rows, cols] = values`` (``values`` must not be modified later)."""
-        self.wait()
-        self._pending = self._pool.submit(self._store, rows, cols, values)
-
-    def wait(self) -> None:
-        """Block until the queued write is done."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
-
-    def close(self) -> None:
-        """Finish the last write and stop the thread."""
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
 
 
 def num_rows(array: Any) -> int:
@@ -406,38 +312,6 @@ def bf16x3_error_bound(a: Tensor, b: Tensor) -> Tensor:
     k = a.shape[1]
     scale = 3 * 2.0**-16 + 2 * k * 2.0**-24
     return scale * (a.double().abs() @ b.double().abs().T)
-
-
-def block_plan(
-    n: int, m: int, k: int, checkpoints: int, memory_budget: int | None
-) -> tuple[int, int]:
-    """Row block and target-column block sizes that keep working memory under the budget.
-
-    Working memory (float32) per tile: the checkpoints' right-hand sides
-    ``C * k * m_block``, one row block of gradients ``n_block * k``, and the
-    accumulator plus one product ``2 * n_block * m_block``. Half the budget
-    goes to the right-hand sides.
-    """
-    if memory_budget is None:
-        return max(n, 1), max(m, 1)
-    fixed = 24 * k * k  # XᵀX (f32) and its float64 factorisation
-    avail = memory_budget - fixed
-    if avail <= 4 * (checkpoints * k + k + 2):
-        minimum = fixed + 4 * (checkpoints * k + k + 2) + 1
-        raise ValueError(
-            f"`memory_budget`={memory_budget} bytes is too small for proj_dim k={k} "
-            f"({checkpoints} checkpoint(s)); it needs at least {minimum} bytes. Raise the "
-            "budget or lower proj_dim."
-        )
-    m_block = max(1, min(m, (avail // 2) // (4 * checkpoints * k)))
-    rest = avail - 4 * checkpoints * k * m_block
-    n_block = max(1, min(n, rest // (4 * (k + 2 * m_block))))
-    return n_block, m_block
-
-
-def ceil_div(a: int, b: int) -> int:
-    """``ceil(a / b)`` for positive ints."""
-    return -(-a // b)
 
 
 def is_finite_number(value: object) -> bool:

@@ -4,12 +4,16 @@ TRAK attributes a scalar model output per example; for classification it is
 the margin ``f = logit_y - logsumexp_{j != y} logit_j`` (so that
 ``loss = log(1 + exp(-f))``) and the out-to-loss term is
 ``Q = -dloss/df = 1 - p_y`` (Park et al., ICML 2023, sec. 3.3).
+
+Beside each task live its batched twins used by the layer hooks: the outputs
+of a whole batch from one forward (:data:`BATCH_OUTPUTS`) and the out-to-loss
+terms from that forward's model output (:data:`LOSS_GRAD_FROM_OUTPUT`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -204,4 +208,123 @@ def resolve_task(task: str | AbstractModelOutput) -> AbstractModelOutput:
         f"`task`={task!r} is not a known task; known tasks are {sorted(TASK_TO_MODELOUT)}. "
         "Pass one of them, an AbstractModelOutput instance, or register yours with "
         "@register_task('name')."
+    )
+
+
+# -- batched outputs, for layer hooks -------------------------------------------
+#: ``batch_output(model, *batch) -> [B]`` per-example outputs of one batched forward.
+BatchOutput = Callable[..., Tensor]
+#: ``loss_grad(task, root_output, batch) -> [B, 1]``: the task's out-to-loss terms
+#: from the (detached) output of the model's forward on ``batch``.
+LossGradFromOutput = Callable[[Any, Any, Sequence[Tensor]], Tensor]
+
+#: Batched model outputs per task class (TRAK tasks define only a per-example one).
+BATCH_OUTPUTS: dict[type[AbstractModelOutput], BatchOutput] = {}
+#: Out-to-loss terms from the hooked forward's model output, keyed by exact task
+#: type (a subclass may override ``get_out_to_loss_grad``; register it explicitly).
+LOSS_GRAD_FROM_OUTPUT: dict[type[AbstractModelOutput], LossGradFromOutput] = {}
+
+
+def register_batch_output(
+    *task_types: type[AbstractModelOutput],
+) -> Callable[[BatchOutput], BatchOutput]:
+    """Decorator: ``fn(model, *batch) -> [B]`` per-example outputs for a task class.
+
+    A task may instead define a method ``get_batch_output(model, *batch)``.
+    """
+    for t in task_types:
+        if not (isinstance(t, type) and issubclass(t, AbstractModelOutput)):
+            raise TypeError(f"`task_types` must be AbstractModelOutput subclasses, got {t!r}.")
+
+    def decorator(fn: BatchOutput) -> BatchOutput:
+        for t in task_types:
+            BATCH_OUTPUTS[t] = fn
+        return fn
+
+    return decorator
+
+
+def _margins(logits: Tensor, labels: Tensor) -> Tensor:
+    """``[B]`` margins ``logit_y - logsumexp_{j != y} logit_j`` for ``[B, C]`` logits."""
+    is_label = torch.arange(logits.shape[-1], device=logits.device) == labels.reshape(-1, 1)
+    correct = (logits * is_label).sum(-1)
+    return correct - logits.masked_fill(is_label, float("-inf")).logsumexp(-1)
+
+
+@register_batch_output(ImageClassificationModelOutput)
+def image_classification_batch_output(model: nn.Module, images: Tensor, labels: Tensor) -> Tensor:
+    """Margins of a batch, the batched twin of ``ImageClassificationModelOutput.get_output``."""
+    return _margins(model(images), labels)
+
+
+@register_batch_output(TextClassificationModelOutput)
+def text_classification_batch_output(
+    model: nn.Module,
+    input_ids: Tensor,
+    token_type_ids: Tensor,
+    attention_mask: Tensor,
+    labels: Tensor,
+) -> Tensor:
+    """Margins of a batch of tokenised examples (batched ``TextClassificationModelOutput``)."""
+    out = model(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
+    return _margins(out.logits if hasattr(out, "logits") else out, labels)
+
+
+def register_loss_grad_from_output(
+    *task_types: type[AbstractModelOutput],
+) -> Callable[[LossGradFromOutput], LossGradFromOutput]:
+    """Decorator: ``fn(task, model_output, batch) -> [B, 1]`` out-to-loss terms.
+
+    It must equal ``task.get_out_to_loss_grad(model, weights, buffers, batch)``
+    when ``model_output`` is ``model(...)`` on that batch; registered tasks
+    then reuse the hooked forward instead of running a second one.
+
+    Example:
+        >>> rule = LOSS_GRAD_FROM_OUTPUT[ImageClassificationModelOutput]
+        >>> rule(ImageClassificationModelOutput(), torch.zeros(2, 4), (None, torch.tensor([0, 3])))
+        tensor([[0.7500],
+                [0.7500]])
+    """
+    for t in task_types:
+        if not (isinstance(t, type) and issubclass(t, AbstractModelOutput)):
+            raise TypeError(f"`task_types` must be AbstractModelOutput subclasses, got {t!r}.")
+
+    def decorator(fn: LossGradFromOutput) -> LossGradFromOutput:
+        for t in task_types:
+            LOSS_GRAD_FROM_OUTPUT[t] = fn
+        return fn
+
+    return decorator
+
+
+@register_loss_grad_from_output(ImageClassificationModelOutput)
+def image_classification_loss_grad(
+    task: ImageClassificationModelOutput, logits: Any, batch: Sequence[Tensor]
+) -> Tensor:
+    """``1 - p_y`` from the logits of ``model(images)``."""
+    return _one_minus_p(logits, batch[1], task.loss_temperature)
+
+
+@register_loss_grad_from_output(TextClassificationModelOutput)
+def text_classification_loss_grad(
+    task: TextClassificationModelOutput, output: Any, batch: Sequence[Tensor]
+) -> Tensor:
+    """``1 - p_y`` from ``model(input_ids=..., ...)`` (logits or an object with ``.logits``)."""
+    logits = output.logits if hasattr(output, "logits") else output
+    return _one_minus_p(logits, batch[3], task.loss_temperature)
+
+
+def resolve_batch_output(task: AbstractModelOutput) -> BatchOutput:
+    """The batched output function of ``task`` (its method, else the registry)."""
+    method = getattr(task, "get_batch_output", None)
+    if callable(method):
+        return method
+    for cls in type(task).__mro__:
+        if cls in BATCH_OUTPUTS:
+            return BATCH_OUTPUTS[cls]
+    known = ", ".join(sorted(c.__name__ for c in BATCH_OUTPUTS))
+    raise ValueError(
+        f"`task` of type {type(task).__name__} has no batched output, which layer hooks need "
+        f"(known tasks: {known}). Give it a method `get_batch_output(model, *batch) -> [B]` or "
+        "register one with @register_batch_output(YourTask); or use FunctionalGradientComputer."
     )

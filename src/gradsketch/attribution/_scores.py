@@ -23,7 +23,7 @@ Deliberate differences from ``traker``:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,17 +34,27 @@ import zarr
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gradsketch.attribution._linalg import (
-    BackgroundWriter,
+from gradsketch.attribution._distributed import (
+    ColumnWindow,
+    all_gather_columns,
+    barrier,
+    column_shard,
+    rank_and_world,
+    shard_checkpoint_targets,
+)
+from gradsketch.attribution._io import (
+    array_writer,
     block_plan,
     ceil_div,
-    damped_inverse,
     default_block_rows,
     iter_row_blocks,
+    rows_as_tensor,
+)
+from gradsketch.attribution._linalg import (
+    damped_inverse,
     matmul_nt,
     resolve_lambda,
     resolve_precision,
-    rows_as_tensor,
     xtx_blocked,
 )
 
@@ -262,9 +272,9 @@ def score_checkpoints(
     row_weight = (q_mean / cks).to(dev)
     in_memory = isinstance(result, np.ndarray)
     direct = in_memory and dev.type == "cpu" and m_block == m
-    writers = [BackgroundWriter(a) for a in ((copy_to,) if copy_to is not None else ())]
+    writers = [array_writer(a) for a in ((copy_to,) if copy_to is not None else ())]
     if not in_memory:
-        writers.append(BackgroundWriter(result))
+        writers.append(array_writer(result))
     try:
         for j0 in range(0, m, m_block):
             j1 = min(m, j0 + m_block)
@@ -304,7 +314,7 @@ def score_checkpoints(
                     result[i0:i1, j0:j1] = tile
                 for writer in writers:
                     # The tile is not touched again, so the thread may read it later.
-                    writer.write(slice(i0, i1), slice(j0, j1), tile)
+                    writer.submit((slice(i0, i1), slice(j0, j1), tile))
                 bar.update(1)
             for stream in streams:
                 stream.close()
@@ -375,3 +385,150 @@ def trak_scores(
         device=device,
         progress=progress,
     )
+
+
+def ensemble_scores(
+    checkpoints: Sequence[CheckpointGrads],
+    lambda_reg: float | str,
+    memory_budget: int | None,
+    *,
+    path: Path,
+    copy_to: Callable[[], Any] | None = None,
+    score_computer: Any = None,
+    precision: str = "float32",
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> Any:
+    """TRAKer's ensembled scores of several checkpoints, on one process or several.
+
+    Three ways, same scores: under ``torch.distributed`` each rank scores its
+    :func:`column_shard` of the targets; with a TRAK ``score_computer`` its
+    in-memory matmuls are used; otherwise :func:`score_checkpoints` streams
+    the tiles. A result larger than ``memory_budget`` goes to a zarr array
+    at ``path``.
+
+    Args:
+        checkpoints: each checkpoint's gradients (same ``n``, ``m`` and ``k``).
+        lambda_reg: ridge damping λ >= 0, or ``"auto"``.
+        memory_budget: bytes of working memory; ``None`` for unbounded.
+        path: where the zarr scores are created when they exceed the budget.
+        copy_to: for an in-memory result, gives an ``[n, m]`` array that the
+            scores are also written to (on rank 0, tile by tile where possible).
+        score_computer: an :class:`AbstractScoreComputer`, or ``None``.
+        precision: GEMM precision of :func:`score_checkpoints`.
+        device: where to multiply.
+        progress: show a tqdm bar (rank 0).
+
+    Returns:
+        ``[n, m]`` float32 scores: a numpy array, or the zarr array at ``path``.
+    """
+    n, m = int(checkpoints[0].train.shape[0]), int(checkpoints[0].targets.shape[0])
+    on_disk = memory_budget is not None and 4 * n * m > memory_budget
+    rank, world = rank_and_world()
+    if world > 1:
+        scores = _distributed_scores(
+            checkpoints,
+            lambda_reg,
+            memory_budget,
+            path=path,
+            on_disk=on_disk,
+            score_computer=score_computer,
+            precision=precision,
+            device=device,
+            progress=progress and rank == 0,
+        )
+    elif score_computer is not None:
+        scores = scores_with_computer(score_computer, checkpoints, device=device)
+    else:
+        return score_checkpoints(
+            checkpoints,
+            lambda_reg,
+            memory_budget,
+            out=str(path) if on_disk else None,
+            precision=precision,
+            device=device,
+            progress=progress,
+            # The in-memory scores are saved tile by tile while the next
+            # tile is multiplied, not in one pass at the end.
+            copy_to=None if on_disk or copy_to is None else copy_to(),
+        )
+    if rank == 0 and not on_disk and copy_to is not None:
+        copy_to()[:] = scores
+    return scores
+
+
+def _distributed_scores(
+    checkpoints: Sequence[CheckpointGrads],
+    lambda_reg: float | str,
+    memory_budget: int | None,
+    *,
+    path: Path,
+    on_disk: bool,
+    score_computer: Any,
+    precision: str,
+    device: torch.device | str | None,
+    progress: bool,
+) -> Any:
+    """Each rank scores the targets of its :func:`column_shard`; columns are assembled.
+
+    Every score column depends on its own target only, so splitting the
+    targets splits the work with no communication until the end:
+    ``all_gather`` of the ``[n, m / W]`` blocks in memory, or each rank
+    writing its own column chunk of the on-disk zarr array.
+    """
+    n, k = (int(s) for s in checkpoints[0].train.shape)
+    m = int(checkpoints[0].targets.shape[0])
+    rank, world = rank_and_world()
+    cols = column_shard(m)
+    mine = shard_checkpoint_targets(checkpoints, cols)
+    out: Any = None
+    if on_disk:
+        width = len(column_shard(m, rank=0, world_size=world))
+        n_block, _ = block_plan(n, width, k, len(checkpoints), memory_budget)
+        if rank == 0:
+            create_score_array(path, n, m, (n_block, width))
+        barrier()
+        scores = zarr.open_array(str(path), mode="r+")
+        out = ColumnWindow(scores, cols.start, cols.stop)
+    if len(cols) == 0:
+        local = np.zeros((n, 0), dtype=np.float32)
+    elif score_computer is not None:
+        local = scores_with_computer(score_computer, mine, device=device)
+        if out is not None:
+            out[:, :] = local
+    else:
+        local = score_checkpoints(
+            mine,
+            lambda_reg,
+            memory_budget,
+            out=out,
+            precision=precision,
+            device=device,
+            progress=progress,
+        )
+    if on_disk:
+        barrier()
+        return zarr.open_array(str(path), mode="r")
+    return all_gather_columns(torch.from_numpy(np.asarray(local)), m).numpy()
+
+
+def scores_with_computer(
+    score_computer: Any,
+    checkpoints: Sequence[CheckpointGrads],
+    *,
+    device: torch.device | str | None = None,
+) -> np.ndarray:
+    """TRAK's in-memory path through a user-supplied score computer (``[n, m]`` float32)."""
+    n = int(checkpoints[0].train.shape[0])
+    acc = torch.zeros(n, int(checkpoints[0].targets.shape[0]))
+    q = np.zeros((n, 1), dtype=np.float32)
+    for ck in checkpoints:
+        x = torch.as_tensor(np.asarray(ck.train[:]), device=device).float()
+        feats = (
+            x if ck.preconditioned else score_computer.get_x_xtx_inv(x, score_computer.get_xtx(x))
+        )
+        t = torch.as_tensor(np.asarray(ck.targets[:]), device=device).float()
+        score_computer.get_scores(feats, t, accumulator=acc)
+        q += np.asarray(ck.out_to_loss[:], dtype=np.float32)
+    c = len(checkpoints)
+    return (acc.numpy() / c) * (q / c)

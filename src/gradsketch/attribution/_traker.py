@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -13,40 +14,37 @@ from typing import Any
 
 import numpy as np
 import torch
-import zarr
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradsketch._settings import SettingsMismatchError, read_record, write_record
 from gradsketch._store import RowStore, default_chunk_rows
+from gradsketch.attribution import _layout as layout
 from gradsketch.attribution._distributed import (
-    ColumnWindow,
     RowWindow,
-    all_gather_columns,
     all_reduce_sum_,
     barrier,
     chunk_shard,
-    column_shard,
     owned_mask,
     rank_and_world,
     rank_zero_first,
     require_same_across_ranks,
-    shard_checkpoint_targets,
     shard_loader,
     shardable_size,
 )
 from gradsketch.attribution._gradient_computers import (
     FunctionalGradientComputer,
 )
-from gradsketch.attribution._hooks import HookGradientComputer
-from gradsketch.attribution._linalg import block_plan, default_block_rows, xtx_blocked
+from gradsketch.attribution._hook_computer import HookGradientComputer
+from gradsketch.attribution._io import default_block_rows, rows_as_tensor
+from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
 from gradsketch.attribution._lm_data import as_loader, as_task_batch
 from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._scores import (
     CheckpointGrads,
     check_lambda,
-    create_score_array,
+    ensemble_scores,
     score_checkpoints,
 )
 from gradsketch.attribution._topk import TopK, topk_checkpoints
@@ -424,25 +422,19 @@ class TRAKer:
             and mask is None
         )
 
-    def _ckpt(self, model_id: int) -> str:
-        return f"checkpoints/{int(model_id)}"
-
     def _ckpt_record(self, model_id: int) -> dict[str, Any]:
-        path = self.save_dir / self._ckpt(model_id) / "checkpoint.json"
+        path = self.save_dir / layout.checkpoint_record(model_id)
         return read_record(path) if path.exists() else {}
 
     def _write_ckpt_record(self, model_id: int, record: Mapping[str, Any]) -> None:
-        path = self.save_dir / self._ckpt(model_id) / "checkpoint.json"
+        path = self.save_dir / layout.checkpoint_record(model_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_record(path, record)
 
     @property
     def model_ids(self) -> list[int]:
         """Checkpoints present in the store."""
-        root = self.save_dir / "checkpoints"
-        if not root.exists():
-            return []
-        return sorted(int(p.name) for p in root.iterdir() if (p / "checkpoint.json").exists())
+        return layout.checkpoint_ids(self.save_dir)
 
     def _load_weights(self, checkpoint: Mapping[str, Any], model_id: int) -> None:
         self.model.load_state_dict(checkpoint)
@@ -459,7 +451,7 @@ class TRAKer:
         sha = checkpoint_fingerprint(checkpoint)
         require_same_across_ranks((int(model_id), sha), what="(model_id, checkpoint fingerprint)")
         n, k = self.train_set_size, self.proj_dim
-        base = self._ckpt(model_id)
+        arr = functools.partial(layout.checkpoint_array, model_id)
         with rank_zero_first() as first:
             record = self._ckpt_record(model_id)
             if record and record.get("checkpoint") != sha:
@@ -472,18 +464,18 @@ class TRAKer:
                 record = {"checkpoint": sha, "finalized": False}
                 self._write_ckpt_record(model_id, record)
             grads = self.store.require_array(
-                f"{base}/grads", (n, k), self._np_dtype, chunk_rows=self._chunk_rows
+                arr("grads"), (n, k), self._np_dtype, chunk_rows=self._chunk_rows
             )
             self.store.require_array(
-                f"{base}/out_to_loss", (n, 1), np.float32, chunk_rows=self._chunk_rows
+                arr("out_to_loss"), (n, 1), np.float32, chunk_rows=self._chunk_rows
             )
-            self.store.require_done(f"{base}/done", n, chunk_rows=self._chunk_rows)
+            self.store.require_done(arr("done"), n, chunk_rows=self._chunk_rows)
             if first and not self.load_from_save_dir:
-                self.store.array(f"{base}/done")[:] = np.zeros(n, dtype=np.uint8)
+                self.store.array(arr("done"))[:] = np.zeros(n, dtype=np.uint8)
                 self._write_ckpt_record(model_id, {"checkpoint": sha, "finalized": False})
         # The stored chunking decides the shards (a resumed store keeps its own).
         self._owned = owned_mask(n, int(grads.chunks[0]))
-        self._done = self.store.done_rows(f"{base}/done")
+        self._done = self.store.done_rows(arr("done"))
         if self._done.any():
             self.logger.info(
                 "model id %d: resuming, %d of %d rows already featurized",
@@ -538,14 +530,14 @@ class TRAKer:
             idx = idx[todo]
         phi = self._features(batch, self.ckpt_loaded)
         q = self.gradient_computer.compute_loss_grad(batch)
-        base = self._ckpt(self.ckpt_loaded)
+        arr = functools.partial(layout.checkpoint_array, self.ckpt_loaded)
         self.store.write_rows(
             idx,
             {
-                f"{base}/grads": phi.detach().to(self.dtype).cpu().numpy(),
-                f"{base}/out_to_loss": q.detach().float().reshape(-1, 1).cpu().numpy(),
+                arr("grads"): phi.detach().to(self.dtype).cpu().numpy(),
+                arr("out_to_loss"): q.detach().float().reshape(-1, 1).cpu().numpy(),
             },
-            done=f"{base}/done",
+            done=arr("done"),
             background=True,  # written while the next batch is computed
         )
         self._done[idx] = True
@@ -639,8 +631,8 @@ class TRAKer:
                     f"model id {model_id} is not in `{self.save_dir}`; featurized ids are "
                     f"{self.model_ids}."
                 )
-            base = self._ckpt(model_id)
-            done = self.store.done_rows(f"{base}/done")
+            arr = functools.partial(layout.checkpoint_array, model_id)
+            done = self.store.done_rows(arr("done"))
             # Ranks decide together, from the same flags, whether to go on.
             require_same_across_ranks(bool(done.all()), what=f"model id {model_id} complete")
             if not done.all():
@@ -653,7 +645,7 @@ class TRAKer:
             if record.get("finalized"):
                 self.logger.info("model id %d already finalized; skipping", model_id)
                 continue
-            grads = self.store.array(f"{base}/grads")
+            grads = self.store.array(arr("grads"))
             dev = self.device
             # XᵀX = Σ_r X_rᵀX_r: each rank multiplies its own rows, all_reduce adds.
             mine = chunk_shard(self.train_set_size, int(grads.chunks[0]))
@@ -669,13 +661,13 @@ class TRAKer:
                 )
             xtx = all_reduce_sum_(xtx)
             if rank == 0:
-                xtx_arr = self.store.require_array(f"{base}/xtx", tuple(xtx.shape), np.float32)
+                xtx_arr = self.store.require_array(arr("xtx"), tuple(xtx.shape), np.float32)
                 xtx_arr[:] = xtx.float().cpu().numpy()
             if del_grads:
                 self._form_features(model_id, xtx, mine)
                 barrier()
                 if rank == 0:
-                    self.store.delete(f"{base}/grads")
+                    self.store.delete(arr("grads"))
             if rank == 0:
                 self._write_ckpt_record(
                     model_id, {**record, "finalized": True, "features": del_grads}
@@ -683,15 +675,15 @@ class TRAKer:
             barrier()
 
     def _form_features(self, model_id: int, xtx: Tensor, rows: range) -> None:
-        from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, rows_as_tensor
-
-        base = self._ckpt(model_id)
-        grads = self.store.array(f"{base}/grads")
+        grads = self.store.array(layout.checkpoint_array(model_id, "grads"))
         inv = damped_inverse(xtx.float(), resolve_lambda(self.lambda_reg, xtx.float()))
         with rank_zero_first():
             # Same chunks as the gradients, so each rank's rows fill whole chunks.
             feats = self.store.require_array(
-                f"{base}/features", tuple(grads.shape), np.float32, chunk_rows=grads.chunks[0]
+                layout.checkpoint_array(model_id, "features"),
+                tuple(grads.shape),
+                np.float32,
+                chunk_rows=grads.chunks[0],
             )
         step = self._row_block()
         for start in range(rows.start, rows.stop, step):
@@ -700,9 +692,6 @@ class TRAKer:
             feats[start:stop] = (x @ inv).cpu().numpy()
 
     # -- scoring ------------------------------------------------------------------
-    def _exp_dir(self, exp_name: str) -> str:
-        return f"experiments/{exp_name}"
-
     def start_scoring_checkpoint(
         self,
         exp_name: str,
@@ -746,14 +735,13 @@ class TRAKer:
             (exp_name, int(model_id), num_targets, checkpoint_fingerprint(checkpoint)),
             what="(exp_name, model_id, num_targets, checkpoint fingerprint)",
         )
-        exp_dir = self.save_dir / self._exp_dir(exp_name)
-        rec_path = exp_dir / "experiment.json"
+        rec_path = self.save_dir / layout.experiment_record(exp_name)
         requested: dict[str, Any] = {"num_targets": num_targets}
         if per_token:
             requested["per_token"] = True
-        base = f"{self._exp_dir(exp_name)}/{int(model_id)}"
+        arr = functools.partial(layout.target_array, exp_name, model_id)
         with rank_zero_first():
-            exp_dir.mkdir(parents=True, exist_ok=True)
+            rec_path.parent.mkdir(parents=True, exist_ok=True)
             if rec_path.exists():
                 stored = read_record(rec_path)
                 if stored.get("num_targets") != num_targets:
@@ -771,14 +759,14 @@ class TRAKer:
             else:
                 write_record(rec_path, requested)
             targets = self.store.require_array(
-                f"{base}/grads",
+                arr("grads"),
                 (num_targets, self.proj_dim),
                 self._np_dtype,
                 chunk_rows=self._chunk_rows,
             )
-            self.store.require_done(f"{base}/done", num_targets, chunk_rows=self._chunk_rows)
+            self.store.require_done(arr("done"), num_targets, chunk_rows=self._chunk_rows)
         self._exp_owned = owned_mask(num_targets, int(targets.chunks[0]))
-        self._exp_done = self.store.done_rows(f"{base}/done")
+        self._exp_done = self.store.done_rows(arr("done"))
         self._load_weights(checkpoint, model_id)
         self._exp, self._exp_model_id = exp_name, int(model_id)
         self._exp_num_targets = num_targets
@@ -808,7 +796,7 @@ class TRAKer:
             keep = torch.as_tensor(np.nonzero(todo)[0])
             batch = tuple(t.index_select(0, keep.to(t.device)) for t in batch)
             idx = idx[todo]
-        base = f"{self._exp_dir(self._exp)}/{self._exp_model_id}"
+        arr = functools.partial(layout.target_array, self._exp, self._exp_model_id)
         rows: dict[str, np.ndarray] = {}
         if self._exp_per_token:
             # f = Σ_t f_t: the target's feature is the sum of its tokens' features.
@@ -816,17 +804,16 @@ class TRAKer:
             expanded = tuple(self.task.per_token_batch(batch))  # type: ignore[attr-defined]
             tokens = self._features(expanded, self._exp_model_id).reshape(size, length, -1)
             phi = tokens.sum(1)
-            name = self._token_array(base, length)
+            name = self._token_array(arr("token_grads"), length)
             rows[name] = tokens.detach().reshape(size, -1).to(self.dtype).cpu().numpy()
         else:
             phi = self._features(batch, self._exp_model_id)
-        rows[f"{base}/grads"] = phi.detach().to(self.dtype).cpu().numpy()
-        self.store.write_rows(idx, rows, done=f"{base}/done", background=True)
+        rows[arr("grads")] = phi.detach().to(self.dtype).cpu().numpy()
+        self.store.write_rows(idx, rows, done=arr("done"), background=True)
         self._exp_done[idx] = True
 
-    def _token_array(self, base: str, length: int) -> str:
+    def _token_array(self, name: str, length: int) -> str:
         """The ``[m, T * k]`` per-token target features of an experiment (made on first use)."""
-        name = f"{base}/token_grads"
         width = length * self.proj_dim
         if self.store.has(name):
             stored = int(self.store.array(name).shape[1]) // self.proj_dim
@@ -867,7 +854,7 @@ class TRAKer:
         # Every rank's target features must be on disk before anyone reads them.
         self.store.flush()
         barrier()
-        rec_path = self.save_dir / self._exp_dir(exp_name) / "experiment.json"
+        rec_path = self.save_dir / layout.experiment_record(exp_name)
         if not rec_path.exists():
             raise ValueError(
                 f"experiment {exp_name!r} does not exist in `{self.save_dir}`; start it with "
@@ -882,30 +869,28 @@ class TRAKer:
         used: list[int] = []
         for model_id in ids:
             record = self._ckpt_record(model_id)
-            base = f"{self._exp_dir(exp_name)}/{model_id}"
+            target = functools.partial(layout.target_array, exp_name, model_id)
             problem = None
             if not record.get("finalized"):
                 problem = f"model id {model_id} is not finalized (call finalize_features)"
-            elif not self.store.has(f"{base}/done"):
+            elif not self.store.has(target("done")):
                 problem = f"model id {model_id} has no target features for {exp_name!r}"
-            elif not self.store.done_rows(f"{base}/done").all():
+            elif not self.store.done_rows(target("done")).all():
                 problem = f"model id {model_id} has targets of {exp_name!r} not scored yet"
             if problem is not None:
                 if allow_skip:
                     self.logger.warning("%s; skipping it.", problem)
                     continue
                 raise ModelIDException(problem + "; or pass allow_skip=True.")
-            cbase = self._ckpt(model_id)
+            arr = functools.partial(layout.checkpoint_array, model_id)
             has_features = bool(record.get("features"))
             used.append(model_id)
             ckpts.append(
                 CheckpointGrads(
-                    train=self.store.array(
-                        f"{cbase}/features" if has_features else f"{cbase}/grads"
-                    ),
-                    targets=self.store.array(f"{base}/grads"),
-                    out_to_loss=self.store.array(f"{cbase}/out_to_loss"),
-                    xtx=torch.from_numpy(np.asarray(self.store.array(f"{cbase}/xtx")[:])),
+                    train=self.store.array(arr("features") if has_features else arr("grads")),
+                    targets=self.store.array(target("grads")),
+                    out_to_loss=self.store.array(arr("out_to_loss")),
+                    xtx=torch.from_numpy(np.asarray(self.store.array(arr("xtx"))[:])),
                     preconditioned=has_features,
                 )
             )
@@ -943,33 +928,24 @@ class TRAKer:
         if per_token:
             return self._per_token_scores(exp_name, experiment, used, ckpts)
         n, m = self.train_set_size, num_targets
-        on_disk = self.memory_budget is not None and 4 * n * m > self.memory_budget
-        rank, world = rank_and_world()
-        if world > 1:
-            scores: Any = self._distributed_scores(exp_name, ckpts, n, m, on_disk)
-        elif self.score_computer is not None:
-            scores = self._scores_with_computer(ckpts)
-        else:
-            scores = score_checkpoints(
-                ckpts,
-                self.lambda_reg,
-                self.memory_budget,
-                out=str(self.save_dir / "scores" / exp_name) if on_disk else None,
-                precision=self.precision,
-                device=self.device,
-                progress=self.progress,
-                # The in-memory scores are saved tile by tile while the next
-                # tile is multiplied, not in one pass at the end.
-                copy_to=None
-                if on_disk
-                else self.store.require_array(f"scores/{exp_name}", (n, m), np.float32),
-            )
+        scores = ensemble_scores(
+            ckpts,
+            self.lambda_reg,
+            self.memory_budget,
+            path=self.save_dir / layout.scores_array(exp_name),
+            copy_to=lambda: self.store.require_array(
+                layout.scores_array(exp_name), (n, m), np.float32
+            ),
+            score_computer=self.score_computer,
+            precision=self.precision,
+            device=self.device,
+            progress=self.progress,
+        )
+        rank, _ = rank_and_world()
         if rank == 0:
-            if not on_disk and (world > 1 or self.score_computer is not None):
-                arr = self.store.require_array(f"scores/{exp_name}", (n, m), np.float32)
-                arr[:] = scores
-            (self.save_dir / "scores").mkdir(exist_ok=True)
-            (self.save_dir / "scores" / f"{exp_name}.json").write_text(
+            scores_json = self.save_dir / layout.scores_record(exp_name)
+            scores_json.parent.mkdir(exist_ok=True)
+            scores_json.write_text(
                 json.dumps({"model_ids": [int(i) for i in used], "num_targets": m}) + "\n"
             )
         barrier()
@@ -998,7 +974,7 @@ class TRAKer:
         tokens = []
         for model_id in model_ids:
             # The targets' rows: [m, T * k] stored, [m * T, k] for the kernel.
-            name = f"{self._exp_dir(exp_name)}/{model_id}/token_grads"
+            name = layout.target_array(exp_name, model_id, "token_grads")
             stored = np.asarray(self.store.array(name)[:], dtype=np.float32)
             tokens.append(stored.reshape(m * (stored.shape[1] // self.proj_dim), self.proj_dim))
         length = tokens[0].shape[0] // m
@@ -1049,64 +1025,3 @@ class TRAKer:
             device=self.device,
             progress=self.progress,
         )
-
-    def _distributed_scores(
-        self, exp_name: str, ckpts: Sequence[CheckpointGrads], n: int, m: int, on_disk: bool
-    ) -> Any:
-        """Each rank scores the targets of its :func:`column_shard`; columns are assembled.
-
-        Every score column depends on its own target only, so splitting the
-        targets splits the work with no communication until the end:
-        ``all_gather`` of the ``[n, m / W]`` blocks in memory, or each rank
-        writing its own column chunk of the on-disk zarr array.
-        """
-        rank, _ = rank_and_world()
-        cols = column_shard(m)
-        mine = shard_checkpoint_targets(ckpts, cols)
-        path = self.save_dir / "scores" / exp_name
-        out: Any = None
-        if on_disk:
-            width = len(column_shard(m, rank=0, world_size=rank_and_world()[1]))
-            k, c = self.proj_dim, len(ckpts)
-            n_block, _ = block_plan(n, width, k, c, self.memory_budget)
-            if rank == 0:
-                create_score_array(path, n, m, (n_block, width))
-            barrier()
-            scores = zarr.open_array(str(path), mode="r+")
-            out = ColumnWindow(scores, cols.start, cols.stop)
-        if len(cols) == 0:
-            local = np.zeros((n, 0), dtype=np.float32)
-        elif self.score_computer is not None:
-            local = self._scores_with_computer(mine)
-            if out is not None:
-                out[:, :] = local
-        else:
-            local = score_checkpoints(
-                mine,
-                self.lambda_reg,
-                self.memory_budget,
-                out=out,
-                precision=self.precision,
-                device=self.device,
-                progress=self.progress and rank == 0,
-            )
-        if on_disk:
-            barrier()
-            return zarr.open_array(str(path), mode="r")
-        return all_gather_columns(torch.from_numpy(np.asarray(local)), m).numpy()
-
-    def _scores_with_computer(self, ckpts: Sequence[CheckpointGrads]) -> np.ndarray:
-        """TRAK's in-memory path through a user-supplied score computer."""
-        sc = self.score_computer
-        assert sc is not None
-        n = self.train_set_size
-        acc = torch.zeros(n, int(ckpts[0].targets.shape[0]))
-        q = np.zeros((n, 1), dtype=np.float32)
-        for ck in ckpts:
-            x = torch.as_tensor(np.asarray(ck.train[:]), device=self.device).float()
-            feats = x if ck.preconditioned else sc.get_x_xtx_inv(x, sc.get_xtx(x))
-            t = torch.as_tensor(np.asarray(ck.targets[:]), device=self.device).float()
-            sc.get_scores(feats, t, accumulator=acc)
-            q += np.asarray(ck.out_to_loss[:], dtype=np.float32)
-        c = len(ckpts)
-        return (acc.numpy() / c) * (q / c)

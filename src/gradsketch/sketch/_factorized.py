@@ -1,4 +1,4 @@
-"""Per-layer Kronecker (factorized) projection of Linear / Conv2d gradients.
+"""Per-layer Kronecker (factorized) projection of Linear / Conv2d / HF Conv1D gradients.
 
 For a linear layer with inputs ``a_t`` (``d_in``) and output gradients
 ``g_t`` (``d_out``) at positions ``t = 1..T`` (tokens, or conv patches after
@@ -10,6 +10,10 @@ Kronecker map projects it without ever forming it::
 so a layer costs two small matmuls per position instead of a ``d_out x d_in``
 outer product per example (LoGra: Choe et al., "What is Your Data Worth to
 GPT?", 2024; FactGraSS: Hu et al., 2025).
+
+Hugging Face's ``Conv1D`` (GPT-2) is a Linear whose weight is stored
+``[d_in, d_out]``; its gradient is the same ``sum_t g_t a_t^T`` read in
+transposed order, so it is a factorized layer with ``transposed=True``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +57,9 @@ class FactorizedLayer:
         bias: whether a bias is part of the gradient (a constant-1 input column).
         k_in: rows of ``P_in``.
         k_out: rows of ``P_out``.
+        transposed: the weight parameter is stored ``[d_in, d_out]`` (HF
+            ``Conv1D``); the projected matrix is still ``[W | b]`` with ``W``
+            ``[d_out, d_in]``.
     """
 
     name: str
@@ -61,6 +69,7 @@ class FactorizedLayer:
     bias: bool
     k_in: int
     k_out: int
+    transposed: bool = False
 
     @property
     def in_dim(self) -> int:
@@ -110,6 +119,25 @@ FACTORIZABLE: dict[type[nn.Module], Callable[[nn.Module], tuple[int, int, bool] 
     nn.Linear: _linear_dims,
     nn.Conv2d: _conv2d_dims,
 }
+#: Types in :data:`FACTORIZABLE` whose weight is stored ``[d_in, d_out]``.
+TRANSPOSED_WEIGHT: set[type[nn.Module]] = set()
+
+
+def _conv1d_dims(module: nn.Module) -> tuple[int, int, bool] | None:
+    nx, nf = int(module.nx), int(module.nf)  # type: ignore[arg-type]
+    return nx, nf, getattr(module, "bias", None) is not None
+
+
+def _register_optional_types() -> None:
+    """Add Hugging Face's ``Conv1D`` once transformers is loaded (a model holding one implies it).
+
+    Looked up at use, not imported: gradsketch does not import transformers.
+    """
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(pytorch_utils, "Conv1D", None)
+    if isinstance(conv1d, type) and conv1d not in FACTORIZABLE:
+        FACTORIZABLE[conv1d] = _conv1d_dims
+        TRANSPOSED_WEIGHT.add(conv1d)
 
 
 class FactorizedProjector(AbstractProjector):
@@ -239,7 +267,7 @@ class FactorizedProjector(AbstractProjector):
         """Lay out a projector over ``model``'s parameters, in ``named_parameters`` order.
 
         Every module whose exact type is in :data:`FACTORIZABLE` (``nn.Linear``,
-        ``nn.Conv2d`` with ``groups=1``) becomes a factorized layer with
+        ``nn.Conv2d`` with ``groups=1``, Hugging Face's ``Conv1D``) becomes a factorized layer with
         ``min(k_in, d_in + bias)`` and ``min(k_out, d_out)`` rows (projecting
         up would only add variance); every other parameter goes to the rest
         block.
@@ -274,6 +302,7 @@ class FactorizedProjector(AbstractProjector):
                 f"`grad_wrt` names {unknown} that are not parameters of the model; allowed names "
                 f"are {all_names[:20]}{' ...' if len(all_names) > 20 else ''}."
             )
+        _register_optional_types()
         segments: list[Segment] = []
         seen: set[int] = set()
         for mod_name, module in model.named_modules():
@@ -301,6 +330,7 @@ class FactorizedProjector(AbstractProjector):
                         bias=bias,
                         k_in=min(k_in, d_in + int(bias)),
                         k_out=min(k_out, d_out),
+                        transposed=type(module) in TRANSPOSED_WEIGHT,
                     )
                 )
                 continue
@@ -390,11 +420,12 @@ class FactorizedProjector(AbstractProjector):
         """Kind ``"factorized"``; ``extra`` holds the layout (dims only, not names).
 
         ``extra`` is compact JSON: ``{"segments": [["L", d_in, d_out, bias,
-        k_in, k_out] | ["P", numel], ...], "rest_proj_dim": r}``. Renaming
-        modules keeps the map; changing any dimension or order changes it.
+        k_in, k_out] | ["P", numel], ...], "rest_proj_dim": r}``, with ``"LT"``
+        for a transposed weight (its coordinates come in another order).
+        Renaming modules keeps the map; changing any dimension or order changes it.
         """
         layout = [
-            ["L", s.d_in, s.d_out, int(s.bias), s.k_in, s.k_out]
+            ["LT" if s.transposed else "L", s.d_in, s.d_out, int(s.bias), s.k_in, s.k_out]
             if isinstance(s, FactorizedLayer)
             else ["P", s.numel]
             for s in self.segments
@@ -607,7 +638,11 @@ class FactorizedProjector(AbstractProjector):
         p_in_t, p_out_t = self._factor_t(self._index(layer.name), out.dtype)
         batch = flat.shape[0]
         flat = flat.to(out.dtype)
-        weight = flat[:, : layer.d_out * layer.d_in].reshape(batch, layer.d_out, layer.d_in)
+        weight = flat[:, : layer.d_out * layer.d_in]
+        if layer.transposed:
+            weight = weight.reshape(batch, layer.d_in, layer.d_out).transpose(1, 2)
+        else:
+            weight = weight.reshape(batch, layer.d_out, layer.d_in)
         block = p_out_t.T @ (weight @ p_in_t[: layer.d_in])  # [B, k_out, k_in]
         if layer.bias:
             pb = flat[:, layer.d_out * layer.d_in :] @ p_out_t  # [B, k_out]

@@ -1,0 +1,722 @@
+"""Per-example gradients from layer hooks, and factorized projection without them.
+
+One forward and one backward pass of the *batched* model output
+``F = sum_b f(z_b; θ)`` give, for every layer, its inputs ``a`` (forward hooks,
+stored detached) and the gradients ``g = dF/d(output)`` of its outputs (one
+``autograd.grad`` asked for the gradient edge of every layer output, so no
+parameter gradient is computed and no output is copied). The out-to-loss
+terms Q reuse the logits of that same forward. Examples do not interact
+(eval mode, no batch statistics), so
+``g[b] = df(z_b)/d(output_b)`` exactly, and each layer's per-example
+parameter gradient is a closed form in ``(a[b], g[b])``, given by the rules
+of :mod:`gradsketch.attribution._layers` (one file per layer family). Modules
+without a rule get per-example gradients of their own parameters from
+``torch.func`` on the stored inputs.
+
+With a :class:`gradsketch.sketch.FactorizedProjector`, Linear and Conv2d
+layers hand ``(a, g)`` to the projector, which returns
+``sum_t (P_out g_t) ⊗ (P_in a_t)``: per-example gradients of those layers
+are never built.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.hooks import RemovableHandle
+
+from gradsketch.attribution._gradient_computers import AbstractGradientComputer, resolve_grad_wrt
+from gradsketch.attribution._layers import (
+    GRAD_SAMPLERS,
+    LAYER_FACTORS,
+    ROW_SPARSE_SAMPLERS,
+    HookComputationError,
+    register_optional_rules,
+)
+from gradsketch.attribution._modelout import (
+    LOSS_GRAD_FROM_OUTPUT,
+    AbstractModelOutput,
+    resolve_batch_output,
+)
+from gradsketch.sketch import FactorizedProjector
+from gradsketch.sketch._factorized import (
+    TRANSPOSED_WEIGHT,
+    FactorizedLayer,
+    PlainParam,
+    param_layout,
+)
+from gradsketch.sketch._validate import output_dtype
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of one chunk of a per-example weight gradient formed for the rest block.
+REST_CHUNK_BYTES = 64 << 20
+
+
+class WrappedModelError(ValueError):
+    """Raised for a model wrapped in DataParallel / DDP / FSDP."""
+
+
+# -- wrapped models ------------------------------------------------------------
+def _wrapper_types() -> tuple[type, ...]:
+    types: list[type] = [nn.DataParallel]
+    if torch.distributed.is_available():
+        from torch.nn.parallel import DistributedDataParallel
+
+        types.append(DistributedDataParallel)
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            types.append(FullyShardedDataParallel)
+        except ImportError:  # pragma: no cover - depends on the torch build
+            pass
+        try:
+            from torch.distributed.fsdp import FSDPModule
+
+            types.append(FSDPModule)
+        except ImportError:  # pragma: no cover - depends on the torch build
+            pass
+    return tuple(types)
+
+
+def refuse_wrapped(model: nn.Module) -> None:
+    """Raise :class:`WrappedModelError` if ``model`` or a submodule is DP / DDP / FSDP.
+
+    Their forward scatters, shards or synchronises: hooks would see shards or
+    replicas, not the batch, and the wrapper's own hooks would fire. Pass the
+    wrapped module instead (featurization shards *rows* across ranks, each
+    rank running the plain model).
+    """
+    wrappers = _wrapper_types()
+    for name, module in model.named_modules():
+        if isinstance(module, wrappers):
+            where = "the model" if not name else f"submodule {name!r}"
+            raise WrappedModelError(
+                f"{where} is wrapped in {type(module).__name__}; layer hooks need the plain "
+                "module. Pass `model.module` (for FSDP, the unwrapped model) to "
+                "HookGradientComputer / TRAKer, and split the training rows across ranks instead."
+            )
+
+
+# -- the hooked units ----------------------------------------------------------
+@dataclass
+class _Unit:
+    """A hooked module and the parameters whose gradients it produces."""
+
+    name: str
+    module: nn.Module
+    fallback: bool
+    params: dict[str, str]  # local name (relative to module) -> full parameter name
+
+
+@dataclass
+class _Call:
+    """One call of a unit during the hooked forward."""
+
+    unit: _Unit
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    grads: list[Tensor | None] = field(default_factory=list)
+    out_template: list[Tensor] = field(default_factory=list)
+    edges: list[GradientEdge] = field(default_factory=list)
+
+
+class _Capture:
+    """State of one hooked forward + backward."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.calls: list[_Call] = []
+        self.dummies: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        #: Outputs of the root module's calls (for the out-to-loss terms).
+        self.root_outputs: list[Any] = []
+
+    def dummy(self, like: Tensor) -> Tensor:
+        key = (like.dtype, like.device)
+        if key not in self.dummies:
+            self.dummies[key] = torch.zeros(
+                (), dtype=like.dtype, device=like.device, requires_grad=True
+            )
+        return self.dummies[key]
+
+
+def _detach(value: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+class HookGradientComputer(AbstractGradientComputer):
+    """Per-example gradients from layer hooks, one forward and one backward per batch.
+
+    Modules are visited from the root: a module whose exact type has a rule
+    in :data:`GRAD_SAMPLERS` (Linear, Conv2d, Embedding, LayerNorm, RMSNorm,
+    Hugging Face's Conv1D and RMSNorm classes, or any type you register) is
+    hooked; any other module owning parameters is
+    hooked as a whole and its parameters' per-example gradients come from
+    ``torch.func`` (``vmap`` of ``grad``) on its stored inputs; parameter-free
+    containers are descended into. The batched output
+    ``F = sum_b f(z_b)`` comes from :func:`resolve_batch_output`; the backward
+    computes only activation gradients (never the batch gradient of the
+    parameters), and parameters need not require grad.
+
+    Assumptions (as for any per-example method): the batch axis is dim 0 of
+    every hooked module's inputs and outputs, and examples do not interact
+    (eval-mode BatchNorm, no cross-example attention, padding masked out).
+    One exception is handled: a module that sees only integer indices and
+    returns a leading dim of 1 (learned position embeddings, ``[1, T, D]``)
+    has its output expanded to the batch, so each example's gradient stays
+    its own. A weight used by several modules (tied input and output
+    embeddings) gets the sum of its uses' gradients, under the parameter's
+    first name in ``named_parameters``.
+
+    :meth:`project` with a :class:`gradsketch.sketch.FactorizedProjector`
+    returns projected features without per-example gradients of the factorized
+    layers; with any other projector it projects :meth:`compute_per_sample_grad`.
+
+    Hooks are installed on construction and stay idle outside this object's
+    calls; :meth:`remove_hooks` (idempotent, also ``with`` exit) takes them off.
+
+    Args:
+        model: the plain model (not DDP / FSDP wrapped).
+        task: the model output function.
+        grad_dim: number of gradient coordinates (informative).
+        dtype: dtype of stored features.
+        device: where gradients are computed.
+        grad_wrt: names of the parameters to differentiate (``None``: all).
+
+    Raises:
+        WrappedModelError: for DataParallel / DDP / FSDP models.
+
+    Example:
+        >>> from gradsketch.attribution import ImageClassificationModelOutput
+        >>> nn = torch.nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> gc = HookGradientComputer(model, ImageClassificationModelOutput())
+        >>> grads = gc.compute_per_sample_grad((torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])))
+        >>> {k: tuple(v.shape) for k, v in grads.items()}
+        {'0.weight': (5, 8, 4), '0.bias': (5, 8), '2.weight': (5, 3, 8), '2.bias': (5, 3)}
+        >>> gc.remove_hooks()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: AbstractModelOutput,
+        grad_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        grad_wrt: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(model, task, grad_dim, dtype, device)
+        self._batch_output = resolve_batch_output(task)
+        self._handles: list[RemovableHandle] = []
+        self._units_model: nn.Module | None = None
+        self._capture: _Capture | None = None
+        self._checked_layouts: set[str] = set()
+        self._remembered: tuple[tuple[Any, ...], tuple[Any, ...], Any] | None = None
+        self._grad_wrt_arg = None if grad_wrt is None else list(grad_wrt)
+        self.load_model_params(model)
+
+    # -- set-up --------------------------------------------------------------
+    def load_model_params(self, model: nn.Module) -> None:
+        """Take a (new) model; hooks move to it if it is another object."""
+        refuse_wrapped(model)
+        if model is not self._units_model:
+            self.remove_hooks()
+            self.model = model
+            self._names = [n for n, _ in model.named_parameters()]
+            self.grad_wrt: list[str] | None = resolve_grad_wrt(self._names, self._grad_wrt_arg)
+            register_optional_rules(model)
+            self._units = self._find_units(model)
+            self._units_model = model
+            self._checked_layouts = set()
+            self.add_hooks()
+        self._remembered = None
+        self.func_weights = {n: p.detach() for n, p in model.named_parameters()}
+        self.func_buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def _wanted(self) -> set[str]:
+        return set(self._names if self.grad_wrt is None else self.grad_wrt)
+
+    def _find_units(self, model: nn.Module) -> list[_Unit]:
+        # named_parameters' canonical (first) name of each tensor, for tied weights.
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        wanted = self._wanted()
+        units: list[_Unit] = []
+
+        def full(prefix: str, local: str) -> str:
+            return f"{prefix}.{local}" if prefix else local
+
+        def visit(prefix: str, module: nn.Module) -> None:
+            direct = dict(module.named_parameters(recurse=False))
+            if type(module) in GRAD_SAMPLERS:
+                params = {k: canonical[id(p)] for k, p in direct.items()}
+                extra = [full(prefix, n) for n, _ in module.named_parameters() if n not in direct]
+                if extra:
+                    raise HookComputationError(
+                        f"module {prefix!r} ({type(module).__name__}) has a grad-sampler rule "
+                        f"but its children own parameters {extra[:5]}; register the rule on a "
+                        "leaf type."
+                    )
+                fallback = False
+            elif direct:
+                params = {k: canonical[id(p)] for k, p in module.named_parameters()}
+                fallback = True
+            else:
+                for child_name, child in module.named_children():
+                    visit(full(prefix, child_name), child)
+                return
+            params = {k: v for k, v in params.items() if v in wanted}
+            if params:
+                units.append(_Unit(prefix, module, fallback, params))
+
+        visit("", model)
+        for unit in units:
+            if unit.fallback:
+                logger.debug(
+                    "HookGradientComputer: %r (%s) has no rule; torch.func fallback",
+                    unit.name,
+                    type(unit.module).__name__,
+                )
+        return units
+
+    def add_hooks(self) -> None:
+        """Install the forward hooks (idempotent)."""
+        if self._handles:
+            return
+        for unit in self._units:
+            self._handles.append(
+                unit.module.register_forward_hook(self._make_hook(unit), with_kwargs=True)
+            )
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this computer installed (idempotent)."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    @property
+    def hooks_installed(self) -> bool:
+        """Whether hooks are currently installed."""
+        return bool(self._handles)
+
+    def __enter__(self) -> HookGradientComputer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove_hooks()
+
+    def _make_hook(self, unit: _Unit) -> Callable[..., Any]:
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> Any:
+            capture = self._capture
+            if capture is None:
+                return None
+            if capture.batch_size > 1 and _broadcasts_over_batch(args, kwargs, output):
+                # Learned position embeddings return [1, T, D] and let `+`
+                # broadcast it; expanded to the batch here, the gradient keeps
+                # one row per example and the rule sees per-example inputs.
+                args, kwargs, output = _expand_to_batch((args, kwargs, output), capture.batch_size)
+            call = _Call(unit, _detach(args), _detach(kwargs))
+
+            def route(t: Any) -> Any:
+                # The backward asks for the gradient at each output's autograd
+                # edge, taken here before any in-place op of the caller, so it
+                # is the gradient of this value; the engine then computes
+                # activation gradients only (no parameter gradients) and
+                # outputs are neither copied nor replaced. An output that does
+                # not require grad (frozen parameters so far) gets a path by
+                # adding a zero that does.
+                if not (isinstance(t, Tensor) and t.is_floating_point()):
+                    return t
+                if t.dim() == 0 or t.shape[0] != capture.batch_size:
+                    raise HookComputationError(
+                        f"module {unit.name!r} ({type(module).__name__}) returned shape "
+                        f"{tuple(t.shape)} for a batch of {capture.batch_size}; layer hooks "
+                        "need the batch on dim 0 (use batch_first=True), or use "
+                        "FunctionalGradientComputer. (A module whose inputs are all integer "
+                        "indices may return a leading dim of 1, broadcast over the batch.)"
+                    )
+                routed = t if t.requires_grad else t + capture.dummy(t)
+                call.grads.append(None)
+                call.out_template.append(t.detach())
+                call.edges.append(get_gradient_edge(routed))
+                return routed
+
+            new_output = tree_map(route, output)
+            capture.calls.append(call)
+            return new_output
+
+        return hook
+
+    @contextmanager
+    def _capturing(self, batch_size: int) -> Iterator[_Capture]:
+        if self._capture is not None:
+            raise HookComputationError("a hooked computation is already running (re-entrant call).")
+        if not self._handles:
+            raise HookComputationError(
+                "hooks were removed; call add_hooks() (or build a new HookGradientComputer) first."
+            )
+        self._capture = _Capture(batch_size)
+        root_hook = self.model.register_forward_hook(self._capture_root)
+        try:
+            yield self._capture
+        finally:
+            root_hook.remove()
+            self._capture = None
+
+    def _capture_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._capture is not None:
+            self._capture.root_outputs.append(_detach(output))
+
+    def _run(self, batch: Sequence[Tensor]) -> _Capture:
+        """Hooked forward of ``F = sum_b f(z_b)`` and backward to every layer output."""
+        batch_size = int(batch[0].shape[0])
+        self._remembered = None
+        with self._capturing(batch_size) as capture, torch.enable_grad():
+            outputs = self._batch_output(self.model, *batch)
+            if outputs.shape != (batch_size,):
+                raise HookComputationError(
+                    f"the batched output has shape {tuple(outputs.shape)}; expected "
+                    f"({batch_size},) (one scalar per example)."
+                )
+            slots = [(call, i) for call in capture.calls for i in range(len(call.edges))]
+            if slots:
+                grads = torch.autograd.grad(
+                    outputs.sum(),
+                    [call.edges[i] for call, i in slots],
+                    allow_unused=True,
+                )
+                for (call, i), g in zip(slots, grads):
+                    call.grads[i] = g
+            for call in capture.calls:
+                call.edges.clear()
+        self._remember_output(batch, capture)
+        return capture
+
+    # -- out-to-loss terms from the hooked forward --------------------------------
+    def _state_key(self, batch: Sequence[Tensor]) -> tuple[Any, ...]:
+        # In-place changes bump `_version`: new weights or an edited batch
+        # invalidate the remembered logits.
+        return (
+            tuple(t._version if isinstance(t, Tensor) else t for t in batch),
+            tuple(p._version for p in self.model.parameters()),
+            tuple(b._version for b in self.model.buffers()),
+        )
+
+    def _remember_output(self, batch: Sequence[Tensor], capture: _Capture) -> None:
+        rule = LOSS_GRAD_FROM_OUTPUT.get(type(self.modelout_fn))
+        if rule is None or len(capture.root_outputs) != 1:
+            # A root called twice (or not at all) has no single output to reuse.
+            self._remembered = None
+            return
+        self._remembered = (tuple(batch), self._state_key(batch), capture.root_outputs[0])
+
+    def _take_remembered_output(self, batch: Sequence[Tensor]) -> Any:
+        remembered, self._remembered = self._remembered, None
+        if remembered is None:
+            return None
+        old_batch, key, output = remembered
+        same = len(old_batch) == len(batch) and all(a is b for a, b in zip(old_batch, batch))
+        if not same or key != self._state_key(batch):
+            return None
+        return output
+
+    # -- per-example gradients --------------------------------------------------
+    def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
+        """``{name: [B, *param.shape]}`` for the differentiated parameters, in model order."""
+        capture = self._run(batch)
+        grads: dict[str, Tensor] = {}
+        for call in capture.calls:
+            for name, g in self._call_grads(call, capture.batch_size).items():
+                grads[name] = grads[name] + g if name in grads else g
+        wanted = self._names if self.grad_wrt is None else self.grad_wrt
+        params = dict(self.model.named_parameters())
+        out: dict[str, Tensor] = {}
+        for name in wanted:
+            if name in grads:
+                out[name] = grads[name]
+            else:
+                # Unused in this forward: its gradient is exactly zero.
+                p = params[name]
+                out[name] = p.new_zeros(capture.batch_size, *p.shape)
+        return out
+
+    def _call_grads(self, call: _Call, batch_size: int) -> dict[str, Tensor]:
+        unit = call.unit
+        if unit.fallback:
+            local = _fallback_grads(call, batch_size)
+        else:
+            g = _single_grad(call)
+            local = {} if g is None else GRAD_SAMPLERS[type(unit.module)](unit.module, call.args, g)
+        return {unit.params[k]: v for k, v in local.items() if k in unit.params}
+
+    def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
+        """``[batch, 1]`` out-to-loss terms from the task.
+
+        Right after :meth:`project` / :meth:`compute_per_sample_grad` of the
+        same batch objects (unchanged weights, buffers and batch), a task in
+        :data:`LOSS_GRAD_FROM_OUTPUT` reuses the model output of that hooked
+        forward instead of running another one; the result is the same.
+        """
+        output = self._take_remembered_output(batch)
+        if output is not None:
+            return LOSS_GRAD_FROM_OUTPUT[type(self.modelout_fn)](self.modelout_fn, output, batch)
+        return self.modelout_fn.get_out_to_loss_grad(
+            self.model, self.func_weights, self.func_buffers, batch
+        )
+
+    # -- projected features ------------------------------------------------------
+    def project(self, batch: Sequence[Tensor], projector: Any, model_id: int | None) -> Tensor:
+        """``[batch, proj_dim]`` projected gradients of the model output.
+
+        With a :class:`FactorizedProjector`, Linear / Conv2d layers go through
+        their Kronecker factors, Embedding rows are count-sketched where they
+        are, and only the remaining parameters' per-example gradients are
+        formed; otherwise ``projector.project(compute_per_sample_grad(batch))``.
+        """
+        if not isinstance(projector, FactorizedProjector):
+            return projector.project(self.compute_per_sample_grad(batch), model_id=model_id)
+        self._check_layout(projector)
+        projector.set_model_id(model_id)
+        capture = self._run(batch)
+        dtype = output_dtype(next(iter(self.func_weights.values())).dtype)
+        out = torch.zeros(
+            capture.batch_size, projector.proj_dim, dtype=dtype, device=projector.device
+        )
+        layout = param_layout(projector)
+        for call in capture.calls:
+            self._project_call(call, projector, layout, out, capture.batch_size)
+        return out
+
+    def _project_call(
+        self,
+        call: _Call,
+        projector: FactorizedProjector,
+        layout: Mapping[str, Any],
+        out: Tensor,
+        batch_size: int,
+    ) -> None:
+        unit = call.unit
+        module_type = type(unit.module)
+        first = layout[next(iter(unit.params.values()))]
+        if isinstance(first, FactorizedLayer) and first.name == unit.name:
+            g = _single_grad(call)
+            if g is not None:
+                a, g3 = LAYER_FACTORS[module_type](unit.module, call.args, g)
+                projector.project_layer_into_(out, unit.name, a, g3)
+            return
+        if not unit.fallback and module_type in ROW_SPARSE_SAMPLERS:
+            g = _single_grad(call)
+            if g is None:
+                return
+            for local, (rows, values) in ROW_SPARSE_SAMPLERS[module_type](
+                unit.module, call.args, g
+            ).items():
+                if local not in unit.params:
+                    continue
+                width = values.shape[-1]
+                base = projector.rest_offset_of(unit.params[local])
+                cols = torch.arange(width, device=rows.device)
+                coords = (base + rows.unsqueeze(-1) * width + cols).reshape(batch_size, -1)
+                projector.project_rest_sparse_into_(out, coords, values.reshape(batch_size, -1))
+            return
+        if (
+            not unit.fallback
+            and module_type in LAYER_FACTORS
+            and set(unit.params) <= {"weight", "bias"}
+            and "weight" in unit.params
+        ):
+            g = _single_grad(call)
+            if g is None or self._project_rest_weight(call, g, projector, out, batch_size):
+                return
+        for name, grad in self._call_grads(call, batch_size).items():
+            projector.project_rest_into_(
+                out, grad.reshape(batch_size, -1), projector.rest_offset_of(name)
+            )
+
+    def _project_rest_weight(
+        self, call: _Call, g: Tensor, projector: FactorizedProjector, out: Tensor, batch_size: int
+    ) -> bool:
+        """A layer with Kronecker factors whose weight is a rest parameter, in row chunks.
+
+        That is a weight shared with another module (an LM head tied to the
+        input embedding): its per-example gradient ``sum_t g_t a_t^T`` would be
+        ``[B, vocab, width]`` at once, so it is formed and count-sketched
+        :data:`REST_CHUNK_BYTES` at a time. The bias gradient is ``sum_t g_t``.
+        Returns False, projecting nothing, for an instance without factors
+        (a grouped Conv2d).
+        """
+        unit = call.unit
+        try:
+            a, g3 = LAYER_FACTORS[type(unit.module)](unit.module, call.args, g)
+        except HookComputationError:
+            return False
+        a = a.to(g3.dtype)
+        # Rows of the stored weight: d_out rows of d_in, or d_in rows of d_out when transposed.
+        rows_f, cols_f = (a, g3) if type(unit.module) in TRANSPOSED_WEIGHT else (g3, a)
+        n_rows, width = rows_f.shape[-1], cols_f.shape[-1]
+        base = projector.rest_offset_of(unit.params["weight"])
+        step = max(1, REST_CHUNK_BYTES // max(1, batch_size * width * g3.element_size()))
+        for r0 in range(0, n_rows, step):
+            r1 = min(n_rows, r0 + step)
+            chunk = torch.einsum("btr,btc->brc", rows_f[..., r0:r1], cols_f)
+            projector.project_rest_into_(out, chunk.reshape(batch_size, -1), base + r0 * width)
+        if "bias" in unit.params:
+            projector.project_rest_into_(
+                out, g3.sum(1), projector.rest_offset_of(unit.params["bias"])
+            )
+        return True
+
+    def _check_layout(self, projector: FactorizedProjector) -> None:
+        """The projector must cover exactly this computer's parameters, layer by layer."""
+        key = projector.fingerprint.to_json()
+        if key in self._checked_layouts:
+            return
+        layout = param_layout(projector)
+        wanted = self._names if self.grad_wrt is None else self.grad_wrt
+        missing = [n for n in wanted if n not in layout]
+        extra = [n for n in layout if n not in set(wanted)]
+        if missing or extra:
+            raise ValueError(
+                f"`projector` does not match the model's differentiated parameters: missing "
+                f"{missing[:10]}, unexpected {extra[:10]}. Build it with "
+                "FactorizedProjector.from_model(model, grad_wrt=<the same grad_wrt>, ...)."
+            )
+        by_name = {u.name: u for u in self._units}
+        shapes = {n: p.numel() for n, p in self.model.named_parameters()}
+        for seg in projector.segments:
+            if isinstance(seg, PlainParam):
+                if shapes[seg.name] != seg.numel:
+                    raise ValueError(
+                        f"`projector` expects {seg.numel} coordinates for {seg.name!r}, the model "
+                        f"has {shapes[seg.name]}; rebuild it with FactorizedProjector.from_model."
+                    )
+                continue
+            unit = by_name.get(seg.name)
+            if unit is None or unit.fallback or type(unit.module) not in LAYER_FACTORS:
+                allowed = ", ".join(sorted(t.__name__ for t in LAYER_FACTORS))
+                raise ValueError(
+                    f"`projector` factorizes layer {seg.name!r}, which is not a hooked module with "
+                    f"Kronecker factors here (types with factors: {allowed}). Build it with "
+                    "FactorizedProjector.from_model(model, ...)."
+                )
+            if tuple(unit.params.values()) != seg.param_names:
+                raise ValueError(
+                    f"layer {seg.name!r}: `projector` expects parameters {seg.param_names}, the "
+                    f"model gives {tuple(unit.params.values())} (a tied or excluded weight?); "
+                    "factorized layers need their own weight."
+                )
+            expected = seg.numel
+            actual = sum(shapes[n] for n in seg.param_names)
+            if expected != actual:
+                raise ValueError(
+                    f"layer {seg.name!r}: `projector` expects {expected} coordinates, the model "
+                    f"has {actual}; rebuild it with FactorizedProjector.from_model(model, ...)."
+                )
+        tied = self._tied_factorized(projector)
+        if tied:
+            raise ValueError(
+                f"factorized layers {tied} share their weight with another module; their "
+                "gradient is not a single Kronecker product. Untie the weights or use a "
+                "CountSketchProjector."
+            )
+        self._checked_layouts.add(key)
+
+    def _tied_factorized(self, projector: FactorizedProjector) -> list[str]:
+        owners: dict[int, int] = {}
+        for _, module in self.model.named_modules(remove_duplicate=False):
+            for p in module.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        params = dict(self.model.named_parameters())
+        return [
+            layer.name
+            for layer in projector.layers
+            if owners.get(id(params[layer.param_names[0]]), 0) > 1
+        ]
+
+    def __repr__(self) -> str:
+        rules = sum(not u.fallback for u in self._units)
+        return (
+            f"HookGradientComputer(units={len(self._units)}, rules={rules}, "
+            f"fallback={len(self._units) - rules}, hooks_installed={self.hooks_installed})"
+        )
+
+
+def _broadcasts_over_batch(args: Any, kwargs: Any, output: Any) -> bool:
+    """Whether a call saw no batch and returned values meant to broadcast over it.
+
+    True when no input is floating point (indices such as ``position_ids
+    [1, T]``, or nothing) and every floating output has a leading dim of 1:
+    the same values for every example, as learned position embeddings give.
+    A floating input would carry the batch itself (or be sequence-first).
+    """
+    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+    if any(t.is_floating_point() or t.is_complex() for t in inputs):
+        return False
+    outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    return bool(outs) and all(t.dim() > 0 and t.shape[0] == 1 for t in outs)
+
+
+def _expand_to_batch(tree: Any, batch_size: int) -> Any:
+    """Every tensor with a leading dim of 1 expanded (a view) to ``batch_size``."""
+
+    def expand(t: Any) -> Any:
+        if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == 1:
+            return t.expand(batch_size, *t.shape[1:])
+        return t
+
+    return tree_map(expand, tree)
+
+
+def _single_grad(call: _Call) -> Tensor | None:
+    """The output gradient of a one-output module (``None``: output unused)."""
+    if len(call.grads) != 1:
+        raise HookComputationError(
+            f"module {call.unit.name!r} ({type(call.unit.module).__name__}) returned "
+            f"{len(call.grads)} floating tensors; its rule expects exactly one."
+        )
+    return call.grads[0]
+
+
+def _fallback_grads(call: _Call, batch_size: int) -> dict[str, Tensor]:
+    """Per-example gradients of a module's own parameters with ``torch.func``.
+
+    ``grad_b = d/dθ <module(x_b; θ), g_b>`` on the stored inputs, ``vmap``-ed
+    over the batch (each example keeps a batch axis of 1 inside).
+    """
+    if all(g is None for g in call.grads):
+        return {}
+    module = call.unit.module
+    params = {k: p.detach() for k, p in module.named_parameters() if k in call.unit.params}
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch_size for t in leaves]
+    inputs = [t for t, b in zip(leaves, batched) if b]
+    grads = [
+        g if g is not None else torch.zeros_like(t) for g, t in zip(call.grads, call.out_template)
+    ]
+
+    def contracted(p: dict[str, Tensor], xs: list[Tensor], gs: list[Tensor]) -> Tensor:
+        it = iter(xs)
+        full = [next(it).unsqueeze(0) if b else t for t, b in zip(leaves, batched)]
+        args, kwargs = tree_unflatten(full, spec)
+        out = torch.func.functional_call(module, p, args, kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+        return sum((o * g.unsqueeze(0)).sum() for o, g in zip(outs, gs))  # type: ignore[return-value]
+
+    per_example = torch.func.vmap(torch.func.grad(contracted), in_dims=(None, 0, 0))
+    with warnings.catch_warnings():
+        # vmap falls back to a loop for a few fused kernels (CPU flash
+        # attention) and says so; the result is exact and nothing is actionable.
+        warnings.filterwarnings(
+            "ignore", message="There is a performance drop", category=UserWarning
+        )
+        return per_example(params, inputs, grads)

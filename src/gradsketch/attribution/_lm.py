@@ -6,8 +6,8 @@ collator return) or TRAK's positional tuple. :meth:`as_batch` turns either
 into the task's canonical tuple, which is what the gradient computers see
 (``vmap`` and the layer hooks index batches by position).
 
-**Language modeling** (TRAK's extension to sequences; Park et al., ICML
-2023, used there for fact tracing). A causal LM predicts token ``y_t`` from
+**Language modeling** (TRAK's derivation, Park et al., ICML 2023, sec. 3,
+applied token by token). A causal LM predicts token ``y_t`` from
 the tokens before it with probability ``p_t = softmax(z_{t-1})[y_t]``; its
 loss is ``L = -Σ_t log p_t`` over the predicted tokens (``labels != -100``).
 Writing each token's loss as a logistic loss of its log-odds,
@@ -31,7 +31,6 @@ query's score.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -55,9 +54,38 @@ class BatchFormatError(ValueError):
     """A batch does not have the fields (or the tuple length) the task expects."""
 
 
-@functools.cache
-def _forward_params(model_type: type) -> frozenset[str]:
-    return frozenset(inspect.signature(model_type.forward).parameters)
+_FORWARD_PARAMS: dict[type[nn.Module], tuple[frozenset[str], bool]] = {}
+
+
+def _forward_params(model_type: type[nn.Module]) -> tuple[frozenset[str], bool]:
+    """Named parameters of ``model_type.forward`` and whether it takes ``**kwargs`` (cached)."""
+    if model_type not in _FORWARD_PARAMS:
+        params = inspect.signature(model_type.forward).parameters.values()
+        names = frozenset(p.name for p in params)
+        var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        _FORWARD_PARAMS[model_type] = (names, var_kw)
+    return _FORWARD_PARAMS[model_type]
+
+
+def _wrapped(model: nn.Module) -> nn.Module:
+    """The model a peft wrapper forwards to (``model`` itself otherwise)."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def _accepted(model: nn.Module, key: str) -> bool:
+    """Whether ``model``'s forward takes ``key``.
+
+    Hugging Face forwards collect attention-implementation options in
+    ``**kwargs`` and name every input they read, so for them (and for peft
+    wrappers, judged by the wrapped model) only named inputs are passed;
+    other models with ``**kwargs`` get every input, as TRAK passes them.
+    """
+    target = _wrapped(model)
+    names, var_kw = _forward_params(type(target))
+    if key in names:
+        return True
+    return var_kw and not type(target).__module__.startswith("transformers.")
 
 
 def _call_model(
@@ -66,9 +94,10 @@ def _call_model(
     kwargs: dict[str, Tensor],
 ) -> Tensor:
     """Logits of ``model(**kwargs)``, without a KV cache, through ``functional_call`` if given."""
-    accepted = _forward_params(type(model))
-    kw: dict[str, Any] = {k: v for k, v in kwargs.items() if k in accepted or k == "input_ids"}
-    if "use_cache" in accepted:
+    kw: dict[str, Any] = {
+        k: v for k, v in kwargs.items() if k == "input_ids" or _accepted(model, k)
+    }
+    if "use_cache" in _forward_params(type(_wrapped(model)))[0]:
         kw["use_cache"] = False
     if params is None:
         out = model(**kw)
@@ -198,22 +227,22 @@ class LanguageModelingModelOutput(AbstractModelOutput):
                     "labels), or a dict with those keys."
                 )
             items += [None] * (3 - len(items))
-            ids, mask, labels = (None if t is None else torch.as_tensor(t) for t in items)
-            assert ids is not None
+            ids = torch.as_tensor(items[0])
+            mask, labels = (None if t is None else torch.as_tensor(t) for t in items[1:])
         if ids.dim() != 2:
             raise BatchFormatError(
                 f"`input_ids` must be [batch, seq_len], got shape {tuple(ids.shape)}."
             )
-        if mask is None:
-            mask = torch.ones_like(ids)
-        if labels is None:
-            labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
         for name, t in (("attention_mask", mask), ("labels", labels)):
-            if tuple(t.shape) != tuple(ids.shape):
+            if t is not None and tuple(t.shape) != tuple(ids.shape):
                 raise BatchFormatError(
                     f"`{name}` has shape {tuple(t.shape)} but `input_ids` has "
                     f"{tuple(ids.shape)}; they must match."
                 )
+        if mask is None:
+            mask = torch.ones_like(ids)
+        if labels is None:
+            labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
         return ids, mask, labels
 
     @staticmethod

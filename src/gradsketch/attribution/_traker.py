@@ -164,7 +164,12 @@ class TRAKer:
     reopening ``save_dir`` with other settings is refused with both shown;
     ``memory_budget`` bounds the working memory of ``finalize_features`` and
     ``finalize_scores`` (larger score matrices go to a zarr array on disk);
-    ``lambda_reg="auto"`` picks a damping.
+    ``lambda_reg="auto"`` picks a damping. Hugging Face models: the
+    ``"language_modeling"`` task, dict batches and ``datasets.Dataset``
+    inputs, weights chosen by name pattern (a LoRA model's adapters by
+    default), per-token target scores (``per_token=True``), and :meth:`topk`,
+    which streams the scores into the top proponents and opponents of each
+    target without forming the ``[n, m]`` matrix.
 
     Args:
         model: the model.
@@ -801,8 +806,15 @@ class TRAKer:
         if self._exp_per_token:
             # f = Σ_t f_t: the target's feature is the sum of its tokens' features.
             size, length = (int(s) for s in batch[0].shape[:2])
-            expanded = tuple(self.task.per_token_batch(batch))  # type: ignore[attr-defined]
-            tokens = self._features(expanded, self._exp_model_id).reshape(size, length, -1)
+            # B targets give B * T per-token rows; a few targets at a time keep
+            # each pass at most max(B, T) rows.
+            group = max(1, size // length)
+            parts = []
+            for start in range(0, size, group):
+                part = tuple(t[start : start + group] for t in batch)
+                expanded = tuple(self.task.per_token_batch(part))  # type: ignore[attr-defined]
+                parts.append(self._features(expanded, self._exp_model_id))
+            tokens = torch.cat(parts).reshape(size, length, -1)
             phi = tokens.sum(1)
             name = self._token_array(arr("token_grads"), length)
             rows[name] = tokens.detach().reshape(size, -1).to(self.dtype).cpu().numpy()

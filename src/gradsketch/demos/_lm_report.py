@@ -90,8 +90,9 @@ def shaded_tokens(data: bytes, scores: np.ndarray) -> str:
     """``<span>`` per byte, background by its score (scaled by the largest ``|score|``).
 
     Example:
-        >>> shaded_tokens(b"a<", np.array([0.0, -2.0], dtype=np.float32))[:60]
-        '<span class="tok" data-t="0" data-score="0.0" style="backgr'
+        >>> page = shaded_tokens(b"a<", np.array([0.0, -2.0], dtype=np.float32))
+        >>> page.count('class="tok"'), "&lt;" in page, "rgba(210,30,30,0.850)" in page
+        (2, True, True)
     """
     scale = float(np.abs(scores).max()) if scores.size else 0.0
     parts = []

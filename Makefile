@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # downloads gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-avx2 test-slow test-bench lint bench bench-setup clean
+.PHONY: demo demo-lm test test-avx2 test-slow test-bench lint bench bench-setup clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/gradsketch demo --out demo_out
+
+# The language-model main job: GPT-2 on the standard library's sources -> demo_lm_out/
+demo-lm: $(VENV)/.installed
+	$(VENV)/bin/gradsketch demo --lm --out demo_lm_out
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -55,4 +59,4 @@ bench: $(VENV)/.bench
 	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) demo_out build dist src/*.egg-info
+	rm -rf $(VENV) demo_out demo_lm_out build dist src/*.egg-info

@@ -33,6 +33,8 @@ PARENTS = {
     "OutputPathMismatchError": RuntimeError,
     "DemoSettingsError": ValueError,
     "DigitsSettingsError": ValueError,
+    "CorpusError": ValueError,
+    "LMDemoSettingsError": ValueError,
 }
 
 

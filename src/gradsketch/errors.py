@@ -32,6 +32,8 @@ if TYPE_CHECKING:
         WrappedModelError,
     )
     from gradsketch.demos import DemoSettingsError, DigitsSettingsError
+    from gradsketch.demos._lm_corpus import CorpusError
+    from gradsketch.demos.lm import LMDemoSettingsError
     from gradsketch.masked import MaskError
     from gradsketch.sketch import FactorizedLayoutError, FingerprintMismatchError
     from gradsketch.sketch._triton import TritonUnavailableError
@@ -59,6 +61,8 @@ __all__ = [
     "OutputPathMismatchError",
     "DemoSettingsError",
     "DigitsSettingsError",
+    "CorpusError",
+    "LMDemoSettingsError",
 ]
 
 
@@ -94,5 +98,7 @@ __getattr__ = lazy_getattr(
         "OutputPathMismatchError": "gradsketch.slt",
         "DemoSettingsError": "gradsketch.demos",
         "DigitsSettingsError": "gradsketch.demos",
+        "CorpusError": "gradsketch.demos._lm_corpus",
+        "LMDemoSettingsError": "gradsketch.demos.lm",
     },
 )

@@ -295,3 +295,16 @@ def test_report_renders_in_a_browser(tiny_run: tuple[Path, dict[str, Any]]) -> N
     r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
     assert ((g - r > 40) & (g - b > 20)).sum() > 50, "no green (proponent) shading painted"
     assert (pixels.sum(-1) < 200).sum() > 1000, "no dark text painted"
+
+
+def test_gradsketch_demo_lm_command_writes_the_report(tmp_path):
+    """`gradsketch demo --lm` (what `make demo-lm` runs) reaches run_lm_demo."""
+    from typer.testing import CliRunner
+
+    from gradsketch.cli._app import app
+
+    out = tmp_path / "lm"
+    result = CliRunner().invoke(app, ["demo", "--lm", "--quick", "--no-verbose", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "LDS" in result.output and (out / "report.html").is_file()
+    assert (out / "scores.npy").is_file() and (out / "summary.json").is_file()

@@ -38,10 +38,19 @@ def _setup_logging(verbose: bool) -> None:
 def demo(
     out: Path = typer.Option("demo_out", "--out", "-o", help="Output folder (created)."),
     quick: bool = typer.Option(False, help="Smaller sizes, for a smoke test."),
+    lm: bool = typer.Option(
+        False, "--lm", help="The language-model job: GPT-2 on the stdlib's sources, HTML report."
+    ),
     verbose: bool = typer.Option(True, help="Log progress."),
 ) -> None:
     """The main job: TRAK attribution on scikit-learn's bundled digits, with LDS and a gallery."""
     _setup_logging(verbose)
+    if lm:
+        from gradsketch.demos.lm import run_lm_demo
+
+        result = run_lm_demo(out, quick=quick, progress=verbose)
+        typer.echo(f"LDS {result['lds']:.3f}; report: {result['report']}")
+        return
     from gradsketch.demos._attribution import format_report, run_demo
 
     summary = run_demo(out, quick=quick)

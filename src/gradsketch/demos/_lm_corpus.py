@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradsketch.errors import GradsketchError
+
 #: Standard-library modules the demo reads, relative to the stdlib folder:
 #: pure Python, no generated code, one topic each (text, data structures,
 #: encodings), about 170 kB in all.
@@ -52,7 +54,7 @@ BYTE_VOCAB = 256
 EOS_ID = 256
 
 
-class CorpusError(ValueError):
+class CorpusError(GradsketchError, ValueError):
     """The corpus cannot be built as asked (missing files, too few chunks)."""
 
 

@@ -51,6 +51,7 @@ from gradsketch.demos._lm_corpus import (
     split_chunks,
 )
 from gradsketch.demos._lm_report import query_views, write_report
+from gradsketch.errors import GradsketchError
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ QUICK: dict[str, Any] = {
 }
 
 
-class LMDemoSettingsError(ValueError):
+class LMDemoSettingsError(GradsketchError, ValueError):
     """Invalid settings of the language-model demo."""
 
 

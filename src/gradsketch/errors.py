@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from gradsketch.demos.lm import LMDemoSettingsError
     from gradsketch.masked import MaskError
     from gradsketch.sketch import FactorizedLayoutError, FingerprintMismatchError
-    from gradsketch.sketch._triton import TritonUnavailableError
+    from gradsketch.sketch._backend import TritonUnavailableError
     from gradsketch.slt import NonFiniteLossError, OutputPathMismatchError
 
 __all__ = [
@@ -84,7 +84,7 @@ __getattr__ = lazy_getattr(
         "MaskError": "gradsketch.masked",
         "FingerprintMismatchError": "gradsketch.sketch",
         "FactorizedLayoutError": "gradsketch.sketch",
-        "TritonUnavailableError": "gradsketch.sketch._triton",
+        "TritonUnavailableError": "gradsketch.sketch._backend",
         "SettingsMismatchError": "gradsketch._settings",
         "DistributedMismatchError": "gradsketch._distributed",
         "ModelIDException": "gradsketch.attribution",

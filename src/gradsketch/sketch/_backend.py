@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -198,3 +199,10 @@ def reduce_rows_(
     if default_backend(segments[0][0], kernel="scatter") != "native":
         return False
     return _native.reduce_rows_(out, index, segments, rows=rows, gram=gram)
+
+
+def __getattr__(name: str) -> Any:
+    # The Triton module's error, without importing it before it is asked for.
+    if name == "TritonUnavailableError":
+        return triton().TritonUnavailableError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

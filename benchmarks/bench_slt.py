@@ -31,18 +31,6 @@ import torch
 from _common import emit, machine_info, setup_torch
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
-
-
 def corpus(chunks: int, seq: int) -> torch.Tensor:
     """``[chunks, seq]`` byte tokens of the standard library's .py files, sorted and joined."""
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
@@ -126,7 +114,7 @@ def main() -> None:
             return float(np.nanmean(result["influences"].values))
         return float(np.nanmean(result["susceptibilities"].dataset["sus"].values))
 
-    info = {**machine_info(), "cpu_model": cpu_model()}
+    info = machine_info()
     for task in args.tasks:
         times: dict[str, list[tuple[float, float]]] = {"gradsketch": [], "devinterp": []}
         estimates: dict[str, list[float]] = {"gradsketch": [], "devinterp": []}

@@ -240,6 +240,41 @@ def test_lora_adapters_only_with_exact_per_example_gradients(tmp_path):
     torch.testing.assert_close(gc.project(batch, traker.projector, 0), expected, rtol=1e-9, atol=0)
 
 
+def test_lora_on_embeddings_gets_exact_per_example_gradients():
+    """peft keeps embedding adapters in ParameterDicts its forward reads directly.
+
+    The containers are never called, so their hooks would never fire; the
+    LoRA embedding module owns them instead (``torch.func`` on its inputs).
+    Checked against a float64 loop of single-example backward passes.
+    """
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(llama_config())
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        model = peft.get_peft_model(base, config)
+    for name, p in model.named_parameters():
+        if "lora_" in name:  # peft starts one factor of each pair at zero
+            nn.init.normal_(p, std=0.5)
+    model = model.double().eval()
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_embedding_A" in n for n in adapters)
+    gc = HookGradientComputer(model, LM, grad_wrt=adapters)
+    ids = torch.randint(1, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(5))
+    got = gc.compute_per_sample_grad(LM.as_batch((ids, torch.ones_like(ids))))
+    params = dict(model.named_parameters())
+    for b in range(3):
+        logits = model(input_ids=ids[b : b + 1]).logits
+        logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[b, 1:, None])
+        f = (logp - torch.log1p(-logp.exp())).sum()
+        grads = torch.autograd.grad(f, [params[n] for n in adapters])
+        for name, g in zip(adapters, grads, strict=True):
+            assert g.abs().sum() > 0, name  # the check can fail: every adapter is used
+            torch.testing.assert_close(got[name][b], g, rtol=1e-9, atol=1e-12, msg=name)
+    gc.remove_hooks()
+
+
 # -- choosing the weights ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama():

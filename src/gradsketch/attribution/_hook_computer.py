@@ -258,6 +258,15 @@ class HookGradientComputer(AbstractGradientComputer):
 
         def visit(prefix: str, module: nn.Module) -> None:
             direct = dict(module.named_parameters(recurse=False))
+            # Parameters held in a ParameterDict / ParameterList child are read by
+            # this module's forward (the container is never called, so a hook on
+            # it would never fire): they belong to this module (peft's LoRA
+            # embeddings keep their adapters this way).
+            held = any(
+                isinstance(child, (nn.ParameterDict, nn.ParameterList))
+                and any(True for _ in child.parameters())
+                for child in module.children()
+            )
             if type(module) in GRAD_SAMPLERS:
                 params = {k: canonical[id(p)] for k, p in direct.items()}
                 extra = [full(prefix, n) for n, _ in module.named_parameters() if n not in direct]
@@ -268,7 +277,7 @@ class HookGradientComputer(AbstractGradientComputer):
                         "leaf type."
                     )
                 fallback = False
-            elif direct:
+            elif direct or held:
                 params = {k: canonical[id(p)] for k, p in module.named_parameters()}
                 fallback = True
             else:

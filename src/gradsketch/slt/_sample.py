@@ -35,7 +35,6 @@ import logging
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from gradsketch._settings import SettingsMismatchError, settings_diff, settings_record
+from gradsketch._writer import BackgroundWriter
 from gradsketch.masked import ParamMask
 from gradsketch.sampling import SGMCMC, Metrics
 from gradsketch.slt._data import (
@@ -295,50 +295,40 @@ def _array(root: zarr.Group, name: str) -> zarr.Array:
 
 
 class _ChainWriter:
-    """Writes finished chains in one background thread, data first and its done flag last.
+    """Writes finished chains behind the sampler, data first and its done flag last.
 
     The rule of :mod:`gradsketch._store`: a chain's flag is set only after all
     its arrays are on disk (zarr replaces each chunk file atomically), so a
     killed run leaves every chain either flagged and complete or unflagged
-    and redone. The sampler hands a chain over and goes on with the next.
+    and redone. The sampler hands a chain over and goes on with the next; the
+    writes run on gradsketch's one background writer.
     """
 
     def __init__(self, root: zarr.Group) -> None:
         self.root = root
         self._arrays: dict[str, zarr.Array] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsketch-slt")
-        self._pending: list[Future[None]] = []
+        self._writer: BackgroundWriter[tuple[int, dict[str, np.ndarray], str]] = BackgroundWriter(
+            self._write, max_pending=2, name="gradsketch-slt"
+        )
 
     def _array(self, name: str) -> zarr.Array:
         if name not in self._arrays:
             self._arrays[name] = _array(self.root, name)
         return self._arrays[name]
 
-    def _write(self, chain: int, values: dict[str, np.ndarray], flag: str) -> None:
+    def _write(self, job: tuple[int, dict[str, np.ndarray], str]) -> None:
+        chain, values, flag = job
         for name, value in values.items():
             self._array(name)[chain] = value
         self._array(flag)[chain] = 1
 
     def write(self, chain: int, values: dict[str, np.ndarray], flag: str) -> None:
         """Queue chain ``chain``'s rows of every array in ``values``, then its ``flag``."""
-        self._raise_failures(wait=False)
-        self._pending.append(self._pool.submit(self._write, chain, values, flag))
-
-    def _raise_failures(self, *, wait: bool) -> None:
-        keep = []
-        for future in self._pending:
-            if wait or future.done():
-                future.result()  # re-raises a failed write
-            else:
-                keep.append(future)
-        self._pending = keep
+        self._writer.submit((chain, values, flag))
 
     def close(self) -> None:
         """Wait for every queued write; raise the first failure."""
-        try:
-            self._raise_failures(wait=True)
-        finally:
-            self._pool.shutdown(wait=True)
+        self._writer.close()
 
 
 def _check_existing(path: Path, record: dict[str, Any], sampler: dict[str, Any]) -> str:

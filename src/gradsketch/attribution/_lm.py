@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradsketch.attribution._hooks import register_loss_grad_from_output
 from gradsketch.attribution._modelout import (
     AbstractModelOutput,
     TextClassificationModelOutput,
     _one_minus_p,
+    register_loss_grad_from_output,
     register_task,
 )
 from gradsketch.errors import GradsketchError

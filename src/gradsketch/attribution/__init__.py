@@ -26,6 +26,12 @@ from gradsketch.attribution._layers import (
     register_layer_factors,
     register_row_sparse_sampler,
 )
+from gradsketch.attribution._influence import (
+    CURVATURES,
+    INFLUENCE_METHODS,
+    InfluenceComputer,
+    InfluenceSettings,
+)
 from gradsketch.attribution._lds import LDSGroundTruth, lds_ground_truth, linear_datamodeling_score
 from gradsketch.attribution._lm import (
     BatchFormatError,
@@ -100,6 +106,11 @@ __all__ = [
     "BatchFormatError",
     "VmapTraceError",
     "DistributedMismatchError",
+    # curvature-aware influence (K-FAC / EK-FAC / identity; TRAKer(method=...))
+    "InfluenceComputer",
+    "InfluenceSettings",
+    "INFLUENCE_METHODS",
+    "CURVATURES",
 ]
 
 # The demo, its bundled data and the command line moved to gradsketch.demos and

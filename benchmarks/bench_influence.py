@@ -232,8 +232,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lds-models", type=int, default=40)
     parser.add_argument("--checkpoints", type=int, default=3)
     parser.add_argument("--only", default="", help="comma-separated method names to run")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on a loaded shared machine two threads spin-wait on each other "
+        "and every tiny matmul of this protocol takes 5-10x longer)",
+    )
     args = parser.parse_args(argv)
-    setup_torch()
+    setup_torch(args.threads)
+    # Imports are not part of any method's time.
+    import gradsketch.sampling  # noqa: F401  (bayesian_influence imports it on first use)
+
+    try:
+        import kronfluence.analyzer  # noqa: F401
+    except ImportError:
+        pass
     logging.basicConfig(level=logging.ERROR)
     lds_models = 10 if args.quick else args.lds_models
     emit({"bench": "machine", **machine_info()})
@@ -247,8 +261,10 @@ def main(argv: list[str] | None = None) -> None:
         model = train(x, y, seed)
         checkpoints.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     c = len(checkpoints)
+    # Chosen on one checkpoint and 10 retrained models from nbeta in {100, 300, 1000, 3000},
+    # lr in {1e-4, 3e-4, 1e-3}, localization in {30, 100, 300, 1000}, 100 or 500 draws.
     bif = dict(
-        num_chains=4, num_draws=100, lr=1e-3, nbeta=100.0, localization=100.0, batch_size=100
+        num_chains=4, num_draws=500, lr=1e-3, nbeta=1000.0, localization=1000.0, batch_size=100
     )
     methods: dict[str, tuple[Any, list, dict[str, Any]]] = {
         "gradsketch trak k=512 (1 ckpt)": (run_traker, checkpoints[:1], {"proj_dim": 512}),
@@ -283,7 +299,9 @@ def main(argv: list[str] | None = None) -> None:
             if only and not any(o in name for o in only):
                 continue
             try:
-                seconds, scores = time_once(lambda: fn(ckpts, x, y, xt, yt, tmp, **kwargs))
+                seconds, scores = time_once(
+                    lambda fn=fn, ckpts=ckpts, kwargs=kwargs: fn(ckpts, x, y, xt, yt, tmp, **kwargs)
+                )
             except ImportError as err:
                 emit({"bench": "influence", "method": name, "skipped": str(err)})
                 continue

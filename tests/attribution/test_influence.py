@@ -379,3 +379,124 @@ def test_traker_resumes_an_influence_store(tmp_path):
     second = _traker(tmp_path, "kfac", lambda_reg=0.1)
     second.load_checkpoint(state, model_id=0)
     assert second._influence._done.sum() == 6 and second._influence._covered.sum() == 6
+
+
+# -- other layer types ------------------------------------------------------------------------
+def _autograd_scores(model, x, y, xq, yq):
+    """``Q_i <∇θ m_q, ∇θ m_i>`` over every parameter, one example at a time (float64)."""
+
+    def grads(xs, ys):
+        rows, qs = [], []
+        for i in range(xs.shape[0]):
+            model.zero_grad()
+            logits = model(xs[i : i + 1])[0]
+            _margin(logits, int(ys[i])).backward()
+            rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+            qs.append(1 - torch.softmax(logits.detach(), 0)[int(ys[i])])
+        return torch.stack(rows), torch.stack(qs)
+
+    gt, q = grads(x, y)
+    gq, _ = grads(xq, yq)
+    return q[:, None] * (gt @ gq.T)
+
+
+def _scores_of(model, x, y, xq, yq, method, path, grad_wrt=None):
+    ic = InfluenceComputer(
+        model,
+        "image_classification",
+        x.shape[0],
+        path,
+        method=method,
+        dtype=torch.float64,
+        progress=False,
+        grad_wrt=grad_wrt,
+    )
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ic.load_checkpoint(state, model_id=0)
+    ic.featurize((x, y), num_samples=x.shape[0])
+    ic.finalize_features()
+    ic.start_scoring_checkpoint("q", state, model_id=0, num_targets=xq.shape[0])
+    ic.score((xq, yq), num_samples=xq.shape[0])
+    targets = torch.as_tensor(np.asarray(ic.store.array("experiments/q/0/grads")[:]))
+    train = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/grads")[:]))
+    q = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/out_to_loss")[:]))
+    return q * (train @ ic._preconditioned(0, targets).T)
+
+
+def test_conv2d_identity_is_plain_gradient_dot_products(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, CLASSES)
+    ).double()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2, 4, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (8,), generator=g)
+    got = _scores_of(model, x, y, x[:3], y[:3], "identity", tmp_path)
+    torch.testing.assert_close(
+        got, _autograd_scores(model, x, y, x[:3], y[:3]), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_conv2d_kfac_equals_dense_kronecker_inverse_from_im2col(tmp_path):
+    """Factors by hand from ``F.unfold`` patches and output gradients over positions."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 2).double()
+    model = nn.Sequential(conv, nn.Flatten(), nn.Linear(3 * 2 * 2, CLASSES)).double()
+    model[2].weight.requires_grad_(False)
+    model[2].bias.requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 2, 3, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (10,), generator=g)
+    grad_wrt = ["0.weight", "0.bias"]
+    ic = InfluenceComputer(
+        model,
+        "image_classification",
+        10,
+        tmp_path,
+        method="kfac",
+        dtype=torch.float64,
+        progress=False,
+        grad_wrt=grad_wrt,
+    )
+    assert [x.name for x in ic.layers] == ["0"]
+    got = _scores_of(model, x, y, x[:3], y[:3], "kfac", tmp_path / "run", grad_wrt)
+    # reference
+    patches = torch.nn.functional.unfold(x, 2).transpose(1, 2)  # [N, L, 8]
+    a = torch.cat([patches, torch.ones(10, patches.shape[1], 1, dtype=torch.float64)], -1)
+    rows, gs, qs = [], [], []
+    for i in range(10):
+        out = conv(x[i : i + 1])
+        out.retain_grad()
+        logits = model[2](out.flatten(1))[0]
+        model.zero_grad()
+        _margin(logits, int(y[i])).backward()
+        gi = out.grad[0].reshape(3, -1).T  # [L, 3]
+        gs.append(gi)
+        qs.append(1 - torch.softmax(logits.detach(), 0)[int(y[i])])
+        rows.append((gi.T @ a[i]).reshape(-1))
+    q = torch.stack(qs)
+    a_cov = sum(ai.T @ ai for ai in a) / (10 * a.shape[1])
+    s_cov = sum(qi**2 * gi.T @ gi for qi, gi in zip(q, gs)) / 10
+    h = torch.kron(s_cov, a_cov)
+    lam = 0.1 * float(torch.linalg.eigvalsh(h).mean())
+    gt = torch.stack(rows)
+    solved = torch.linalg.solve(h + lam * torch.eye(h.shape[0], dtype=h.dtype), gt[:3].T)
+    torch.testing.assert_close(got, q[:, None] * (gt @ solved), rtol=RTOL, atol=ATOL)
+
+
+def test_hf_conv1d_scores_equal_the_equivalent_linear_model(tmp_path):
+    """GPT-2's ``Conv1D`` (weight ``[d_in, d_out]``) gives a Linear model's scores exactly."""
+    from transformers.pytorch_utils import Conv1D
+
+    linear = _model()
+    conv = nn.Sequential(Conv1D(HIDDEN, D_IN), nn.Tanh(), Conv1D(CLASSES, HIDDEN)).double()
+    with torch.no_grad():
+        for c, lin in ((conv[0], linear[0]), (conv[2], linear[2])):
+            c.weight.copy_(lin.weight.T)
+            c.bias.copy_(lin.bias)
+    x, y = _data()
+    xq, yq = _data(seed=1, n=M)
+    for method in ("identity", "kfac", "ekfac"):
+        want = _scores_of(linear, x, y, xq, yq, method, tmp_path / f"lin-{method}")
+        got = _scores_of(conv, x, y, xq, yq, method, tmp_path / f"conv-{method}")
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)

@@ -500,3 +500,14 @@ def test_hf_conv1d_scores_equal_the_equivalent_linear_model(tmp_path):
         want = _scores_of(linear, x, y, xq, yq, method, tmp_path / f"lin-{method}")
         got = _scores_of(conv, x, y, xq, yq, method, tmp_path / f"conv-{method}")
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_traker_refuses_trak_only_features_with_an_influence_method(tmp_path):
+    state = _model().state_dict()
+    traker = _traker(tmp_path, "kfac", lambda_reg=0.1)
+    with pytest.raises(ValueError, match="`per_token`=True needs method='trak'"):
+        traker.start_scoring_checkpoint("q", state, model_id=0, num_targets=M, per_token=True)
+    with pytest.raises(ValueError, match="`per_token`=True needs method='trak'"):
+        traker.finalize_scores("q", per_token=True)
+    with pytest.raises(ValueError, match="`topk` streams TRAK's kernel"):
+        traker.topk("q", 2)

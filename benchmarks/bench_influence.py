@@ -23,7 +23,9 @@ the margin); Kronfluence identity / K-FAC / EK-FAC (its defaults: sampled
 true Fisher, damping 0.1 x mean eigenvalue, measurement the margin, train
 loss the summed cross-entropy). Kronfluence's scores are ``∇f_qᵀ H⁻¹ ∇L_i``,
 the effect on the query of *removing* example i, so they are negated to
-compare with the others' "positive = helps the query".
+compare with the others' "positive = helps the query". Each line also gives
+the fraction of top-5 proponents that share the target's label (the main
+job's gallery criterion).
 """
 
 from __future__ import annotations
@@ -306,12 +308,16 @@ def main(argv: list[str] | None = None) -> None:
                 emit({"bench": "influence", "method": name, "skipped": str(err)})
                 continue
             lds = linear_datamodeling_score(scores, masks, outputs)
+            # The main job's gallery criterion: top-5 proponents sharing the target's label.
+            top5 = np.argsort(-np.asarray(scores), axis=0)[:5]  # [5, targets]
+            same = float((y.numpy()[top5] == yt.numpy()[None, :]).mean())
             emit(
                 {
                     "bench": "influence",
                     "method": name,
                     "checkpoints": len(ckpts),
                     "lds": lds,
+                    "top5_same_label": same,
                     "seconds": seconds,
                     "lds_models": lds_models,
                     "options": {k: v for k, v in kwargs.items()},

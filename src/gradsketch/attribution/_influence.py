@@ -50,21 +50,24 @@ MLP 64-32-10, 1,000 training rows, 100 targets, margin, LDS over 40 models
 retrained on random halves, 3 checkpoints; one thread of a shared 2-core
 EPYC under heavy load, so the times are indicative):
 
-=============================  =====  ==========
-method                          LDS    fit+score
-=============================  =====  ==========
-``"ekfac"``                     0.467    2.6 s
-``"kfac"``                      0.464    1.8 s
-``"ekfac"``, 1 checkpoint       0.448    1.2 s
-``"ekfac"``, projection 16x16   0.422    2.0 s
-``"ekfac"``, curvature output   0.430    2.0 s
-``"identity"``                  0.375    3.7 s
-TRAK, k=512, ``"auto"``         0.320    3.0 s
-``bayesian_influence``          0.385   71 s
-Kronfluence EK-FAC (1.0.1)      0.414   30 s
-Kronfluence K-FAC               0.296   21 s
-Kronfluence identity            0.375   19 s
-=============================  =====  ==========
+=============================  =====  =====  ==========
+method                          LDS    top-5  fit+score
+=============================  =====  =====  ==========
+``"ekfac"``                     0.467  0.97     2.4 s
+``"kfac"``                      0.464  0.95     0.9 s
+``"ekfac"``, 1 checkpoint       0.448  0.91     1.1 s
+``"ekfac"``, projection 16x16   0.422  0.96     1.1 s
+``"ekfac"``, curvature output   0.430  0.83     2.5 s
+``"identity"``                  0.375  0.95     1.0 s
+TRAK, k=512, ``"auto"``         0.320  0.40     1.4 s
+``bayesian_influence``          0.385  0.95    34 s
+Kronfluence EK-FAC (1.0.1)      0.414  0.85    38 s
+Kronfluence K-FAC               0.296  0.62    24 s
+Kronfluence identity            0.375  0.95    13 s
+=============================  =====  =====  ==========
+
+(top-5: fraction of each target's five strongest proponents that share its
+label.)
 
 * Use ``"ekfac"`` (or ``"kfac"``, nearly as good and cheaper to finalize)
   whenever the model's weights sit in Linear / Conv2d / ``Conv1D`` layers and

@@ -7,7 +7,7 @@ protocol). Prints one JSON line per method. Needs Kronfluence 1.0.1 (the
 skipped with a note.
 
 Protocol (the issue's digits protocol): an MLP 64-32-10 (ReLU) trained with
-:func:`gradsketch.attribution._digits.train_model` on the first 1,000
+:func:`gradsketch.demos._digits.train_model` on the first 1,000
 training rows of ``load_digits_split(seed=0)``; 100 targets from the test
 split; the output is TRAK's margin. Ground truth: ``--lds-models`` models
 retrained on random halves (:func:`lds_ground_truth`, seed 10,000); LDS is the
@@ -55,13 +55,13 @@ def build(seed: int) -> nn.Sequential:
 
 
 def train(x: torch.Tensor, y: torch.Tensor, seed: int) -> nn.Module:
-    from gradsketch.attribution._digits import train_model
+    from gradsketch.demos._digits import train_model
 
     return train_model(build(seed), x, y, seed=seed)
 
 
 def data():
-    from gradsketch.attribution._digits import load_digits_split
+    from gradsketch.demos._digits import load_digits_split
 
     split = load_digits_split(seed=0)
     x, y = split.x_train[:N_TRAIN], split.y_train[:N_TRAIN]
@@ -69,8 +69,9 @@ def data():
 
 
 def ground_truth(x, y, xt, yt, lds_models: int):
+    from gradsketch.demos._digits import margins
+
     from gradsketch.attribution import lds_ground_truth
-    from gradsketch.attribution._digits import margins
 
     def train_fn(idx: np.ndarray, seed: int) -> nn.Module:
         t = torch.from_numpy(idx)

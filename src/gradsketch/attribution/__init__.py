@@ -26,17 +26,17 @@ from gradsketch.attribution._gradient_computers import (
     VmapTraceError,
 )
 from gradsketch.attribution._hook_computer import HookGradientComputer, WrappedModelError
-from gradsketch.attribution._layers import (
-    HookComputationError,
-    register_grad_sampler,
-    register_layer_factors,
-    register_row_sparse_sampler,
-)
 from gradsketch.attribution._influence import (
     CURVATURES,
     INFLUENCE_METHODS,
     InfluenceComputer,
     InfluenceSettings,
+)
+from gradsketch.attribution._layers import (
+    HookComputationError,
+    register_grad_sampler,
+    register_layer_factors,
+    register_row_sparse_sampler,
 )
 from gradsketch.attribution._lds import LDSGroundTruth, lds_ground_truth, linear_datamodeling_score
 from gradsketch.attribution._lm import (

@@ -89,7 +89,6 @@ import json
 import logging
 import math
 import os
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,20 +103,20 @@ from tqdm.auto import tqdm
 from gradsketch._settings import SettingsMismatchError, read_record, write_record
 from gradsketch._store import RowStore, default_chunk_rows
 from gradsketch.attribution._distributed import rank_and_world
-from gradsketch.attribution._hooks import (
-    LAYER_FACTORS,
-    LOSS_GRAD_FROM_OUTPUT,
-    refuse_wrapped,
-    register_layer_factors,
-    resolve_batch_output,
-)
+from gradsketch.attribution._hook_computer import refuse_wrapped
 from gradsketch.attribution._kfac import (
     KroneckerEigen,
     KroneckerFactors,
     add_bias_input,
     resolve_damping,
 )
-from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
+from gradsketch.attribution._layers import LAYER_FACTORS, register_optional_rules
+from gradsketch.attribution._modelout import (
+    LOSS_GRAD_FROM_OUTPUT,
+    AbstractModelOutput,
+    resolve_batch_output,
+    resolve_task,
+)
 from gradsketch.sketch import FactorizedLayer, FactorizedProjector
 
 __all__ = [
@@ -134,29 +133,6 @@ INFLUENCE_METHODS = ("identity", "kfac", "ekfac")
 #: Whose second moment the curvature is (see the module docstring).
 CURVATURES = ("loss", "output")
 _DTYPES = ("float32", "float64")
-
-
-# -- Hugging Face Conv1D ---------------------------------------------------------
-def conv1d_factors(
-    module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
-) -> tuple[Tensor, Tensor]:
-    """GPT-2's ``Conv1D`` (``y = x W + b``, ``W [d_in, d_out]``): ``a [B, T, d_in]``, ``g``.
-
-    Its weight gradient ``sum_t a_t g_tᵀ`` is the transpose of the Linear
-    layout ``sum_t g_t a_tᵀ`` used here; transposing keeps every inner
-    product, so scores are the same.
-    """
-    d_in, d_out = _layer_dims(module)
-    x = inputs[0]
-    return x.reshape(x.shape[0], -1, d_in), grad_output.reshape(grad_output.shape[0], -1, d_out)
-
-
-def _register_hf_conv1d() -> None:
-    """Register ``transformers``' ``Conv1D`` once it is imported (never imports it)."""
-    utils = sys.modules.get("transformers.pytorch_utils")
-    conv1d = getattr(utils, "Conv1D", None)
-    if isinstance(conv1d, type) and conv1d not in LAYER_FACTORS:
-        register_layer_factors(conv1d)(conv1d_factors)
 
 
 # -- layers ----------------------------------------------------------------------
@@ -196,7 +172,7 @@ def find_layers(
     projection: tuple[int, int] | None,
 ) -> list[_Layer]:
     """The modules with a layer-factor rule whose weight is differentiated, in model order."""
-    _register_hf_conv1d()
+    register_optional_rules(model)  # Hugging Face's Conv1D, once transformers is loaded
     wanted = None if grad_wrt is None else set(grad_wrt)
     layers: list[_Layer] = []
     offset = 0

@@ -8,6 +8,12 @@ Park et al., "TRAK: Attributing Model Behavior at Scale", ICML 2023.
 """
 
 from gradsketch._lazy import lazy_getattr
+from gradsketch.attribution._bif import (
+    LossDraws,
+    bayesian_influence,
+    bif_from_draws,
+    sample_loss_draws,
+)
 from gradsketch.attribution._distributed import (
     ChunkShardSampler,
     DistributedMismatchError,
@@ -20,6 +26,12 @@ from gradsketch.attribution._gradient_computers import (
     VmapTraceError,
 )
 from gradsketch.attribution._hook_computer import HookGradientComputer, WrappedModelError
+from gradsketch.attribution._influence import (
+    CURVATURES,
+    INFLUENCE_METHODS,
+    InfluenceComputer,
+    InfluenceSettings,
+)
 from gradsketch.attribution._layers import (
     HookComputationError,
     register_grad_sampler,
@@ -100,6 +112,16 @@ __all__ = [
     "BatchFormatError",
     "VmapTraceError",
     "DistributedMismatchError",
+    # curvature-aware influence (K-FAC / EK-FAC / identity; TRAKer(method=...))
+    "InfluenceComputer",
+    "InfluenceSettings",
+    "INFLUENCE_METHODS",
+    "CURVATURES",
+    # Bayesian influence from SGMCMC draws
+    "bayesian_influence",
+    "sample_loss_draws",
+    "bif_from_draws",
+    "LossDraws",
 ]
 
 # The demo, its bundled data and the command line moved to gradsketch.demos and

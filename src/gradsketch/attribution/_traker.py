@@ -60,6 +60,13 @@ from gradsketch.sketch import (
 )
 
 
+def _refuse_per_token(per_token: bool, method: str) -> None:
+    if per_token:
+        raise ValueError(
+            f"`per_token`=True needs method='trak'; method={method!r} scores whole targets."
+        )
+
+
 class ModelIDException(GradsketchError, RuntimeError):
     """A checkpoint (model id) is missing, incomplete or inconsistent (TRAK's name)."""
 
@@ -215,6 +222,11 @@ class TRAKer:
         chunk_rows: rows per chunk of the stored features (default: about
             1 MiB per chunk). Chunks are the unit of resuming and of sharding
             across ``torch.distributed`` ranks; an existing store keeps its own.
+        method: ``"trak"`` (default), or ``"identity"``, ``"kfac"``, ``"ekfac"``:
+            the same calls and store then run
+            :class:`~gradsketch.attribution.InfluenceComputer` (``lambda_reg``
+            is its damping; a :class:`FactorizedProjector` given as
+            ``projector`` sets its per-layer projection).
 
     Distributed: when a ``torch.distributed`` process group is initialised
     (``torchrun``), each rank featurizes and computes target features only for
@@ -270,9 +282,32 @@ class TRAKer:
         precision: str = "float32",
         progress: bool = True,
         chunk_rows: int | None = None,
+        method: str = "trak",
     ) -> None:
         self.logger = logging.getLogger("gradsketch.attribution.TRAKer")
         self.logger.setLevel(logging_level)
+        self.method = method
+        self._influence: Any = None
+        if method != "trak":
+            from gradsketch.attribution._influence import make_influence
+
+            self._influence = make_influence(
+                method,
+                model,
+                task,
+                train_set_size,
+                save_dir,
+                load_from_save_dir,
+                device,
+                projector,
+                projector_seed,
+                grad_wrt,
+                lambda_reg,
+                progress,
+                chunk_rows,
+            )
+            self.save_dir = self._influence.save_dir
+            return
         if saver is not None:
             raise ValueError(
                 f"`saver`={saver!r} is not supported: gradsketch stores features in a resumable "
@@ -442,6 +477,8 @@ class TRAKer:
         Raises:
             SettingsMismatchError: ``model_id`` was featurized from other weights.
         """
+        if self._influence is not None:
+            return self._influence.load_checkpoint(checkpoint, model_id)
         sha = checkpoint_fingerprint(checkpoint)
         require_same_across_ranks("(model_id, checkpoint fingerprint)", (int(model_id), sha))
         n, k = self.train_set_size, self.proj_dim
@@ -504,6 +541,8 @@ class TRAKer:
             inds: ``[B]`` row indices in the training set.
             num_samples: ``B``, when rows follow the previous batch.
         """
+        if self._influence is not None:
+            return self._influence.featurize(batch, inds, num_samples)
         if self.ckpt_loaded is None or self._done is None:
             raise ModelIDException(
                 "no checkpoint loaded; call traker.load_checkpoint(state_dict, model_id) "
@@ -548,6 +587,8 @@ class TRAKer:
         the examples it featurizes; other iterables are read in full and each
         rank keeps its own rows.
         """
+        if self._influence is not None:
+            return self._influence.featurize_loader(loader)
         if self._done is None or self._owned is None:
             raise ModelIDException(
                 "no checkpoint loaded; call traker.load_checkpoint(state_dict, model_id) "
@@ -610,6 +651,8 @@ class TRAKer:
         ``del_grads=True`` (then they replace the gradients); otherwise the
         inverse is applied to the targets at scoring time, which is cheaper.
         """
+        if self._influence is not None:
+            return self._influence.finalize_features(model_ids, del_grads)
         self.projector.free_memory()
         # Every rank's rows must be on disk before anyone reads the flags.
         self.store.flush()
@@ -711,6 +754,11 @@ class TRAKer:
             SettingsMismatchError: ``exp_name`` exists with another ``num_targets``
                 or ``per_token``.
         """
+        if self._influence is not None:
+            _refuse_per_token(per_token, self.method)
+            return self._influence.start_scoring_checkpoint(
+                exp_name, checkpoint, model_id, num_targets
+            )
         if not exp_name or "/" in exp_name:
             raise ValueError(f"`exp_name` must be a non-empty name without '/', got {exp_name!r}.")
         positive_int("num_targets", num_targets)
@@ -770,6 +818,8 @@ class TRAKer:
         self, batch: Sequence[Tensor], inds: Any = None, num_samples: int | None = None
     ) -> None:
         """Compute and store the target features of a batch (see :meth:`featurize`)."""
+        if self._influence is not None:
+            return self._influence.score(batch, inds, num_samples)
         if self._exp is None or self._exp_model_id is None or self._exp_done is None:
             raise ModelIDException(
                 "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before score."
@@ -832,6 +882,8 @@ class TRAKer:
 
     def score_loader(self, loader: Iterable[Any], *, batch_size: int = 16) -> None:
         """Score every batch of ``loader`` in order (inputs, sharding: see ``featurize_loader``)."""
+        if self._influence is not None:
+            return self._influence.score_loader(loader)
         if self._exp_done is None or self._exp_owned is None:
             raise ModelIDException(
                 "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before "
@@ -923,6 +975,9 @@ class TRAKer:
             (when it exceeds ``memory_budget``) the zarr array
             ``save_dir/scores/<exp_name>`` on disk. Both are also saved there.
         """
+        if self._influence is not None:
+            _refuse_per_token(per_token, self.method)
+            return self._influence.finalize_scores(exp_name, model_ids, allow_skip)
         experiment, used, ckpts = self._scoring_inputs(exp_name, model_ids, allow_skip)
         num_targets = int(experiment["num_targets"])
         if per_token:
@@ -1011,6 +1066,11 @@ class TRAKer:
             :class:`~gradsketch.attribution.TopK` with ``[k, m]`` training-row
             indices and scores (proponents highest first, opponents lowest first).
         """
+        if self._influence is not None:
+            raise ValueError(
+                f"`topk` streams TRAK's kernel; with method={self.method!r} call "
+                "finalize_scores(exp_name) and take the top rows of its columns."
+            )
         if rank_and_world()[1] > 1:
             raise ValueError(
                 "TRAKer.topk is not supported under torch.distributed yet; call it in one "

@@ -1,0 +1,330 @@
+"""Influence methods side by side on the digits MLP: LDS and wall time (fit + score).
+
+Run ``python benchmarks/bench_influence.py`` (``--quick`` for a smoke run with
+fewer retrained models; ``--lds-models`` and ``--checkpoints`` to change the
+protocol). Prints one JSON line per method. Needs Kronfluence 1.0.1 (the
+``bench`` extra, installed with ``--no-deps``); without it those rows are
+skipped with a note.
+
+Protocol (the issue's digits protocol): an MLP 64-32-10 (ReLU) trained with
+:func:`gradsketch.demos._digits.train_model` on the first 1,000
+training rows of ``load_digits_split(seed=0)``; 100 targets from the test
+split; the output is TRAK's margin. Ground truth: ``--lds-models`` models
+retrained on random halves (:func:`lds_ground_truth`, seed 10,000); LDS is the
+mean over targets of Spearman's correlation. Checkpoints are independent
+trainings (seeds 0, 1, 2, ...) of the full 1,000 rows; every method averages
+its scores over the same checkpoints.
+
+Methods: gradsketch TRAK (``lambda_reg="auto"``, k=512); gradsketch
+``TRAKer(method=...)`` identity / K-FAC / EK-FAC (exact per-layer gradients,
+and EK-FAC in the factorized-projected space ``k_in = k_out = 16``; both
+curvatures); gradsketch ``bayesian_influence`` (SGLD draws, query observable
+the margin); Kronfluence identity / K-FAC / EK-FAC (its defaults: sampled
+true Fisher, damping 0.1 x mean eigenvalue, measurement the margin, train
+loss the summed cross-entropy). Kronfluence's scores are ``∇f_qᵀ H⁻¹ ∇L_i``,
+the effect on the query of *removing* example i, so they are negated to
+compare with the others' "positive = helps the query". Each line also gives
+the fraction of top-5 proponents that share the target's label (the main
+job's gallery criterion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine_info, setup_torch, time_once
+
+N_TRAIN, N_TARGETS, HIDDEN = 1000, 100, 32
+QUIET = logging.WARNING
+
+
+def build(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
+
+
+def train(x: torch.Tensor, y: torch.Tensor, seed: int) -> nn.Module:
+    from gradsketch.demos._digits import train_model
+
+    return train_model(build(seed), x, y, seed=seed)
+
+
+def data():
+    from gradsketch.demos._digits import load_digits_split
+
+    split = load_digits_split(seed=0)
+    x, y = split.x_train[:N_TRAIN], split.y_train[:N_TRAIN]
+    return x, y, split.x_test[:N_TARGETS], split.y_test[:N_TARGETS]
+
+
+def ground_truth(x, y, xt, yt, lds_models: int):
+    from gradsketch.demos._digits import margins
+
+    from gradsketch.attribution import lds_ground_truth
+
+    def train_fn(idx: np.ndarray, seed: int) -> nn.Module:
+        t = torch.from_numpy(idx)
+        return train(x[t], y[t], seed)
+
+    def eval_fn(model: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return margins(model, xt, yt)
+
+    truth = lds_ground_truth(train_fn, eval_fn, N_TRAIN, lds_models, seed=10_000, progress=False)
+    return truth.subset_masks, truth.target_outputs
+
+
+# -- gradsketch ------------------------------------------------------------------------
+def run_traker(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
+    from gradsketch.attribution import TRAKer
+
+    traker = TRAKer(
+        build(0),
+        "image_classification",
+        N_TRAIN,
+        save_dir=tempfile.mkdtemp(dir=tmp),
+        device="cpu",
+        use_half_precision=False,
+        logging_level=QUIET,
+        lambda_reg="auto",
+        progress=False,
+        **kwargs,
+    )
+    batch = 250
+    for model_id, ckpt in enumerate(checkpoints):
+        traker.load_checkpoint(ckpt, model_id=model_id)
+        for start in range(0, N_TRAIN, batch):
+            traker.featurize(
+                (x[start : start + batch], y[start : start + batch]),
+                num_samples=min(batch, N_TRAIN - start),
+            )
+    traker.finalize_features()
+    for model_id, ckpt in enumerate(checkpoints):
+        traker.start_scoring_checkpoint("lds", ckpt, model_id=model_id, num_targets=N_TARGETS)
+        traker.score((xt, yt), num_samples=N_TARGETS)
+    return np.asarray(traker.finalize_scores("lds"))
+
+
+def run_influence(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
+    from gradsketch.attribution import InfluenceComputer
+
+    ic = InfluenceComputer(
+        build(0),
+        "image_classification",
+        N_TRAIN,
+        tempfile.mkdtemp(dir=tmp),
+        progress=False,
+        **kwargs,
+    )
+    batch = 250
+    for model_id, ckpt in enumerate(checkpoints):
+        ic.load_checkpoint(ckpt, model_id=model_id)
+        for start in range(0, N_TRAIN, batch):
+            ic.featurize(
+                (x[start : start + batch], y[start : start + batch]),
+                num_samples=min(batch, N_TRAIN - start),
+            )
+    ic.finalize_features()
+    for model_id, ckpt in enumerate(checkpoints):
+        ic.start_scoring_checkpoint("lds", ckpt, model_id=model_id, num_targets=N_TARGETS)
+        ic.score((xt, yt), num_samples=N_TARGETS)
+    return ic.finalize_scores("lds")
+
+
+def _ce(model: nn.Module, batch) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+
+
+def _margin(model: nn.Module, batch) -> torch.Tensor:
+    """TRAK's margin ``z_y - logsumexp_{j != y} z_j`` per example (differentiable)."""
+    logits = model(batch[0])
+    labels = batch[1].reshape(-1, 1)
+    correct = logits.gather(1, labels).squeeze(1)
+    return correct - logits.scatter(1, labels, float("-inf")).logsumexp(1)
+
+
+def run_bif(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
+    from gradsketch.attribution import bayesian_influence
+
+    scores = bayesian_influence(
+        build(0),
+        (x, y),
+        (xt, yt),
+        _ce,
+        query_fn=_margin,
+        checkpoints=checkpoints,
+        progress=False,
+        **kwargs,
+    )
+    return scores.float().numpy()
+
+
+# -- Kronfluence -------------------------------------------------------------------------
+def run_kronfluence(checkpoints, x, y, xt, yt, tmp: str, strategy: str) -> np.ndarray:
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.task import Task
+    from torch.utils.data import TensorDataset
+
+    class DigitsTask(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            inputs, labels = batch
+            logits = model(inputs)
+            if sample:
+                with torch.no_grad():
+                    labels = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten()
+            return F.cross_entropy(logits, labels, reduction="sum")
+
+        def compute_measurement(self, batch, model):
+            inputs, labels = batch
+            return _margin(model, (inputs, labels)).sum()
+
+    total = np.zeros((N_TRAIN, N_TARGETS))
+    train_ds, query_ds = TensorDataset(x, y), TensorDataset(xt, yt)
+    for i, ckpt in enumerate(checkpoints):
+        model = build(0)
+        model.load_state_dict(ckpt)
+        model.eval()
+        task = DigitsTask()
+        model = prepare_model(model, task)
+        analyzer = Analyzer(
+            f"ckpt{i}",
+            model,
+            task,
+            cpu=True,
+            disable_tqdm=True,
+            output_dir=tmp,
+            log_level=logging.ERROR,
+        )
+        analyzer.fit_all_factors(
+            "factors",
+            train_ds,
+            per_device_batch_size=250,
+            factor_args=FactorArguments(strategy=strategy),
+            overwrite_output_dir=True,
+        )
+        analyzer.compute_pairwise_scores(
+            "scores",
+            "factors",
+            query_ds,
+            train_ds,
+            per_device_query_batch_size=N_TARGETS,
+            per_device_train_batch_size=250,
+            score_args=ScoreArguments(),
+            overwrite_output_dir=True,
+        )
+        scores = analyzer.load_pairwise_scores("scores")["all_modules"]  # [queries, train]
+        total += -scores.T.double().numpy()
+    return total / len(checkpoints)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="10 retrained models")
+    parser.add_argument("--lds-models", type=int, default=40)
+    parser.add_argument("--checkpoints", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated method names to run")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on a loaded shared machine two threads spin-wait on each other "
+        "and every tiny matmul of this protocol takes 5-10x longer)",
+    )
+    args = parser.parse_args(argv)
+    setup_torch(args.threads)
+    # Imports are not part of any method's time.
+    import gradsketch.sampling  # noqa: F401  (bayesian_influence imports it on first use)
+
+    try:
+        import kronfluence.analyzer  # noqa: F401
+    except ImportError:
+        pass
+    logging.basicConfig(level=logging.ERROR)
+    lds_models = 10 if args.quick else args.lds_models
+    emit({"bench": "machine", **machine_info()})
+    from gradsketch.attribution import linear_datamodeling_score
+
+    x, y, xt, yt = data()
+    seconds, (masks, outputs) = time_once(lambda: ground_truth(x, y, xt, yt, lds_models))
+    emit({"bench": "influence_ground_truth", "lds_models": lds_models, "seconds": seconds})
+    checkpoints = []
+    for seed in range(args.checkpoints):
+        model = train(x, y, seed)
+        checkpoints.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    c = len(checkpoints)
+    # Chosen on one checkpoint and 10 retrained models from nbeta in {100, 300, 1000, 3000},
+    # lr in {1e-4, 3e-4, 1e-3}, localization in {30, 100, 300, 1000}, 100 or 500 draws.
+    bif = dict(
+        num_chains=4, num_draws=500, lr=1e-3, nbeta=1000.0, localization=1000.0, batch_size=100
+    )
+    methods: dict[str, tuple[Any, list, dict[str, Any]]] = {
+        "gradsketch trak k=512 (1 ckpt)": (run_traker, checkpoints[:1], {"proj_dim": 512}),
+        f"gradsketch trak k=512 ({c} ckpts)": (run_traker, checkpoints, {"proj_dim": 512}),
+        "gradsketch identity": (run_influence, checkpoints, {"method": "identity"}),
+        "gradsketch kfac": (run_influence, checkpoints, {"method": "kfac"}),
+        "gradsketch ekfac": (run_influence, checkpoints, {"method": "ekfac"}),
+        "gradsketch ekfac (1 ckpt)": (run_influence, checkpoints[:1], {"method": "ekfac"}),
+        "gradsketch kfac curvature=output": (
+            run_influence,
+            checkpoints,
+            {"method": "kfac", "curvature": "output"},
+        ),
+        "gradsketch ekfac curvature=output": (
+            run_influence,
+            checkpoints,
+            {"method": "ekfac", "curvature": "output"},
+        ),
+        "gradsketch ekfac projected 16x16": (
+            run_influence,
+            checkpoints,
+            {"method": "ekfac", "projection": (16, 16)},
+        ),
+        "gradsketch bif": (run_bif, checkpoints, bif),
+        "kronfluence identity": (run_kronfluence, checkpoints, {"strategy": "identity"}),
+        "kronfluence kfac": (run_kronfluence, checkpoints, {"strategy": "kfac"}),
+        "kronfluence ekfac": (run_kronfluence, checkpoints, {"strategy": "ekfac"}),
+    }
+    only = [m.strip() for m in args.only.split(",") if m.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (fn, ckpts, kwargs) in methods.items():
+            if only and not any(o in name for o in only):
+                continue
+            try:
+                seconds, scores = time_once(
+                    lambda fn=fn, ckpts=ckpts, kwargs=kwargs: fn(ckpts, x, y, xt, yt, tmp, **kwargs)
+                )
+            except ImportError as err:
+                emit({"bench": "influence", "method": name, "skipped": str(err)})
+                continue
+            lds = linear_datamodeling_score(scores, masks, outputs)
+            # The main job's gallery criterion: top-5 proponents sharing the target's label.
+            top5 = np.argsort(-np.asarray(scores), axis=0)[:5]  # [5, targets]
+            same = float((y.numpy()[top5] == yt.numpy()[None, :]).mean())
+            emit(
+                {
+                    "bench": "influence",
+                    "method": name,
+                    "checkpoints": len(ckpts),
+                    "lds": lds,
+                    "top5_same_label": same,
+                    "seconds": seconds,
+                    "lds_models": lds_models,
+                    "options": {k: v for k, v in kwargs.items()},
+                }
+            )
+
+
+if __name__ == "__main__":
+    main()

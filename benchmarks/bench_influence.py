@@ -69,9 +69,8 @@ def data():
 
 
 def ground_truth(x, y, xt, yt, lds_models: int):
-    from gradsketch.demos._digits import margins
-
     from gradsketch.attribution import lds_ground_truth
+    from gradsketch.demos._digits import margins
 
     def train_fn(idx: np.ndarray, seed: int) -> nn.Module:
         t = torch.from_numpy(idx)

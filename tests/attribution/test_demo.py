@@ -294,7 +294,13 @@ def test_tiny_demo_writes_outputs(tiny_demo):
     stored = json.loads((out / "summary.json").read_text())
     assert stored["settings"]["proj_dim"] == 32
     assert stored["settings"]["train"]["epochs"] == 2
-    assert set(stored["lds"]) == {"0.0", "auto"}
+    assert set(stored["lds"]) == {"0.0", "auto", "ekfac"}
+    # The gallery shows the method the LDS validates best, with its label share.
+    assert stored["lds"][stored["gallery_lambda_reg"]] == max(stored["lds"].values())
+    assert set(stored["top5_same_label"]) == set(stored["lds"])
+    assert all(0.0 <= v <= 1.0 for v in stored["top5_same_label"].values())
+    ekfac = np.load(out / "scores_ekfac.npy")
+    assert ekfac.shape == (summary["n_train"], 12) and np.isfinite(ekfac).all()
     for value in stored["lds"].values():
         assert -1.0 <= value <= 1.0
     for phase in ("featurize", "finalize_features", "score", "lds_retrain", "total"):
@@ -304,6 +310,7 @@ def test_tiny_demo_writes_outputs(tiny_demo):
     assert scores.shape == (summary["n_train"], 12)
     assert np.isfinite(scores).all()
     assert "LDS (lambda_reg=0.0)" in summary["report"]
+    assert "LDS (EK-FAC influence)" in summary["report"]
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,8 @@ class DemoSettings:
             ``Phi^T Phi`` is invertible at ``lambda_reg=0``.
         lambda_reg: ridge term for ``Phi^T Phi``; a float or ``"auto"``.
         report_auto: also run ``lambda_reg="auto"`` and report its LDS.
+        report_ekfac: also attribute with EK-FAC influence
+            (``TRAKer(method="ekfac")``, damping ``"auto"``) and report its LDS.
         seed: seeds the split, the checkpoints, the projector and the subsets.
         arch: ``"mlp"`` (64-256-256-10) or ``"cnn"``.
         batch_size: rows per featurize / score call.
@@ -93,6 +95,7 @@ class DemoSettings:
     proj_dim: int = 512
     lambda_reg: float | str = 0.0
     report_auto: bool = True
+    report_ekfac: bool = True
     seed: int = 0
     arch: str = "mlp"
     batch_size: int = 256
@@ -138,6 +141,7 @@ def run_demo(
     proj_dim: int = 512,
     lambda_reg: float | str = 0.0,
     report_auto: bool = True,
+    report_ekfac: bool = True,
     seed: int = 0,
     arch: str = "mlp",
     batch_size: int = 256,
@@ -168,6 +172,7 @@ def run_demo(
         proj_dim: projection size k.
         lambda_reg: ridge term for the TRAK inverse (TRAKer's default 0.0).
         report_auto: also score with ``lambda_reg="auto"`` and report its LDS.
+        report_ekfac: also attribute with EK-FAC influence and report its LDS.
         seed: master seed.
         arch: ``"mlp"`` or ``"cnn"``.
         batch_size: rows per featurize / score call.
@@ -203,6 +208,7 @@ def run_demo(
         proj_dim=proj_dim,
         lambda_reg=lambda_reg,
         report_auto=report_auto,
+        report_ekfac=report_ekfac,
         seed=seed,
         arch=arch,
         batch_size=batch_size,
@@ -260,11 +266,33 @@ def run_demo(
         np.save(out / "scores_auto.npy", auto_scores)
         lds["auto"] = _lds(auto_scores, masks, outputs)
 
+    candidates = {_lambda_key(settings.lambda_reg): scores}
+    if with_auto:
+        candidates["auto"] = auto_scores
+    if settings.report_ekfac:
+        ekfac_scores, ekfac_timings = attribute_digits(
+            checkpoints,
+            split,
+            settings,
+            save_dir=out / "ekfac_store",
+            lambda_reg="auto",
+            progress=progress,
+            fresh=True,
+            method="ekfac",
+        )
+        timings["attribution_ekfac_total"] = sum(ekfac_timings.values())
+        np.save(out / "scores_ekfac.npy", ekfac_scores)
+        lds["ekfac"] = _lds(ekfac_scores, masks, outputs)
+        candidates["ekfac"] = ekfac_scores
+    same_label = {
+        key: top_share_same_label(value, split.y_train, y_target, GALLERY_TOP)
+        for key, value in candidates.items()
+    }
+
     # The gallery shows the scores the LDS validates best, so the picture a
     # user sees is the most trustworthy attribution the run produced.
-    gallery_key, gallery_scores = _lambda_key(settings.lambda_reg), scores
-    if with_auto and lds["auto"] > lds[gallery_key]:
-        gallery_key, gallery_scores = "auto", auto_scores
+    gallery_key = max(candidates, key=lambda key: lds[key])
+    gallery_scores = candidates[gallery_key]
     with _timed(timings, "gallery"):
         rows = gallery_rows(y_target, GALLERY_ROWS)
         write_gallery(out / "gallery.png", gallery_scores, split, rows, top=GALLERY_TOP)
@@ -277,12 +305,14 @@ def run_demo(
         "num_params": sum(p.numel() for p in build_model(settings.arch).parameters()),
         "checkpoint_test_accuracy": accuracies,
         "lds": lds,
+        f"top{GALLERY_TOP}_same_label": same_label,
         "gallery_lambda_reg": gallery_key,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
         "files": {
             "gallery": str(out / "gallery.png"),
             "scores": str(out / "scores.npy"),
             **({"scores_auto": str(out / "scores_auto.npy")} if with_auto else {}),
+            **({"scores_ekfac": str(out / "scores_ekfac.npy")} if settings.report_ekfac else {}),
             "summary": str(out / "summary.json"),
         },
     }
@@ -302,6 +332,7 @@ def attribute_digits(
     progress: bool = True,
     fresh: bool = True,
     exp_name: str = EXPERIMENT,
+    method: str = "trak",
 ) -> tuple[np.ndarray, dict[str, float]]:
     """Run the TRAKer pipeline on digits checkpoints.
 
@@ -320,6 +351,8 @@ def attribute_digits(
         fresh: delete ``save_dir`` first (the demo owns it), so timings
             measure a full run.
         exp_name: TRAK experiment name of the targets.
+        method: ``TRAKer``'s ``method`` (``"trak"``, or ``"ekfac"`` etc. for
+            curvature-aware influence; those need a ``save_dir`` of their own).
 
     Returns:
         ``(scores [n_train, num_targets], timings)`` with timings for
@@ -343,6 +376,7 @@ def attribute_digits(
         lambda_reg=lambda_reg,
         logging_level=logging.WARNING,
         progress=progress,
+        method=method,
     )
     train_loader = make_loader(split.x_train, split.y_train, batch_size=settings.batch_size)
     target_loader = make_loader(
@@ -350,7 +384,7 @@ def attribute_digits(
         split.y_test[: settings.num_targets],
         batch_size=settings.batch_size,
     )
-    label = f"lambda={lambda_reg}"
+    label = f"lambda={lambda_reg}" if method == "trak" else method
     with _timed(timings, "featurize"):
         bar = tqdm(
             total=len(checkpoints) * split.n_train,
@@ -513,8 +547,15 @@ def format_report(summary: Mapping[str, Any]) -> str:
         f"(min {min(acc):.3f})",
         f"  projection: k={s['proj_dim']}; LDS over {s['lds_models']} retrained half-data models",
     ]
+    shares = next((v for k, v in summary.items() if k.endswith("_same_label")), {})
     for key, value in summary["lds"].items():
-        lines.append(f"  LDS (lambda_reg={key}): {value:.3f}")
+        name = "EK-FAC influence" if key == "ekfac" else f"lambda_reg={key}"
+        share = (
+            f"; top-{GALLERY_TOP} proponents share the label {shares[key]:.0%}"
+            if key in shares
+            else ""
+        )
+        lines.append(f"  LDS ({name}): {value:.3f}{share}")
     timings = summary["timings_s"]
     phases = [
         k
@@ -526,8 +567,7 @@ def format_report(summary: Mapping[str, Any]) -> str:
     lines.append(f"  total time: {timings['total']:.1f} s")
     if "files" in summary:
         lines.append(
-            f"  gallery: {summary['files']['gallery']} "
-            f"(lambda_reg={summary.get('gallery_lambda_reg', '?')})"
+            f"  gallery: {summary['files']['gallery']} ({summary.get('gallery_lambda_reg', '?')})"
         )
         lines.append(f"  summary: {summary['files']['summary']}")
     return "\n".join(lines)
@@ -565,6 +605,21 @@ def train_checkpoints(
         checkpoints.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         accuracies.append(round(accuracy(model, split.x_test, split.y_test), 4))
     return checkpoints, accuracies
+
+
+def top_share_same_label(
+    scores: np.ndarray, train_labels: Tensor, target_labels: Tensor, top: int
+) -> float:
+    """Fraction of each target's ``top`` proponents (highest scores) that share its label.
+
+    Example:
+        >>> s = np.array([[3.0, 0.0], [2.0, 1.0], [1.0, 2.0]])  # [n_train, n_targets]
+        >>> top_share_same_label(s, torch.tensor([0, 0, 1]), torch.tensor([0, 1]), 2)
+        0.75
+    """
+    order = np.argsort(-np.asarray(scores), axis=0, kind="stable")[:top]  # [top, m]
+    labels = np.asarray(train_labels)[order]
+    return float((labels == np.asarray(target_labels)[None, :]).mean())
 
 
 def _lds(scores: np.ndarray, masks: np.ndarray, outputs: np.ndarray) -> float:

@@ -547,7 +547,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
         f"(min {min(acc):.3f})",
         f"  projection: k={s['proj_dim']}; LDS over {s['lds_models']} retrained half-data models",
     ]
-    shares = next((v for k, v in summary.items() if k.endswith("_same_label")), {})
+    shares: Mapping[str, float] = next(
+        (v for k, v in summary.items() if k.endswith("_same_label")), {}
+    )
     for key, value in summary["lds"].items():
         name = "EK-FAC influence" if key == "ekfac" else f"lambda_reg={key}"
         share = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -319,13 +320,14 @@ def test_hooks_kept_removed_idempotently_and_moved():
     batch = token_batch()
     gc = HookGradientComputer(model, TASK)
     hooked = [m for m in model.modules() if m._forward_hooks]
-    assert gc.hooks_installed and len(hooked) == len(gc._units)
+    units = int(re.search(r"units=(\d+),", repr(gc)).group(1))
+    assert gc.hooks_installed and len(hooked) == units
     before = gc.compute_per_sample_grad(batch)
     # Idle hooks do not touch ordinary forwards (no capture, same outputs).
     with torch.no_grad():
         model(batch[0])
     gc.add_hooks()  # idempotent
-    assert sum(len(m._forward_hooks) for m in model.modules()) == len(gc._units)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == units
     gc.remove_hooks()
     gc.remove_hooks()
     assert not gc.hooks_installed

@@ -100,8 +100,11 @@ def test_background_writes_equal_synchronous_writes(tmp_path):
     for name in ("x", "x.done"):  # reads flush first
         expected = stores["sync"].array(name)[:]
         np.testing.assert_array_equal(stores["background"].array(name)[:], expected)
+    # close() stops the writer thread (it is named after the store).
+    thread_name = f"gradsketch-store-{id(stores['background']):x}"
+    assert any(t.name == thread_name for t in threading.enumerate())
     stores["background"].close()
-    assert stores["background"]._writer is None
+    assert not any(t.name == thread_name for t in threading.enumerate())
 
 
 def test_failed_background_write_raises_at_flush_and_flags_nothing(tmp_path):

@@ -191,10 +191,11 @@ def test_rest_block_and_mixed_model_equal_explicit_matrix():
     """Rest coordinates are a count sketch with entries ±sqrt(proj_dim), one per coordinate."""
     p = FactorizedProjector.from_model(mixed(), k_in=3, k_out=2, seed=5, rest_proj_dim=16)
     m = explicit_matrix(p)
+    offsets = itertools.accumulate((seg.numel for seg in p.segments), initial=0)
     rest_rows = torch.cat(
         [
             torch.arange(off, off + s.numel)
-            for s, off in zip(p.segments, p._coord_offsets)
+            for s, off in zip(p.segments, offsets)
             if isinstance(s, PlainParam)
         ]
     )

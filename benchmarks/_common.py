@@ -54,6 +54,24 @@ def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> flo
     return statistics.median(times)
 
 
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+) -> dict[str, float]:
+    """Median wall time of each function, timed round-robin so load swings hit all alike."""
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be >= 1, got {repeats!r}.")
+    for fn in fns.values():
+        for _ in range(max(0, warmup)):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
 def time_once(fn: Callable[[], Any]) -> tuple[float, Any]:
     """Wall time of one call and its result."""
     start = time.perf_counter()

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from _common import emit, machine_info, median_time, setup_torch
+from _common import emit, interleaved_medians, machine_info, median_time, setup_torch
 from torch import nn
 
 from gradsketch.attribution import (
@@ -127,24 +125,6 @@ def _methods(
 
         methods["traker vmap+BasicProjector"] = (traker_default, PROJ_DIM)
     return methods
-
-
-def interleaved_medians(
-    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
-) -> dict[str, float]:
-    """Median wall time of each function, timed round-robin so load swings hit all alike."""
-    if repeats < 1:
-        raise ValueError(f"`repeats` must be >= 1, got {repeats!r}.")
-    for fn in fns.values():
-        for _ in range(max(0, warmup)):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
 def run(workload: str, repeats: int, with_traker: bool, traker_repeats: int) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import emit, machine_info, run_isolated, setup_torch
+from _common import emit, interleaved_medians, machine_info, run_isolated, setup_torch
 
 D, K, BATCH, PAIRS, RHO = 1 << 18, 2048, 32, 64, 0.5
 #: Environment of the AVX2 pass of the speed rows.
@@ -131,7 +131,6 @@ def _build(method: str) -> tuple[Callable[[Any], Any], float]:
 
 def measure(method: str, repeats: int) -> dict[str, Any]:
     """Worker (runs in its own process): set-up, median batch time, error."""
-    import statistics
 
     import torch
 
@@ -198,15 +197,7 @@ def speed(repeats: int) -> None:
     except ImportError as err:
         emit({"bench": "projection", "section": "speed", "skipped": f"devinterp: {err}"})
     torch.testing.assert_close(contenders["gradsketch"](), torch_scatter(), rtol=1e-4, atol=1e-3)
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for fn in contenders.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in contenders.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = interleaved_medians(contenders, repeats)
     isa = os.environ.get("ATEN_CPU_CAPABILITY") or "native"
     for name, seconds in med.items():
         row: dict[str, Any] = {

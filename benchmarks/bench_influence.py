@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     lds_models = 10 if args.quick else args.lds_models
     emit({"bench": "machine", **machine_info()})
     from gradsketch.attribution import linear_datamodeling_score
+    from gradsketch.demos import top_share_same_label
 
     x, y, xt, yt = data()
     seconds, (masks, outputs) = time_once(lambda: ground_truth(x, y, xt, yt, lds_models))
@@ -309,8 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             lds = linear_datamodeling_score(scores, masks, outputs)
             # The main job's gallery criterion: top-5 proponents sharing the target's label.
-            top5 = np.argsort(-np.asarray(scores), axis=0)[:5]  # [5, targets]
-            same = float((y.numpy()[top5] == yt.numpy()[None, :]).mean())
+            same = top_share_same_label(scores, y, yt, 5)
             emit(
                 {
                     "bench": "influence",

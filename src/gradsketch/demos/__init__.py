@@ -18,6 +18,7 @@ from gradsketch.demos._attribution import (
     gallery_rows,
     run_demo,
     to_numpy,
+    top_share_same_label,
     train_checkpoints,
     write_gallery,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "gallery_rows",
     "format_report",
     "to_numpy",
+    "top_share_same_label",
     # `gradsketch sketch-demo`
     "run_sketch_demo",
     "format_sketch_table",

@@ -154,7 +154,7 @@ def _margin(model: nn.Module, batch) -> torch.Tensor:
 
 
 def run_bif(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
-    from gradsketch.attribution import bayesian_influence
+    from gradsketch.slt import bayesian_influence
 
     scores = bayesian_influence(
         build(0),
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_torch(args.threads)
     # Imports are not part of any method's time.
-    import gradsketch.sampling  # noqa: F401  (bayesian_influence imports it on first use)
+    import gradsketch.slt  # noqa: F401  (bayesian_influence lives there)
 
     try:
         import kronfluence.analyzer  # noqa: F401

@@ -8,12 +8,6 @@ Park et al., "TRAK: Attributing Model Behavior at Scale", ICML 2023.
 """
 
 from gradsketch._lazy import lazy_getattr
-from gradsketch.attribution._bif import (
-    LossDraws,
-    bayesian_influence,
-    bif_from_draws,
-    sample_loss_draws,
-)
 from gradsketch.attribution._distributed import (
     ChunkShardSampler,
     DistributedMismatchError,
@@ -117,11 +111,6 @@ __all__ = [
     "InfluenceSettings",
     "INFLUENCE_METHODS",
     "CURVATURES",
-    # Bayesian influence from SGMCMC draws
-    "bayesian_influence",
-    "sample_loss_draws",
-    "bif_from_draws",
-    "LossDraws",
 ]
 
 # The demo, its bundled data and the command line moved to gradsketch.demos and

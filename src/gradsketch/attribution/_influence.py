@@ -78,7 +78,7 @@ label.)
   ``k²`` per layer and factors at ``k x k``; it costs LDS (here -0.045 at a
   projection that barely compresses), so take ``k`` as large as the disk allows.
 * ``"identity"`` only as a baseline, or when curvature cannot be fitted.
-* :func:`gradsketch.attribution.bayesian_influence` for architectures without
+* :func:`gradsketch.slt.bayesian_influence` for architectures without
   factored layers, or when per-example gradients are unavailable: it needs
   only forward passes, but many draws (its cost grows with draws x rows).
 """

@@ -7,13 +7,21 @@ records the per-token losses of every observable at every draw in a zarr
 store with devinterp's layout; :func:`compute_llc`, :func:`compute_bif` and
 :func:`compute_susceptibilities` turn a store (gradsketch's or devinterp's)
 into estimates, and :func:`llc`, :func:`bif`, :func:`susceptibilities` do
-both. Weight restrictions (:func:`create_param_masks`) are
-:class:`gradsketch.masked.ParamMask` objects, so the same restriction also
-restricts sketches and attribution.
+both. :func:`bayesian_influence` (with :func:`sample_loss_draws` and
+:func:`bif_from_draws`) gives Kreer et al.'s influence of training examples
+on queries for any model with a per-example loss. Weight restrictions
+(:func:`create_param_masks`) are :class:`gradsketch.masked.ParamMask`
+objects, so the same restriction also restricts sketches and attribution.
 
 Needs the ``hf`` extra (transformers, datasets, xarray).
 """
 
+from gradsketch.slt._bif_draws import (
+    LossDraws,
+    bayesian_influence,
+    bif_from_draws,
+    sample_loss_draws,
+)
 from gradsketch.slt._data import LossFn, NonFiniteLossError, per_token_loss
 from gradsketch.slt._estimates import (
     bif,
@@ -58,6 +66,11 @@ __all__ = [
     "compute_bif",
     "susceptibilities",
     "compute_susceptibilities",
+    # Bayesian influence of any model from per-example losses at SGLD draws
+    "bayesian_influence",
+    "sample_loss_draws",
+    "bif_from_draws",
+    "LossDraws",
     # weight restrictions
     "create_param_masks",
     "preview_weight_restriction",

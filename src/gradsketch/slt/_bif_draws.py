@@ -13,6 +13,12 @@ estimated over SGLD draws (:meth:`gradsketch.sampling.SGMCMC.sgld`). No
 per-example gradient and no Hessian is formed: each draw costs one forward
 pass over the training and query rows, so it works for any architecture.
 
+It lives in :mod:`gradsketch.slt` because it stands on the sampler
+(DESIGN.md's floors: ``slt`` on ``sampling``; ``attribution`` and
+``sampling`` never import each other). Where :func:`gradsketch.slt.bif`
+reads devinterp's per-token store of a language model, these functions take
+any model, a per-example ``loss_fn`` and rows in memory.
+
 The statistic follows devinterp's ``bif`` (and :func:`gradsketch.slt.bif`):
 covariance with ``ddof=1`` or Pearson correlation (``compute_covariance``),
 chains pooled (``"stack"``: one series of ``chains * draws``, centred on the
@@ -35,6 +41,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 from tqdm.auto import tqdm
+
+from gradsketch.sampling import SGMCMC, default_nbeta
 
 __all__ = ["LossDraws", "bayesian_influence", "bif_from_draws", "sample_loss_draws"]
 
@@ -190,10 +198,6 @@ def sample_loss_draws(
     Returns:
         :class:`LossDraws` (float64).
     """
-    # Imported here: attribution and sampling are sibling floors (DESIGN.md);
-    # only this function reaches across, and importing attribution stays light.
-    from gradsketch.sampling import SGMCMC, default_nbeta
-
     _check_int("num_chains", num_chains, 1)
     _check_int("num_draws", num_draws, 2 if num_chains == 1 else 1)
     _check_int("num_burnin_steps", num_burnin_steps, 0)

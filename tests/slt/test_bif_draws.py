@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradsketch.attribution import (
+from gradsketch.slt import (
     LossDraws,
     bayesian_influence,
     bif_from_draws,

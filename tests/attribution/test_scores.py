@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -263,3 +265,70 @@ def test_auto_precision_is_float32_and_bad_values_are_named():
     assert resolve_precision("bf16x3", torch.device("cpu")) == "bf16x3"
     with pytest.raises(ValueError, match=r"`precision` must be one of .* got 'fp8'"):
         resolve_precision("fp8", torch.device("cpu"))
+
+
+def _spectrum(k: int, lowest: float, seed: int = 0) -> torch.Tensor:
+    """A float64 symmetric ``[k, k]`` with eigenvalues ``lowest, ..., 1`` in a random basis."""
+    g = torch.Generator().manual_seed(seed)
+    basis, _ = torch.linalg.qr(torch.randn(k, k, generator=g, dtype=torch.float64))
+    evals = torch.logspace(0, float(np.log10(lowest)), k, dtype=torch.float64)
+    return (basis * evals) @ basis.T
+
+
+@pytest.mark.parametrize("k", [8, 96])
+def test_rounding_gate_certifies_the_eigh_cutoff(k):
+    """The Cholesky gate passes exactly where it can prove no eigenvalue is noise.
+
+    eigh's cutoff is ``λ_max k eps`` (float32 eps, λ_max = 1 here). Below it
+    by 2x the gate must refuse (a shifted Cholesky of an indefinite matrix,
+    whose negative eigenvalue -k eps / 2 dwarfs float64 rounding, cannot
+    complete). Above the gate's own shift, ``ub k eps (1 + O(k u64))`` with
+    ``ub <= ‖A‖_F <= sqrt(k)``, by 2x it must pass.
+    """
+    eps = torch.finfo(torch.float32).eps
+    assert not linalg._clear_of_rounding(_spectrum(k, 0.5 * k * eps), eps)
+    assert linalg._clear_of_rounding(_spectrum(k, 2 * k**1.5 * eps * 1.01), eps)
+
+
+@pytest.mark.parametrize("scipy_lapack", [True, False], ids=["dpotri", "torch-triangular"])
+def test_cholesky_inverse_path_matches_float64(scipy_lapack, monkeypatch):
+    """Well-conditioned XᵀX takes the Cholesky path (eigh is not called) on both backends.
+
+    A = XᵀX + 0.5 I from 400 Gaussian rows of 96 columns: κ(A) < 4 (its
+    eigenvalues lie near (√400 ± √96)²). A float64 Cholesky inverse is within
+    ``c k κ u ‖A⁻¹‖`` of the exact one (k=96, u=2⁻⁵³: below 1e-12 ‖A⁻¹‖ with
+    room); rounding the result to float32 adds 2⁻²⁴ relative per entry.
+    """
+    if not scipy_lapack:
+        monkeypatch.setitem(sys.modules, "scipy.linalg", None)
+
+    def no_eigh(*args, **kwargs):
+        raise AssertionError("well-conditioned input went to eigh")
+
+    monkeypatch.setattr(torch.linalg, "eigh", no_eigh)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(400, 96, generator=g, dtype=torch.float64)
+    xtx = (x.T @ x).float()
+    got = damped_inverse(xtx, 0.5)
+    ref = torch.linalg.inv(xtx.double() + 0.5 * torch.eye(96, dtype=torch.float64))
+    assert got.dtype == torch.float32 and torch.equal(got, got.T)
+    torch.testing.assert_close(got.double(), ref, rtol=2**-24, atol=1e-12 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("m", [5, 9], ids=["weights-on-scores", "weights-on-rows"])
+@pytest.mark.parametrize("checkpoints", [1, 2])
+def test_out_to_loss_weighting_either_side_matches_float64(m, checkpoints):
+    """Q/C scales the score tile when ``m <= C k``, else each checkpoint's rows (k=6).
+
+    Both orders are float32 products of the same factors, so the tolerance of
+    :func:`test_trak_scores_matches_float64_formula` applies.
+    """
+    ckpts, ref = [], 0.0
+    for c in range(checkpoints):
+        x, t, q = _data(m=m, seed=10 + c)
+        ckpts.append(CheckpointGrads(x.float(), t.float(), q.float()))
+        ref = ref + x @ torch.linalg.solve(x.T @ x, t.T)
+    q_mean = sum(ck.out_to_loss.double() for ck in ckpts) / checkpoints
+    ref = (ref / checkpoints * q_mean[:, None]).numpy()
+    got = score_checkpoints(ckpts, progress=False)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())

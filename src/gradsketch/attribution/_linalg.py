@@ -155,7 +155,7 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
     eigendecomposition pseudo-inverse and logs it. That is decided from the
     spectrum, not from whether Cholesky happened to succeed: a null space
     summed in another order on another CPU may come out as tiny positive
-    eigenvalues instead of negative ones.
+    eigenvalues instead of negative ones (see :func:`_clear_of_rounding`).
 
     Coordinates whose column of X is identically zero (a count-sketch bucket
     that no gradient coordinate hashes to, when ``grad_dim`` is not much
@@ -178,20 +178,10 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
     a = xtx.double() + lam * torch.eye(k, dtype=torch.float64, device=xtx.device)
     # XᵀX carries the rounding of its own dtype: eigenvalues below this are noise.
     eps = torch.finfo(xtx.dtype).eps
-    chol, info = torch.linalg.cholesky_ex(a)
-    if int(info) == 0:
-        # L⁻¹ by a triangular solve, then L⁻ᵀL⁻¹: several times faster on CPU
-        # than LAPACK's potri (torch.cholesky_inverse), same accuracy.
-        eye = torch.eye(k, dtype=torch.float64, device=xtx.device)
-        chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
-        inv = chol_inv.T @ chol_inv
-        # λ_min >= 1 / trace(A⁻¹) and λ_max <= ||A||_inf: when even these bounds
-        # cannot tell λ_min from rounding noise, an exact null space may have come
-        # back as tiny positive eigenvalues (whether it does depends on the CPU's
-        # summation order), so the spectrum decides below.
-        noise = torch.linalg.matrix_norm(a, ord=float("inf")) * k * eps
-        if float(torch.trace(inv)) * float(noise) <= 1.0:
-            return inv.to(xtx.dtype)
+    if _clear_of_rounding(a, eps):
+        chol, info = torch.linalg.cholesky_ex(a)
+        if int(info) == 0:
+            return _cholesky_inverse(chol).to(xtx.dtype)
     evals, evecs = torch.linalg.eigh(a)
     cutoff = evals.abs().max() * k * eps
     live = evals.abs() > cutoff
@@ -204,6 +194,62 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
     inv_evals = torch.where(live, 1.0 / evals, torch.zeros_like(evals))
     inv = (evecs * inv_evals) @ evecs.T
     return inv.to(xtx.dtype)
+
+
+def _clear_of_rounding(a: Tensor, eps: float) -> bool:
+    """Whether every eigenvalue of the symmetric float64 ``a`` exceeds ``λ_max k eps``.
+
+    That is the eigendecomposition path's cutoff, so when this holds its
+    pseudo-inverse is the plain inverse, and a Cholesky inverse gives it for
+    a fraction of the cost. Certified by Sylvester's law of inertia:
+    ``a - cI`` is positive definite iff ``λ_min > c``, with
+    ``c = ub k eps`` and ``ub = min(‖a‖_∞, ‖a‖_F) >= λ_max``. A float64
+    Cholesky of ``a - cI`` that completes is the exact factor of
+    ``a - cI + E`` with ``‖E‖₂ <= (k+1) k u ‖a‖₂`` (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, Thm 10.3, with ``‖ |Rᵀ| |R| ‖₂ <=
+    trace(a)``), so the shift also covers that: success proves
+    ``λ_min > c``. One extra O(k³/3) factorisation; the earlier gate,
+    ``λ_min >= 1/trace(a⁻¹)``, lost up to a factor ``k`` and sent
+    well-conditioned matrices of a few thousand columns to ``eigh``.
+    """
+    k = a.shape[0]
+    ub = min(
+        float(torch.linalg.matrix_norm(a, ord=float("inf"))),
+        float(torch.linalg.matrix_norm(a, ord="fro")),
+    )
+    u64 = torch.finfo(torch.float64).eps / 2
+    shift = ub * (k * eps + (k + 1) * k * u64)
+    eye = torch.eye(k, dtype=a.dtype, device=a.device)
+    _, info = torch.linalg.cholesky_ex(a - shift * eye)
+    return int(info) == 0
+
+
+def _cholesky_inverse(chol: Tensor) -> Tensor:
+    """``(L Lᵀ)⁻¹`` from the lower Cholesky factor ``L`` (float64).
+
+    On CPU, LAPACK's ``dpotri`` (triangular inverse, then ``L⁻ᵀ L⁻¹`` on one
+    triangle: ``2k³/3`` flops) through SciPy, with torch's thread count;
+    elsewhere ``L⁻¹`` by a triangular solve and one product.
+    """
+    if chol.device.type == "cpu":
+        try:
+            from scipy.linalg import lapack
+        except ImportError:  # tested by hiding scipy.linalg
+            lapack = None
+        if lapack is not None:
+            # C-ordered L is, to Fortran, the upper factor U = Lᵀ with UᵀU = L Lᵀ.
+            upper = chol.numpy().T
+            with _blas_threads(torch.get_num_threads()):
+                inv, info = lapack.dpotri(upper, lower=0, overwrite_c=0)
+            if info == 0:
+                # Fortran's upper triangle is the C-ordered transpose's lower one.
+                lower = torch.tril(torch.from_numpy(inv.T))
+                full = lower + lower.T
+                full.diagonal().sub_(lower.diagonal())
+                return full
+    eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
+    chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+    return chol_inv.T @ chol_inv
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

@@ -259,8 +259,10 @@ def score_checkpoints(
 
     n_tiles = ceil_div(n, n_block) * ceil_div(m, m_block)
     bar = tqdm(total=n_tiles, desc="scoring tiles", disable=not progress or n_tiles < 2)
-    # The row weights Q/C scale X's rows (n k work) rather than the scores (n m).
     row_weight = (q_mean / cks).to(dev)
+    # The row weights Q/C are shared by every checkpoint: they scale a tile of
+    # scores once (n m_block work) or X's rows per checkpoint (C n k), the cheaper.
+    weight_scores = m_block <= cks * k
     in_memory = isinstance(result, np.ndarray)
     direct = in_memory and dev.type == "cpu" and m_block == m
     writers = [array_writer(a) for a in ((copy_to,) if copy_to is not None else ())]
@@ -293,13 +295,15 @@ def score_checkpoints(
                     acc = torch.empty(i1 - i0, j1 - j0, dtype=torch.float32, device=dev)
                 for c, (stream, inv, r) in enumerate(zip(streams, inverses, rhs)):
                     _, _, x = next(stream)
-                    if isinstance(checkpoints[c].train, zarr.Array):
+                    if not weight_scores and isinstance(checkpoints[c].train, zarr.Array):
                         x.mul_(row_weight[i0:i1, None])  # a fresh copy read from disk
-                    else:
+                    elif not weight_scores:
                         x = x * row_weight[i0:i1, None]  # may be a view of the caller's data
                     if order == "train" and inv is not None:
                         x = x @ inv
                     matmul_nt(x, r, prec, out=acc, accumulate=c > 0)
+                if weight_scores:
+                    acc.mul_(row_weight[i0:i1, None])
                 tile = acc.cpu().numpy()
                 if in_memory and not direct:
                     result[i0:i1, j0:j1] = tile

@@ -7,8 +7,13 @@ in the same run. Needs the ``bench`` extra (``make bench-setup``: traker is
 installed with ``--no-deps``; its modules used here do not import
 torchvision, so no stub is needed).
 
-Sections:
+Sections (``--section`` or ``--part``):
 
+- scoring-kernel: traker's scoring (:data:`TRAKER_SCORING`) and
+  ``trak_scores`` timed round-robin in one process on the same float32 data,
+  at n, k, m = 20,000 / 2,048 / 256 and 50,000 / 1,024 / 512, on 1 and 2
+  threads (``--threads``): medians, speedup, the scores' agreement and the
+  load average.
 - scoring: n training rows, k features, m targets (default 50,000 / 2,048 /
   5,000). traker's ``BasicScoreComputer`` phases (get_xtx, get_x_xtx_inv,
   get_scores, plus the out-to-loss weighting of ``finalize_scores``) against
@@ -210,6 +215,92 @@ def bench_scoring(n: int, k: int, m: int, repeats: int) -> None:
             "repeats": repeats,
         }
     )
+
+
+#: traker's scoring as timed by ``--section scoring-kernel``: everything its
+#: TRAKer does after featurization, minus disk I/O (``finalize_features`` is
+#: get_xtx + get_x_xtx_inv, ``finalize_scores`` is get_scores + the
+#: out-to-loss weighting; ``score`` only featurizes the targets).
+TRAKER_SCORING = "BasicScoreComputer.get_xtx + get_x_xtx_inv + get_scores, then * Q"
+
+#: ``(n_train, k, n_targets)`` of ``--section scoring-kernel``.
+KERNEL_SHAPES = ((20_000, 2048, 256), (50_000, 1024, 512))
+KERNEL_SHAPES_QUICK = ((4_000, 512, 64), (8_000, 256, 128))
+
+
+def bench_scoring_kernel(shapes, threads: tuple[int, ...], repeats: int) -> None:
+    """traker's scoring phases against ``gradsketch.trak_scores``, interleaved in one process.
+
+    Same float32 data, λ = 0 for both, CPU, torch (and SciPy's BLAS) pinned
+    to ``threads``. traker's side is :data:`TRAKER_SCORING`; gradsketch's is
+    ``trak_scores(x, t, q)`` (XᵀX by syrk, certified Cholesky inverse
+    applied to the targets, one ``n k m`` product, the Q weighting): the
+    same inputs to the same ``[n, m]`` scores. Each repeat runs one call of
+    each, round-robin, so load swings on a shared machine hit both; medians
+    are reported with the 1-minute load average before and after.
+    """
+    for n, k, m in shapes:
+        for count in threads:
+            setup_torch(count)
+            emit(_scoring_kernel_row(n, k, m, repeats))
+    setup_torch()
+
+
+def _scoring_kernel_row(n: int, k: int, m: int, repeats: int) -> dict:
+    import os
+
+    from _common import interleaved_medians
+    from trak.score_computers import BasicScoreComputer
+
+    from gradsketch.attribution import trak_scores
+
+    x, t, q = _scoring_data(n, k, m)
+    phases: dict[str, list[float]] = {
+        "get_xtx": [],
+        "get_x_xtx_inv": [],
+        "get_scores": [],
+        "weight_q": [],
+    }
+    sc = BasicScoreComputer(dtype=torch.float32, device="cpu", logging_level=QUIET)
+    results: dict[str, np.ndarray] = {}
+
+    def theirs() -> None:
+        seconds, xtx = time_once(lambda: sc.get_xtx(x))
+        phases["get_xtx"].append(seconds)
+        seconds, feats = time_once(lambda: sc.get_x_xtx_inv(x, xtx))
+        phases["get_x_xtx_inv"].append(seconds)
+        acc = torch.zeros(n, m)
+        phases["get_scores"].append(time_once(lambda: sc.get_scores(feats, t, acc))[0])
+        seconds, final = time_once(lambda: acc.numpy() * q.numpy()[:, None])
+        phases["weight_q"].append(seconds)
+        results["traker"] = final
+
+    def ours() -> None:
+        results["gradsketch"] = trak_scores(x, t, q)
+
+    load_before = os.getloadavg()[0]
+    times = interleaved_medians({"traker": theirs, "gradsketch": ours}, repeats, 0)
+    load_after = os.getloadavg()[0]
+    # traker divides the inverse by its mean absolute entry; undo it.
+    scale = float(torch.linalg.inv(x.T.double() @ x.double()).abs().mean())
+    ref = results["traker"].astype(np.float64) * scale
+    diff = float(np.abs(results["gradsketch"] - ref).max() / np.abs(ref).max())
+    return {
+        "bench": "scoring_kernel",
+        "n": n,
+        "k": k,
+        "m": m,
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "traker_scope": TRAKER_SCORING,
+        "traker_s": times["traker"],
+        **{f"traker_{p}_s": float(np.median(v)) for p, v in phases.items()},
+        "gradsketch_s": times["gradsketch"],
+        "speedup": times["traker"] / times["gradsketch"],
+        "max_rel_diff_vs_traker": diff,
+        "repeats": repeats,
+        "load_1min": [load_before, load_after],
+    }
 
 
 def _max_rel_diff(ref_path: str, our_path: str, n: int) -> float:
@@ -495,7 +586,20 @@ def bench_lds(proj_dim: int, lds_models: int, num_targets: int, batch: int) -> N
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=["all", "scoring", "featurize", "lds"], default="all")
+    parser.add_argument(
+        "--section",
+        "--part",
+        dest="section",
+        choices=["all", "scoring", "scoring-kernel", "featurize", "lds"],
+        default="all",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="torch / BLAS threads of the scoring-kernel section (one line per count)",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
@@ -507,6 +611,9 @@ def main(argv: list[str] | None = None) -> None:
             bench_scoring(5_000, 256, 500, args.repeats)
         else:
             bench_scoring(50_000, 2048, 5_000, args.repeats)
+    if args.section in ("all", "scoring-kernel"):
+        shapes = KERNEL_SHAPES_QUICK if args.quick else KERNEL_SHAPES
+        bench_scoring_kernel(shapes, tuple(args.threads), args.repeats)
     if args.section in ("all", "featurize"):
         bench_featurize(2048, 128, args.repeats, args.quick)
     if args.section in ("all", "lds"):

@@ -34,6 +34,7 @@ import argparse
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,231 @@ def run_kronfluence(checkpoints, x, y, xt, yt, tmp: str, strategy: str) -> np.nd
     return total / len(checkpoints)
 
 
+# -- dattri ------------------------------------------------------------------------------
+#: dattri 0.3.0's attributors that run on CPU (its influence-function family, TRAK, TracIn).
+DATTRI_METHODS = (
+    "if-explicit",
+    "if-cg",
+    "if-lissa",
+    "if-datainf",
+    "if-arnoldi",
+    "if-ekfac",
+    "trak",
+    "tracin",
+)
+
+
+def _dattri_functions(model: nn.Module):
+    """dattri's ``f(params, data)`` forms of the training loss and of the margin.
+
+    The influence-function attributors call them on ``(1, ...)`` slices of a
+    batch (and the loss on whole batches, for the Hessian); TRAK and TracIn
+    on single unbatched examples. Both forms reduce over the batch: the loss
+    by its mean (dattri's convention for curvature), the margin by its sum
+    (a one-row batch gives the row's margin).
+    """
+    from torch.func import functional_call
+
+    def _rows(data):
+        inputs, labels = data
+        if inputs.dim() == 1:
+            return inputs.unsqueeze(0), labels.unsqueeze(0)
+        return inputs, labels
+
+    def loss(params, data):
+        inputs, labels = _rows(data)
+        return F.cross_entropy(functional_call(model, params, (inputs,)), labels)
+
+    def margin(params, data):
+        inputs, labels = _rows(data)
+        logits = functional_call(model, params, (inputs,))
+        right = logits.gather(1, labels.reshape(-1, 1)).squeeze(1)
+        rest = logits.scatter(1, labels.reshape(-1, 1), float("-inf")).logsumexp(1)
+        return (right - rest).sum()
+
+    def correct_probability(params, data):
+        inputs, labels = _rows(data)
+        logits = functional_call(model, params, (inputs,))
+        return torch.exp(-F.cross_entropy(logits, labels))
+
+    return loss, margin, correct_probability
+
+
+def _auto_damping(checkpoints, x, y) -> float:
+    """0.1 x the mean eigenvalue of the mean-loss empirical Fisher, averaged over checkpoints.
+
+    The rule of gradsketch's ``lambda_reg="auto"`` and Kronfluence's default
+    damping, put on the scale of dattri's mean-loss Hessian: trace / p from
+    per-example gradients, ``mean_i |g_i|² / p``.
+    """
+    from torch.func import functional_call, grad, vmap
+
+    model = build(0)
+    values = []
+    for ckpt in checkpoints:
+        params = {k: v.detach() for k, v in ckpt.items()}
+
+        def one(p, xi, yi):
+            logits = functional_call(model, p, (xi.unsqueeze(0),))
+            return F.cross_entropy(logits, yi.unsqueeze(0))
+
+        grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+        flat = torch.cat([g.reshape(len(x), -1) for g in grads.values()], dim=1)
+        values.append(float(flat.pow(2).sum(1).mean()) / flat.shape[1])
+    return 0.1 * float(np.mean(values))
+
+
+def run_dattri(checkpoints, x, y, xt, yt, method: str, damping: float) -> np.ndarray:
+    """One dattri attributor on the protocol; ``[n_train, n_targets]``, positive = helps.
+
+    Every attributor gets the training loss (cross-entropy) for the training
+    side and the margin as the measured quantity, and dattri's own
+    checkpoint ensemble (its mean over checkpoints; TRAK's ensemble formula;
+    TracIn with weight ``1/C`` per checkpoint), except EK-FAC, which dattri
+    fits on one checkpoint only: it is run per checkpoint and averaged.
+
+    Signs: the influence-function attributors return ``g_trainᵀ H⁻¹ ∇margin``
+    and TracIn ``g_train · ∇margin`` (both positive when upweighting the
+    training example *lowers* the measurement, dattri's convention for a
+    loss), so they are negated; dattri's TRAK differentiates the margin on
+    both sides and already scores helpful examples positive.
+    """
+    from dattri.algorithm import (
+        IFAttributorArnoldi,
+        IFAttributorCG,
+        IFAttributorDataInf,
+        IFAttributorEKFAC,
+        IFAttributorExplicit,
+        IFAttributorLiSSA,
+        TracInAttributor,
+        TRAKAttributor,
+    )
+    from dattri.task import AttributionTask
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = build(0).eval()
+    loss, margin, correct_probability = _dattri_functions(model)
+    ckpts = [{k: v.clone() for k, v in c.items()} for c in checkpoints]
+    train_ds, test_ds = TensorDataset(x, y), TensorDataset(xt, yt)
+    # One batch each: dattri's IF attributors rebuild the inverse-HVP per (train, test) batch.
+    train_loader = DataLoader(train_ds, batch_size=N_TRAIN, shuffle=False)
+    test_loader = DataLoader(test_ds, batch_size=N_TARGETS, shuffle=False)
+
+    def task(ckpt_list, target=margin):
+        return AttributionTask(
+            loss_func=loss, model=model, checkpoints=ckpt_list, target_func=target
+        )
+
+    if method == "trak":
+        trak_task = AttributionTask(loss_func=margin, model=model, checkpoints=ckpts)
+        attributor = TRAKAttributor(
+            trak_task,
+            correct_probability_func=correct_probability,
+            projector_kwargs={"proj_dim": 512, "device": "cpu"},
+            device="cpu",
+            regularization=0.0,
+        )
+        attributor.cache(train_loader)
+        with torch.no_grad():
+            return attributor.attribute(test_loader).double().numpy()
+    if method == "tracin":
+        weights = torch.full((len(ckpts),), 1.0 / len(ckpts))
+        attributor = TracInAttributor(
+            task(ckpts),
+            weight_list=weights,
+            normalized_grad=False,
+            projector_kwargs={"proj_dim": 512, "device": "cpu"},
+            device="cpu",
+        )
+        return -attributor.attribute(train_loader, test_loader).double().numpy()
+    if method == "if-ekfac":
+        total = np.zeros((N_TRAIN, N_TARGETS))
+        for ckpt in ckpts:
+            # The Fisher factors come from the task's target function (dattri's
+            # design); fitted on the loss, then the margin task is swapped in.
+            attributor = IFAttributorEKFAC(task([ckpt], target=loss), device="cpu", damping=damping)
+            attributor.cache(train_loader)
+            attributor.task = task([ckpt])
+            total += -attributor.attribute(train_loader, test_loader).double().numpy()
+        return total / len(ckpts)
+    constructors = {
+        "if-explicit": lambda t: IFAttributorExplicit(t, device="cpu", regularization=damping),
+        "if-cg": lambda t: IFAttributorCG(t, device="cpu", max_iter=20, regularization=damping),
+        "if-lissa": lambda t: IFAttributorLiSSA(
+            t, device="cpu", batch_size=100, recursion_depth=200, damping=damping, scaling=50.0
+        ),
+        "if-datainf": lambda t: IFAttributorDataInf(t, device="cpu", regularization=damping),
+        "if-arnoldi": lambda t: IFAttributorArnoldi(
+            t, device="cpu", proj_dim=100, max_iter=100, regularization=damping
+        ),
+    }
+    attributor = constructors[method](task(ckpts))
+    attributor.cache(train_loader)
+    return -attributor.attribute(train_loader, test_loader).double().numpy()
+
+
+def dattri_rows(
+    checkpoints, x, y, xt, yt, masks, outputs, lds_models: int, only: list[str]
+) -> None:
+    """dattri's CPU attributors side by side with the rows above: one JSON line each.
+
+    Same checkpoints, targets, measurement (the margin) and sign (positive =
+    helps the target) as the other rows; LDS against the same retrained
+    models, wall time of fit + score (the damping estimate included), and the
+    top-5 same-label share. Without dattri one line says so; an attributor
+    that raises gets a line with dattri's exact error instead of scores.
+    Damping: :func:`_auto_damping` for every method that takes one.
+    """
+    from gradsketch.attribution import linear_datamodeling_score
+    from gradsketch.demos import top_share_same_label
+
+    names = [f"dattri {m}" for m in DATTRI_METHODS]
+    names = [n for n in names if not only or any(o in n for o in only)]
+    if not names:
+        return
+    try:
+        import dattri
+        import dattri.algorithm
+    except ImportError as err:
+        emit({"bench": "influence", "method": "dattri", "skipped": f"dattri is missing: {err}"})
+        return
+    version = getattr(dattri, "__version__", "?")
+    logging.getLogger("dattri").setLevel(logging.ERROR)
+    for name in names:
+        method = name.removeprefix("dattri ")
+        start = time.perf_counter()
+        try:
+            damping = _auto_damping(checkpoints, x, y)
+            scores = run_dattri(checkpoints, x, y, xt, yt, method, damping)
+        except Exception as err:  # the row records dattri's failure as it is
+            emit(
+                {
+                    "bench": "influence",
+                    "method": name,
+                    "dattri": version,
+                    "error": f"{type(err).__name__}: {err}",
+                    "seconds": time.perf_counter() - start,
+                }
+            )
+            continue
+        seconds = time.perf_counter() - start
+        record: dict[str, Any] = {
+            "bench": "influence",
+            "method": name,
+            "checkpoints": len(checkpoints),
+            "seconds": seconds,
+            "lds_models": lds_models,
+            "dattri": version,
+            "options": {"damping": damping},
+        }
+        if not np.isfinite(scores).all():
+            record["error"] = f"{int((~np.isfinite(scores)).sum())} non-finite scores"
+        else:
+            record["lds"] = linear_datamodeling_score(scores, masks, outputs)
+            record["top5_same_label"] = top_share_same_label(scores, y, yt, 5)
+        emit(record)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10 retrained models")
@@ -323,6 +549,7 @@ def main(argv: list[str] | None = None) -> None:
                     "options": {k: v for k, v in kwargs.items()},
                 }
             )
+        dattri_rows(checkpoints, x, y, xt, yt, masks, outputs, lds_models, only)
 
 
 if __name__ == "__main__":

@@ -332,3 +332,15 @@ def test_out_to_loss_weighting_either_side_matches_float64(m, checkpoints):
     ref = (ref / checkpoints * q_mean[:, None]).numpy()
     got = score_checkpoints(ckpts, progress=False)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(
+    ("threads", "cores", "expected"),
+    [(1, 2, 1), (2, 2, 1), (2, 16, 2), (16, 16, 15), (4, 2, 3)],
+)
+def test_blas_threads_leave_a_core_to_torch_when_it_takes_them_all(
+    threads, cores, expected, monkeypatch
+):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(linalg.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert linalg.blas_thread_count() == expected

@@ -31,6 +31,7 @@ job's gallery criterion).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 import tempfile
@@ -250,12 +251,15 @@ def _dattri_functions(model: nn.Module):
     batch (and the loss on whole batches, for the Hessian); TRAK and TracIn
     on single unbatched examples. Both forms reduce over the batch: the loss
     by its mean (dattri's convention for curvature), the margin by its sum
-    (a one-row batch gives the row's margin).
+    (a one-row batch gives the row's margin). Labels are cast back to
+    integers: dattri's LiSSA hands the loss float labels.
     """
     from torch.func import functional_call
 
     def _rows(data):
         inputs, labels = data
+        # LiSSA's collate function casts every tensor of a batch to float.
+        labels = labels.long()
         if inputs.dim() == 1:
             return inputs.unsqueeze(0), labels.unsqueeze(0)
         return inputs, labels
@@ -355,7 +359,7 @@ def run_dattri(checkpoints, x, y, xt, yt, method: str, damping: float) -> np.nda
         )
         attributor.cache(train_loader)
         with torch.no_grad():
-            return attributor.attribute(test_loader).double().numpy()
+            return attributor.attribute(test_loader).detach().double().numpy()
     if method == "tracin":
         weights = torch.full((len(ckpts),), 1.0 / len(ckpts))
         attributor = TracInAttributor(
@@ -365,7 +369,7 @@ def run_dattri(checkpoints, x, y, xt, yt, method: str, damping: float) -> np.nda
             projector_kwargs={"proj_dim": 512, "device": "cpu"},
             device="cpu",
         )
-        return -attributor.attribute(train_loader, test_loader).double().numpy()
+        return -attributor.attribute(train_loader, test_loader).detach().double().numpy()
     if method == "if-ekfac":
         total = np.zeros((N_TRAIN, N_TARGETS))
         for ckpt in ckpts:
@@ -374,7 +378,7 @@ def run_dattri(checkpoints, x, y, xt, yt, method: str, damping: float) -> np.nda
             attributor = IFAttributorEKFAC(task([ckpt], target=loss), device="cpu", damping=damping)
             attributor.cache(train_loader)
             attributor.task = task([ckpt])
-            total += -attributor.attribute(train_loader, test_loader).double().numpy()
+            total += -attributor.attribute(train_loader, test_loader).detach().double().numpy()
         return total / len(ckpts)
     constructors = {
         "if-explicit": lambda t: IFAttributorExplicit(t, device="cpu", regularization=damping),
@@ -389,7 +393,7 @@ def run_dattri(checkpoints, x, y, xt, yt, method: str, damping: float) -> np.nda
     }
     attributor = constructors[method](task(ckpts))
     attributor.cache(train_loader)
-    return -attributor.attribute(train_loader, test_loader).double().numpy()
+    return -attributor.attribute(train_loader, test_loader).detach().double().numpy()
 
 
 def dattri_rows(
@@ -412,12 +416,11 @@ def dattri_rows(
     if not names:
         return
     try:
-        import dattri
-        import dattri.algorithm
+        import dattri.algorithm  # noqa: F401
     except ImportError as err:
         emit({"bench": "influence", "method": "dattri", "skipped": f"dattri is missing: {err}"})
         return
-    version = getattr(dattri, "__version__", "?")
+    version = importlib.metadata.version("dattri")
     logging.getLogger("dattri").setLevel(logging.ERROR)
     for name in names:
         method = name.removeprefix("dattri ")

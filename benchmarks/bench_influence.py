@@ -36,6 +36,7 @@ import logging
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -425,20 +426,22 @@ def dattri_rows(
     for name in names:
         method = name.removeprefix("dattri ")
         start = time.perf_counter()
-        try:
-            damping = _auto_damping(checkpoints, x, y)
-            scores = run_dattri(checkpoints, x, y, xt, yt, method, damping)
-        except Exception as err:  # the row records dattri's failure as it is
-            emit(
-                {
-                    "bench": "influence",
-                    "method": name,
-                    "dattri": version,
-                    "error": f"{type(err).__name__}: {err}",
-                    "seconds": time.perf_counter() - start,
-                }
-            )
-            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                damping = _auto_damping(checkpoints, x, y)
+                scores = run_dattri(checkpoints, x, y, xt, yt, method, damping)
+            except Exception as err:  # the row records dattri's failure as it is
+                emit(
+                    {
+                        "bench": "influence",
+                        "method": name,
+                        "dattri": version,
+                        "error": f"{type(err).__name__}: {err}",
+                        "seconds": time.perf_counter() - start,
+                    }
+                )
+                continue
         seconds = time.perf_counter() - start
         record: dict[str, Any] = {
             "bench": "influence",
@@ -451,6 +454,8 @@ def dattri_rows(
         }
         if not np.isfinite(scores).all():
             record["error"] = f"{int((~np.isfinite(scores)).sum())} non-finite scores"
+            # dattri's own diagnosis of the failure, if it gave one.
+            record["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
         else:
             record["lds"] = linear_datamodeling_score(scores, masks, outputs)
             record["top5_same_label"] = top_share_same_label(scores, y, yt, 5)

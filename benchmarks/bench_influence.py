@@ -23,7 +23,11 @@ the margin); Kronfluence identity / K-FAC / EK-FAC (its defaults: sampled
 true Fisher, damping 0.1 x mean eigenvalue, measurement the margin, train
 loss the summed cross-entropy). Kronfluence's scores are ``∇f_qᵀ H⁻¹ ∇L_i``,
 the effect on the query of *removing* example i, so they are negated to
-compare with the others' "positive = helps the query". Each line also gives
+compare with the others' "positive = helps the query". dattri 0.3.0's CPU
+attributors (:func:`dattri_rows`: influence functions explicit / CG / LiSSA
+/ DataInf / Arnoldi / EK-FAC, TRAK, TracIn) on the same checkpoints, targets
+and margin, signs aligned the same way; skipped with a note without dattri
+(the ``bench`` extra). Each line also gives
 the fraction of top-5 proponents that share the target's label (the main
 job's gallery criterion).
 """
@@ -407,7 +411,8 @@ def dattri_rows(
     models, wall time of fit + score (the damping estimate included), and the
     top-5 same-label share. Without dattri one line says so; an attributor
     that raises gets a line with dattri's exact error instead of scores.
-    Damping: :func:`_auto_damping` for every method that takes one.
+    Damping: :func:`_auto_damping` for the influence functions; TRAK
+    (undamped, as dattri's default) and TracIn project to 512 dimensions.
     """
     from gradsketch.attribution import linear_datamodeling_score
     from gradsketch.demos import top_share_same_label
@@ -429,7 +434,8 @@ def dattri_rows(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                damping = _auto_damping(checkpoints, x, y)
+                curvature = method.startswith("if-")
+                damping = _auto_damping(checkpoints, x, y) if curvature else 0.0
                 scores = run_dattri(checkpoints, x, y, xt, yt, method, damping)
             except Exception as err:  # the row records dattri's failure as it is
                 emit(
@@ -450,7 +456,7 @@ def dattri_rows(
             "seconds": seconds,
             "lds_models": lds_models,
             "dattri": version,
-            "options": {"damping": damping},
+            "options": {"damping": damping} if curvature else {"proj_dim": 512},
         }
         if not np.isfinite(scores).all():
             record["error"] = f"{int((~np.isfinite(scores)).sum())} non-finite scores"

@@ -140,10 +140,18 @@ HERE = Path(__file__).resolve().parent
 
 #: The recipe every ``truth`` row uses (see the module docstring).
 RECIPE = dict(
-    nbeta=1000.0, gamma=1.0, target_bias=0.05, burnin=2000, draws=2000, chains=1, batch=64
+    nbeta=1000.0,
+    gamma=1.0,
+    target_bias=0.05,
+    burnin_time=0.02,
+    boost=4.0,
+    burnin=500,
+    draws=2000,
+    chains=1,
+    batch=64,
 )
 
-#: (widths, teacher rank of the middle layer) from 64 to ~0.65M parameters.
+#: (widths, teacher rank of the middle layer) from 64 to ~1M parameters.
 DLN_CASES: list[tuple[list[int], int]] = [
     ([5, 4, 3, 4, 5], 1),
     ([20, 16, 12, 16, 20], 4),
@@ -151,6 +159,7 @@ DLN_CASES: list[tuple[list[int], int]] = [
     ([160, 128, 96, 128, 160], 32),
     ([320, 256, 192, 256, 320], 64),
     ([512, 400, 300, 400, 512], 100),
+    ([640, 500, 380, 500, 640], 128),
 ]
 
 
@@ -254,6 +263,8 @@ def estimate(
     nbeta: float,
     gamma: float,
     target_bias: float,
+    burnin_time: float,
+    boost: float,
     burnin: int,
     draws: int,
     chains: int,
@@ -263,9 +274,14 @@ def estimate(
     extra: dict[str, Any] | None = None,
     **info: Any,
 ) -> dict[str, Any]:
-    """Estimate (calibrated and verified unless ``lr`` is given); return the result row."""
+    """Estimate (calibrated and verified unless ``lr`` is given); return the result row.
+
+    With ``lr`` given, the chain runs ``ceil(burnin_time / lr) + burnin`` burn-in
+    steps at ``lr`` (the recipe's diffusion time, no boost).
+    """
     start = time.perf_counter()
     runs = 1
+    boosted = 0
     if lr is None:
         out = estimate_learning_coeff_calibrated(
             model,
@@ -274,6 +290,8 @@ def estimate(
             nbeta=nbeta,
             localization=gamma,
             target_bias=target_bias,
+            burnin_time=burnin_time,
+            burnin_boost=boost,
             num_burnin_steps=burnin,
             num_draws=draws,
             num_chains=chains,
@@ -282,7 +300,9 @@ def estimate(
             verbose=False,
         )
         lr, rho, runs = out["llc/lr"], out["llc/step_bias_rel"], out["llc/runs"]
+        boosted = out["llc/burnin_steps"]
     else:
+        burnin += math.ceil(burnin_time / lr) if burnin_time > 0 else 0
         diag = StepSizeDiagnostic() if method == "sgld" else None
         out = estimate_learning_coeff_with_summary(
             model,
@@ -315,6 +335,9 @@ def estimate(
         nbeta=nbeta,
         gamma=gamma,
         method=method,
+        burnin_time=burnin_time,
+        boost=boost if boosted else None,
+        boosted_steps=boosted,
         burnin=burnin,
         draws=draws,
         chains=chains,
@@ -387,35 +410,50 @@ def truth_section(
         )
 
 
-def sweep_section(out: Path | None, seed: int) -> None:
-    """One knob at a time around the recipe, on the 1k-parameter network."""
-    widths, rank = DLN_CASES[1]
+#: Sweep knobs: name -> changes to the recipe. A given ``lr`` fixes the step
+#: (no calibration, no boost; burn-in ``burnin_time / lr + burnin`` steps);
+#: ``lr_factor`` scales the recipe's calibrated step of the same network.
+SWEEP_KNOBS: dict[str, dict[str, Any]] = {
+    "lr x0.25": dict(lr_factor=0.25),
+    "lr x4": dict(lr_factor=4.0),
+    "gamma 0.1": dict(gamma=0.1),
+    "gamma 10": dict(gamma=10.0),
+    "gamma 100": dict(gamma=100.0),
+    "nbeta 100": dict(nbeta=100.0),
+    "nbeta 10000": dict(nbeta=1e4),
+    "draws 500": dict(draws=500),
+    "draws 8000": dict(draws=8000),
+    "burnin_time 0.005": dict(burnin_time=0.005),
+    "burnin_time 0.08": dict(burnin_time=0.08),
+    "boost 1": dict(boost=1.0),
+    "boost 16": dict(boost=16.0),
+    "no boosted burn-in, 2000 steps": dict(burnin_time=0.0, burnin=2000),
+    "rmsprop_sgld": dict(method="rmsprop_sgld", lr_factor=1.0),
+    "rmsprop_sgld lr/10": dict(method="rmsprop_sgld", lr_factor=0.1),
+    "adam_sgld": dict(method="adam_sgld", lr_factor=1.0),
+    "adam_sgld lr/10": dict(method="adam_sgld", lr_factor=0.1),
+}
+
+
+def sweep_section(out: Path | None, seed: int, case: int, knobs: list[str] | None) -> None:
+    """One knob at a time around the recipe, on ``DLN_CASES[case]``."""
+    widths, rank = DLN_CASES[case]
     recipe = dict(RECIPE)
     batch = int(recipe.pop("batch"))
     model, loader, truth = dln_problem(widths, rank, seed, batch)
-    base = estimate("sweep base", model, loader, half_squared_error, truth, seed=seed, **recipe)  # type: ignore[arg-type]
-    emit({**base, "knob": "recipe"}, out)
-    lr = base["lr"]
-    variants: list[tuple[str, dict[str, Any]]] = [
-        ("lr x0.25", dict(lr=lr / 4)),
-        ("lr x4", dict(lr=lr * 4)),
-        ("gamma 10", dict(gamma=10.0)),
-        ("gamma 100", dict(gamma=100.0)),
-        ("nbeta 100", dict(nbeta=100.0, lr=None)),
-        ("nbeta 10000", dict(nbeta=1e4, lr=None)),
-        ("chain 500+500", dict(burnin=500, draws=500)),
-        ("chain 8000+4000", dict(burnin=8000, draws=4000)),
-        ("rmsprop eps=1", dict(method="rmsprop_sgld", lr=lr, extra=dict(eps=1.0))),
-    ]
-    for knob, change in variants:
-        kwargs: dict[str, Any] = {**recipe, "lr": lr, **change}
-        emit(
-            {
-                **estimate("sweep", model, loader, half_squared_error, truth, seed=seed, **kwargs),
-                "knob": knob,
-            },
-            out,
-        )
+    name = f"sweep dln {widths}"
+    base = estimate(name, model, loader, half_squared_error, truth, seed=seed, **recipe)  # type: ignore[arg-type]
+    if knobs is None or "recipe" in knobs:
+        emit({**base, "knob": "recipe"}, out)
+    for knob, change in SWEEP_KNOBS.items():
+        if knobs is not None and knob not in knobs:
+            continue
+        kwargs: dict[str, Any] = {**recipe, **change}
+        factor = kwargs.pop("lr_factor", None)
+        if factor is not None:
+            kwargs["lr"] = base["lr"] * factor
+        row = estimate(name, model, loader, half_squared_error, truth, seed=seed, **kwargs)
+        emit({**row, "knob": knob}, out)
 
 
 def tempered_gibbs(
@@ -542,7 +580,10 @@ def plot_section(path: Path, png: Path) -> None:
     ax.set_ylabel("LLC estimate")
     rel.set_ylabel("estimate / λ - 1 (%)")
     rel.set_ylim(-30, 30)
-    ax.set_title("SGLD, nβ=1000, γ=1, 2000+2000 steps, calibrated step")
+    ax.set_title(
+        "SGLD, nβ=1000, γ=1: calibrated step, burn-in lr·steps = 0.02 at 4x it, 2000 draws",
+        fontsize=9,
+    )
     rel.set_title("relative error; x: the exact tempered value (no sampler)")
     ax.legend(loc="upper left", fontsize=8)
     rel.legend(loc="lower right", fontsize=8)
@@ -562,7 +603,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     parser.add_argument("--png", type=Path, default=HERE / "llc_calibration.png")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sweep-case", type=int, default=1, help="index into DLN_CASES")
+    parser.add_argument(
+        "--knobs", nargs="*", default=None, help=f"sweep these only: recipe {list(SWEEP_KNOBS)}"
+    )
     args = parser.parse_args()
     setup_torch(args.threads)
     if args.section == "truth":
@@ -575,7 +620,7 @@ def main() -> None:
             args.chains,
         )
     elif args.section == "sweep":
-        sweep_section(args.out, args.seed)
+        sweep_section(args.out, args.seed, args.sweep_case, args.knobs)
     elif args.section == "gibbs":
         gibbs_section(args.out, args.seed)
     else:

@@ -18,12 +18,21 @@ networks, reduced-rank regressions and normal crossings the measured bias
 is 0.5-1.1 times ``rho`` (``benchmarks/llc_calibration.py``).
 
 :func:`estimate_learning_coeff_calibrated` is the recipe that study
-settled on: pilots at half the target (short pilots from ``w*`` see 2-5
-times less bias than the spread chain on singular models), then the full
-chain's ``rho`` is checked and the run repeated with a rescaled step when it
-exceeds 1.5 times the target. With ``nbeta = 1000``, ``gamma = 1`` and
-2000 + 2000 steps it put deep linear networks of 1k-65k parameters within
-1% of Aoyagi's lambda and reduced-rank regression at the zero map within 2%.
+settled on. Pilots from ``w*`` at half the target give a first step (short
+pilots see 2-5 times less bias than the spread chain on singular models). A
+burn-in then runs at 4 times that step for a fixed *diffusion time*
+``lr * steps = 0.02``: the calibrated step falls with width (minibatch
+gradient noise grows with the input dimension over the batch size), so a
+fixed step count covers less and less of the shallow singular directions;
+a fixed 2000 + 2000 steps left a 650k-parameter network 8% low and still
+rising. Over the burn-in's last quarter the chain, now spread, measures
+``rho`` itself, which sets the draws' step for ``target_bias``; the draws'
+``rho`` is checked and the run repeated with a rescaled step when it
+exceeds 1.5 times the target. With ``nbeta = 1000``, ``gamma = 1`` this put
+deep linear networks of 1k-1M parameters within 4% of Aoyagi's lambda and
+reduced-rank regression at the zero map within 2%
+(``benchmarks/llc_calibration.py``). :func:`calibrated_lr` is the pilot
+step alone, for samplers that take a fixed ``lr``.
 """
 
 from __future__ import annotations

@@ -144,6 +144,27 @@ def test_boosted_burnin_sets_the_draw_step_from_the_spread_chain():
     assert out["loss/trace"].shape == (2, 30) and out["llc/runs"] == 1
 
 
+def test_without_boosted_burnin_every_step_is_the_pilot_step():
+    """burnin_time=0: no boosted phase, the chain runs at the pilot step throughout, so its
+    rho is exactly eps0 nbeta c / 4, within the pilots' factor 1.5 of target / 2."""
+    nbeta = 50.0
+    out = estimate_learning_coeff_calibrated(
+        Quadratic(),
+        loader(),
+        quadratic_loss,
+        nbeta=nbeta,
+        burnin_time=0.0,
+        num_burnin_steps=10,
+        num_draws=20,
+        init_loss=0.0,
+        verbose=False,
+    )
+    assert out["llc/burnin_steps"] == 0 and math.isnan(out["llc/burnin_lr"])
+    assert out["llc/step_bias_rel"] == pytest.approx(out["llc/lr"] * nbeta * CURVATURE / 4)
+    assert 0.025 / 1.5 <= out["llc/step_bias_rel"] <= 0.025 * 1.5
+    assert out["llc/steps"] == 30
+
+
 def test_boosted_burnin_halves_a_diverging_boost():
     """float32, pilot step eps0 with eps0 nbeta c = 0.1 (rho = target / 2): a boost of 100
     (eps nbeta c = 10, |1 - 5| per step) and of 50 (|1 - 2.5|) overflow within the burn-in,

@@ -547,7 +547,9 @@ def estimate_learning_coeff_calibrated(
             init_loss=float(init_loss),
         )
         opt_kwargs = dict(optimizer_kwargs or {})
-        opt_kwargs.update(lr=boosted_lr, nbeta=float(nbeta), localization=float(localization))
+        opt_kwargs.update(
+            lr=boosted_lr if boosted else eps, nbeta=float(nbeta), localization=float(localization)
+        )
         try:
             out = estimate_learning_coeff_with_summary(
                 model,

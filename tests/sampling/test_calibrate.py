@@ -118,7 +118,7 @@ def test_calibrated_estimate_meets_its_bias_target():
 def test_boosted_burnin_sets_the_draw_step_from_the_spread_chain():
     """On the quadratic rho = eps nbeta c / 4 exactly over any draws, so the step the burn-in
     measures is exactly target / (nbeta c / 4), every chain draws at it, the draws' rho is the
-    target, and the boosted phase has ceil(burnin_time / (boost eps0)) steps."""
+    target, and the boosted phase has max(200, ceil(burnin_time / (boost eps0))) steps."""
     nbeta, target = 50.0, 0.05
     out = estimate_learning_coeff_calibrated(
         Quadratic(),
@@ -139,7 +139,7 @@ def test_boosted_burnin_sets_the_draw_step_from_the_spread_chain():
     assert out["llc/burnin_step_bias_rel"] == pytest.approx(
         out["llc/burnin_lr"] * nbeta * CURVATURE / 4, rel=1e-9
     )
-    assert out["llc/burnin_steps"] == math.ceil(0.5 / out["llc/burnin_lr"])
+    assert out["llc/burnin_steps"] == max(200, math.ceil(0.5 / out["llc/burnin_lr"]))
     assert out["llc/steps"] == out["llc/burnin_steps"] + 10 + 30
     assert out["loss/trace"].shape == (2, 30) and out["llc/runs"] == 1
 

@@ -340,8 +340,9 @@ class _BurninSchedule:
     use the boosted step; over their last quarter the callback measures
     ``rho`` of the spread chain, and at draw ``boosted - 1`` it sets the step
     to ``target / (rho / boosted_lr)`` (at most ``max_lr``). The first chain
-    sets it, later chains reuse it, so every chain draws at one step. The
-    diagnostic of the draws starts at ``skip``.
+    sets it, later chains reuse it, so every chain draws at one step; a
+    given ``lr`` (a rerun's step, from the draws' own ``rho``) skips the
+    measurement. The diagnostic of the draws starts at ``skip``.
     """
 
     def __init__(
@@ -353,10 +354,11 @@ class _BurninSchedule:
         max_lr: float,
         nbeta: float,
         init_loss: float,
+        lr: float | None = None,
     ) -> None:
         self.boosted, self.skip, self.target, self.max_lr = boosted, skip, target, max_lr
         self.nbeta, self.init_loss = nbeta, init_loss
-        self.lr: float | None = None if boosted else max_lr
+        self.lr: float | None = lr if boosted else max_lr
         self.burnin_rho = math.nan
         self._bias = StepSizeDiagnostic()
         self._llc: list[float] = []
@@ -391,6 +393,11 @@ class _BurninSchedule:
         return self.diagnostic.get_results()
 
 
+#: Boosted burn-in steps at least: the last quarter measures the draws' step,
+#: and a few steps from ``w*`` have not spread yet (they see the pilots' bias).
+_MIN_BOOSTED_STEPS = 200
+
+
 def estimate_learning_coeff_calibrated(
     model: torch.nn.Module,
     loader: Iterable[Any],
@@ -419,18 +426,21 @@ def estimate_learning_coeff_calibrated(
        which on singular models is 2-5 times below what the full chain
        reaches (deep linear networks, reduced-rank regression at 0).
     2. A boosted burn-in: ``ceil(burnin_time / (burnin_boost * eps))`` steps
-       at ``burnin_boost * eps``. What the chain needs before its draws mean
+       (at least 200) at ``burnin_boost * eps``. What the chain needs before its draws mean
        anything is *diffusion time* ``eps * steps`` (how far the noise has
        carried it along the shallow, singular directions), not a step count:
        a fixed 2000 steps stops being enough once the calibrated ``eps``
        falls with width. The discretization bias of the burn-in never enters
        the estimate, so its step is raised; the stiff directions it
        over-spreads relax within tens of steps at ``eps``.
+       Over its last quarter the spread chain measures ``rho / eps`` and
+       sets the draws' step ``eps`` for ``target_bias`` (at most the
+       boosted step).
     3. ``num_burnin_steps`` more at ``eps``, then ``num_draws`` draws with
        :class:`StepSizeDiagnostic` on every draw.
-    4. If the draws' ``rho`` exceeds ``1.5 target_bias``, the step is
-       rescaled by ``target_bias / rho`` and 2-3 rerun (at most ``max_runs``
-       estimates in all).
+    4. If the draws' ``rho`` exceeds ``1.5 target_bias``, the run is
+       repeated with the draws' step rescaled by ``target_bias / rho`` (at
+       most ``max_runs`` estimates in all).
 
     Args:
         model: The trained network.
@@ -526,10 +536,13 @@ def estimate_learning_coeff_calibrated(
         )
     eps = calibration.lr
     boost = float(burnin_boost)
+    rerun_lr: float | None = None
     run = 0
     while True:
         boosted_lr = boost * eps
-        boosted = math.ceil(burnin_time / boosted_lr) if burnin_time > 0 else 0
+        boosted = 0
+        if burnin_time > 0:
+            boosted = max(_MIN_BOOSTED_STEPS, math.ceil(burnin_time / boosted_lr))
         skip = boosted + num_burnin_steps
         if skip + num_draws > max_steps:
             raise RuntimeError(
@@ -545,6 +558,7 @@ def estimate_learning_coeff_calibrated(
             max_lr=boosted_lr if boosted else eps,
             nbeta=float(nbeta),
             init_loss=float(init_loss),
+            lr=rerun_lr,
         )
         opt_kwargs = dict(optimizer_kwargs or {})
         opt_kwargs.update(
@@ -587,4 +601,5 @@ def estimate_learning_coeff_calibrated(
         )
         if rho <= 1.5 * target_bias or not math.isfinite(rho) or run >= max_runs:
             return out
-        eps = schedule.lr * target_bias / rho
+        # The draws' rho is the spread chain's own: rerun at the step it asks for.
+        eps = rerun_lr = schedule.lr * target_bias / rho

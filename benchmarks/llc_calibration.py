@@ -92,32 +92,32 @@ from the recipe. A fixed ``lr`` (rows marked lr) skips calibration and
 boost and burns in for ``0.02 / lr + 500`` steps; rmsprop/adam use their
 default ``eps = 0.1`` (so ``G = 1 / (sqrt(V) + 0.1)`` up to 10):
 
-==================================  =======  ========  =======  =====  ===================================
+==================================  =======  ========  =======  =====  ==========================
 knob (1,024 params, truth 112)      steps    estimate  error    rho    reading
-==================================  =======  ========  =======  =====  ===================================
+==================================  =======  ========  =======  =====  ==========================
 recipe (lr 2.1e-5)                  3,000    114.4     +2.1%    0.054
-lr x0.25 (lr)                       6,368    103.9     -7.2%    0.011  too little diffusion in the draws
+lr x0.25 (lr)                       6,368    103.9     -7.2%    0.011  draws diffuse too little
 lr x4 (lr)                          2,742    220.6     +97%     0.52   rho = 0.52 flags it
 gamma 0.1                           3,000    114.7     +2.4%    0.055
 gamma 10                            3,000    112.1     +0.1%    0.049
-gamma 100                           3,000    98.3      -12.3%   0.042  localization cuts the posterior
-nbeta 100                           2,700    101.5     -9.3%    0.013  needs more diffusion (first half -15%)
+gamma 100                           3,000    98.3      -12.3%   0.042  cuts the posterior
+nbeta 100                           2,700    101.5     -9.3%    0.013  first half -15%: short
 nbeta 10000                         7,358    111.3     -0.6%    0.044
 draws 500                           1,500    112.4     +0.3%    0.046
-draws 8000                          9,009    109.7     -2.0%    0.029  rho grows with time: one rerun
+draws 8000                          9,009    109.7     -2.0%    0.029  rho grows: one rerun
 burnin_time 0.005                   2,700    113.6     +1.5%    0.056
 burnin_time 0.08                    4,500    114.1     +1.9%    0.042
-boost 1                             4,500    112.7     +0.6%    0.022  draw step capped at the pilot's
-boost 16                            2,700    106.8     -4.7%    0.017  too hot a burn-in; 200-step floor
+boost 1                             4,500    112.7     +0.6%    0.022  draw step <= pilot's
+boost 16                            2,700    106.8     -4.7%    0.017  200-step floor: too hot
 no boost, 2000 steps (old recipe)   4,000    112.2     +0.2%    0.021
 rmsprop_sgld (lr)                   3,467    232.7     +108%    -      G ~ 10: ten times the step
 rmsprop_sgld lr/10 (lr)             12,169   119.3     +6.5%    -
 adam_sgld (lr)                      3,467    331.4     +196%    -
-adam_sgld lr/10 (lr)                12,169   160.9     +44%     -   
+adam_sgld lr/10 (lr)                12,169   160.9     +44%     -
 recipe, 65,536 params (3.7e-6)      3,564    7,231     +0.9%    0.059
 boost 1, 65,536                     6,754    7,274     +1.5%    0.070
 no boost, 2000 steps, 65,536        4,000    7,155     -0.2%    0.060
-==================================  =======  ========  =======  =====  ===================================
+==================================  =======  ========  =======  =====  ==========================
 
 What the study says: (1) the step size matters most and must be chosen
 per model (the calibrated steps span 5.8e-7 to 1e-3 here); a factor 4 up
@@ -135,10 +135,11 @@ than 0.02 (the time scale grows like ``nbeta^-1/2``), and the
 finite-temperature gap grows. (5) Chains drift slowly upward along the
 flat (rescaling) directions and ``rho`` grows with them (above 1.5 times
 the target by 9,000 steps on the 1,024 network: one rerun at a smaller
-step), which the rerun check bounds; long chains buy little. (6) Short pilots from ``w*`` underestimate
-the spread chain's ``rho`` by 2-5x on singular models; re-measuring on the
-spread burn-in sets the draws' step without a rerun at every size here
-(the reduced-rank regression still reruns once).
+step), which the rerun check bounds; long chains buy little. (6) Short
+pilots from ``w*`` underestimate the spread chain's ``rho`` by 2-5x on
+singular models; re-measuring on the spread burn-in sets the draws' step
+without a rerun at every size here (the reduced-rank regression still
+reruns once).
 """
 
 from __future__ import annotations
@@ -587,14 +588,25 @@ def plot_section(path: Path, png: Path) -> None:
         x = [r["truth"] for r in sel]
         ax.scatter(x, [r["estimate"] for r in sel], marker=marker, zorder=3, label=prefix)
         rel.scatter(x, [100 * r["rel_error"] for r in sel], marker=marker, zorder=3, label=prefix)
-        for r in sel:
+        for i, r in enumerate(sel):
             rel.annotate(
                 f"{r['params']:,} p",
                 (r["truth"], 100 * r["rel_error"]),
                 textcoords="offset points",
-                xytext=(6, 4),
+                xytext=(6, 4) if i % 2 == 0 else (6, -11),
                 fontsize=7,
             )
+    earlier = [r for r in every if r.get("knob") == "earlier recipe"]
+    if earlier:
+        rel.scatter(
+            [r["truth"] for r in earlier],
+            [100 * r["rel_error"] for r in earlier],
+            marker="o",
+            facecolors="none",
+            edgecolors="tab:blue",
+            zorder=3,
+            label="dln, earlier recipe (fixed 2000 + 2000 steps)",
+        )
     tempered = [r for r in every if r.get("tempered") is not None]
     if tempered:
         rel.scatter(
@@ -612,6 +624,7 @@ def plot_section(path: Path, png: Path) -> None:
     ax.set_ylabel("LLC estimate")
     rel.set_ylabel("estimate / λ - 1 (%)")
     rel.set_ylim(-30, 30)
+    rel.set_xlim(truths.min() / 2, truths.max() * 10)
     ax.set_title(
         "SGLD, nβ=1000, γ=1: calibrated step, burn-in lr·steps = 0.02 at 4x it, 2000 draws",
         fontsize=9,

@@ -153,6 +153,7 @@ def calibrate_step_size(
     init_loss: float | None = None,
     seed: int = 0,
     optimizer_kwargs: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
 ) -> StepSizeCalibration:
     """The SGLD step size whose first-order discretization bias is ``target_bias`` of the LLC.
 
@@ -177,6 +178,7 @@ def calibrate_step_size(
         init_loss: ``L(w*)``; default as in the estimator.
         seed: Seed of the pilots.
         optimizer_kwargs: Further SGLD keywords (``bounding_box_size`` ...).
+        device: Where the pilots run.
 
     Returns:
         A :class:`StepSizeCalibration`.
@@ -222,6 +224,7 @@ def calibrate_step_size(
                 num_chains=1,
                 init_loss=init_loss,
                 seed=seed + pilot,
+                device=device,
                 callbacks=[diag],
                 verbose=False,
             )
@@ -257,6 +260,7 @@ def calibrated_lr(
     init_loss: float | None = None,
     seed: int = 0,
     optimizer_kwargs: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
 ) -> float:
     """An SGLD step size for ``lr="auto"``: the calibrated estimator's pilot step.
 
@@ -278,6 +282,7 @@ def calibrated_lr(
         init_loss: ``L(w*)``; default as in the estimator.
         seed: Seed of the pilots.
         optimizer_kwargs: Further SGLD keywords.
+        device: Where the pilots run.
 
     Returns:
         The step size.
@@ -308,6 +313,7 @@ def calibrated_lr(
         init_loss=init_loss,
         seed=seed,
         optimizer_kwargs=optimizer_kwargs,
+        device=device,
     )
     if not calibration.converged:
         warnings.warn(
@@ -524,6 +530,7 @@ def estimate_learning_coeff_calibrated(
         init_loss=init_loss,
         seed=seed + 1_000_003,
         optimizer_kwargs=optimizer_kwargs,
+        device=kwargs.get("device", "cpu"),
     )
     if init_loss is None:
         device = torch.device(kwargs.get("device", "cpu"))

@@ -53,7 +53,7 @@ def half_squared_error(model, batch):
     return 0.5 * (model(x) - y).square().sum(1).mean()
 
 
-def calibrated(model, loader, evaluate):
+def calibrated(model, loader, evaluate, chains=1):
     """The recipe, on one thread (the chain length follows the calibrated step)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -64,6 +64,7 @@ def calibrated(model, loader, evaluate):
             evaluate,
             nbeta=1000.0,
             localization=1.0,
+            num_chains=chains,
             init_loss=0.0,
             seed=0,
             verbose=False,
@@ -74,15 +75,15 @@ def calibrated(model, loader, evaluate):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("widths", "rank", "lam"),
+    ("widths", "rank", "lam", "chains"),
     [
-        ([20, 16, 12, 16, 20], 4, 112.0),
-        ([160, 128, 96, 128, 160], 32, 7168.0),
-        ([640, 500, 380, 500, 640], 128, 112662.0),
+        ([20, 16, 12, 16, 20], 4, 112.0, 4),
+        ([160, 128, 96, 128, 160], 32, 7168.0, 1),
+        ([640, 500, 380, 500, 640], 128, 112662.0, 1),
     ],
     ids=["1024-params", "65536-params", "1020000-params"],
 )
-def test_deep_linear_llc_within_ten_percent(widths, rank, lam):
+def test_deep_linear_llc_within_ten_percent(widths, rank, lam, chains):
     """The recipe's estimate is within 10% of Aoyagi's lambda.
 
     Error budget (measured in the study, see benchmarks/llc_calibration.py):
@@ -101,7 +102,10 @@ def test_deep_linear_llc_within_ten_percent(widths, rank, lam):
       parameters, still rising);
     * Monte Carlo: SE = sd / sqrt(ESS) of the draws' nbeta L (ArviZ); the
       test requires 3 SE <= 5% of lambda, so noise alone cannot carry the
-      estimate through the band and a pass is not luck.
+      estimate through the band and a pass is not luck. One chain of the
+      1,024-parameter network has ESS ~ 20 of its 2000 draws (3 SE = 7%),
+      so that case runs 4 chains; the larger ones have a relative spread
+      of nbeta L far below 1% and pass with one.
 
     The 64-parameter network [5, 4, 3, 4, 5] is not pinned: lambda = 7 with
     fluctuations of the same order needs many chains, and at 2000 + 2000
@@ -122,7 +126,7 @@ def test_deep_linear_llc_within_ten_percent(widths, rank, lam):
     with torch.no_grad():
         y = model(x)
     loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)
-    out = calibrated(model, loader, half_squared_error)
+    out = calibrated(model, loader, half_squared_error, chains)
     assert out["llc/step_bias_rel"] <= 0.075
     trace = out["nbeta"] * out["loss/trace"]
     se = float(np.std(trace)) / math.sqrt(out["llc/ess"])

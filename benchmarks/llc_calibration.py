@@ -12,7 +12,8 @@ averaged over the batch, so ``L(w*) = 0`` on every batch and ``L`` is the
 population ``K = |W - W*|_F^2 / 2`` up to the sample covariance. The
 estimate is taken at the teacher (``w* = teacher``).
 
-Sections (each run stays under about a minute on 2 cores):
+Sections (one thread; rows up to 65k parameters take under a minute, the
+262k-1M rows 2-9 minutes each on the shared 2-core machine):
 
 * ``truth``: the chosen recipe on every case -> one JSON line per case
   (truth, estimate, relative error, settings, seconds).

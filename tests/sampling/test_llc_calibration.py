@@ -96,10 +96,10 @@ def test_deep_linear_llc_within_ten_percent(widths, rank, lam, chains):
     * discretization: the draws' diagnostic rho = eps E|nbeta grad L|^2 / (8 LLC)
       is checked to be <= 1.5 * 0.05 (the calibrated estimator reruns
       otherwise); the measured bias is 0.5-1 times rho, so at most +7.5%;
-    * equilibration: the burn-in's diffusion time 0.02 left the draws' two
-      halves within 3% of each other at every size of the study (the
-      fixed 2000 + 2000 steps of the earlier recipe were 8% low at 650k
-      parameters, still rising);
+    * equilibration: after the burn-in's diffusion time 0.02 the draws'
+      two halves differ by 1-2% at 262k-1M parameters (the fixed
+      2000 + 2000 steps of the earlier recipe left 650k parameters at
+      -9.8% then -6.7%, still rising, -8.2% in all);
     * Monte Carlo: SE = sd / sqrt(ESS) of the draws' nbeta L (ArviZ); the
       test requires 3 SE <= 5% of lambda, so noise alone cannot carry the
       estimate through the band and a pass is not luck. One chain of the

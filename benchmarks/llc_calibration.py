@@ -12,7 +12,8 @@ averaged over the batch, so ``L(w*) = 0`` on every batch and ``L`` is the
 population ``K = |W - W*|_F^2 / 2`` up to the sample covariance. The
 estimate is taken at the teacher (``w* = teacher``).
 
-Sections (each run stays under about a minute on 2 cores):
+Sections (one thread; rows up to 65k parameters take under a minute, the
+262k-1M rows 2-9 minutes each on the shared 2-core machine):
 
 * ``truth``: the chosen recipe on every case -> one JSON line per case
   (truth, estimate, relative error, settings, seconds).
@@ -23,90 +24,123 @@ Sections (each run stays under about a minute on 2 cores):
 * ``plot``: reads the JSON lines written by ``truth`` and draws estimate vs
   truth with the 10% band to ``benchmarks/llc_calibration.png``.
 
-The recipe: ``nbeta = 1000``, ``gamma = 1``, SGLD, 2000 burn-in steps and
-2000 draws, ``lr`` from
-:func:`gradsketch.sampling.estimate_learning_coeff_calibrated` with
-``target_bias=0.05`` (pilots aim at half of it, the full chain's
-discretization-bias diagnostic is checked and the run repeated with a
-rescaled step when it is above 1.5 times the target).
+The recipe: ``nbeta = 1000``, ``gamma = 1``, SGLD, batches of 64, and
+:func:`gradsketch.sampling.estimate_learning_coeff_calibrated` with its
+defaults: pilots from ``w*`` pick a step ``eps0`` for half of
+``target_bias = 0.05``; a burn-in at ``4 eps0`` runs for the diffusion time
+``lr * steps = 0.02`` (at least 200 steps); over its last quarter the
+spread chain measures the discretization-bias diagnostic ``rho`` and sets
+the draws' step for ``target_bias``; 500 more steps and 2000 draws follow,
+and the draws' ``rho`` is checked (a rerun at a rescaled step when above
+1.5 times the target).
 
 Run: ``python benchmarks/llc_calibration.py --section truth [--max-params 70000]
 --out benchmarks/llc_calibration.jsonl`` then ``--section plot``.
 
-Results (``benchmarks/llc_calibration.jsonl``; 2-core shared CPU with a load
-average of 15-20 for most rows (3-6 for the 4-chain, 262k and 650k rows), so
-the seconds are upper bounds; one chain unless stated):
+Results (``benchmarks/llc_calibration.jsonl``; one thread each on a 2-core
+CPU shared with other jobs, load average 5-9 during these runs, so the
+seconds are upper bounds, ~2-3x the unloaded time; one chain unless
+stated; ``steps`` per chain, pilots not counted):
 
-====================================  =======  ========  ========  =======  ======  =====
-case                                  params   lambda    estimate  error    rho     s
-====================================  =======  ========  ========  =======  ======  =====
-dln [5,4,3,4,5] r=1                   64       7         6.92      -1.1%    0.018   33
-dln [5,4,3,4,5] r=1 (4 chains)        64       7         6.47      -7.6%    0.029   12
-dln [20,16,12,16,20] r=4              1,024    112       112.2     +0.2%    0.021   32
-dln [50,40,30,40,50] r=10             6,400    700       695.6     -0.6%    0.043   32
-dln [160,128,96,128,160] r=32         65,536   7,168     7,155     -0.2%    0.060   171
-dln [320,256,192,256,320] r=64        262,144  28,672    27,515    -4.0%    0.051   43
-dln [512,400,300,400,512] r=100       649,600  71,200    65,344    -8.2%    0.039   176
-rrr (5,3,5) r=0, 32 copies            960      208       203.8     -2.0%    0.036   32
-crossing [1,1] (4 chains)             2        0.5       0.402     -19.6%   0.058   132
-crossing [1,2] (4 chains)             2        0.25      0.234     -6.3%    0.047   232
-====================================  =======  ========  ========  =======  ======  =====
+=====================================  =========  =======  ========  ======  =====  ======  ====
+case                                   params     lambda   estimate  error   rho    steps   s
+=====================================  =========  =======  ========  ======  =====  ======  ====
+dln [5,4,3,4,5] r=1                    64         7        7.33      +4.6%   0.015  2,700   47
+dln [20,16,12,16,20] r=4               1,024      112      114.4     +2.1%   0.054  3,000   15
+dln [50,40,30,40,50] r=10              6,400      700      701.8     +0.3%   0.066  3,000   12
+dln [160,128,96,128,160] r=32          65,536     7,168    7,231     +0.9%   0.059  3,564   23
+dln [320,256,192,256,320] r=64         262,144    28,672   28,213    -1.6%   0.058  4,617   106
+dln [512,400,300,400,512] r=100        649,600    71,200   69,054    -3.0%   0.056  6,260   294
+dln [640,500,380,500,640] r=128        1,020,000  112,662  107,718   -4.4%   0.055  7,500   524
+rrr (5,3,5) r=0, 32 copies             960        208      205.0     -1.4%   0.036  2,700   21
+crossing [1,1] (4 chains)              2          0.5      0.469     -6.1%   0.045  2,700   22
+crossing [1,2] (4 chains)              2          0.25     0.263     +5.0%   0.068  2,700   32
+=====================================  =========  =======  ========  ======  =====  ======  ====
 
-The crossings miss lambda because the tempered target itself does: the
-exact ``E[nbeta K]`` at nbeta = 1000, gamma = 1 (quadrature) is 0.390 for
-[1,1] (-22%: multiplicity 2, the gap decays like 1 / log nbeta) and 0.225
-for [1,2] (-10%); the sampler is within 3-4% of those. Exact blocked Gibbs
-sampling of the deep linear posteriors (every layer's conditional is
-Gaussian; ``--section gibbs``) puts the tempered targets at -5.1% (64
-params, 6.65 +- 0.05) and -1.7% (1,024, 110.1 +- 0.1) of lambda, and at
--1.4% for the 6,400-parameter shape (on another draw of its teacher); for
-the reduced-rank regression (the Gibbs sampler of tests/sampling/test_rrr.py)
-at -4.5%. The 64-parameter row is a lucky chain: with 4 chains the same
-recipe gives 6.47 (-7.6%, SE 0.17), 2.7% below its Gibbs value; the
-smallest network is the least equilibrated after 2000 + 2000 steps and is
-not pinned by a slow test.
+The earlier recipe (the pilot step, then a fixed 2000 burn-in steps and
+2000 draws) gave -4.0% at 262k and -8.2% at 650k parameters, its error
+growing with size; this one stays within 5% up to 1M. Why the fixed count
+failed: the calibrated step falls with width (1e-5 at 1k, 4.7e-6 at 65k,
+1.3e-6 at 650k parameters with pilots) because the minibatch gradient
+noise grows with the input width over the batch size (d_0 / B: 0.3 at 1k,
+8 at 650k), and the diagnostic counts it, as it should (it biases the
+chain the same way). Going from B = 64 to B = 512 at 65k parameters
+raises the pilot step 2.2x (4.6e-6 to 1e-5; (1 + 160/64) / (1 + 160/512) =
+2.7 predicted). A chain needs a fixed *diffusion time* ``lr * steps`` to
+spread along the shallow singular directions (whose scale is set by
+nbeta, not by width), so 2000 steps covered less and less of it. The
+burn-in's own step does not enter the estimate, hence the boost.
 
-Sweep on the 1,024-parameter network (``--section sweep``), one knob moved
-from the recipe (calibrated lr = 1e-5, truth 112):
+The crossings miss lambda partly because the tempered target itself does:
+the exact ``E[nbeta K]`` at nbeta = 1000, gamma = 1 (quadrature) is 0.390
+for [1,1] (-22%: multiplicity 2, the gap decays like 1 / log nbeta) and
+0.225 for [1,2] (-10%). Their estimates are dominated by slow mixing
+along the axes (scale ``1 / sqrt(gamma)``): with 4 chains x 2000 draws the
+[1,1] estimate is 0.469 with seed 0 but 0.282 with seed 1 (first half
+0.197, second 0.368), and the earlier recipe's 0.402 was one such draw; a
+crossing's row is not a calibration result and is not pinned by a test.
+Exact blocked Gibbs sampling of the deep linear posteriors (every layer's
+conditional is Gaussian; ``--section gibbs``) puts the tempered targets at
+-5.1% (64 params, 6.65 +- 0.05) and -1.7% (1,024, 110.1 +- 0.1) of lambda,
+and at -1.4% for the 6,400-parameter shape (on another draw of its
+teacher); for the reduced-rank regression (the Gibbs sampler of
+tests/sampling/test_rrr.py) at -4.5%. The 64-parameter network is the
+noisiest (lambda = 7; its first and second halves differ by 5%) and is not
+pinned by a slow test.
 
-=====================  ========  =======  =====================================
-knob                   estimate  error    reading
-=====================  ========  =======  =====================================
-recipe                 112.2     +0.2%
-lr x 0.25              101.3     -9.6%    chain not spread in 4000 steps
-lr x 4 (rho = 0.23)    141.4     +26%     discretization bias ~ rho
-gamma 10               110.0     -1.8%
-gamma 100              96.8      -13.5%   localization cuts the posterior
-nbeta 100              106.9     -4.6%    larger finite-temperature gap
-nbeta 10000            112.6     +0.5%    lr recalibrated to 1e-6
-chain 500 + 500        93.2      -16.8%   not equilibrated
-chain 8000 + 4000      112.1     +0.1%    rho grows to 0.037
-rmsprop_sgld eps=1     112.4     +0.4%    G ~ 1: about plain SGLD
-=====================  ========  =======  =====================================
+Sweep (``--section sweep [--sweep-case i] [--knobs ...]``), one knob moved
+from the recipe. A fixed ``lr`` (rows marked lr) skips calibration and
+boost and burns in for ``0.02 / lr + 500`` steps; rmsprop/adam use their
+default ``eps = 0.1`` (so ``G = 1 / (sqrt(V) + 0.1)`` up to 10):
 
-What the study says: (1) the step size is the setting that matters and it
-must be chosen per model: the calibrated steps span 4.7e-6 to 1.4e-4 here,
-and a factor 4 either way costs 10-26%; the bias diagnostic predicts the
-upward bias (measured bias ~ 0.5-1.1 rho). (2) Short pilots from w*
-underestimate the full chain's rho by 2-5x on singular models (the chain
-has not spread yet), hence the half-target pilots and the verification
-rerun. (3) gamma <= 10 and nbeta >= 1000 keep the finite-temperature gap of
-these models under 5%, except for multiplicity-2 singularities (crossing
-[1,1]) whose gap is 20% at any practical nbeta. (4) Chains drift slowly
-upward along the flat (rescaling) directions at a fixed step: on the 6,400
-network a chain at lr = 1e-5 sits at the Gibbs value (~690) from step 2000
-to 6000 and reaches ~765 (+9%) by step 8000. The diagnostic's rho grows
-along (0.021 at 4,000 steps, 0.037 at 12,000 on the 1,024 network), and the
-rerun check bounds it; a smaller step removes the drift but needs
-proportionally more steps, so the recipe fixes the chain length instead.
-(5) The fixed 2000 + 2000 steps stop being enough from ~250k parameters:
-the calibrated step falls with width (1e-5 at 1k, 4.7e-6 at 65k, 2.4e-6 at
-262k, 1.3e-6 at 650k parameters) and the chain covers proportionally less
-of the singular directions, so the estimate is still rising (650k: first
-half -9.8%, second half -6.7%). Scaling the chain as ``lr * steps = 0.02``
-for both burn-in and draws (what 2000 steps are at lr = 1e-5) is the
-natural rule; at 650k that is ~15,000 + 15,000 steps, ~20 minutes here,
-and was not run.
+==================================  =======  ========  =======  =====  ==========================
+knob (1,024 params, truth 112)      steps    estimate  error    rho    reading
+==================================  =======  ========  =======  =====  ==========================
+recipe (lr 2.1e-5)                  3,000    114.4     +2.1%    0.054
+lr x0.25 (lr)                       6,368    103.9     -7.2%    0.011  draws diffuse too little
+lr x4 (lr)                          2,742    220.6     +97%     0.52   rho = 0.52 flags it
+gamma 0.1                           3,000    114.7     +2.4%    0.055
+gamma 10                            3,000    112.1     +0.1%    0.049
+gamma 100                           3,000    98.3      -12.3%   0.042  cuts the posterior
+nbeta 100                           2,700    101.5     -9.3%    0.013  first half -15%: short
+nbeta 10000                         7,358    111.3     -0.6%    0.044
+draws 500                           1,500    112.4     +0.3%    0.046
+draws 8000                          9,009    109.7     -2.0%    0.029  rho grows: one rerun
+burnin_time 0.005                   2,700    113.6     +1.5%    0.056
+burnin_time 0.08                    4,500    114.1     +1.9%    0.042
+boost 1                             4,500    112.7     +0.6%    0.022  draw step <= pilot's
+boost 16                            2,700    106.8     -4.7%    0.017  200-step floor: too hot
+no boost, 2000 steps (old recipe)   4,000    112.2     +0.2%    0.021
+rmsprop_sgld (lr)                   3,467    232.7     +108%    -      G ~ 10: ten times the step
+rmsprop_sgld lr/10 (lr)             12,169   119.3     +6.5%    -
+adam_sgld (lr)                      3,467    331.4     +196%    -
+adam_sgld lr/10 (lr)                12,169   160.9     +44%     -
+recipe, 65,536 params (3.7e-6)      3,564    7,231     +0.9%    0.059
+boost 1, 65,536                     6,754    7,274     +1.5%    0.070
+no boost, 2000 steps, 65,536        4,000    7,155     -0.2%    0.060
+==================================  =======  ========  =======  =====  ==========================
+
+What the study says: (1) the step size matters most and must be chosen
+per model (the calibrated steps span 5.8e-7 to 1e-3 here); a factor 4 up
+doubles the estimate at the 1k network, and the diagnostic predicts it.
+(2) Preconditioners do not help these models: RMSprop- and Adam-SGLD
+multiply the step by ``G`` up to ``1 / eps`` and at the SGLD step are
++108% and +196%; at a tenth of it RMSprop is +6.5% and Adam still +44%
+(both start with ``V ~ 0`` at ``w*``, where the gradient vanishes, so
+``G ~ 10`` exactly while the chain spreads). The diagnostic covers identity
+preconditioning only, so there is no calibrated preconditioned recipe.
+(3) Localization: gamma from 0.1 to 10 changes nothing beyond noise;
+gamma = 100 cuts the posterior (-12%). (4) nbeta: 1000 and 10000 are
+both fine; at 100 the posterior is wider and needs more diffusion time
+than 0.02 (the time scale grows like ``nbeta^-1/2``), and the
+finite-temperature gap grows. (5) Chains drift slowly upward along the
+flat (rescaling) directions and ``rho`` grows with them (above 1.5 times
+the target by 9,000 steps on the 1,024 network: one rerun at a smaller
+step), which the rerun check bounds; long chains buy little. (6) Short
+pilots from ``w*`` underestimate the spread chain's ``rho`` by 2-5x on
+singular models; re-measuring on the spread burn-in sets the draws' step
+without a rerun at every size here (the reduced-rank regression still
+reruns once).
 """
 
 from __future__ import annotations
@@ -140,10 +174,18 @@ HERE = Path(__file__).resolve().parent
 
 #: The recipe every ``truth`` row uses (see the module docstring).
 RECIPE = dict(
-    nbeta=1000.0, gamma=1.0, target_bias=0.05, burnin=2000, draws=2000, chains=1, batch=64
+    nbeta=1000.0,
+    gamma=1.0,
+    target_bias=0.05,
+    burnin_time=0.02,
+    boost=4.0,
+    burnin=500,
+    draws=2000,
+    chains=1,
+    batch=64,
 )
 
-#: (widths, teacher rank of the middle layer) from 64 to ~0.65M parameters.
+#: (widths, teacher rank of the middle layer) from 64 to ~1M parameters.
 DLN_CASES: list[tuple[list[int], int]] = [
     ([5, 4, 3, 4, 5], 1),
     ([20, 16, 12, 16, 20], 4),
@@ -151,6 +193,7 @@ DLN_CASES: list[tuple[list[int], int]] = [
     ([160, 128, 96, 128, 160], 32),
     ([320, 256, 192, 256, 320], 64),
     ([512, 400, 300, 400, 512], 100),
+    ([640, 500, 380, 500, 640], 128),
 ]
 
 
@@ -254,6 +297,8 @@ def estimate(
     nbeta: float,
     gamma: float,
     target_bias: float,
+    burnin_time: float,
+    boost: float,
     burnin: int,
     draws: int,
     chains: int,
@@ -263,9 +308,14 @@ def estimate(
     extra: dict[str, Any] | None = None,
     **info: Any,
 ) -> dict[str, Any]:
-    """Estimate (calibrated and verified unless ``lr`` is given); return the result row."""
+    """Estimate (calibrated and verified unless ``lr`` is given); return the result row.
+
+    With ``lr`` given, the chain runs ``ceil(burnin_time / lr) + burnin`` burn-in
+    steps at ``lr`` (the recipe's diffusion time, no boost).
+    """
     start = time.perf_counter()
     runs = 1
+    boosted = 0
     if lr is None:
         out = estimate_learning_coeff_calibrated(
             model,
@@ -274,6 +324,8 @@ def estimate(
             nbeta=nbeta,
             localization=gamma,
             target_bias=target_bias,
+            burnin_time=burnin_time,
+            burnin_boost=boost,
             num_burnin_steps=burnin,
             num_draws=draws,
             num_chains=chains,
@@ -282,7 +334,9 @@ def estimate(
             verbose=False,
         )
         lr, rho, runs = out["llc/lr"], out["llc/step_bias_rel"], out["llc/runs"]
+        boosted = out["llc/burnin_steps"]
     else:
+        burnin += math.ceil(burnin_time / lr) if burnin_time > 0 else 0
         diag = StepSizeDiagnostic() if method == "sgld" else None
         out = estimate_learning_coeff_with_summary(
             model,
@@ -315,6 +369,9 @@ def estimate(
         nbeta=nbeta,
         gamma=gamma,
         method=method,
+        burnin_time=burnin_time,
+        boost=boost if boosted else None,
+        boosted_steps=boosted,
         burnin=burnin,
         draws=draws,
         chains=chains,
@@ -387,35 +444,50 @@ def truth_section(
         )
 
 
-def sweep_section(out: Path | None, seed: int) -> None:
-    """One knob at a time around the recipe, on the 1k-parameter network."""
-    widths, rank = DLN_CASES[1]
+#: Sweep knobs: name -> changes to the recipe. A given ``lr`` fixes the step
+#: (no calibration, no boost; burn-in ``burnin_time / lr + burnin`` steps);
+#: ``lr_factor`` scales the recipe's calibrated step of the same network.
+SWEEP_KNOBS: dict[str, dict[str, Any]] = {
+    "lr x0.25": dict(lr_factor=0.25),
+    "lr x4": dict(lr_factor=4.0),
+    "gamma 0.1": dict(gamma=0.1),
+    "gamma 10": dict(gamma=10.0),
+    "gamma 100": dict(gamma=100.0),
+    "nbeta 100": dict(nbeta=100.0),
+    "nbeta 10000": dict(nbeta=1e4),
+    "draws 500": dict(draws=500),
+    "draws 8000": dict(draws=8000),
+    "burnin_time 0.005": dict(burnin_time=0.005),
+    "burnin_time 0.08": dict(burnin_time=0.08),
+    "boost 1": dict(boost=1.0),
+    "boost 16": dict(boost=16.0),
+    "no boosted burn-in, 2000 steps": dict(burnin_time=0.0, burnin=2000),
+    "rmsprop_sgld": dict(method="rmsprop_sgld", lr_factor=1.0),
+    "rmsprop_sgld lr/10": dict(method="rmsprop_sgld", lr_factor=0.1),
+    "adam_sgld": dict(method="adam_sgld", lr_factor=1.0),
+    "adam_sgld lr/10": dict(method="adam_sgld", lr_factor=0.1),
+}
+
+
+def sweep_section(out: Path | None, seed: int, case: int, knobs: list[str] | None) -> None:
+    """One knob at a time around the recipe, on ``DLN_CASES[case]``."""
+    widths, rank = DLN_CASES[case]
     recipe = dict(RECIPE)
     batch = int(recipe.pop("batch"))
     model, loader, truth = dln_problem(widths, rank, seed, batch)
-    base = estimate("sweep base", model, loader, half_squared_error, truth, seed=seed, **recipe)  # type: ignore[arg-type]
-    emit({**base, "knob": "recipe"}, out)
-    lr = base["lr"]
-    variants: list[tuple[str, dict[str, Any]]] = [
-        ("lr x0.25", dict(lr=lr / 4)),
-        ("lr x4", dict(lr=lr * 4)),
-        ("gamma 10", dict(gamma=10.0)),
-        ("gamma 100", dict(gamma=100.0)),
-        ("nbeta 100", dict(nbeta=100.0, lr=None)),
-        ("nbeta 10000", dict(nbeta=1e4, lr=None)),
-        ("chain 500+500", dict(burnin=500, draws=500)),
-        ("chain 8000+4000", dict(burnin=8000, draws=4000)),
-        ("rmsprop eps=1", dict(method="rmsprop_sgld", lr=lr, extra=dict(eps=1.0))),
-    ]
-    for knob, change in variants:
-        kwargs: dict[str, Any] = {**recipe, "lr": lr, **change}
-        emit(
-            {
-                **estimate("sweep", model, loader, half_squared_error, truth, seed=seed, **kwargs),
-                "knob": knob,
-            },
-            out,
-        )
+    name = f"sweep dln {widths}"
+    base = estimate(name, model, loader, half_squared_error, truth, seed=seed, **recipe)  # type: ignore[arg-type]
+    if knobs is None or "recipe" in knobs:
+        emit({**base, "knob": "recipe"}, out)
+    for knob, change in SWEEP_KNOBS.items():
+        if knobs is not None and knob not in knobs:
+            continue
+        kwargs: dict[str, Any] = {**recipe, **change}
+        factor = kwargs.pop("lr_factor", None)
+        if factor is not None:
+            kwargs["lr"] = base["lr"] * factor
+        row = estimate(name, model, loader, half_squared_error, truth, seed=seed, **kwargs)
+        emit({**row, "knob": knob}, out)
 
 
 def tempered_gibbs(
@@ -517,14 +589,25 @@ def plot_section(path: Path, png: Path) -> None:
         x = [r["truth"] for r in sel]
         ax.scatter(x, [r["estimate"] for r in sel], marker=marker, zorder=3, label=prefix)
         rel.scatter(x, [100 * r["rel_error"] for r in sel], marker=marker, zorder=3, label=prefix)
-        for r in sel:
+        for i, r in enumerate(sel):
             rel.annotate(
                 f"{r['params']:,} p",
                 (r["truth"], 100 * r["rel_error"]),
                 textcoords="offset points",
-                xytext=(6, 4),
+                xytext=(6, 4) if i % 2 == 0 else (6, -11),
                 fontsize=7,
             )
+    earlier = [r for r in every if r.get("knob") == "earlier recipe"]
+    if earlier:
+        rel.scatter(
+            [r["truth"] for r in earlier],
+            [100 * r["rel_error"] for r in earlier],
+            marker="o",
+            facecolors="none",
+            edgecolors="tab:blue",
+            zorder=3,
+            label="dln, earlier recipe (fixed 2000 + 2000 steps)",
+        )
     tempered = [r for r in every if r.get("tempered") is not None]
     if tempered:
         rel.scatter(
@@ -542,7 +625,11 @@ def plot_section(path: Path, png: Path) -> None:
     ax.set_ylabel("LLC estimate")
     rel.set_ylabel("estimate / λ - 1 (%)")
     rel.set_ylim(-30, 30)
-    ax.set_title("SGLD, nβ=1000, γ=1, 2000+2000 steps, calibrated step")
+    rel.set_xlim(truths.min() / 2, truths.max() * 10)
+    ax.set_title(
+        "SGLD, nβ=1000, γ=1: calibrated step, burn-in lr·steps = 0.02 at 4x it, 2000 draws",
+        fontsize=9,
+    )
     rel.set_title("relative error; x: the exact tempered value (no sampler)")
     ax.legend(loc="upper left", fontsize=8)
     rel.legend(loc="lower right", fontsize=8)
@@ -562,7 +649,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     parser.add_argument("--png", type=Path, default=HERE / "llc_calibration.png")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sweep-case", type=int, default=1, help="index into DLN_CASES")
+    parser.add_argument(
+        "--knobs", nargs="*", default=None, help=f"sweep these only: recipe {list(SWEEP_KNOBS)}"
+    )
     args = parser.parse_args()
     setup_torch(args.threads)
     if args.section == "truth":
@@ -575,7 +666,7 @@ def main() -> None:
             args.chains,
         )
     elif args.section == "sweep":
-        sweep_section(args.out, args.seed)
+        sweep_section(args.out, args.seed, args.sweep_case, args.knobs)
     elif args.section == "gibbs":
         gibbs_section(args.out, args.seed)
     else:

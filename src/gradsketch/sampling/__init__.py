@@ -12,6 +12,7 @@ from gradsketch.sampling._calibrate import (
     StepSizeCalibration,
     StepSizeDiagnostic,
     calibrate_step_size,
+    calibrated_lr,
     estimate_learning_coeff_calibrated,
 )
 from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
@@ -74,6 +75,7 @@ __all__ = [
     "normal_crossing_learning_coefficient",
     # step-size calibration from the chain's discretization-bias diagnostic
     "calibrate_step_size",
+    "calibrated_lr",
     "StepSizeCalibration",
     "StepSizeDiagnostic",
     "estimate_learning_coeff_calibrated",

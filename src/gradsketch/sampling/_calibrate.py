@@ -18,17 +18,28 @@ networks, reduced-rank regressions and normal crossings the measured bias
 is 0.5-1.1 times ``rho`` (``benchmarks/llc_calibration.py``).
 
 :func:`estimate_learning_coeff_calibrated` is the recipe that study
-settled on: pilots at half the target (short pilots from ``w*`` see 2-5
-times less bias than the spread chain on singular models), then the full
-chain's ``rho`` is checked and the run repeated with a rescaled step when it
-exceeds 1.5 times the target. With ``nbeta = 1000``, ``gamma = 1`` and
-2000 + 2000 steps it put deep linear networks of 1k-65k parameters within
-1% of Aoyagi's lambda and reduced-rank regression at the zero map within 2%.
+settled on. Pilots from ``w*`` at half the target give a first step (short
+pilots see 2-5 times less bias than the spread chain on singular models). A
+burn-in then runs at 4 times that step for a fixed *diffusion time*
+``lr * steps = 0.02``: the calibrated step falls with width (minibatch
+gradient noise grows with the input dimension over the batch size), so a
+fixed step count covers less and less of the shallow singular directions;
+a fixed 2000 + 2000 steps left a 650k-parameter network 8% low and still
+rising. Over the burn-in's last quarter the chain, now spread, measures
+``rho`` itself, which sets the draws' step for ``target_bias``; the draws'
+``rho`` is checked and the run repeated with a rescaled step when it
+exceeds 1.5 times the target. With ``nbeta = 1000``, ``gamma = 1`` this put
+deep linear networks of 1k-1M parameters within 5% of Aoyagi's lambda and
+reduced-rank regression at the zero map within 2%
+(``benchmarks/llc_calibration.py``). :func:`calibrated_lr` is the pilot
+step alone, for samplers that take a fixed ``lr``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,12 +47,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradsketch.sampling._llc import Evaluate, estimate_learning_coeff_with_summary
+from gradsketch._checks import nonnegative_int, positive_int
+from gradsketch.sampling._llc import (
+    Evaluate,
+    _initial_loss,
+    _summary,
+    estimate_learning_coeff_with_summary,
+    evaluate_ce,
+)
 
 __all__ = [
     "StepSizeCalibration",
     "StepSizeDiagnostic",
     "calibrate_step_size",
+    "calibrated_lr",
     "estimate_learning_coeff_calibrated",
 ]
 
@@ -134,6 +153,7 @@ def calibrate_step_size(
     init_loss: float | None = None,
     seed: int = 0,
     optimizer_kwargs: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
 ) -> StepSizeCalibration:
     """The SGLD step size whose first-order discretization bias is ``target_bias`` of the LLC.
 
@@ -158,6 +178,7 @@ def calibrate_step_size(
         init_loss: ``L(w*)``; default as in the estimator.
         seed: Seed of the pilots.
         optimizer_kwargs: Further SGLD keywords (``bounding_box_size`` ...).
+        device: Where the pilots run.
 
     Returns:
         A :class:`StepSizeCalibration`.
@@ -203,6 +224,7 @@ def calibrate_step_size(
                 num_chains=1,
                 init_loss=init_loss,
                 seed=seed + pilot,
+                device=device,
                 callbacks=[diag],
                 verbose=False,
             )
@@ -226,6 +248,83 @@ def calibrate_step_size(
     return StepSizeCalibration(lr=eps, predicted_bias=target_bias, pilots=pilots, converged=False)
 
 
+def calibrated_lr(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    evaluate: Evaluate | None = None,
+    *,
+    nbeta: float,
+    localization: float = 0.0,
+    target_bias: float = 0.05,
+    lr: float = 1e-5,
+    init_loss: float | None = None,
+    seed: int = 0,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
+) -> float:
+    """An SGLD step size for ``lr="auto"``: the calibrated estimator's pilot step.
+
+    :func:`calibrate_step_size` aiming at ``target_bias / 2``, because short
+    pilots from ``w*`` see 2-5 times less bias than a spread chain on
+    singular models. Use it where a sampler takes a fixed ``lr`` (e.g.
+    :func:`gradsketch.slt.sample`); :func:`estimate_learning_coeff_calibrated`
+    goes further and re-measures the bias on its spread chain. Warns when the
+    pilots did not converge.
+
+    Args:
+        model: The trained network (not modified).
+        loader: Batches, as for the estimator.
+        evaluate: ``evaluate(model, batch)``; default cross-entropy.
+        nbeta: Inverse temperature the chains will use.
+        localization: ``gamma`` the chains will use.
+        target_bias: Relative discretization bias allowed, in ``(0, 1)``.
+        lr: First pilot's step size.
+        init_loss: ``L(w*)``; default as in the estimator.
+        seed: Seed of the pilots.
+        optimizer_kwargs: Further SGLD keywords.
+        device: Where the pilots run.
+
+    Returns:
+        The step size.
+
+    Example:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> model = torch.nn.Linear(3, 2, bias=False)
+        >>> x = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+        >>> step = calibrated_lr(
+        ...     model, DataLoader(TensorDataset(x, model(x).detach()), batch_size=16),
+        ...     lambda m, b: 0.5 * (m(b[0]) - b[1]).square().sum(1).mean(),
+        ...     nbeta=100.0, localization=1.0, lr=1e-3)
+        >>> 0 < step < 1e-2
+        True
+    """
+    if not (isinstance(target_bias, float) and 0.0 < target_bias < 1.0):
+        raise ValueError(
+            f"`target_bias` must be a float in (0, 1), got {target_bias!r}; e.g. 0.05."
+        )
+    calibration = calibrate_step_size(
+        model,
+        loader,
+        evaluate,
+        nbeta=nbeta,
+        localization=localization,
+        target_bias=target_bias / 2,
+        lr=lr,
+        init_loss=init_loss,
+        seed=seed,
+        optimizer_kwargs=optimizer_kwargs,
+        device=device,
+    )
+    if not calibration.converged:
+        warnings.warn(
+            f"step-size pilots did not converge (pilots (lr, rho, llc): {calibration.pilots}); "
+            f"using lr={calibration.lr:.3g}; raise `lr` toward the pilots' last step or "
+            "check that the loss rises above L(w*).",
+            stacklevel=2,
+        )
+    return calibration.lr
+
+
 def _next_step(pilots: list[tuple[float, float, float]], target: float) -> float:
     """``target / k`` with ``k = rho / eps`` pooled (median) over the last three finite pilots.
 
@@ -239,6 +338,72 @@ def _next_step(pilots: list[tuple[float, float, float]], target: float) -> float
     return min(10 * last, max(last / 10, target / k))
 
 
+class _BurninSchedule:
+    """Callback running the calibrated estimator's step schedule on every chain.
+
+    The estimator records every step as a draw (no burn-in of its own), so
+    draw ``d``'s callback runs after step ``d``. Steps ``0 .. boosted - 1``
+    use the boosted step; over their last quarter the callback measures
+    ``rho`` of the spread chain, and at draw ``boosted - 1`` it sets the step
+    to ``target / (rho / boosted_lr)`` (at most ``max_lr``). The first chain
+    sets it, later chains reuse it, so every chain draws at one step; a
+    given ``lr`` (a rerun's step, from the draws' own ``rho``) skips the
+    measurement. The diagnostic of the draws starts at ``skip``.
+    """
+
+    def __init__(
+        self,
+        *,
+        boosted: int,
+        skip: int,
+        target: float,
+        max_lr: float,
+        nbeta: float,
+        init_loss: float,
+        lr: float | None = None,
+    ) -> None:
+        self.boosted, self.skip, self.target, self.max_lr = boosted, skip, target, max_lr
+        self.nbeta, self.init_loss = nbeta, init_loss
+        self.lr: float | None = lr if boosted else max_lr
+        self.burnin_rho = math.nan
+        self._bias = StepSizeDiagnostic()
+        self._llc: list[float] = []
+        self.diagnostic = StepSizeDiagnostic()
+
+    def __call__(
+        self,
+        *,
+        chain: int,
+        draw: int,
+        loss: float,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        if self.lr is None and draw >= self.boosted - max(1, self.boosted // 4):
+            self._bias(chain=chain, draw=draw, loss=loss, model=model, optimizer=optimizer)
+            self._llc.append(self.nbeta * (loss - self.init_loss))
+        if draw == self.boosted - 1:
+            if self.lr is None:
+                boosted_lr = optimizer.param_groups[0]["lr"]
+                llc = float(np.mean(self._llc))
+                self.burnin_rho = self._bias.get_results()["llc/step_bias"] / llc
+                self.lr = self.max_lr
+                if llc > 0 and math.isfinite(self.burnin_rho) and self.burnin_rho > 0:
+                    self.lr = min(self.max_lr, self.target * boosted_lr / self.burnin_rho)
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr
+        if draw >= self.skip:
+            self.diagnostic(chain=chain, draw=draw, loss=loss, model=model, optimizer=optimizer)
+
+    def get_results(self) -> dict[str, float]:
+        return self.diagnostic.get_results()
+
+
+#: Boosted burn-in steps at least: the last quarter measures the draws' step,
+#: and a few steps from ``w*`` have not spread yet (they see the pilots' bias).
+_MIN_BOOSTED_STEPS = 200
+
+
 def estimate_learning_coeff_calibrated(
     model: torch.nn.Module,
     loader: Iterable[Any],
@@ -248,25 +413,40 @@ def estimate_learning_coeff_calibrated(
     localization: float = 1.0,
     target_bias: float = 0.05,
     lr: float = 1e-5,
-    num_burnin_steps: int = 2000,
+    burnin_time: float = 0.02,
+    burnin_boost: float = 4.0,
+    num_burnin_steps: int = 500,
     num_draws: int = 2000,
     num_chains: int = 1,
     max_runs: int = 2,
+    max_steps: int = 200_000,
     init_loss: float | None = None,
     seed: int = 0,
     optimizer_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """LLC estimate with an SGLD step size chosen and then verified by the bias diagnostic.
+    """LLC estimate with an SGLD step size chosen and verified by the bias diagnostic.
 
     1. :func:`calibrate_step_size` with ``target_bias / 2``: short pilots
        start at ``w*`` and see the bias of a chain that has not spread yet,
        which on singular models is 2-5 times below what the full chain
        reaches (deep linear networks, reduced-rank regression at 0).
-    2. The estimate, with :class:`StepSizeDiagnostic` on every draw.
-    3. If the full chain's ``rho`` exceeds ``1.5 target_bias``, the step is
-       rescaled by ``target_bias / rho`` and the estimate rerun (at most
-       ``max_runs`` estimates in all).
+    2. A boosted burn-in: ``ceil(burnin_time / (burnin_boost * eps))`` steps
+       (at least 200) at ``burnin_boost * eps``. What the chain needs before its draws mean
+       anything is *diffusion time* ``eps * steps`` (how far the noise has
+       carried it along the shallow, singular directions), not a step count:
+       a fixed 2000 steps stops being enough once the calibrated ``eps``
+       falls with width. The discretization bias of the burn-in never enters
+       the estimate, so its step is raised; the stiff directions it
+       over-spreads relax within tens of steps at ``eps``.
+       Over its last quarter the spread chain measures ``rho / eps`` and
+       sets the draws' step ``eps`` for ``target_bias`` (at most the
+       boosted step).
+    3. ``num_burnin_steps`` more at ``eps``, then ``num_draws`` draws with
+       :class:`StepSizeDiagnostic` on every draw.
+    4. If the draws' ``rho`` exceeds ``1.5 target_bias``, the run is
+       repeated with the draws' step rescaled by ``target_bias / rho`` (at
+       most ``max_runs`` estimates in all).
 
     Args:
         model: The trained network.
@@ -274,22 +454,35 @@ def estimate_learning_coeff_calibrated(
         evaluate: ``evaluate(model, batch)``; default cross-entropy.
         nbeta: Inverse temperature.
         localization: ``gamma``.
-        target_bias: Relative discretization bias allowed (``rho`` of the full chain).
+        target_bias: Relative discretization bias allowed (``rho`` of the draws).
         lr: First pilot's step size.
-        num_burnin_steps: Burn-in steps per chain.
+        burnin_time: Diffusion time ``lr * steps`` of the boosted burn-in
+            (0: none). 0.02 was measured to equilibrate deep linear networks
+            of 1k-1M parameters at ``nbeta = 1000``, ``gamma = 1``; a smaller
+            ``nbeta`` widens the posterior and needs more (at 100, 0.02 left
+            the 1k network 9% low).
+        burnin_boost: Step factor of the boosted burn-in (>= 1).
+        num_burnin_steps: Steps at the calibrated step between the boosted
+            burn-in and the first draw.
         num_draws: Draws per chain.
         num_chains: Chains.
         max_runs: Estimates at most (1: no verification rerun).
+        max_steps: Refuse to run chains longer than this (boosted burn-in,
+            burn-in and draws together): a calibrated step so small that
+            ``burnin_time`` needs more steps signals a problem to look at.
         init_loss: ``L(w*)``; default as in the estimator.
         seed: Seed of pilots and chains.
         optimizer_kwargs: Further SGLD keywords.
         **kwargs: Passed on to
-            :func:`~gradsketch.sampling.estimate_learning_coeff_with_summary`.
+            :func:`~gradsketch.sampling.estimate_learning_coeff_with_summary`
+            (not ``num_steps_bw_draws``, ``callbacks`` or ``store``).
 
     Returns:
-        The estimator's summary plus ``llc/lr`` (the step used),
-        ``llc/step_bias`` (absolute) and ``llc/step_bias_rel`` (``rho``) of
-        the run returned, and ``llc/runs`` (estimates made).
+        The estimator's summary of the draws, plus ``llc/lr`` (the step
+        used), ``llc/step_bias`` (absolute) and ``llc/step_bias_rel``
+        (``rho``) of the run returned, ``llc/burnin_lr`` and
+        ``llc/burnin_steps`` (the boosted burn-in), ``llc/steps`` (per
+        chain, all phases) and ``llc/runs`` (estimates made).
 
     Example:
         >>> from torch.utils.data import DataLoader, TensorDataset
@@ -300,17 +493,34 @@ def estimate_learning_coeff_calibrated(
         >>> out = estimate_learning_coeff_calibrated(
         ...     model, DataLoader(TensorDataset(x, model(x).detach()), batch_size=16),
         ...     lambda m, b: 0.5 * (m(b[0]) - b[1]).square().sum(1).mean(),
-        ...     nbeta=100.0, lr=1e-3, num_burnin_steps=50, num_draws=100, verbose=False)
+        ...     nbeta=100.0, lr=1e-3, burnin_time=0.0, num_burnin_steps=50, num_draws=100,
+        ...     verbose=False)
         >>> out["llc/step_bias_rel"] < 0.075
         True
     """
     if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
         raise ValueError(f"`max_runs` must be a positive int, got {max_runs!r}.")
-    if "callbacks" in kwargs:
+    if not (isinstance(burnin_time, (int, float)) and 0.0 <= burnin_time < math.inf):
         raise ValueError(
-            "`callbacks` is set by estimate_learning_coeff_calibrated (it adds its "
-            "StepSizeDiagnostic); call estimate_learning_coeff_with_summary to add your own."
+            f"`burnin_time` must be a finite float >= 0, got {burnin_time!r}; e.g. 0.02 "
+            "(0 turns the boosted burn-in off)."
         )
+    if not (isinstance(burnin_boost, (int, float)) and 1.0 <= burnin_boost < math.inf):
+        raise ValueError(
+            f"`burnin_boost` must be a float >= 1, got {burnin_boost!r}; e.g. 4.0 "
+            "(1 burns in at the calibrated step)."
+        )
+    nonnegative_int("num_burnin_steps", num_burnin_steps)
+    positive_int("num_draws", num_draws)
+    positive_int("max_steps", max_steps)
+    for name in ("callbacks", "num_steps_bw_draws", "store"):
+        if name in kwargs:
+            raise ValueError(
+                f"`{name}` is set by estimate_learning_coeff_calibrated (it runs its burn-in "
+                "schedule and StepSizeDiagnostic as callbacks on every step); call "
+                "estimate_learning_coeff_with_summary at the returned `llc/lr` to use it."
+            )
+    online = bool(kwargs.pop("online", False))
     calibration = calibrate_step_size(
         model,
         loader,
@@ -322,29 +532,83 @@ def estimate_learning_coeff_calibrated(
         init_loss=init_loss,
         seed=seed + 1_000_003,
         optimizer_kwargs=optimizer_kwargs,
+        device=kwargs.get("device", "cpu"),
     )
-    eps = calibration.lr
-    for run in range(max_runs):
-        diag = StepSizeDiagnostic()
-        opt_kwargs = dict(optimizer_kwargs or {})
-        opt_kwargs.update(lr=eps, nbeta=float(nbeta), localization=float(localization))
-        out = estimate_learning_coeff_with_summary(
-            model,
+    if init_loss is None:
+        device = torch.device(kwargs.get("device", "cpu"))
+        init_loss = _initial_loss(
+            copy.deepcopy(model).to(device).eval(),
             loader,
-            evaluate=evaluate,
-            optimizer_kwargs=opt_kwargs,
-            num_draws=num_draws,
-            num_burnin_steps=num_burnin_steps,
-            num_chains=num_chains,
-            init_loss=init_loss,
-            seed=seed,
-            callbacks=[diag],
-            **kwargs,
+            evaluate or evaluate_ce,
+            device,
+            seed,
         )
+    eps = calibration.lr
+    boost = float(burnin_boost)
+    rerun_lr: float | None = None
+    run = 0
+    while True:
+        boosted_lr = boost * eps
+        boosted = 0
+        if burnin_time > 0:
+            boosted = max(_MIN_BOOSTED_STEPS, math.ceil(burnin_time / boosted_lr))
+        skip = boosted + num_burnin_steps
+        if skip + num_draws > max_steps:
+            raise RuntimeError(
+                f"the calibrated step lr={eps:.3g} needs {boosted} boosted burn-in steps for "
+                f"burnin_time={burnin_time:g}, so {skip + num_draws} steps per chain, over "
+                f"max_steps={max_steps}; raise `max_steps`, or lower `nbeta` or the "
+                "gradient noise (a larger batch) so that a larger step passes the calibration."
+            )
+        schedule = _BurninSchedule(
+            boosted=boosted,
+            skip=skip,
+            target=target_bias,
+            max_lr=boosted_lr if boosted else eps,
+            nbeta=float(nbeta),
+            init_loss=float(init_loss),
+            lr=rerun_lr,
+        )
+        opt_kwargs = dict(optimizer_kwargs or {})
+        opt_kwargs.update(
+            lr=boosted_lr if boosted else eps, nbeta=float(nbeta), localization=float(localization)
+        )
+        try:
+            out = estimate_learning_coeff_with_summary(
+                model,
+                loader,
+                evaluate=evaluate,
+                optimizer_kwargs=opt_kwargs,
+                num_draws=skip + num_draws,
+                num_burnin_steps=0,
+                num_chains=num_chains,
+                init_loss=init_loss,
+                seed=seed,
+                callbacks=[schedule],
+                **kwargs,
+            )
+        except RuntimeError as err:  # the estimator's non-finite-loss error
+            if "non-finite loss" not in str(err) or boost <= 1.0:
+                raise
+            boost = max(1.0, boost / 2)  # the boosted burn-in diverged: halve its step
+            continue
+        run += 1
+        assert schedule.lr is not None
+        out.update(_summary(out["loss/trace"][:, skip:], out["init_loss"], out["nbeta"], online))
         llc = float(out["llc/mean"])
         rho = float(out["llc/step_bias"]) / llc if llc > 0 else math.inf
-        out.update({"llc/lr": eps, "llc/step_bias_rel": rho, "llc/runs": run + 1})
-        if rho <= 1.5 * target_bias or not math.isfinite(rho):
-            break
-        eps *= target_bias / rho
-    return out
+        out.update(
+            {
+                "llc/lr": schedule.lr,
+                "llc/step_bias_rel": rho,
+                "llc/burnin_lr": boosted_lr if boosted else math.nan,
+                "llc/burnin_steps": boosted,
+                "llc/burnin_step_bias_rel": schedule.burnin_rho,
+                "llc/steps": skip + num_draws,
+                "llc/runs": run,
+            }
+        )
+        if rho <= 1.5 * target_bias or not math.isfinite(rho) or run >= max_runs:
+            return out
+        # The draws' rho is the spread chain's own: rerun at the step it asks for.
+        eps = rerun_lr = schedule.lr * target_bias / rho

@@ -56,6 +56,16 @@ def _log_likelihood(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def _keep(name: str, seen: dict):
+    """Forward hook storing a layer's input (detached) and its output (kept for ``.grad``)."""
+
+    def fn(module, args, output):
+        output.retain_grad()
+        seen[name] = (args[0][0].detach(), output)
+
+    return fn
+
+
 def _reference_parts(model: nn.Module, batch):
     """Per sequence and layer: ``[W | b]`` gradient ``[d_out, d_in(+1)]``, inputs, output grads."""
     ids, mask, labels = batch
@@ -65,15 +75,7 @@ def _reference_parts(model: nn.Module, batch):
     grads, inputs, outgrads = [], [], []
     for i in range(ids.shape[0]):
         seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def hook(name):
-            def fn(module, args, out):
-                out.retain_grad()
-                seen[name] = (args[0][0].detach(), out)
-
-            return fn
-
-        handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+        handles = [model.get_submodule(n).register_forward_hook(_keep(n, seen)) for n in names]
         local = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
         out = torch.func.functional_call(
             model,

@@ -796,9 +796,9 @@ class InfluenceComputer:
             weight = q.index_select(0, sel).abs() if self.settings.curvature == "loss" else None
             for f, (a, g, g_sampled) in zip(self._factors, parts):
                 g = g if g_sampled is None else g_sampled
-                gs = g.index_select(0, sel).double()
+                gs = g.index_select(0, sel)
                 if weight is not None:
-                    gs = gs * weight.to(gs.device).reshape(-1, 1, 1)
+                    gs = gs * weight.to(gs.device, gs.dtype).reshape(-1, 1, 1)
                 f.update(a.index_select(0, sel), gs)
             self._covered[idx[need_factors]] = True
             self._rows_since_save += int(need_factors.sum())

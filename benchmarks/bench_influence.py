@@ -31,6 +31,7 @@ job's gallery criterion).
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import sys
@@ -301,7 +302,7 @@ def run_lm_influence(models, train_ids, query_ids, s: Any, tmp: str, **kwargs: A
         )
     n, m, bs = int(train_ids.shape[0]), int(query_ids.shape[0]), 64
     traker = TRAKer(
-        model,
+        copy.deepcopy(model),  # it loads every checkpoint: keep models[0] intact
         "language_modeling",
         n,
         save_dir=tempfile.mkdtemp(dir=tmp),

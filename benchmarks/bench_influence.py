@@ -412,10 +412,32 @@ def gpt2_methods(c: int) -> dict[str, tuple[Any, slice, dict[str, Any]]]:
             every,
             {"method": "ekfac", "lambda_reg": "auto", "projection": (32, 32)},
         ),
+        "gradsketch kfac curvature=sampled (1 ckpt)": (
+            run_lm_influence,
+            one,
+            {"method": "kfac", "lambda_reg": "auto", "curvature": "sampled"},
+        ),
+        "gradsketch ekfac curvature=sampled (1 ckpt)": (
+            run_lm_influence,
+            one,
+            {"method": "ekfac", "lambda_reg": "auto", "curvature": "sampled"},
+        ),
+        "gradsketch ekfac curvature=sampled projected 32x32": (
+            run_lm_influence,
+            every,
+            {
+                "method": "ekfac",
+                "lambda_reg": "auto",
+                "curvature": "sampled",
+                "projection": (32, 32),
+            },
+        ),
         "gradsketch bif": (run_lm_bif, every, bif),
         "kronfluence identity": (run_lm_kronfluence, every, {"strategy": "identity"}),
         "kronfluence kfac": (run_lm_kronfluence, every, {"strategy": "kfac"}),
         "kronfluence ekfac": (run_lm_kronfluence, every, {"strategy": "ekfac"}),
+        "kronfluence identity (1 ckpt)": (run_lm_kronfluence, one, {"strategy": "identity"}),
+        "kronfluence ekfac (1 ckpt)": (run_lm_kronfluence, one, {"strategy": "ekfac"}),
     }
 
 

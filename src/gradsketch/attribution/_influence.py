@@ -23,12 +23,43 @@ cross-entropy: ``(1 - p_y) ∇margin = -∇loss``) and ``H`` is one of
   2023).
 
 ``curvature`` chooses which per-example gradients ``H`` is the second moment
-of: ``"loss"`` (the empirical Fisher of the training loss, weights ``Q_i²``)
-or ``"output"`` (the Gram of the output-function gradients, TRAK's ``XᵀX``
-made Kronecker). The EK-FAC correction is computed from the stored training
-gradients in :meth:`InfluenceComputer.finalize_features`, so fitting takes
-one pass over the training data (Kronfluence takes two, with a sampled
-Fisher).
+of: ``"loss"`` (the empirical Fisher of the training loss, weights ``Q_i²``),
+``"output"`` (the Gram of the output-function gradients, TRAK's ``XᵀX`` made
+Kronecker) or ``"sampled"`` (the true Fisher, Kronfluence's default: the
+output gradients are those of the training loss with each example's label,
+or each predicted token, replaced by one drawn from the model's own
+predictive distribution, ``E_ŷ[∇ℓ(ŷ)∇ℓ(ŷ)ᵀ] = Σ_c p_c ∇ℓ(c)∇ℓ(c)ᵀ``, the
+Gauss-Newton matrix of softmax cross-entropy). The draws are reproducible:
+a uniform hashed from ``(sample_seed, checkpoint id, row, position)``
+inverts the softmax's CDF (:func:`gradsketch.attribution._fisher.draw_labels`),
+so a row's label does not depend on its batch; each draw is exact up to the
+2⁻³² grid of the uniform. The sampled loss shares the hooked forward and
+costs one more backward per batch; for EK-FAC the sampled-label gradients
+are stored beside the training gradients (``fisher_grads``, as many numbers
+again) for the eigenvalue correction. Tasks that can sample are those in
+:data:`gradsketch.attribution._fisher.SAMPLED_LOSSES` (classification,
+language modeling; add one with ``register_sampled_loss``); others are
+refused. The EK-FAC correction is computed from the stored gradients in
+:meth:`InfluenceComputer.finalize_features`, so fitting takes one pass over
+the training data (Kronfluence takes two).
+
+Language models (task ``"language_modeling"``). Influence differentiates the
+sequence's summed log-likelihood ``f = Σ_t log p(y_t | y_<t)`` with ``Q = 1``
+instead of TRAK's summed log-odds (see
+:mod:`gradsketch.attribution._fisher`): per-token gradients are summed into
+the per-sequence gradient ``G = Σ_t g_t a_tᵀ`` by the one backward, the
+training feature is then exactly minus the sequence's loss gradient, and a
+query's score is the first-order change of its log-likelihood (the LM demo's
+LDS measurement). Positions with label ``-100`` are not predicted and add
+nothing to ``f``; padded positions still enter ``A``'s mean over tokens.
+GPT-2's ``lm_head`` is a Linear whose weight is tied to the token
+embedding; it is factored like any Linear (its inputs are the final hidden
+states, its output gradients the logits'), so its block is the head's part
+of the tied weight's gradient and the embedding's part is left out, which is
+what Kronfluence computes after converting ``Conv1D`` to Linear. On the
+benchmark's GPT-2 it adds LDS (see ``benchmarks/bench_influence.py``,
+``"without lm_head"``); leave it out with ``grad_wrt`` (the parameter names
+without ``transformer.wte.weight``; ``"lm_head.weight"`` names it).
 
 Featurization stores the per-layer gradients ``vec(G)`` (``d_out * (d_in + 1)``
 numbers per layer) and accumulates the factors; nothing larger than one

@@ -1,4 +1,4 @@
-"""Influence methods side by side on the digits MLP: LDS and wall time (fit + score).
+"""Influence methods side by side on the digits MLP and a GPT-2: LDS and wall time (fit + score).
 
 Run ``python benchmarks/bench_influence.py`` (``--quick`` for a smoke run with
 fewer retrained models; ``--lds-models`` and ``--checkpoints`` to change the
@@ -26,6 +26,25 @@ the effect on the query of *removing* example i, so they are negated to
 compare with the others' "positive = helps the query". Each line also gives
 the fraction of top-5 proponents that share the target's label (the main
 job's gallery criterion).
+
+GPT-2 protocol (``--protocol gpt2``; ``both`` runs it before the digits
+one): the LM demo's Hugging Face GPT-2 (2 layers, width 64, byte-level
+vocabulary) trained with :func:`gradsketch.demos.lm.train_lm` (3 epochs) on
+512 chunks of 64 bytes of the Python standard library, 64 held-out query
+chunks, measurement each query's summed log-likelihood. Ground truth:
+``--lm-lds-models`` models retrained on random halves
+(:func:`gradsketch.demos.lm.lds_truth`; cached in ``--cache-dir``, keyed by
+the settings). Checkpoints are the demo's (seeds 1, 2, 3 on all 512 chunks).
+Methods: gradsketch TRAK through the demo's ``attribute`` (k=512,
+``lambda_reg="auto"``, 1 and 3 checkpoints); ``TRAKer(method=...,
+task="language_modeling")`` identity / K-FAC / EK-FAC (full, projected
+32x32, without the tied ``lm_head``, curvatures ``"loss"`` and
+``"sampled"``); ``bayesian_influence`` (loss the chunk's summed token loss,
+query observable its log-likelihood); Kronfluence identity / K-FAC / EK-FAC
+through ``bench_lm._kronfluence_scores`` (Conv1D converted to Linear,
+measurement the summed loss, so no sign change). Lines carry the 1-minute
+load average: on a shared machine the times are only comparable within one
+run.
 """
 
 from __future__ import annotations

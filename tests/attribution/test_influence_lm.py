@@ -19,9 +19,13 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from gradsketch._hash import derive_key  # noqa: E402
 from gradsketch.attribution import InfluenceComputer, TRAKer  # noqa: E402
+from gradsketch.attribution._fisher import draw_labels  # noqa: E402
+from gradsketch.attribution._influence import _SAMPLE_STREAM  # noqa: E402
 
 N, M, T, VOCAB = 6, 2, 5, 11
+SAMPLE_SEED = 3
 RTOL, ATOL = 1e-9, 1e-12
 
 
@@ -66,8 +70,22 @@ def _keep(name: str, seen: dict):
     return fn
 
 
-def _reference_parts(model: nn.Module, batch):
-    """Per sequence and layer: ``[W | b]`` gradient ``[d_out, d_in(+1)]``, inputs, output grads."""
+def _sampled_nll(logits: torch.Tensor, labels: torch.Tensor, row: int, key: int) -> torch.Tensor:
+    """``Σ_t -log p(ŷ_t)`` over predicted positions, ``ŷ`` drawn as the library draws ``row``."""
+    drawn = draw_labels(logits[None, :-1], torch.tensor([row]), key)[0]
+    total = logits.new_zeros(())
+    for t in range(1, labels.shape[-1]):
+        if int(labels[t]) != -100:
+            total = total - torch.log_softmax(logits[t - 1], -1)[int(drawn[t - 1])]
+    return total
+
+
+def _reference_parts(model: nn.Module, batch, key: int | None = None):
+    """Per sequence and layer: ``[W | b]`` gradient ``[d_out, d_in(+1)]``, inputs, output grads.
+
+    The gradients are the log-likelihood's, or with ``key`` the loss's under
+    labels drawn from the model (the sampled Fisher's).
+    """
     ids, mask, labels = batch
     conv_names = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -86,7 +104,10 @@ def _reference_parts(model: nn.Module, batch):
         )
         for h in handles:
             h.remove()
-        _log_likelihood(out.logits[0], labels[i]).backward()
+        if key is None:
+            _log_likelihood(out.logits[0], labels[i]).backward()
+        else:
+            _sampled_nll(out.logits[0], labels[i], i, key).backward()
         row_g, row_a, row_s = [], [], []
         for n in names:
             a, o = seen[n]
@@ -104,14 +125,24 @@ def _reference_parts(model: nn.Module, batch):
     return grads, inputs, outgrads
 
 
-def _reference_scores(model, train, query, method, damping):
-    """``Σ_l vec(G_q^l)ᵀ (H_l + λ_l I)⁻¹ vec(G_i^l)`` with dense float64 matrices (Q = 1)."""
+def _reference_scores(model, train, query, method, damping, curvature="loss"):
+    """``Σ_l vec(G_q^l)ᵀ (H_l + λ_l I)⁻¹ vec(G_i^l)`` with dense float64 matrices (Q = 1).
+
+    ``H`` is fitted from the log-likelihood's gradients (``"loss"``: Q = 1, so
+    the empirical Fisher) or from the sampled-label loss's (``"sampled"``).
+    """
     grads, inputs, outgrads = _reference_parts(model, train)
     qgrads, _, _ = _reference_parts(model, query)
+    fisher_grads = grads
+    if curvature == "sampled":
+        fisher_grads, _, outgrads = _reference_parts(
+            model, train, derive_key(SAMPLE_SEED, 0, _SAMPLE_STREAM)
+        )
     n = len(grads)
     scores = torch.zeros(n, len(qgrads), dtype=torch.float64)
     for layer in range(len(grads[0])):
         gt = torch.stack([g[layer].reshape(-1) for g in grads])
+        gf = torch.stack([g[layer].reshape(-1) for g in fisher_grads])
         gq = torch.stack([g[layer].reshape(-1) for g in qgrads])
         a_all = torch.cat([a[layer] for a in inputs])
         a_cov = a_all.T @ a_all / a_all.shape[0]  # mean over every token
@@ -123,7 +154,7 @@ def _reference_scores(model, train, query, method, damping):
             _, q_a = torch.linalg.eigh(a_cov)
             _, q_s = torch.linalg.eigh(s_cov)
             basis = torch.kron(q_s, q_a)
-            values = torch.diagonal(basis.T @ (gt.T @ gt / n) @ basis)
+            values = torch.diagonal(basis.T @ (gf.T @ gf / n) @ basis)
             h = basis @ torch.diag(values) @ basis.T
         lam = damping if damping != "auto" else 0.1 * float(values.mean())
         solved = torch.linalg.solve(h + lam * torch.eye(h.shape[0], dtype=h.dtype), gq.T)
@@ -131,7 +162,7 @@ def _reference_scores(model, train, query, method, damping):
     return scores
 
 
-def _influence_scores(tmp_path, model, train, query, method, damping, batch=4):
+def _influence_scores(tmp_path, model, train, query, method, damping, curvature="loss", batch=4):
     ic = InfluenceComputer(
         model,
         "language_modeling",
@@ -139,6 +170,8 @@ def _influence_scores(tmp_path, model, train, query, method, damping, batch=4):
         tmp_path,
         method=method,
         damping=damping,
+        curvature=curvature,
+        sample_seed=SAMPLE_SEED,
         dtype=torch.float64,
         progress=False,
     )
@@ -154,16 +187,25 @@ def _influence_scores(tmp_path, model, train, query, method, damping, batch=4):
     return ic, ic.finalize_scores("q")
 
 
-@pytest.mark.parametrize("damping", ["auto", 0.03])
-@pytest.mark.parametrize("method", ["kfac", "ekfac"])
-def test_gpt2_scores_equal_dense_float64_inverse(tmp_path, method, damping):
+@pytest.mark.parametrize(
+    ("method", "damping", "curvature"),
+    [
+        ("kfac", "auto", "loss"),
+        ("kfac", 0.03, "loss"),
+        ("ekfac", "auto", "loss"),
+        ("ekfac", 0.03, "loss"),
+        ("kfac", "auto", "sampled"),
+        ("ekfac", "auto", "sampled"),
+    ],
+)
+def test_gpt2_scores_equal_dense_float64_inverse(tmp_path, method, damping, curvature):
     model = _gpt2()
     train, query = _batch(N, 0), _batch(M, 1)
-    ic, scores = _influence_scores(tmp_path, model, train, query, method, damping)
+    ic, scores = _influence_scores(tmp_path, model, train, query, method, damping, curvature)
     # Every Conv1D and the tied lm_head are factored (Kronfluence's set after conv1d_to_linear).
     assert ic.settings.layers[-1] == "lm_head"
     assert len(ic.settings.layers) == 5
-    ref = _reference_scores(model, train, query, method, damping)
+    ref = _reference_scores(model, train, query, method, damping, curvature)
     np.testing.assert_allclose(
         scores, ref.numpy(), rtol=1e-5, atol=1e-5 * float(ref.abs().max())
     )  # the returned scores are float32

@@ -223,3 +223,37 @@ def test_settings_refusal_lists_and_records_the_sampled_curvature(tmp_path):
             progress=False,
             curvature="sampled",
         )
+
+
+class _Registered(_NoSampler):
+    """Like _NoSampler, with a sampled loss registered by the user."""
+
+
+def test_a_registered_sampled_loss_is_used(tmp_path):
+    from gradsketch.attribution import SAMPLED_LOSSES, register_sampled_loss
+
+    calls = []
+
+    @register_sampled_loss(_Registered)
+    def loss(task, output, batch, draw):
+        calls.append(output.shape)
+        return F.cross_entropy(output, draw(output), reduction="none")
+
+    try:
+        x, y = _data(8)
+        ic = InfluenceComputer(
+            _model(),
+            _Registered(),
+            8,
+            tmp_path,
+            method="kfac",
+            curvature="sampled",
+            progress=False,
+        )
+        ic.load_checkpoint(_model().state_dict(), model_id=0)
+        ic.featurize((x, y), num_samples=8)
+        assert calls == [torch.Size([8, CLASSES])]
+    finally:
+        SAMPLED_LOSSES.pop(_Registered)
+    with pytest.raises(TypeError, match="`task_types` must be AbstractModelOutput"):
+        register_sampled_loss(nn.Linear)

@@ -521,7 +521,7 @@ class InfluenceComputer:
                 f"`curvature`='sampled' draws labels from the model's predictions, which task "
                 f"{type(self.task).__name__} does not define (tasks that can: {able}). Pass "
                 "curvature='loss' or 'output', or register its sampled loss with "
-                "@register_sampled_loss(YourTask)."
+                "@gradsketch.attribution.register_sampled_loss(YourTask)."
             )
         self.train_set_size = int(train_set_size)
         self.method = method

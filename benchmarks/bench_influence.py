@@ -256,12 +256,12 @@ LM_QUIET = {"progress": False}
 
 
 def gpt2_settings(quick: bool, lds_models: int) -> Any:
-    """The LM demo's settings for the protocol: 512 chunks, 64 queries, 3 checkpoints."""
+    """The LM demo's settings for the protocol: 512 chunks, 64 queries (quick: 128, 16, 6)."""
     from gradsketch.demos.lm import LMDemoSettings
 
     return LMDemoSettings(
-        num_train=512,
-        num_queries=64,
+        num_train=128 if quick else 512,
+        num_queries=16 if quick else 64,
         epochs=3,
         lds_models=6 if quick else lds_models,
         num_checkpoints=3,
@@ -528,7 +528,11 @@ def gpt2_protocol(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10 retrained models")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="digits: 10 retrained models; GPT-2: 128 chunks, 16 queries, 6 models",
+    )
     parser.add_argument("--lds-models", type=int, default=40)
     parser.add_argument("--checkpoints", type=int, default=3)
     parser.add_argument("--only", default="", help="comma-separated method names to run")

@@ -1,4 +1,4 @@
-"""Influence methods side by side on the digits MLP: LDS and wall time (fit + score).
+"""Influence methods side by side on the digits MLP and a GPT-2: LDS and wall time (fit + score).
 
 Run ``python benchmarks/bench_influence.py`` (``--quick`` for a smoke run with
 fewer retrained models; ``--lds-models`` and ``--checkpoints`` to change the
@@ -30,13 +30,34 @@ and margin, signs aligned the same way; skipped with a note without dattri
 (the ``bench`` extra). Each line also gives
 the fraction of top-5 proponents that share the target's label (the main
 job's gallery criterion).
+
+GPT-2 protocol (``--protocol gpt2``; ``both`` runs it before the digits
+one): the LM demo's Hugging Face GPT-2 (2 layers, width 64, byte-level
+vocabulary) trained with :func:`gradsketch.demos.lm.train_lm` (3 epochs) on
+512 chunks of 64 bytes of the Python standard library, 64 held-out query
+chunks, measurement each query's summed log-likelihood. Ground truth:
+``--lm-lds-models`` models retrained on random halves
+(:func:`gradsketch.demos.lm.lds_truth`; cached in ``--cache-dir``, keyed by
+the settings). Checkpoints are the demo's (seeds 1, 2, 3 on all 512 chunks).
+Methods: gradsketch TRAK through the demo's ``attribute`` (k=512,
+``lambda_reg="auto"``, 1 and 3 checkpoints); ``TRAKer(method=...,
+task="language_modeling")`` identity / K-FAC / EK-FAC (full, projected
+32x32, without the tied ``lm_head``, curvatures ``"loss"`` and
+``"sampled"``); ``bayesian_influence`` (loss the chunk's summed token loss,
+query observable its log-likelihood); Kronfluence identity / K-FAC / EK-FAC
+through ``bench_lm._kronfluence_scores`` (Conv1D converted to Linear,
+measurement the summed loss, so no sign change). Lines carry the 1-minute
+load average: on a shared machine the times are only comparable within one
+run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.metadata
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -468,9 +489,290 @@ def dattri_rows(
         emit(record)
 
 
+# -- GPT-2 protocol ----------------------------------------------------------------------
+# The issue's second protocol: the LM demo's model and ground truth at benchmark size.
+# Ground truths are cached (--cache-dir) since retraining dominates a run's time.
+LM_QUIET = {"progress": False}
+
+
+def gpt2_settings(quick: bool, lds_models: int) -> Any:
+    """The LM demo's settings for the protocol: 512 chunks, 64 queries (quick: 128, 16, 6)."""
+    from gradsketch.demos.lm import LMDemoSettings
+
+    return LMDemoSettings(
+        num_train=128 if quick else 512,
+        num_queries=16 if quick else 64,
+        epochs=3,
+        lds_models=6 if quick else lds_models,
+        num_checkpoints=3,
+        proj_dim=512,
+        lambda_reg="auto",
+    )
+
+
+def _lm_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``language_modeling`` batch: every token real and predicted."""
+    return ids, torch.ones_like(ids), ids.clone()
+
+
+def gpt2_ground_truth(s: Any, train_ids, query_ids, cache_dir: str | None):
+    """``(masks, outputs)`` of :func:`gradsketch.demos.lm.lds_truth`, cached per settings."""
+    import hashlib
+    import json
+
+    from gradsketch.demos.lm import lds_truth
+
+    key = hashlib.sha256(json.dumps(s.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    path = None if cache_dir is None else Path(cache_dir) / f"gpt2_truth_{key}.npz"
+    if path is not None and path.exists():
+        with np.load(path) as z:
+            return z["masks"], z["outputs"], True
+    truth = lds_truth(s, train_ids, query_ids)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, masks=truth.subset_masks, outputs=truth.target_outputs)
+    return truth.subset_masks, truth.target_outputs, False
+
+
+def run_lm_trak(models, train_ids, query_ids, s: Any, tmp: str) -> np.ndarray:
+    from gradsketch.demos.lm import attribute
+
+    scores, _, _ = attribute(
+        models, train_ids, query_ids, s, tempfile.mkdtemp(dir=tmp), per_token=False
+    )
+    return scores
+
+
+def run_lm_influence(models, train_ids, query_ids, s: Any, tmp: str, **kwargs: Any) -> np.ndarray:
+    """``TRAKer(method=...)`` on the LM: featurize, finalize, score, ensemble."""
+    from gradsketch.attribution import TRAKer
+    from gradsketch.sketch import FactorizedProjector
+
+    projection = kwargs.pop("projection", None)
+    drop_head = kwargs.pop("drop_lm_head", False)
+    model = models[0]
+    grad_wrt = None
+    if drop_head:
+        grad_wrt = [n for n, _ in model.named_parameters() if n != "transformer.wte.weight"]
+    projector = None
+    if projection is not None:
+        projector = FactorizedProjector.from_model(
+            model, k_in=projection[0], k_out=projection[1], seed=s.seed
+        )
+    n, m, bs = int(train_ids.shape[0]), int(query_ids.shape[0]), 64
+    traker = TRAKer(
+        copy.deepcopy(model),  # it loads every checkpoint: keep models[0] intact
+        "language_modeling",
+        n,
+        save_dir=tempfile.mkdtemp(dir=tmp),
+        device="cpu",
+        logging_level=QUIET,
+        projector=projector,
+        projector_seed=s.seed,
+        grad_wrt=grad_wrt,
+        progress=False,
+        **kwargs,
+    )
+    for model_id, member in enumerate(models):
+        traker.load_checkpoint(member.state_dict(), model_id=model_id)
+        for start in range(0, n, bs):
+            batch = _lm_rows(train_ids[start : start + bs])
+            traker.featurize(batch, num_samples=int(batch[0].shape[0]))
+    traker.finalize_features()
+    for model_id, member in enumerate(models):
+        traker.start_scoring_checkpoint("lm", member.state_dict(), model_id=model_id, num_targets=m)
+        traker.score(_lm_rows(query_ids), num_samples=m)
+    return np.asarray(traker.finalize_scores("lm"))
+
+
+def _lm_loss(model: nn.Module, batch) -> torch.Tensor:
+    """``[B]`` summed next-token loss of each chunk."""
+    ids = batch[0]
+    logits = model(input_ids=ids).logits[:, :-1]
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+
+
+def _lm_log_likelihood(model: nn.Module, batch) -> torch.Tensor:
+    return -_lm_loss(model, batch)
+
+
+def run_lm_bif(models, train_ids, query_ids, s: Any, tmp: str, **kwargs: Any) -> np.ndarray:
+    from gradsketch.attribution import bayesian_influence
+
+    scores = bayesian_influence(
+        models[0],
+        (train_ids,),
+        (query_ids,),
+        _lm_loss,
+        query_fn=_lm_log_likelihood,
+        checkpoints=[m.state_dict() for m in models],
+        progress=False,
+        **kwargs,
+    )
+    return scores.float().numpy()
+
+
+def run_lm_kronfluence(models, train_ids, query_ids, s: Any, tmp: str, strategy: str):
+    """Kronfluence's ``strategy`` (its defaults; Conv1D made Linear) averaged over checkpoints.
+
+    ``bench_lm._kronfluence_scores`` measures the query's summed loss and
+    trains on the summed loss (sampled labels for its true Fisher), so a
+    positive score raises the query's log-likelihood: no sign change.
+    """
+    from bench_lm import _kronfluence_scores
+
+    total = np.zeros((int(train_ids.shape[0]), int(query_ids.shape[0])))
+    for i, model in enumerate(models):
+        workdir = str(Path(tempfile.mkdtemp(dir=tmp)) / f"kf{i}")
+        total += _kronfluence_scores(model, train_ids, query_ids, strategy, workdir, 32)
+    return total / len(models)
+
+
+def gpt2_methods(c: int) -> dict[str, tuple[Any, slice, dict[str, Any]]]:
+    """Method name -> (runner, checkpoints used, options)."""
+    one, every = slice(0, 1), slice(0, c)
+    # Of (lr, nbeta, localization) = (1e-4, 100, 100) and (3e-4, 30, 30) on checkpoint 0
+    # with 2 x 50 draws: LDS -0.03 in 113 s and 0.16 in 78 s (load ~7). Opt-in (--only bif).
+    bif = dict(
+        num_chains=2,
+        num_draws=50,
+        lr=3e-4,
+        nbeta=30.0,
+        localization=30.0,
+        batch_size=32,
+        eval_batch_size=128,
+    )
+    return {
+        "gradsketch trak k=512 (1 ckpt)": (run_lm_trak, one, {}),
+        f"gradsketch trak k=512 ({c} ckpts)": (run_lm_trak, every, {}),
+        "gradsketch identity": (run_lm_influence, every, {"method": "identity"}),
+        "gradsketch kfac": (run_lm_influence, every, {"method": "kfac", "lambda_reg": "auto"}),
+        "gradsketch ekfac": (run_lm_influence, every, {"method": "ekfac", "lambda_reg": "auto"}),
+        "gradsketch ekfac (1 ckpt)": (
+            run_lm_influence,
+            one,
+            {"method": "ekfac", "lambda_reg": "auto"},
+        ),
+        "gradsketch ekfac curvature=sampled": (
+            run_lm_influence,
+            every,
+            {"method": "ekfac", "lambda_reg": "auto", "curvature": "sampled"},
+        ),
+        "gradsketch kfac curvature=sampled": (
+            run_lm_influence,
+            every,
+            {"method": "kfac", "lambda_reg": "auto", "curvature": "sampled"},
+        ),
+        "gradsketch ekfac without lm_head": (
+            run_lm_influence,
+            every,
+            {"method": "ekfac", "lambda_reg": "auto", "drop_lm_head": True},
+        ),
+        "gradsketch ekfac projected 32x32": (
+            run_lm_influence,
+            every,
+            {"method": "ekfac", "lambda_reg": "auto", "projection": (32, 32)},
+        ),
+        "gradsketch kfac curvature=sampled (1 ckpt)": (
+            run_lm_influence,
+            one,
+            {"method": "kfac", "lambda_reg": "auto", "curvature": "sampled"},
+        ),
+        "gradsketch ekfac curvature=sampled (1 ckpt)": (
+            run_lm_influence,
+            one,
+            {"method": "ekfac", "lambda_reg": "auto", "curvature": "sampled"},
+        ),
+        "gradsketch kfac curvature=sampled projected 32x32": (
+            run_lm_influence,
+            every,
+            {
+                "method": "kfac",
+                "lambda_reg": "auto",
+                "curvature": "sampled",
+                "projection": (32, 32),
+            },
+        ),
+        "gradsketch ekfac curvature=sampled projected 32x32": (
+            run_lm_influence,
+            every,
+            {
+                "method": "ekfac",
+                "lambda_reg": "auto",
+                "curvature": "sampled",
+                "projection": (32, 32),
+            },
+        ),
+        "gradsketch bif (1 ckpt)": (run_lm_bif, one, bif),
+        "kronfluence identity": (run_lm_kronfluence, every, {"strategy": "identity"}),
+        "kronfluence kfac": (run_lm_kronfluence, every, {"strategy": "kfac"}),
+        "kronfluence ekfac": (run_lm_kronfluence, every, {"strategy": "ekfac"}),
+        "kronfluence identity (1 ckpt)": (run_lm_kronfluence, one, {"strategy": "identity"}),
+        "kronfluence ekfac (1 ckpt)": (run_lm_kronfluence, one, {"strategy": "ekfac"}),
+    }
+
+
+def gpt2_protocol(args: argparse.Namespace) -> None:
+    """HF GPT-2 on standard-library chunks: LDS and fit+score time of every method."""
+    from bench_lm import _split
+
+    import gradsketch.attribution._lm  # noqa: F401  (registers "language_modeling")
+    from gradsketch.attribution import linear_datamodeling_score
+    from gradsketch.demos.lm import train_lm
+
+    s = gpt2_settings(args.quick, args.lm_lds_models)
+    train_ids, query_ids = _split(s)
+    seconds, (masks, outputs, cached) = time_once(
+        lambda: gpt2_ground_truth(s, train_ids, query_ids, args.cache_dir)
+    )
+    emit(
+        {
+            "bench": "influence_gpt2_ground_truth",
+            "lds_models": s.lds_models,
+            "cached": cached,
+            "seconds": seconds,
+        }
+    )
+    models = [train_lm(train_ids, s, seed=s.seed + 1 + c)[0] for c in range(args.checkpoints)]
+    only = [m.strip() for m in args.only.split(",") if m.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (fn, used, kwargs) in gpt2_methods(len(models)).items():
+            if only and not any(o in name for o in only):
+                continue
+            if "bif" in name and not any("bif" in o for o in only):
+                emit({"bench": "influence_gpt2", "method": name, "skipped": "opt-in: --only bif"})
+                continue
+            ckpts = models[used]
+            try:
+                seconds, scores = time_once(
+                    lambda fn=fn, ckpts=ckpts, kwargs=kwargs: fn(
+                        ckpts, train_ids, query_ids, s, tmp, **dict(kwargs)
+                    )
+                )
+            except ImportError as err:
+                emit({"bench": "influence_gpt2", "method": name, "skipped": str(err)})
+                continue
+            emit(
+                {
+                    "bench": "influence_gpt2",
+                    "method": name,
+                    "checkpoints": len(ckpts),
+                    "lds": linear_datamodeling_score(scores, masks, outputs),
+                    "seconds": seconds,
+                    "lds_models": s.lds_models,
+                    "loadavg_1min": os.getloadavg()[0],
+                    "options": {k: v for k, v in kwargs.items()},
+                }
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10 retrained models")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="digits: 10 retrained models; GPT-2: 128 chunks, 16 queries, 6 models",
+    )
     parser.add_argument("--lds-models", type=int, default=40)
     parser.add_argument("--checkpoints", type=int, default=3)
     parser.add_argument("--only", default="", help="comma-separated method names to run")
@@ -480,6 +782,15 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="torch threads (1: on a loaded shared machine two threads spin-wait on each other "
         "and every tiny matmul of this protocol takes 5-10x longer)",
+    )
+    parser.add_argument(
+        "--protocol", choices=("digits", "gpt2", "both"), default="both", help="which protocol"
+    )
+    parser.add_argument(
+        "--lm-lds-models", type=int, default=20, help="GPT-2 models retrained on random halves"
+    )
+    parser.add_argument(
+        "--cache-dir", default=None, help="folder caching the GPT-2 ground truth between runs"
     )
     args = parser.parse_args(argv)
     setup_torch(args.threads)
@@ -493,6 +804,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.ERROR)
     lds_models = 10 if args.quick else args.lds_models
     emit({"bench": "machine", **machine_info()})
+    if args.protocol != "digits":
+        gpt2_protocol(args)
+    if args.protocol == "gpt2":
+        return
     from gradsketch.attribution import linear_datamodeling_score
     from gradsketch.demos import top_share_same_label
 
@@ -516,6 +831,16 @@ def main(argv: list[str] | None = None) -> None:
         "gradsketch kfac": (run_influence, checkpoints, {"method": "kfac"}),
         "gradsketch ekfac": (run_influence, checkpoints, {"method": "ekfac"}),
         "gradsketch ekfac (1 ckpt)": (run_influence, checkpoints[:1], {"method": "ekfac"}),
+        "gradsketch kfac curvature=sampled": (
+            run_influence,
+            checkpoints,
+            {"method": "kfac", "curvature": "sampled"},
+        ),
+        "gradsketch ekfac curvature=sampled": (
+            run_influence,
+            checkpoints,
+            {"method": "ekfac", "curvature": "sampled"},
+        ),
         "gradsketch kfac curvature=output": (
             run_influence,
             checkpoints,

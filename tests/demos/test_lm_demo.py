@@ -308,3 +308,14 @@ def test_gradsketch_demo_lm_command_writes_the_report(tmp_path):
     assert result.exit_code == 0, result.output
     assert "LDS" in result.output and (out / "report.html").is_file()
     assert (out / "scores.npy").is_file() and (out / "summary.json").is_file()
+
+
+def test_attribute_leaves_every_checkpoint_model_unchanged(tmp_path):
+    """TRAKer loads each checkpoint into its model; ``attribute`` must not lend it models[0]."""
+    s = LMDemoSettings(width=8, n_head=2, n_layer=1, chunk_len=8, proj_dim=8)
+    models = [lm.build_lm(s, seed=seed).eval() for seed in (0, 1)]
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
+    ids = torch.randint(0, 200, (6, 8), generator=torch.Generator().manual_seed(0))
+    lm.attribute(models, ids, ids[:2], s, tmp_path, per_token=False)
+    for model, state in zip(models, before):
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())

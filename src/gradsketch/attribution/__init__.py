@@ -14,6 +14,12 @@ from gradsketch.attribution._distributed import (
     chunk_shard,
     column_shard,
 )
+from gradsketch.attribution._fisher import (
+    INFLUENCE_OUTPUTS,
+    SAMPLED_LOSSES,
+    register_influence_output,
+    register_sampled_loss,
+)
 from gradsketch.attribution._gradient_computers import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
@@ -111,6 +117,10 @@ __all__ = [
     "InfluenceSettings",
     "INFLUENCE_METHODS",
     "CURVATURES",
+    "SAMPLED_LOSSES",
+    "register_sampled_loss",
+    "INFLUENCE_OUTPUTS",
+    "register_influence_output",
 ]
 
 # The demo, its bundled data and the command line moved to gradsketch.demos and

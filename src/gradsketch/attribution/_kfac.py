@@ -101,19 +101,25 @@ class KroneckerFactors:
     def update(self, a: Tensor, g: Tensor) -> None:
         """Add a batch: ``a [B, T, d_in]`` inputs, ``g [B, T, d_out]`` output gradients.
 
+        The batch's ``aᵀa`` and ``gᵀg`` are formed in the inputs' dtype (at least
+        float32) and added to the sums in theirs (float64 by default).
+
         Padding tokens must carry ``g = 0`` (they then add nothing to ``S``) and
         should be dropped from ``a`` by the caller if they are not to count in
         ``A``'s mean.
         """
-        af = _flat_tokens(a, self.a_sum.shape[0], "a").to(self.a_sum.dtype)
-        gf = _flat_tokens(g, self.g_sum.shape[0], "g").to(self.g_sum.dtype)
+        # The batch's products in its own dtype (float32 GEMMs are several times
+        # faster than float64 ones), summed across batches in the factors' dtype.
+        work = torch.promote_types(torch.promote_types(a.dtype, g.dtype), torch.float32)
+        af = _flat_tokens(a, self.a_sum.shape[0], "a").to(work)
+        gf = _flat_tokens(g, self.g_sum.shape[0], "g").to(work)
         if a.shape[:2] != g.shape[:2]:
             raise ValueError(
                 f"`a` and `g` must share [batch, tokens], got {tuple(a.shape)} and "
                 f"{tuple(g.shape)}."
             )
-        self.a_sum.addmm_(af.T, af)
-        self.g_sum.addmm_(gf.T, gf)
+        self.a_sum += (af.T @ af).to(self.a_sum.dtype)
+        self.g_sum += (gf.T @ gf).to(self.g_sum.dtype)
         self.tokens += af.shape[0]
         self.examples += a.shape[0]
 

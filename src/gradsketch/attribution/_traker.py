@@ -227,6 +227,11 @@ class TRAKer:
             :class:`~gradsketch.attribution.InfluenceComputer` (``lambda_reg``
             is its damping; a :class:`FactorizedProjector` given as
             ``projector`` sets its per-layer projection).
+        curvature: with an influence ``method``, ``"loss"`` (empirical
+            Fisher), ``"output"`` or ``"sampled"`` (true Fisher, labels drawn
+            from the model, seeded by ``projector_seed``); see
+            :class:`~gradsketch.attribution.InfluenceComputer`. TRAK has no
+            curvature choice: only ``"loss"`` is accepted with ``method="trak"``.
 
     Distributed: when a ``torch.distributed`` process group is initialised
     (``torchrun``), each rank featurizes and computes target features only for
@@ -283,6 +288,7 @@ class TRAKer:
         progress: bool = True,
         chunk_rows: int | None = None,
         method: str = "trak",
+        curvature: str = "loss",
     ) -> None:
         self.logger = logging.getLogger("gradsketch.attribution.TRAKer")
         self.logger.setLevel(logging_level)
@@ -305,9 +311,16 @@ class TRAKer:
                 lambda_reg,
                 progress,
                 chunk_rows,
+                curvature,
             )
             self.save_dir = self._influence.save_dir
             return
+        if curvature != "loss":
+            raise ValueError(
+                f"`curvature`={curvature!r} needs an influence method ('identity', 'kfac', "
+                "'ekfac'); TRAK preconditions with its own Gram matrix. Pass method='ekfac' "
+                "(or another influence method), or leave curvature='loss'."
+            )
         if saver is not None:
             raise ValueError(
                 f"`saver`={saver!r} is not supported: gradsketch stores features in a resumable "

@@ -26,6 +26,7 @@ Run it with ``python -m gradsketch.demos.lm --out demo_lm_out``
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -382,8 +383,10 @@ def attribute(
     from gradsketch.attribution import HookGradientComputer, TRAKer
 
     n, m = int(train_ids.shape[0]), int(query_ids.shape[0])
+    # TRAKer loads every checkpoint into its model: a copy, so that models[0]
+    # keeps checkpoint 0's weights for its own scoring call (and the caller).
     traker = TRAKer(
-        models[0],
+        copy.deepcopy(models[0]),
         "language_modeling",
         n,
         save_dir=save_dir,

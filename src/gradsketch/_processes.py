@@ -11,7 +11,16 @@ Both chain runners, :func:`gradsketch.sampling.estimate_learning_coeff` and
   threads, CUDA and OpenMP, unlike ``fork``), each running torch on
   ``max(1, torch.get_num_threads() // k)`` threads (see
   :func:`worker_threads`), so the workers together use the threads the
-  caller had. ``shared`` is pickled once per worker, each job once.
+  caller had.
+
+Starting a worker costs seconds (it imports torch, transformers, gradsketch),
+often more than a short chain, so the workers are kept for the next call
+with the same ``k`` and thread count, as joblib keeps its executor: a second
+``sample`` (the next weight restriction of ``susceptibilities``, the next
+model) starts at once. :func:`shutdown_workers` ends them (so does the
+interpreter's exit, and a call with another ``k``). ``shared`` is pickled
+once per call and unpickled once per worker and call; each job is pickled on
+its own.
 
 A job's arithmetic does not depend on which process runs it: a job gives the
 same bits with ``cores=k`` as with ``cores=1`` when the caller runs torch on
@@ -28,6 +37,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
+import pickle
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from typing import Any, TypeVar
@@ -37,14 +49,18 @@ import torch.multiprocessing as torch_mp
 
 from gradsketch._checks import positive_int
 
-__all__ = ["check_cores", "run_jobs", "threads_for", "worker_threads"]
+__all__ = ["check_cores", "run_jobs", "shutdown_workers", "threads_for", "worker_threads"]
 
 JobT = TypeVar("JobT")
 SharedT = TypeVar("SharedT")
 ResultT = TypeVar("ResultT")
 
-#: The ``shared`` value of this worker process (set by :func:`_start_worker`).
-_SHARED: Any = None
+#: In a worker: ``(call id, shared)`` of the latest call (older ones are dropped).
+_SHARED: tuple[int, Any] | None = None
+#: In the caller: ``((cores, threads), pool)`` of the kept workers.
+_POOL: tuple[tuple[int, int], ProcessPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+_CALL_IDS = itertools.count()
 
 
 def check_cores(cores: Any) -> int:
@@ -102,14 +118,47 @@ def threads_for(cores: int) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def _start_worker(threads: int, shared: Any) -> None:
-    global _SHARED
+def _start_worker(threads: int) -> None:
     torch.set_num_threads(threads)
-    _SHARED = shared
 
 
-def _call_in_worker(fn: Callable[[Any, Any], Any], job: Any) -> Any:
-    return fn(_SHARED, job)
+def _call_in_worker(fn: Callable[[Any, Any], Any], call: int, shared: bytes, job: Any) -> Any:
+    global _SHARED
+    if _SHARED is None or _SHARED[0] != call:
+        _SHARED = None  # free the previous call's state first
+        _SHARED = (call, pickle.loads(shared))
+    return fn(_SHARED[1], job)
+
+
+def _workers(cores: int, threads: int) -> ProcessPoolExecutor:
+    """The kept pool of ``cores`` workers on ``threads`` threads (started when needed)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None and _POOL[0] != (cores, threads):
+            _POOL[1].shutdown(wait=True, cancel_futures=True)
+            _POOL = None
+        if _POOL is None:
+            pool = ProcessPoolExecutor(
+                max_workers=cores,
+                mp_context=torch_mp.get_context("spawn"),
+                initializer=_start_worker,
+                initargs=(threads,),
+            )
+            _POOL = ((cores, threads), pool)
+        return _POOL[1]
+
+
+def shutdown_workers() -> None:
+    """End the kept worker processes (the next ``cores > 1`` call starts new ones).
+
+    Example:
+        >>> shutdown_workers()
+    """
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None:
+            _POOL[1].shutdown(wait=True, cancel_futures=True)
+            _POOL = None
 
 
 def _square(shared: int, job: int) -> int:
@@ -137,19 +186,20 @@ def run_jobs(
         for job in jobs:
             yield fn(shared, job)
         return
-    context = torch_mp.get_context("spawn")
-    pool = ProcessPoolExecutor(
-        max_workers=min(cores, len(jobs)),
-        mp_context=context,
-        initializer=_start_worker,
-        initargs=(worker_threads(cores), shared),
-    )
+    payload = pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL)
+    call = next(_CALL_IDS)
+    pool = _workers(cores, worker_threads(cores))
     futures: list[Future[Any]] = []
+    finished = False
     try:
-        futures = [pool.submit(_call_in_worker, fn, job) for job in jobs]
+        futures = [pool.submit(_call_in_worker, fn, call, payload, job) for job in jobs]
         for future in as_completed(futures):
             yield future.result()
+        finished = True
     finally:
-        for future in futures:
-            future.cancel()
-        pool.shutdown(wait=True, cancel_futures=True)
+        if not finished:
+            # A job failed or the caller stopped: drop the pool (a broken one
+            # cannot be reused; a running job's chain would be wasted work).
+            for future in futures:
+                future.cancel()
+            shutdown_workers()

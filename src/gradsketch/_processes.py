@@ -49,7 +49,14 @@ import torch.multiprocessing as torch_mp
 
 from gradsketch._checks import positive_int
 
-__all__ = ["check_cores", "run_jobs", "shutdown_workers", "threads_for", "worker_threads"]
+__all__ = [
+    "check_cores",
+    "run_jobs",
+    "shutdown_workers",
+    "start_workers",
+    "threads_for",
+    "worker_threads",
+]
 
 JobT = TypeVar("JobT")
 SharedT = TypeVar("SharedT")
@@ -102,7 +109,9 @@ def threads_for(cores: int) -> Iterator[int]:
 
     Work done here before or after :func:`run_jobs` (an initial loss) then
     uses the workers' thread count, so ``cores=k`` still matches ``cores=1``
-    run on ``worker_threads(k)`` threads bit for bit.
+    run on ``worker_threads(k)`` threads bit for bit. Pass the yielded count
+    on as ``run_jobs(..., threads=)``: inside the block
+    ``torch.get_num_threads()`` is already the reduced count.
 
     Example:
         >>> with threads_for(1) as n:
@@ -148,6 +157,26 @@ def _workers(cores: int, threads: int) -> ProcessPoolExecutor:
         return _POOL[1]
 
 
+def _ready() -> None:
+    return None
+
+
+def start_workers(cores: int, *, threads: int | None = None) -> None:
+    """Start the workers of a coming ``run_jobs(cores=cores)`` now, without waiting.
+
+    Their imports then overlap with the caller's own work (the initial loss).
+
+    Example:
+        >>> start_workers(1)  # nothing to start
+    """
+    cores = check_cores(cores)
+    if cores == 1:
+        return
+    pool = _workers(cores, worker_threads(cores) if threads is None else threads)
+    for _ in range(cores):
+        pool.submit(_ready)
+
+
 def shutdown_workers() -> None:
     """End the kept worker processes (the next ``cores > 1`` call starts new ones).
 
@@ -171,6 +200,7 @@ def run_jobs(
     *,
     cores: int,
     shared: SharedT,
+    threads: int | None = None,
 ) -> Iterator[ResultT]:
     """Yield ``fn(shared, job)`` for every job, as each finishes.
 
@@ -180,6 +210,7 @@ def run_jobs(
         cores: Worker processes; 1 runs the jobs in this process.
         shared: State every job reads (the model, the data), sent to each
             worker once.
+        threads: Torch threads of each worker; default :func:`worker_threads`.
     """
     cores = check_cores(cores)
     if cores == 1 or len(jobs) <= 1:
@@ -188,7 +219,7 @@ def run_jobs(
         return
     payload = pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL)
     call = next(_CALL_IDS)
-    pool = _workers(cores, worker_threads(cores))
+    pool = _workers(cores, worker_threads(cores) if threads is None else threads)
     futures: list[Future[Any]] = []
     finished = False
     try:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _slt_helpers import SEQ, reference_token_loss, tiny_gpt2, token_data
+from _slt_helpers import SEQ, loss_on_two_threads, reference_token_loss, tiny_gpt2, token_data
 from torch.utils.data import DataLoader
 
 from gradsketch._processes import worker_threads
@@ -414,25 +414,25 @@ def test_noise_stream_is_not_the_dropout_stream() -> None:
 def test_cores_give_the_bits_of_one_core_and_share_its_store(
     tmp_path: Path, data: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """cores=2: chains in two spawned workers, each on ``worker_threads(2)`` threads.
+    """cores=2 on 4 threads: chains in two spawned workers on 4 // 2 = 2 threads each.
 
-    Every array equals the cores=1 store's bit for bit when cores=1 runs on
-    that many threads too (CPU kernels may split reductions by thread count).
-    Dropout is on, so the workers' global generators are seeded per chain as
-    in-process. ``cores`` is no setting: the cores=1 store is reused as it is.
+    ``loss_on_two_threads`` fails anywhere else (the workers, and this
+    process while it computes ``init_loss``). Every array equals the cores=1
+    store's bit for bit when cores=1 runs on those 2 threads too (CPU kernels
+    may split reductions by thread count). Dropout is on, so the workers'
+    global generators are seeded per chain as in-process. ``cores`` is no
+    setting: the cores=1 store is reused as it is.
     """
-    kw = {**BASE, "num_chains": 3, "save_metrics": True}
+    kw = {**BASE, "num_chains": 3, "save_metrics": True, "loss_fn": loss_on_two_threads}
     obs = {"d": data}
     model = tiny_gpt2(dropout=0.1)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        threads = worker_threads(2)
-        torch.set_num_threads(threads)
         one = sample(model, data, obs, output_path=tmp_path / "one", cores=1, **kw).dataset
-        torch.set_num_threads(2)
+        torch.set_num_threads(4)
         two = sample(model, data, obs, output_path=tmp_path / "two", cores=2, **kw).dataset
-        assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
     assert set(one.data_vars) == set(two.data_vars)

@@ -45,7 +45,7 @@ import zarr
 from torch import nn
 from tqdm.auto import tqdm
 
-from gradsketch._processes import check_cores, run_jobs, threads_for
+from gradsketch._processes import check_cores, run_jobs, start_workers, threads_for
 from gradsketch._settings import SettingsMismatchError, settings_diff, settings_record
 from gradsketch._writer import BackgroundWriter
 from gradsketch.masked import ParamMask
@@ -932,7 +932,11 @@ class _Run:
         writer = _ChainWriter(root)
         # With cores > 1 this process also runs on the workers' thread count, so
         # that init_loss too is the bits of cores=1 on that many threads.
-        with threads_for(self.cores):
+        with threads_for(self.cores) as threads:
+            done = np.asarray(_array(root, "progress/chain_done")[:], dtype=bool)
+            todo = [c for c in range(s.num_chains) if not done[c]]
+            if len(todo) > 1:
+                start_workers(self.cores, threads=threads)  # their imports overlap init_loss
             try:
                 init_done = np.asarray(_array(root, "progress/init_done")[:], dtype=bool)
                 cache: dict[int, np.ndarray] = {}
@@ -940,15 +944,13 @@ class _Run:
                     if not init_done[chain]:
                         value = self._init_loss(self.work(), chain, cache)
                         writer.write(chain, {"init_loss": value}, "progress/init_done")
-                done = np.asarray(_array(root, "progress/chain_done")[:], dtype=bool)
-                todo = [c for c in range(s.num_chains) if not done[c]]
                 with tqdm(total=len(todo) * s.num_steps, desc="sampling", disable=None) as bar:
                     in_process = self.cores == 1 or len(todo) <= 1
                     self._tick = bar.update if in_process else None
                     # Chains are written as they finish (in any order), each one's
                     # data before its done flag, all from this process.
                     for chain, values, failure in run_jobs(
-                        _sample_chain, todo, cores=self.cores, shared=self
+                        _sample_chain, todo, cores=self.cores, shared=self, threads=threads
                     ):
                         if failure is not None:
                             warnings.warn(failure, stacklevel=3)

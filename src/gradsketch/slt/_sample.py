@@ -23,6 +23,11 @@ on the weights and the batches, is computed once when every chain sees the
 same batches; and each finished chain is written by a background thread while
 the next one samples (data first, then the chain's done flag, as
 :mod:`gradsketch._store` does).
+
+With ``cores=k > 1`` (devinterp 2.0 has no such option; devinterp 1.x
+called it ``cores``) ``k`` chains sample at once in worker processes
+(:mod:`gradsketch._processes`); each finished chain comes back to this
+process, which alone writes the store, in the same order (data, then flag).
 """
 
 from __future__ import annotations

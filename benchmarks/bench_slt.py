@@ -8,13 +8,18 @@ paths) and run in turn inside one loop, so both see the same machine load.
 Both run with torch on ``--threads`` threads; gradsketch also samples
 ``--cores`` chains at once in worker processes (``cores=``, each worker on
 ``threads // cores`` threads; devinterp 2.0.1 has no such option and runs its
-chains one after the other). Each task prints one JSON line: median wall and
-CPU seconds of each (this process and its finished worker processes), their
-ratios (devinterp / gradsketch), both estimates, threads, cores and the CPU
-model.
+chains one after the other). With ``--workers cold`` (the default) every
+gradsketch call is timed from a cold start: its workers are started inside
+the timed call (a few seconds of imports each) and ended before it returns,
+so their CPU time is counted too. With ``--workers kept`` they stay between
+calls, as in a session that runs several estimates (only the first call
+starts them; their CPU time is then not counted). Each task prints one JSON line:
+median wall and CPU seconds of each (this process and its worker processes),
+their ratios (devinterp / gradsketch), both estimates, threads, cores and
+the CPU model.
 
 Run: ``.venv/bin/python benchmarks/bench_slt.py [--repeats 3] [--draws 20]
-[--chains 2] [--chunks 512] [--threads 2] [--cores 2]
+[--chains 2] [--chunks 512] [--threads 2] [--cores 2] [--workers cold]
 [--tasks llc bif susceptibilities]``.
 """
 
@@ -80,6 +85,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=65)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cores", type=int, default=2, help="gradsketch's cores= (chains at once)")
+    parser.add_argument("--workers", choices=["cold", "kept"], default="cold")
     parser.add_argument("--tasks", nargs="+", default=["llc", "bif", "susceptibilities"])
     args = parser.parse_args()
     setup_torch(args.threads)
@@ -92,6 +98,7 @@ def main() -> None:
     from devinterp.slt import weight_restrictions as d_wr
 
     from gradsketch import slt
+    from gradsketch._processes import shutdown_workers
 
     ids = corpus(args.chunks, args.seq)
     train = Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
@@ -109,7 +116,20 @@ def main() -> None:
     )
     head = d_wr.create_param_masks(model, "l0h0")
 
+    def cold(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            try:
+                return fn()
+            finally:
+                shutdown_workers()  # reaped: their CPU time counts; the next call starts cold
+
+        return call
+
     def task_fns(task: str, lib: str, out: Path) -> Callable[[], Any]:
+        fn = _task_fns(task, lib, out)
+        return cold(fn) if lib == "gradsketch" and args.workers == "cold" else fn
+
+    def _task_fns(task: str, lib: str, out: Path) -> Callable[[], Any]:
         # The sampling arguments are identical; gradsketch also gets cores=.
         kw: dict[str, Any] = {**common, "output_path": out}
         if lib == "gradsketch":
@@ -168,6 +188,7 @@ def main() -> None:
                 "repeats": args.repeats,
                 "threads": args.threads,
                 "gradsketch_cores": args.cores,
+                "workers": args.workers,
                 "devinterp_cores": 1,
                 "chains": args.chains,
                 "draws": args.draws,

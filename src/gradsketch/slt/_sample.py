@@ -497,8 +497,10 @@ def sample(
             model, data and ``loss_fn`` are pickled to the workers (a
             ``loss_fn`` must then be a module-level function), and each
             worker imports torch first (a few seconds), so it pays on long
-            chains. Scripts using it need the ``if __name__ == "__main__":``
-            guard of ``spawn``.
+            chains; the workers are kept for the next call with the same
+            ``cores`` and thread count (``gradsketch._processes.
+            shutdown_workers()`` ends them). Scripts using it need the
+            ``if __name__ == "__main__":`` guard of ``spawn``.
 
     Returns:
         ``xarray.DataTree`` read lazily from the store.

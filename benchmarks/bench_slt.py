@@ -5,17 +5,29 @@ library's own source files (``sysconfig.get_paths()["stdlib"]``: present on
 every machine, nothing downloaded), cut into byte-level chunks. Both
 libraries get identical arguments (``save_metrics=True``, fresh output
 paths) and run in turn inside one loop, so both see the same machine load.
-Each task prints one JSON line: median wall and process-CPU seconds of each,
-their ratios (devinterp / gradsketch), both estimates, and the CPU model.
+Both run with torch on ``--threads`` threads; gradsketch also samples
+``--cores`` chains at once in worker processes (``cores=``, each worker on
+``threads // cores`` threads; devinterp 2.0.1 has no such option and runs its
+chains one after the other). With ``--workers cold`` (the default) every
+gradsketch call is timed from a cold start: its workers are started inside
+the timed call (a few seconds of imports each) and ended before it returns,
+so their CPU time is counted too. With ``--workers kept`` they stay between
+calls, as in a session that runs several estimates (only the first call
+starts them; their CPU time is then not counted). Each task prints one JSON line:
+median wall and CPU seconds of each (this process and its worker processes),
+their ratios (devinterp / gradsketch), both estimates, threads, cores and
+the CPU model.
 
 Run: ``.venv/bin/python benchmarks/bench_slt.py [--repeats 3] [--draws 20]
-[--chains 2] [--chunks 512] [--tasks llc bif susceptibilities]``.
+[--chains 2] [--chunks 512] [--threads 2] [--cores 2] [--workers cold]
+[--tasks llc bif susceptibilities]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import statistics
 import sysconfig
@@ -51,13 +63,20 @@ def tiny_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished (waited-for) children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu = time.perf_counter(), cpu_seconds()
     out = fn()
-    return time.perf_counter() - wall, time.process_time() - cpu, out
+    return time.perf_counter() - wall, cpu_seconds() - cpu, out
 
 
 def main() -> None:
+    """Parse the options, run every task in turn for both libraries, print JSON lines."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--draws", type=int, default=20)
@@ -65,6 +84,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=512)
     parser.add_argument("--seq", type=int, default=65)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cores", type=int, default=2, help="gradsketch's cores= (chains at once)")
+    parser.add_argument("--workers", choices=["cold", "kept"], default="cold")
     parser.add_argument("--tasks", nargs="+", default=["llc", "bif", "susceptibilities"])
     args = parser.parse_args()
     setup_torch(args.threads)
@@ -77,6 +98,7 @@ def main() -> None:
     from devinterp.slt import weight_restrictions as d_wr
 
     from gradsketch import slt
+    from gradsketch._processes import shutdown_workers
 
     ids = corpus(args.chunks, args.seq)
     train = Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
@@ -94,18 +116,35 @@ def main() -> None:
     )
     head = d_wr.create_param_masks(model, "l0h0")
 
+    def cold(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            try:
+                return fn()
+            finally:
+                shutdown_workers()  # reaped: their CPU time counts; the next call starts cold
+
+        return call
+
     def task_fns(task: str, lib: str, out: Path) -> Callable[[], Any]:
+        fn = _task_fns(task, lib, out)
+        return cold(fn) if lib == "gradsketch" and args.workers == "cold" else fn
+
+    def _task_fns(task: str, lib: str, out: Path) -> Callable[[], Any]:
+        # The sampling arguments are identical; gradsketch also gets cores=.
+        kw: dict[str, Any] = {**common, "output_path": out}
+        if lib == "gradsketch":
+            kw["cores"] = args.cores
         if task == "llc":
             fn = slt.llc if lib == "gradsketch" else d_llc.llc
-            return lambda: fn(model, train, {"train": train}, output_path=out, **common)
+            return lambda: fn(model, train, {"train": train}, **kw)
         if task == "bif":
             fn = slt.bif if lib == "gradsketch" else d_bif.bif
             obs = {"train": train, "probe": probe}
-            return lambda: fn(model, train, obs, output_path=out, bif_device="cpu", **common)
+            return lambda: fn(model, train, obs, bif_device="cpu", **kw)
         fn = slt.susceptibilities if lib == "gradsketch" else d_sus.susceptibilities
         obs = {"train": train, "probe": probe}
         wrs = {"full": None, "l0h0": head}
-        return lambda: fn(model, train, obs, wrs, sampling_task="train", output_path=out, **common)
+        return lambda: fn(model, train, obs, wrs, sampling_task="train", **kw)
 
     def estimate(task: str, result: Any) -> float:
         if task == "llc":
@@ -147,6 +186,10 @@ def main() -> None:
                 "estimate_gradsketch": statistics.median(estimates["gradsketch"]),
                 "estimate_devinterp": statistics.median(estimates["devinterp"]),
                 "repeats": args.repeats,
+                "threads": args.threads,
+                "gradsketch_cores": args.cores,
+                "workers": args.workers,
+                "devinterp_cores": 1,
                 "chains": args.chains,
                 "draws": args.draws,
                 "chunks": args.chunks,

@@ -81,3 +81,15 @@ def reference_token_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Ten
         logits = model(ids).logits.double()
     logp = torch.log_softmax(logits[:, :-1], dim=-1)
     return -logp.gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def loss_on_two_threads(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The default per-token loss, refusing to run on other than 2 torch threads.
+
+    Module-level, so ``sample(cores=k)`` can send it to its worker processes.
+    """
+    from gradsketch.slt import per_token_loss
+
+    threads = torch.get_num_threads()
+    assert threads == 2, f"the loss ran on {threads} torch threads, not 2"
+    return per_token_loss(model, ids)

@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _slt_helpers import SEQ, reference_token_loss, tiny_gpt2, token_data
+from _slt_helpers import SEQ, loss_on_two_threads, reference_token_loss, tiny_gpt2, token_data
 from torch.utils.data import DataLoader
 
+from gradsketch._processes import worker_threads
 from gradsketch.slt import (
     OutputPathMismatchError,
     compute_llc,
@@ -287,24 +288,24 @@ def test_killed_run_resumes_at_the_unfinished_chain(
 ) -> None:
     kw = {**BASE, "num_chains": 3, "num_draws": 2}
     whole = sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "whole", **kw).dataset
-    original = sample_module._Run._chain
+    original = sample_module._Run.sample_chain
     calls: list[int] = []
 
-    def killed(self: Any, work: Any, chain: int, writer: Any, bar: Any) -> None:
+    def killed(self: Any, chain: int) -> Any:
         calls.append(chain)
         if chain == 1:
             raise KeyboardInterrupt
-        original(self, work, chain, writer, bar)
+        return original(self, chain)
 
-    monkeypatch.setattr(sample_module._Run, "_chain", killed)
+    monkeypatch.setattr(sample_module._Run, "sample_chain", killed)
     with pytest.raises(KeyboardInterrupt):
         sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "cut", **kw)
 
-    def counted(self: Any, work: Any, chain: int, writer: Any, bar: Any) -> None:
+    def counted(self: Any, chain: int) -> Any:
         calls.append(chain)
-        original(self, work, chain, writer, bar)
+        return original(self, chain)
 
-    monkeypatch.setattr(sample_module._Run, "_chain", counted)
+    monkeypatch.setattr(sample_module._Run, "sample_chain", counted)
     resumed = sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "cut", **kw).dataset
     assert calls == [0, 1, 1, 2]
     assert resumed.attrs["completed"] == 1
@@ -341,6 +342,13 @@ def test_a_diverging_chain_warns_and_keeps_nan(tmp_path: Path, data: torch.Tenso
         ({"sampling_method": "hmc"}, ValueError, r"`sampling_method` must be one of"),
         ({"sampling_method_kwargs": {"beta": 1}}, ValueError, r"has \['beta'\], which"),
         ({"num_chains": 0}, ValueError, r"`num_chains` must be a positive int, got 0"),
+        ({"cores": 0}, ValueError, r"`cores` must be a positive integer, got 0; pass the number"),
+        ({"cores": 2.0}, ValueError, r"`cores` must be a positive integer, got 2.0 of type float"),
+        (
+            {"cores": 2, "loss_fn": lambda model, ids: per_token_loss(model, ids)},
+            ValueError,
+            r"`loss_fn`=.* cannot be sent to worker processes \(cores=2\).*module-level",
+        ),
         ({"lr": -1.0}, ValueError, r"`lr` must be a non-negative number"),
         ({"batches_per_draw": 9}, ValueError, r"has 32 sequences but needs batch_size"),
         ({"batch_size": 64}, ValueError, r"fewer than `batch_size`=64"),
@@ -356,6 +364,9 @@ def test_a_diverging_chain_warns_and_keeps_nan(tmp_path: Path, data: torch.Tenso
         "method",
         "method-kwargs",
         "chains",
+        "cores-zero",
+        "cores-float",
+        "cores-lambda",
         "lr",
         "obs-size",
         "batch",
@@ -398,3 +409,68 @@ def test_noise_stream_is_not_the_dropout_stream() -> None:
         dropout_stream = torch.randn(1000, generator=torch.Generator().manual_seed(100 + chain))
         assert abs(float(torch.corrcoef(torch.stack([noise, dropout_stream]))[0, 1])) < 0.15
     assert len({sample_module._noise_seed(100, c) for c in range(64)}) == 64
+
+
+def test_cores_give_the_bits_of_one_core_and_share_its_store(
+    tmp_path: Path, data: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cores=2 on 4 threads: chains in two spawned workers on 4 // 2 = 2 threads each.
+
+    ``loss_on_two_threads`` fails anywhere else (the workers, and this
+    process while it computes ``init_loss``). Every array equals the cores=1
+    store's bit for bit when cores=1 runs on those 2 threads too (CPU kernels
+    may split reductions by thread count). Dropout is on, so the workers'
+    global generators are seeded per chain as in-process. ``cores`` is no
+    setting: the cores=1 store is reused as it is.
+    """
+    kw = {**BASE, "num_chains": 3, "save_metrics": True, "loss_fn": loss_on_two_threads}
+    obs = {"d": data}
+    model = tiny_gpt2(dropout=0.1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        one = sample(model, data, obs, output_path=tmp_path / "one", cores=1, **kw).dataset
+        torch.set_num_threads(4)
+        two = sample(model, data, obs, output_path=tmp_path / "two", cores=2, **kw).dataset
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+    assert set(one.data_vars) == set(two.data_vars)
+    assert one.attrs == two.attrs
+    for var in one.data_vars:
+        np.testing.assert_array_equal(two[var].values, one[var].values, err_msg=str(var))
+    assert np.isfinite(one["loss_d"].values).all()
+    # Chains differ from one another (each has its own seeds).
+    assert not np.array_equal(one["loss_d"].values[0], one["loss_d"].values[1])
+
+    monkeypatch.setattr(sample_module._Run, "run", _fail)
+    reused = sample(model, data, obs, output_path=tmp_path / "one", cores=2, **kw).dataset
+    np.testing.assert_array_equal(reused["loss_d"].values, one["loss_d"].values)
+
+
+@pytest.mark.slow
+def test_a_killed_store_resumes_in_worker_processes(tmp_path: Path, data: torch.Tensor) -> None:
+    """A cores=1 store with chains 1 and 2 unfinished (flags off, rows NaN) resumes with
+    cores=2, those chains sampled by two workers: the bits of an uninterrupted run."""
+    import zarr
+
+    kw = {**BASE, "num_chains": 3}
+    obs = {"d": data}
+    model = tiny_gpt2(dropout=0.1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        torch.set_num_threads(worker_threads(2))
+        whole = sample(model, data, obs, output_path=tmp_path / "whole", **kw).dataset
+        sample(model, data, obs, output_path=tmp_path / "one", **kw)
+        torch.set_num_threads(2)
+        root = zarr.open_group(str(tmp_path / "one"), mode="a")
+        root["progress/chain_done"][1:] = 0
+        root["loss_d"][1:] = np.nan
+        root.update_attributes({"completed": 0})
+        resumed = sample(model, data, obs, output_path=tmp_path / "one", cores=2, **kw).dataset
+    finally:
+        torch.set_num_threads(before)
+    assert resumed.attrs["completed"] == 1
+    for var in whole.data_vars:
+        np.testing.assert_array_equal(resumed[var].values, whole[var].values, err_msg=str(var))

@@ -245,10 +245,9 @@ def estimate_learning_coeff_distributed(
                 store_settings=store_settings,
                 sketch_dim=sketch_dim,
                 verbose=verbose and rank == 0,
-                num_threads=None,
                 callbacks=callbacks,
             )
-            _, local[chain] = _run_chain(job)
+            _, local[chain] = _run_chain(None, job)
         progress.update()
     progress.close()
 

@@ -14,20 +14,19 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as torch_mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from gradsketch._checks import nonnegative_int, positive_int
 from gradsketch._device import to_device
+from gradsketch._processes import check_cores, run_jobs
 from gradsketch.sampling._metrics import DOT_FIELDS, NORM_FIELDS
 from gradsketch.sampling._recording import LLCRecordSettings, open_draw_store
 from gradsketch.sampling._sgmcmc import SGMCMC
@@ -182,14 +181,11 @@ class _ChainJob:
     store_settings: dict[str, Any] | None
     sketch_dim: int | None
     verbose: bool
-    num_threads: int | None
     callbacks: Sequence[Callable[..., Any]] = ()
 
 
-def _run_chain(job: _ChainJob) -> tuple[int, np.ndarray]:
+def _run_chain(shared: None, job: _ChainJob) -> tuple[int, np.ndarray]:
     """One chain: copy the model, sample, return ``(chain, losses[draws])`` (and record)."""
-    if job.num_threads is not None:
-        torch.set_num_threads(job.num_threads)
     device = torch.device(job.device)
     model = copy.deepcopy(job.model).to(device)
     losses = np.full(job.num_draws, np.nan)
@@ -423,8 +419,10 @@ def estimate_learning_coeff_with_summary(
         init_loss: ``L(w*)``; default: mean over the first 8 batches.
         grad_accum_steps: Micro-batches per step.
         cores: Processes running chains in parallel (spawned; ``model``,
-            ``loader``, ``evaluate`` and ``sampling_method`` must pickle).
-            Results equal ``cores=1`` for the same ``seed``.
+            ``loader``, ``evaluate`` and ``sampling_method`` must pickle),
+            each on ``max(1, torch.get_num_threads() // cores)`` threads.
+            Results equal ``cores=1`` for the same ``seed`` (bit for bit
+            when ``cores=1`` runs on that many threads).
         seed: Chain ``c`` seeds its loader order and its own noise generator
             from ``(seed, c)``; chains never share a noise stream.
         device: Where chains run.
@@ -454,7 +452,7 @@ def estimate_learning_coeff_with_summary(
         >>> out["loss/trace"].shape
         (2, 5)
     """
-    positive_int("cores", cores)
+    cores = check_cores(cores)
     if cores > 1 and callbacks:
         raise ValueError(
             f"`callbacks` run in the calling process and need `cores=1`, got cores={cores} with "
@@ -500,7 +498,6 @@ def estimate_learning_coeff_with_summary(
         store_settings = settings.to_dict()
 
     num_steps = num_burnin_steps + num_draws * num_steps_bw_draws
-    threads = max(1, torch.get_num_threads() // cores) if cores > 1 else None
     jobs = []
     traces: dict[int, np.ndarray] = {}
     for chain in range(num_chains):
@@ -526,22 +523,14 @@ def estimate_learning_coeff_with_summary(
                 store_settings=store_settings,
                 sketch_dim=sketch_dim,
                 verbose=verbose and cores == 1,
-                num_threads=threads,
                 callbacks=callbacks,
             )
         )
     progress = tqdm(total=len(jobs), desc="LLC chains", disable=not verbose)
-    if cores == 1:
-        for job in jobs:
-            chain, losses = _run_chain(job)
-            traces[chain] = losses
-            progress.update()
-    else:
-        context = torch_mp.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=cores, mp_context=context) as pool:
-            for chain, losses in pool.map(_run_chain, jobs):
-                traces[chain] = losses
-                progress.update()
+    # cores > 1: spawned workers on torch.get_num_threads() // cores threads each.
+    for chain, losses in run_jobs(_run_chain, jobs, cores=cores, shared=None):
+        traces[chain] = losses
+        progress.update()
     progress.close()
 
     results = _summary(np.stack([traces[c] for c in range(num_chains)]), init_loss, nbeta, online)

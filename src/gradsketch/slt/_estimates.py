@@ -387,9 +387,14 @@ def llc(
     n_beta: float,
     param_masks: Any = None,
     loss_fn: LossFn | None = None,
+    cores: int = 1,
     **kwargs: Any,
 ) -> Any:
-    """Sample (:func:`~gradsketch.slt.sample`, same keywords) and return :func:`compute_llc`."""
+    """Sample (:func:`~gradsketch.slt.sample`, same keywords) and return :func:`compute_llc`.
+
+    ``cores > 1`` samples that many chains at once in worker processes
+    (:func:`~gradsketch.slt.sample`'s ``cores``).
+    """
     samples = sample(
         model,
         dataset,
@@ -398,6 +403,7 @@ def llc(
         n_beta=n_beta,
         param_masks=param_masks,
         loss_fn=loss_fn,
+        cores=cores,
         **kwargs,
     )
     return compute_llc(samples)
@@ -418,9 +424,14 @@ def bif(
     bif_batch_size: int = 32,
     bif_device: str | torch.device | None = None,
     loss_fn: LossFn | None = None,
+    cores: int = 1,
     **kwargs: Any,
 ) -> Any:
-    """Sample (:func:`~gradsketch.slt.sample`, same keywords) and return :func:`compute_bif`."""
+    """Sample (:func:`~gradsketch.slt.sample`, same keywords) and return :func:`compute_bif`.
+
+    ``cores > 1`` samples that many chains at once in worker processes
+    (:func:`~gradsketch.slt.sample`'s ``cores``).
+    """
     samples = sample(
         model,
         dataset,
@@ -429,6 +440,7 @@ def bif(
         n_beta=n_beta,
         param_masks=param_masks,
         loss_fn=loss_fn,
+        cores=cores,
         **kwargs,
     )
     return compute_bif(
@@ -453,13 +465,16 @@ def susceptibilities(
     n_beta: float,
     loss_fn: LossFn | None = None,
     include_sampling_task: bool = False,
+    cores: int = 1,
     **kwargs: Any,
 ) -> Any:
     """Sample every weight restriction and return :func:`compute_susceptibilities`.
 
     ``weight_restrictions`` maps names to masks (None: every weight) and
     must include ``"full"``. With ``output_path="x/s.zarr"`` restriction
-    ``w`` is stored at ``x/s_w.zarr``.
+    ``w`` is stored at ``x/s_w.zarr``. ``cores > 1`` samples that many
+    chains of each restriction at once in worker processes
+    (:func:`~gradsketch.slt.sample`'s ``cores``).
     """
     if "full" not in weight_restrictions:
         raise ValueError(
@@ -490,6 +505,7 @@ def susceptibilities(
             n_beta=n_beta,
             param_masks=masks,
             loss_fn=loss_fn,
+            cores=cores,
             **extra,
         )
     return compute_susceptibilities(

@@ -23,6 +23,11 @@ on the weights and the batches, is computed once when every chain sees the
 same batches; and each finished chain is written by a background thread while
 the next one samples (data first, then the chain's done flag, as
 :mod:`gradsketch._store` does).
+
+With ``cores=k > 1`` (devinterp 2.0 has no such option; devinterp 1.x
+called it ``cores``) ``k`` chains sample at once in worker processes
+(:mod:`gradsketch._processes`); each finished chain comes back to this
+process, which alone writes the store, in the same order (data, then flag).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import dataclasses
 import hashlib
 import inspect
 import logging
+import pickle
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping
@@ -44,6 +50,7 @@ import zarr
 from torch import nn
 from tqdm.auto import tqdm
 
+from gradsketch._processes import check_cores, run_jobs, start_workers, threads_for
 from gradsketch._settings import SettingsMismatchError, settings_diff, settings_record
 from gradsketch._writer import BackgroundWriter
 from gradsketch.masked import ParamMask
@@ -76,8 +83,12 @@ SAMPLING_METHODS: dict[str, Callable[..., SGMCMC]] = {
     "sgnht": SGMCMC.sgnht,
 }
 
-#: Upper bound on the bytes of one forward pass's logits when evaluating observables.
-EVAL_LOGIT_BYTES = 256 << 20
+#: Bytes of one forward pass's logits when evaluating observables and ``init_loss``
+#: (at least ``batch_size`` rows per pass), on CUDA and on the CPU. On the CPU,
+#: passes whose activations stay in cache are faster per row: on the benchmark's
+#: tiny GPT-2 (train mode), 32-64 rows per pass cost 0.9-1.1 ms per row, 96
+#: rows 1.2 and 1024 rows 1.5 (CPU time, one thread).
+EVAL_LOGIT_BYTES = {"cuda": 256 << 20, "cpu": 4 << 20}
 #: Bytes of one stored chunk, at most (chunks span one chain and several draws).
 CHUNK_BYTES = 32 << 20
 #: Base64 of NaN as float64: xarray's encoding of a NaN fill value.
@@ -380,10 +391,11 @@ def _chunks(rows: int, limit: int) -> list[slice]:
     return [slice(i, min(i + limit, rows)) for i in range(0, rows, limit)]
 
 
-def _eval_rows(model: nn.Module, seq: int, batch_size: int) -> int:
-    """Rows per forward pass so that one pass's logits stay under EVAL_LOGIT_BYTES."""
+def _eval_rows(model: nn.Module, seq: int, batch_size: int, device: torch.device) -> int:
+    """Rows per forward pass: logits under EVAL_LOGIT_BYTES, at least ``batch_size`` rows."""
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", None) or 50_000)
-    return max(batch_size, EVAL_LOGIT_BYTES // max(1, seq * vocab * 4))
+    budget = EVAL_LOGIT_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    return max(batch_size, budget // max(1, seq * vocab * 4))
 
 
 def sample(
@@ -420,6 +432,7 @@ def sample(
     output_path: str | Path | None = None,
     loss_fn: LossFn | None = None,
     sketch_dim: int | None = None,
+    cores: int = 1,
 ) -> Any:
     """Run SGMCMC chains from ``model``'s weights; record per-token losses of every observable.
 
@@ -475,6 +488,19 @@ def sample(
             default next-token cross-entropy.
         sketch_dim: Also record count sketches of size ``k`` of every update
             component per step (gradsketch only).
+        cores: Chains sampled at once, each in a worker process started with
+            ``spawn`` and running torch on ``max(1, torch.get_num_threads() //
+            cores)`` threads (gradsketch only; devinterp 1.x's name). The
+            stores are bit for bit those of ``cores=1`` run on that many
+            threads, and ``cores`` is not part of the settings: a store
+            written with one value is reused or resumed with another. The
+            model, data and ``loss_fn`` are pickled to the workers (a
+            ``loss_fn`` must then be a module-level function), and each
+            worker imports torch first (a few seconds), so it pays on long
+            chains; the workers are kept for the next call with the same
+            ``cores`` and thread count (``gradsketch._processes.
+            shutdown_workers()`` ends them). Scripts using it need the
+            ``if __name__ == "__main__":`` guard of ``spawn``.
 
     Returns:
         ``xarray.DataTree`` read lazily from the store.
@@ -561,10 +587,19 @@ def sample(
         raise ValueError(
             f"`observables` names map to repeated identifiers {ids_seen}; rename them."
         )
+    cores = check_cores(cores)
     mask = to_param_mask(model, param_masks)
     if mask.numel == 0:
         raise ValueError("`param_masks` selects no weight; select at least one entry.")
     loss = loss_fn if loss_fn is not None else per_token_loss
+    if cores > 1 and loss_fn is not None:
+        try:
+            pickle.dumps(loss_fn)
+        except Exception as exc:
+            raise ValueError(
+                f"`loss_fn`={loss_fn!r} cannot be sent to worker processes (cores={cores}): "
+                f"{exc}; define it as a module-level function or pass cores=1."
+            ) from exc
     record = {
         "format": _FORMAT,
         **settings.metadata(),
@@ -610,6 +645,7 @@ def sample(
         path=path,
         record=record,
         sketch_dim=sketch_dim,
+        cores=cores,
     ).run()
     return _open_tree(path)
 
@@ -630,6 +666,7 @@ class _Run:
         path: Path,
         record: dict[str, Any],
         sketch_dim: int | None,
+        cores: int = 1,
     ) -> None:
         self.model = model
         self.data = data
@@ -643,6 +680,22 @@ class _Run:
         self.sketch_dim = sketch_dim
         self.ctx = data.shape[1] - 1
         self.n_batches = data.shape[0] // settings.batch_size
+        self.cores = cores
+        # Per process (dropped when pickled to a worker): the working copy, the step counter.
+        self._work: nn.Module | None = None
+        self._tick: Callable[[], Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_work"] = None
+        state["_tick"] = None
+        return state
+
+    def work(self) -> nn.Module:
+        """The working copy of the model in this process (each chain resets its weights)."""
+        if self._work is None:
+            self._work = copy.deepcopy(self.model).to(self.device)
+        return self._work
 
     # ------------------------------------------------------------------ layout
     def _layout(self, root: zarr.Group) -> None:
@@ -734,7 +787,7 @@ class _Run:
 
     def _forward_rows(self, model: nn.Module, ids: torch.Tensor, *, check: bool) -> torch.Tensor:
         """Per-token loss of every row of ``ids``, in forward passes of bounded size."""
-        limit = _eval_rows(model, ids.shape[1], self.s.batch_size)
+        limit = _eval_rows(model, ids.shape[1], self.s.batch_size, self.device)
         out = torch.empty(ids.shape[0], self.ctx, dtype=torch.float32)
         for sl in _chunks(ids.shape[0], limit):
             loss = self.loss_fn(model, ids[sl].to(self.device))
@@ -778,8 +831,11 @@ class _Run:
         return value
 
     # ---------------------------------------------------------------- chain
-    def _chain(self, work: nn.Module, chain: int, writer: _ChainWriter, bar: Any) -> None:
+    def sample_chain(self, chain: int) -> tuple[int, dict[str, np.ndarray], str | None]:
+        """Chain ``chain``: ``(chain, {array: the chain's rows}, failure message or None)``."""
         s = self.s
+        work = self.work()
+        failure: str | None = None
         bs, gas, ctx = s.batch_size, s.gradient_accumulation_steps, self.ctx
         torch.manual_seed(s.init_seed + chain)
         self._reset(work)
@@ -854,10 +910,11 @@ class _Run:
                         values = self._forward_rows(work, obs_ids, check=False).numpy()
                     for buf_, part_ in zip(obs_loss, np.split(values, obs_split)):
                         buf_[draw] = part_
-                bar.update()
+                if self._tick is not None:
+                    self._tick()
         except NonFiniteLossError as exc:
-            # As devinterp: a failed chain warns and keeps NaN from its failure on.
-            warnings.warn(f"Chain failed: {exc}; lower `lr` or raise `localization`.", stacklevel=3)
+            # As devinterp: a failed chain warns (in the caller's process) and keeps NaN.
+            failure = f"Chain failed: {exc}; lower `lr` or raise `localization`."
         out: dict[str, np.ndarray] = {
             "sampling_loss": draw_loss[None],
             "sampling_loss_micro": micro_loss[None],
@@ -872,7 +929,7 @@ class _Run:
             names = ("scaled_grad", "unscaled_grad", "localization", "weight_decay", "noise")
             for i, q in enumerate(names):
                 out[f"sketch_{q}"] = sketches[None, :, i]
-        writer.write(chain, {k: v[0] for k, v in out.items()}, "progress/chain_done")
+        return chain, {k: v[0] for k, v in out.items()}, failure
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
@@ -880,19 +937,39 @@ class _Run:
         root = zarr.open_group(str(self.path), mode="a")
         self._layout(root)
         writer = _ChainWriter(root)
-        try:
-            work = copy.deepcopy(self.model).to(self.device)
-            init_done = np.asarray(_array(root, "progress/init_done")[:], dtype=bool)
-            cache: dict[int, np.ndarray] = {}
-            for chain in range(s.num_chains):
-                if not init_done[chain]:
-                    value = self._init_loss(work, chain, cache)
-                    writer.write(chain, {"init_loss": value}, "progress/init_done")
+        # With cores > 1 this process also runs on the workers' thread count, so
+        # that init_loss too is the bits of cores=1 on that many threads.
+        with threads_for(self.cores) as threads:
             done = np.asarray(_array(root, "progress/chain_done")[:], dtype=bool)
             todo = [c for c in range(s.num_chains) if not done[c]]
-            with tqdm(total=len(todo) * s.num_steps, desc="sampling", disable=None) as bar:
-                for chain in todo:
-                    self._chain(work, chain, writer, bar)
-        finally:
-            writer.close()
+            if len(todo) > 1:
+                start_workers(self.cores, threads=threads)  # their imports overlap init_loss
+            try:
+                init_done = np.asarray(_array(root, "progress/init_done")[:], dtype=bool)
+                cache: dict[int, np.ndarray] = {}
+                for chain in range(s.num_chains):
+                    if not init_done[chain]:
+                        value = self._init_loss(self.work(), chain, cache)
+                        writer.write(chain, {"init_loss": value}, "progress/init_done")
+                with tqdm(total=len(todo) * s.num_steps, desc="sampling", disable=None) as bar:
+                    in_process = self.cores == 1 or len(todo) <= 1
+                    self._tick = bar.update if in_process else None
+                    # Chains are written as they finish (in any order), each one's
+                    # data before its done flag, all from this process.
+                    for chain, values, failure in run_jobs(
+                        _sample_chain, todo, cores=self.cores, shared=self, threads=threads
+                    ):
+                        if failure is not None:
+                            warnings.warn(failure, stacklevel=3)
+                        writer.write(chain, values, "progress/chain_done")
+                        if not in_process:
+                            bar.update(s.num_steps)
+            finally:
+                self._tick = None
+                writer.close()
         root.update_attributes({"completed": 1})
+
+
+def _sample_chain(run: _Run, chain: int) -> tuple[int, dict[str, np.ndarray], str | None]:
+    """:meth:`_Run.sample_chain` as a module-level function (worker processes call it)."""
+    return run.sample_chain(chain)

@@ -24,6 +24,22 @@ _OUT = typer.Option("gradsketch_out", "--out", "-o", help="Output folder (create
 _CONFIG = typer.Argument(..., exists=True, dir_okay=False, help="A Python config file.")
 
 
+def _step_size(lr: str) -> float | str:
+    """``--lr``: a positive number, or ``auto``."""
+    if lr.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = float(lr)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise typer.BadParameter(
+            f"--lr must be a positive number or 'auto', got {lr!r}; e.g. --lr 1e-4.",
+            param_hint="--lr",
+        )
+    return value
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
@@ -98,7 +114,9 @@ def llc(
         help="With a model directory: a datasets directory (save_to_disk, input_ids) or text.",
     ),
     restriction: str = typer.Option("full", help="Weights to sample, e.g. 'l0 attn' or 'l0h1'."),
-    lr: float = typer.Option(1e-4, help="SGLD step size."),
+    lr: str = typer.Option(
+        "1e-4", help="SGLD step size, or 'auto' (calibrated from SGLD pilots; model directories)."
+    ),
     localization: float = typer.Option(100.0, help="Localization strength gamma."),
     num_chains: int = typer.Option(4, help="Chains."),
     num_draws: int = typer.Option(200, help="Draws per chain."),
@@ -127,7 +145,7 @@ def llc(
             dataset,
             out=out,
             restriction=restriction,
-            lr=lr,
+            lr=_step_size(lr),
             localization=localization,
             num_chains=num_chains,
             num_draws=num_draws,

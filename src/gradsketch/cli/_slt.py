@@ -118,7 +118,7 @@ def run_llc_command(
     *,
     out: str | Path = "llc_out",
     restriction: str | list[str] = "full",
-    lr: float = 1e-4,
+    lr: float | str = 1e-4,
     n_beta: float | None = None,
     localization: float = 100.0,
     num_chains: int = 4,
@@ -143,7 +143,7 @@ def run_llc_command(
         dataset: See :func:`load_tokens`.
         out: Output directory (created).
         restriction: Weights to sample (see :func:`~gradsketch.slt.create_param_masks`).
-        lr: Step size.
+        lr: Step size, or ``"auto"`` (calibrated: see :func:`~gradsketch.slt.sample`).
         n_beta: Inverse temperature times sample size; default
             ``batch_size / log(batch_size)`` (:func:`~gradsketch.sampling.default_nbeta`).
         localization: Pull towards the trained weights.
@@ -210,6 +210,7 @@ def run_llc_command(
         "llc_per_chain": [float(v) for v in est["llc_per_chain"].values],
         "init_loss": float(est["init_loss"]),
         "n_beta": beta,
+        "lr": float(samples.attrs["metadata"]["config"]["sampler"]["lr"]),
         "restriction": restriction,
         "selected_weights": masks.numel,
         "total_weights": masks.total,

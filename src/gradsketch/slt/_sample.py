@@ -403,7 +403,7 @@ def sample(
     dataset: Any,
     observables: Mapping[str, Any],
     *,
-    lr: float,
+    lr: float | str,
     n_beta: float,
     param_masks: ParamMask | Mapping[str, torch.Tensor | None] | None = None,
     num_chains: int = 4,
@@ -454,7 +454,12 @@ def sample(
             ``[n, seq]`` token tensor, or rows ``{"input_ids": ...}``.
         observables: ``{name: data}`` or ``{name: (data, batches_per_draw)}``;
             ``batch_size * batches_per_draw`` fixed sequences each.
-        lr: Step size ``eps``.
+        lr: Step size ``eps``, or ``"auto"``: the step of
+            :func:`gradsketch.sampling.calibrated_lr` (SGLD pilots from the
+            model's weights aiming at a 2.5 % discretization bias of the
+            LLC, on the full model, rounded to two significant digits; a
+            store at ``output_path`` already made with ``"auto"`` keeps its
+            step). The resolved number is what the store records.
         n_beta: Inverse temperature times sample size.
         param_masks: Which weights move: None (all), a ParamMask from
             :func:`~gradsketch.slt.create_param_masks`, or devinterp's dict
@@ -518,6 +523,20 @@ def sample(
         >>> tree.dataset["loss_probe"].dims, tree.dataset["loss_probe"].shape
         (('chain', 'draw', 'batch_probe', 'token_pos'), (2, 3, 8, 8))
     """
+    lr_auto = isinstance(lr, str)
+    if isinstance(lr, str):
+        lr = _auto_lr(
+            lr,
+            model,
+            dataset,
+            loss_fn=loss_fn,
+            n_beta=n_beta,
+            localization=localization,
+            batch_size=batch_size,
+            init_seed=init_seed,
+            output_path=output_path,
+            device=device,
+        )
     kwargs = dict(sampling_method_kwargs or {})
     for short, value in (("eps", rmsprop_eps), ("alpha", rmsprop_alpha)):
         if value is None:
@@ -614,6 +633,7 @@ def sample(
         "param_masks": mask.fingerprint,
         "loss_fn": getattr(loss, "__qualname__", repr(loss)),
         "sketch_dim": sketch_dim,
+        **({"lr_auto": True} if lr_auto else {}),
     }
     if output_path is None:
         total = num_chains * settings.num_steps * batch_size
@@ -648,6 +668,76 @@ def sample(
         cores=cores,
     ).run()
     return _open_tree(path)
+
+
+#: Steps of ``lr="auto"`` already calibrated in this process, by model, data and settings.
+_AUTO_LR: dict[tuple[Any, ...], float] = {}
+
+
+def _auto_lr(
+    lr: str,
+    model: nn.Module,
+    dataset: Any,
+    *,
+    loss_fn: LossFn | None,
+    n_beta: float,
+    localization: float,
+    batch_size: int,
+    init_seed: int,
+    output_path: str | Path | None,
+    device: str | torch.device | None,
+) -> float:
+    """The step of ``lr="auto"`` (see :func:`sample`)."""
+    if lr != "auto":
+        raise ValueError(f"`lr` must be a positive float or 'auto', got {lr!r}.")
+    if output_path is not None:
+        path = Path(output_path)
+        if path.is_dir() and any(path.iterdir()):
+            try:
+                stored = dict(zarr.open_group(str(path), mode="r").attrs).get(SETTINGS_ATTR)
+            except Exception:  # not a store: sample() refuses it with the full message
+                stored = None
+            if isinstance(stored, Mapping) and stored.get("lr_auto") and "lr" in stored:
+                logger.info("sample(lr='auto'): keeping the stored step %g", stored["lr"])
+                return float(stored["lr"])
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradsketch.sampling import calibrated_lr
+
+    ids = as_token_tensor(dataset)
+    loss = loss_fn if loss_fn is not None else per_token_loss
+    key = (
+        _model_digest(model),
+        token_digest(ids),
+        getattr(loss, "__qualname__", repr(loss)),
+        float(n_beta),
+        float(localization),
+        batch_size,
+        init_seed,
+    )
+    if key in _AUTO_LR:  # e.g. susceptibilities' restrictions: one calibration for all
+        return _AUTO_LR[key]
+    pilot_model = copy.deepcopy(model).train()
+    loader = DataLoader(
+        TensorDataset(ids),
+        batch_size=batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(init_seed),
+    )
+    step = calibrated_lr(
+        pilot_model,
+        loader,
+        lambda m, batch: loss(m, batch[0]).mean(),
+        nbeta=float(n_beta),
+        localization=float(localization),
+        seed=init_seed,
+        device=device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"),
+    )
+    step = float(f"{step:.2g}")
+    logger.info("sample(lr='auto'): calibrated step %g", step)
+    _AUTO_LR[key] = step
+    return step
 
 
 class _Run:

@@ -1,0 +1,111 @@
+"""``lr="auto"`` in gradsketch.slt: the calibrated step, recorded, reused and shared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _slt_helpers import tiny_gpt2, token_data
+from torch.utils.data import DataLoader, TensorDataset
+
+import gradsketch.sampling
+from gradsketch.slt import OutputPathMismatchError, sample, susceptibilities
+from gradsketch.slt import _sample as sample_module
+from gradsketch.slt._data import per_token_loss
+
+SETTINGS = dict(n_beta=10.0, localization=100.0, num_chains=1, num_draws=3, batch_size=16)
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache() -> Any:
+    sample_module._AUTO_LR.clear()
+    yield
+    sample_module._AUTO_LR.clear()
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    calls: list[float] = []
+    real = gradsketch.sampling.calibrated_lr
+
+    def counted(*args: Any, **kwargs: Any) -> float:
+        calls.append(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gradsketch.sampling, "calibrated_lr", counted)
+    return calls
+
+
+def test_auto_records_the_calibrated_step(tmp_path: Path) -> None:
+    model, ids = tiny_gpt2(), token_data(64)
+    tree = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
+    stored = tree.attrs["metadata"]["config"]["sampler"]["lr"]
+    # The same pilots by hand: same loader order, loss and seed (one process, same threads).
+    loader = DataLoader(
+        TensorDataset(ids),
+        batch_size=16,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(100),
+    )
+    expected = gradsketch.sampling.calibrated_lr(
+        tiny_gpt2().train(),
+        loader,
+        lambda m, b: per_token_loss(m, b[0]).mean(),
+        nbeta=10.0,
+        localization=100.0,
+        seed=100,
+    )
+    assert stored == float(f"{expected:.2g}")
+    assert 0 < stored < 1
+
+
+def test_auto_store_is_reused_without_calibrating_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, ids = tiny_gpt2(), token_data(64)
+    first = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
+    step = first.attrs["metadata"]["config"]["sampler"]["lr"]
+    sample_module._AUTO_LR.clear()
+    calls = _count_calls(monkeypatch)
+    again = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
+    assert calls == []
+    assert again.attrs["metadata"]["config"]["sampler"]["lr"] == step
+    # A fixed step, even the same number, is another setting than "auto".
+    with pytest.raises(OutputPathMismatchError, match="lr_auto"):
+        sample(model, ids, {"train": ids}, lr=step, output_path=tmp_path / "s", **SETTINGS)
+
+
+def test_susceptibilities_calibrate_once_for_every_restriction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gradsketch.slt import create_param_masks
+
+    model, ids = tiny_gpt2(), token_data(64)
+    calls = _count_calls(monkeypatch)
+    susceptibilities(
+        model,
+        ids,
+        {"train": ids, "probe": ids.flip(1)},
+        {"full": None, "l0": create_param_masks(model, "l0")},
+        sampling_task="train",
+        lr="auto",
+        output_path=tmp_path / "s.zarr",
+        **SETTINGS,
+    )
+    assert len(calls) == 1
+    steps = {
+        sample_module._open_tree(tmp_path / f"s_{name}.zarr").attrs["metadata"]["config"][
+            "sampler"
+        ]["lr"]
+        for name in ("full", "l0")
+    }
+    assert len(steps) == 1
+
+
+@pytest.mark.parametrize("bad", ["fast", "", "AUTO "])
+def test_other_strings_are_refused(bad: str) -> None:
+    ids = token_data(32)
+    with pytest.raises(ValueError, match="`lr` must be a positive float or 'auto'"):
+        sample(tiny_gpt2(), ids, {"train": ids}, lr=bad, **SETTINGS)

@@ -597,7 +597,7 @@ def _lm_log_likelihood(model: nn.Module, batch) -> torch.Tensor:
 
 
 def run_lm_bif(models, train_ids, query_ids, s: Any, tmp: str, **kwargs: Any) -> np.ndarray:
-    from gradsketch.attribution import bayesian_influence
+    from gradsketch.slt import bayesian_influence
 
     scores = bayesian_influence(
         models[0],
@@ -712,6 +712,22 @@ def gpt2_methods(c: int) -> dict[str, tuple[Any, slice, dict[str, Any]]]:
     }
 
 
+def lm_pass_floor(models, train_ids, query_ids, batch_size: int = 64) -> float:
+    """Seconds of one forward and backward of every training and query chunk per checkpoint.
+
+    The least any gradient-based method here does (Kronfluence's and
+    gradsketch's alike); no scores, so no LDS.
+    """
+    start = time.perf_counter()
+    for model in models:
+        work = copy.deepcopy(model)
+        for ids in (train_ids, query_ids):
+            for first in range(0, int(ids.shape[0]), batch_size):
+                work.zero_grad(set_to_none=True)
+                _lm_loss(work, (ids[first : first + batch_size],)).sum().backward()
+    return time.perf_counter() - start
+
+
 def gpt2_protocol(args: argparse.Namespace) -> None:
     """HF GPT-2 on standard-library chunks: LDS and fit+score time of every method."""
     from bench_lm import _split
@@ -735,6 +751,15 @@ def gpt2_protocol(args: argparse.Namespace) -> None:
     )
     models = [train_lm(train_ids, s, seed=s.seed + 1 + c)[0] for c in range(args.checkpoints)]
     only = [m.strip() for m in args.only.split(",") if m.strip()]
+    emit(
+        {
+            "bench": "influence_gpt2",
+            "method": "floor: forward + backward of every chunk",
+            "checkpoints": len(models),
+            "seconds": lm_pass_floor(models, train_ids, query_ids),
+            "loadavg_1min": os.getloadavg()[0],
+        }
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name, (fn, used, kwargs) in gpt2_methods(len(models)).items():
             if only and not any(o in name for o in only):

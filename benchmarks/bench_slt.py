@@ -18,7 +18,7 @@ median wall and CPU seconds of each (this process and its worker processes),
 their ratios (devinterp / gradsketch), both estimates, threads, cores and
 the CPU model.
 
-Run: ``.venv/bin/python benchmarks/bench_slt.py [--repeats 3] [--draws 20]
+Run: ``.venv/bin/python benchmarks/bench_slt.py [--repeats 3] [--draws 100]
 [--chains 2] [--chunks 512] [--threads 2] [--cores 2] [--workers cold]
 [--tasks llc bif susceptibilities]``.
 """
@@ -69,6 +69,24 @@ def cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def train_briefly(model: torch.nn.Module, ids: torch.Tensor, epochs: int, seed: int = 0) -> None:
+    """A few AdamW epochs on ``ids`` so the chains start near a minimum, as the LLC assumes."""
+    from torch.nn import functional as F
+
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(ids.shape[0], generator=gen)
+        for first in range(0, ids.shape[0], 32):
+            batch = ids[order[first : first + 32]]
+            logits = model(batch).logits[:, :-1]
+            loss = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
     wall, cpu = time.perf_counter(), cpu_seconds()
     out = fn()
@@ -79,7 +97,7 @@ def main() -> None:
     """Parse the options, run every task in turn for both libraries, print JSON lines."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--draws", type=int, default=20)
+    parser.add_argument("--draws", type=int, default=100)
     parser.add_argument("--chains", type=int, default=2)
     parser.add_argument("--chunks", type=int, default=512)
     parser.add_argument("--seq", type=int, default=65)
@@ -87,6 +105,12 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=2, help="gradsketch's cores= (chains at once)")
     parser.add_argument("--workers", choices=["cold", "kept"], default="cold")
     parser.add_argument("--tasks", nargs="+", default=["llc", "bif", "susceptibilities"])
+    parser.add_argument(
+        "--train-epochs",
+        type=int,
+        default=3,
+        help="AdamW epochs on the chunks before sampling (0: the untrained model)",
+    )
     args = parser.parse_args()
     setup_torch(args.threads)
     warnings.filterwarnings("ignore")
@@ -105,6 +129,7 @@ def main() -> None:
     probe = Dataset.from_dict({"input_ids": ids[: max(96, args.chunks // 8)].flip(1).tolist()})
     probe = probe.with_format("torch")
     model = tiny_gpt2()
+    train_briefly(model, ids, args.train_epochs)
     common: dict[str, Any] = dict(
         lr=1e-4,
         n_beta=30.0,
@@ -146,6 +171,13 @@ def main() -> None:
         wrs = {"full": None, "l0h0": head}
         return lambda: fn(model, train, obs, wrs, sampling_task="train", **kw)
 
+    def spread(task: str, result: Any) -> float | None:
+        """Standard error of the mean over chains (llc only)."""
+        if task != "llc":
+            return None
+        per_chain = np.asarray(result["llc_per_chain"].values, dtype=float)
+        return float(per_chain.std(ddof=1) / np.sqrt(per_chain.size))
+
     def estimate(task: str, result: Any) -> float:
         if task == "llc":
             return float(result["llc_mean"])
@@ -157,6 +189,7 @@ def main() -> None:
     for task in args.tasks:
         times: dict[str, list[tuple[float, float]]] = {"gradsketch": [], "devinterp": []}
         estimates: dict[str, list[float]] = {"gradsketch": [], "devinterp": []}
+        sems: dict[str, list[float | None]] = {"gradsketch": [], "devinterp": []}
         for _ in range(args.repeats):
             for lib in ("devinterp", "gradsketch"):
                 tmp = Path(tempfile.mkdtemp())
@@ -166,6 +199,7 @@ def main() -> None:
                     shutil.rmtree(tmp, ignore_errors=True)
                 times[lib].append((wall, cpu))
                 estimates[lib].append(estimate(task, result))
+                sems[lib].append(spread(task, result))
         med = {
             lib: (
                 statistics.median(t[0] for t in v),
@@ -185,6 +219,9 @@ def main() -> None:
                 "cpu_speedup": med["devinterp"][1] / med["gradsketch"][1],
                 "estimate_gradsketch": statistics.median(estimates["gradsketch"]),
                 "estimate_devinterp": statistics.median(estimates["devinterp"]),
+                # Last repeat: (gradsketch - devinterp) / sqrt(sem_g^2 + sem_d^2) over chains.
+                "z": _z(estimates, sems),
+                "train_epochs": args.train_epochs,
                 "repeats": args.repeats,
                 "threads": args.threads,
                 "gradsketch_cores": args.cores,
@@ -198,6 +235,14 @@ def main() -> None:
                 **info,
             }
         )
+
+
+def _z(estimates: dict[str, list[float]], sems: dict[str, list[float | None]]) -> float | None:
+    sg, sd = sems["gradsketch"][-1], sems["devinterp"][-1]
+    if sg is None or sd is None or not (sg > 0 or sd > 0):
+        return None
+    diff = estimates["gradsketch"][-1] - estimates["devinterp"][-1]
+    return float(diff / np.hypot(sg, sd))
 
 
 if __name__ == "__main__":

@@ -697,9 +697,10 @@ def _auto_lr(
                 stored = dict(zarr.open_group(str(path), mode="r").attrs).get(SETTINGS_ATTR)
             except Exception:  # not a store: sample() refuses it with the full message
                 stored = None
-            if isinstance(stored, Mapping) and stored.get("lr_auto") and "lr" in stored:
-                logger.info("sample(lr='auto'): keeping the stored step %g", stored["lr"])
-                return float(stored["lr"])
+            step = stored.get("lr") if isinstance(stored, Mapping) else None
+            if isinstance(stored, Mapping) and stored.get("lr_auto") and isinstance(step, float):
+                logger.info("sample(lr='auto'): keeping the stored step %g", step)
+                return step
     from torch.utils.data import DataLoader, TensorDataset
 
     from gradsketch.sampling import calibrated_lr

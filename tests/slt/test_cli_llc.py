@@ -81,3 +81,29 @@ def test_gradsketch_llc_command_takes_a_model_directory(model_dir: Path, tmp_pat
     assert f'"llc_mean": {summary["llc_mean"]}' in result.output
     missing = CliRunner().invoke(app, ["llc", str(model_dir), "--out", str(tmp_path / "p")])
     assert missing.exit_code != 0 and "--dataset" in missing.output
+
+
+def test_gradsketch_llc_lr_auto_records_the_calibrated_step(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`--lr auto` calibrates (gradsketch.slt.sample's lr="auto"); other words are refused."""
+    from typer.testing import CliRunner
+
+    from gradsketch.cli._app import app
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("import os\nprint(os.getcwd())\n" * 40)
+    base = ["llc", str(model_dir), "--dataset", str(text), "--context-length", "16"]
+    small = ["--num-chains", "1", "--num-draws", "2", "--batch-size", "4", "--no-verbose"]
+    out = tmp_path / "o"
+    result = CliRunner().invoke(app, [*base, *small, "--lr", "auto", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "llc_summary.json").read_text())
+    assert summary["lr"] > 0 and summary["lr"] != 1e-4
+    # Two significant digits, as recorded by sample().
+    assert summary["lr"] == float(f"{summary['lr']:.2g}")
+    for bad in ("fast", "0", "-1e-4"):
+        refused = CliRunner().invoke(
+            app, [*base, *small, "--lr", bad, "--out", str(tmp_path / "p")]
+        )
+        assert refused.exit_code != 0 and "--lr" in refused.output

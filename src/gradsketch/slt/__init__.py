@@ -16,6 +16,7 @@ objects, so the same restriction also restricts sketches and attribution.
 Needs the ``hf`` extra (transformers, datasets, xarray).
 """
 
+from gradsketch._processes import shutdown_workers
 from gradsketch.slt._bif_draws import (
     LossDraws,
     bayesian_influence,
@@ -52,6 +53,7 @@ from gradsketch.slt._sample import (
 __all__ = [
     # sampling
     "sample",
+    "shutdown_workers",
     "SamplerSettings",
     "SAMPLING_METHODS",
     "OutputPathMismatchError",

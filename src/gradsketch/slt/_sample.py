@@ -503,8 +503,8 @@ def sample(
             ``loss_fn`` must then be a module-level function), and each
             worker imports torch first (a few seconds), so it pays on long
             chains; the workers are kept for the next call with the same
-            ``cores`` and thread count (``gradsketch._processes.
-            shutdown_workers()`` ends them). Scripts using it need the
+            ``cores`` and thread count (:func:`~gradsketch.slt.shutdown_workers`
+            ends them). Scripts using it need the
             ``if __name__ == "__main__":`` guard of ``spawn``.
 
     Returns:

@@ -127,7 +127,7 @@ class LMDemoSettings:
     weight_decay: float = 0.01
     num_checkpoints: int = 4
     proj_dim: int = 512
-    lambda_reg: float | str = 0.0
+    lambda_reg: float | str = "auto"
     lds_models: int = 30
     top_k: int = 3
     report_queries: int = 8

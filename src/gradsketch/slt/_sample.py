@@ -524,19 +524,8 @@ def sample(
         (('chain', 'draw', 'batch_probe', 'token_pos'), (2, 3, 8, 8))
     """
     lr_auto = isinstance(lr, str)
-    if isinstance(lr, str):
-        lr = _auto_lr(
-            lr,
-            model,
-            dataset,
-            loss_fn=loss_fn,
-            n_beta=n_beta,
-            localization=localization,
-            batch_size=batch_size,
-            init_seed=init_seed,
-            output_path=output_path,
-            device=device,
-        )
+    if lr_auto and lr != "auto":
+        raise ValueError(f"`lr` must be a positive float or 'auto', got {lr!r}.")
     kwargs = dict(sampling_method_kwargs or {})
     for short, value in (("eps", rmsprop_eps), ("alpha", rmsprop_alpha)):
         if value is None:
@@ -552,7 +541,7 @@ def sample(
             )
         kwargs[short] = value
     settings = SamplerSettings(
-        lr=lr,
+        lr=1.0 if isinstance(lr, str) else lr,  # "auto": calibrated below, once all is checked
         n_beta=n_beta,
         batch_size=batch_size,
         num_chains=num_chains,
@@ -619,19 +608,35 @@ def sample(
                 f"`loss_fn`={loss_fn!r} cannot be sent to worker processes (cores={cores}): "
                 f"{exc}; define it as a module-level function or pass cores=1."
             ) from exc
+    model_digest, data_digest = _model_digest(model), token_digest(data)
+    loss_name = getattr(loss, "__qualname__", repr(loss))
+    if lr_auto:
+        # Last, so that no argument error comes after the pilots' cost.
+        settings = dataclasses.replace(
+            settings,
+            lr=_auto_lr(
+                model,
+                data,
+                loss,
+                key=(model_digest, data_digest, loss_name),
+                settings=settings,
+                output_path=output_path,
+                device=device,
+            ),
+        )
     record = {
         "format": _FORMAT,
         **settings.metadata(),
         "context_length": context_length,
-        "dataset": token_digest(data),
+        "dataset": data_digest,
         "observables": [
             {"obs_id": o.obs_id, "batches_per_draw": o.batches_per_draw, "data": o.digest}
             for o in obs_list
         ],
         "obs_seed": obs_seed,
-        "model": _model_digest(model),
+        "model": model_digest,
         "param_masks": mask.fingerprint,
-        "loss_fn": getattr(loss, "__qualname__", repr(loss)),
+        "loss_fn": loss_name,
         "sketch_dim": sketch_dim,
         **({"lr_auto": True} if lr_auto else {}),
     }
@@ -675,21 +680,19 @@ _AUTO_LR: dict[tuple[Any, ...], float] = {}
 
 
 def _auto_lr(
-    lr: str,
     model: nn.Module,
-    dataset: Any,
+    data: torch.Tensor,
+    loss: LossFn,
     *,
-    loss_fn: LossFn | None,
-    n_beta: float,
-    localization: float,
-    batch_size: int,
-    init_seed: int,
+    key: tuple[str, str, str],
+    settings: SamplerSettings,
     output_path: str | Path | None,
     device: str | torch.device | None,
 ) -> float:
-    """The step of ``lr="auto"`` (see :func:`sample`)."""
-    if lr != "auto":
-        raise ValueError(f"`lr` must be a positive float or 'auto', got {lr!r}.")
+    """The step of ``lr="auto"`` (see :func:`sample`) for the validated ``settings``.
+
+    ``key``: the digests of the model and data and the loss's name, as in the record.
+    """
     if output_path is not None:
         path = Path(output_path)
         if path.is_dir() and any(path.iterdir()):
@@ -705,39 +708,35 @@ def _auto_lr(
 
     from gradsketch.sampling import calibrated_lr
 
-    ids = as_token_tensor(dataset)
-    loss = loss_fn if loss_fn is not None else per_token_loss
-    key = (
-        _model_digest(model),
-        token_digest(ids),
-        getattr(loss, "__qualname__", repr(loss)),
-        float(n_beta),
-        float(localization),
-        batch_size,
-        init_seed,
+    cache_key = (
+        *key,
+        settings.n_beta,
+        settings.localization,
+        settings.batch_size,
+        settings.init_seed,
     )
-    if key in _AUTO_LR:  # e.g. susceptibilities' restrictions: one calibration for all
-        return _AUTO_LR[key]
+    if cache_key in _AUTO_LR:  # e.g. susceptibilities' restrictions: one calibration for all
+        return _AUTO_LR[cache_key]
     pilot_model = copy.deepcopy(model).train()
     loader = DataLoader(
-        TensorDataset(ids),
-        batch_size=batch_size,
+        TensorDataset(data),
+        batch_size=settings.batch_size,
         shuffle=True,
         drop_last=True,
-        generator=torch.Generator().manual_seed(init_seed),
+        generator=torch.Generator().manual_seed(settings.init_seed),
     )
     step = calibrated_lr(
         pilot_model,
         loader,
         lambda m, batch: loss(m, batch[0]).mean(),
-        nbeta=float(n_beta),
-        localization=float(localization),
-        seed=init_seed,
+        nbeta=settings.n_beta,
+        localization=settings.localization,
+        seed=settings.init_seed,
         device=device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"),
     )
     step = float(f"{step:.2g}")
     logger.info("sample(lr='auto'): calibrated step %g", step)
-    _AUTO_LR[key] = step
+    _AUTO_LR[cache_key] = step
     return step
 
 

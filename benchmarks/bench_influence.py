@@ -113,6 +113,24 @@ def ground_truth(x, y, xt, yt, lds_models: int):
 
 
 # -- gradsketch ------------------------------------------------------------------------
+def featurize_and_score(attributor: Any, checkpoints, x, y, xt, yt) -> np.ndarray:
+    """TRAKer's flow on the protocol (TRAKer and InfluenceComputer alike): every
+    checkpoint featurized in batches of 250, then the targets scored on each."""
+    batch = 250
+    for model_id, ckpt in enumerate(checkpoints):
+        attributor.load_checkpoint(ckpt, model_id=model_id)
+        for start in range(0, N_TRAIN, batch):
+            attributor.featurize(
+                (x[start : start + batch], y[start : start + batch]),
+                num_samples=min(batch, N_TRAIN - start),
+            )
+    attributor.finalize_features()
+    for model_id, ckpt in enumerate(checkpoints):
+        attributor.start_scoring_checkpoint("lds", ckpt, model_id=model_id, num_targets=N_TARGETS)
+        attributor.score((xt, yt), num_samples=N_TARGETS)
+    return np.asarray(attributor.finalize_scores("lds"))
+
+
 def run_traker(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
     from gradsketch.attribution import TRAKer
 
@@ -128,19 +146,7 @@ def run_traker(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray
         progress=False,
         **kwargs,
     )
-    batch = 250
-    for model_id, ckpt in enumerate(checkpoints):
-        traker.load_checkpoint(ckpt, model_id=model_id)
-        for start in range(0, N_TRAIN, batch):
-            traker.featurize(
-                (x[start : start + batch], y[start : start + batch]),
-                num_samples=min(batch, N_TRAIN - start),
-            )
-    traker.finalize_features()
-    for model_id, ckpt in enumerate(checkpoints):
-        traker.start_scoring_checkpoint("lds", ckpt, model_id=model_id, num_targets=N_TARGETS)
-        traker.score((xt, yt), num_samples=N_TARGETS)
-    return np.asarray(traker.finalize_scores("lds"))
+    return featurize_and_score(traker, checkpoints, x, y, xt, yt)
 
 
 def run_influence(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
@@ -154,19 +160,7 @@ def run_influence(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndar
         progress=False,
         **kwargs,
     )
-    batch = 250
-    for model_id, ckpt in enumerate(checkpoints):
-        ic.load_checkpoint(ckpt, model_id=model_id)
-        for start in range(0, N_TRAIN, batch):
-            ic.featurize(
-                (x[start : start + batch], y[start : start + batch]),
-                num_samples=min(batch, N_TRAIN - start),
-            )
-    ic.finalize_features()
-    for model_id, ckpt in enumerate(checkpoints):
-        ic.start_scoring_checkpoint("lds", ckpt, model_id=model_id, num_targets=N_TARGETS)
-        ic.score((xt, yt), num_samples=N_TARGETS)
-    return ic.finalize_scores("lds")
+    return featurize_and_score(ic, checkpoints, x, y, xt, yt)
 
 
 def _ce(model: nn.Module, batch) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Independent jobs (SGMCMC chains) in spawned worker processes, or in this one.
+"""Independent jobs (SGMCMC chains) in spawned worker processes, in threads, or one by one.
 
 (Threads within one operation: :mod:`gradsketch._parallel`.)
 
@@ -12,6 +12,13 @@ Both chain runners, :func:`gradsketch.sampling.estimate_learning_coeff` and
   ``max(1, torch.get_num_threads() // k)`` threads (see
   :func:`worker_threads`), so the workers together use the threads the
   caller had.
+* ``cores=k > 1, backend="threads"``: ``k`` threads of this process, for
+  jobs that share no mutable state and draw no randomness from torch's
+  global generators (the caller checks; :func:`gradsketch.slt.sample` does).
+  They start at once and need no pickling; torch runs each job's operations
+  on :func:`worker_threads` threads (call inside :func:`threads_for`) and
+  releases the GIL inside them, so small models' chains scale with cores
+  better than one chain on several intra-op threads does.
 
 Starting a worker costs seconds (it imports torch, transformers, gradsketch),
 often more than a short chain, so the workers are kept for the next call
@@ -41,7 +48,7 @@ import itertools
 import pickle
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from typing import Any, TypeVar
 
 import torch
@@ -50,6 +57,7 @@ import torch.multiprocessing as torch_mp
 from gradsketch._checks import positive_int
 
 __all__ = [
+    "BACKENDS",
     "check_cores",
     "run_jobs",
     "shutdown_workers",
@@ -57,6 +65,9 @@ __all__ = [
     "threads_for",
     "worker_threads",
 ]
+
+#: Where ``run_jobs`` runs jobs when ``cores > 1``.
+BACKENDS = ("processes", "threads")
 
 JobT = TypeVar("JobT")
 SharedT = TypeVar("SharedT")
@@ -190,6 +201,20 @@ def shutdown_workers() -> None:
             _POOL = None
 
 
+def _run_in_threads(
+    fn: Callable[[SharedT, JobT], ResultT], jobs: Sequence[JobT], *, cores: int, shared: SharedT
+) -> Iterator[ResultT]:
+    # A fresh pool per call: each new thread takes torch's current thread count.
+    with ThreadPoolExecutor(max_workers=cores, thread_name_prefix="gradsketch-job") as pool:
+        futures = [pool.submit(fn, shared, job) for job in jobs]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
 def _square(shared: int, job: int) -> int:
     return shared + job * job
 
@@ -201,21 +226,29 @@ def run_jobs(
     cores: int,
     shared: SharedT,
     threads: int | None = None,
+    backend: str = "processes",
 ) -> Iterator[ResultT]:
     """Yield ``fn(shared, job)`` for every job, as each finishes.
 
     Args:
         fn: A module-level function (workers import it by name).
         jobs: Picklable jobs (with ``cores > 1``).
-        cores: Worker processes; 1 runs the jobs in this process.
+        cores: Jobs at once; 1 runs them here, one after the other.
         shared: State every job reads (the model, the data), sent to each
             worker once.
-        threads: Torch threads of each worker; default :func:`worker_threads`.
+        threads: Torch threads of each worker process; default
+            :func:`worker_threads` (threads use the caller's count).
+        backend: ``"processes"`` or ``"threads"`` (module docstring).
     """
     cores = check_cores(cores)
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
     if cores == 1 or len(jobs) <= 1:
         for job in jobs:
             yield fn(shared, job)
+        return
+    if backend == "threads":
+        yield from _run_in_threads(fn, jobs, cores=cores, shared=shared)
         return
     payload = pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL)
     call = next(_CALL_IDS)

@@ -93,3 +93,14 @@ def loss_on_two_threads(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tens
     threads = torch.get_num_threads()
     assert threads == 2, f"the loss ran on {threads} torch threads, not 2"
     return per_token_loss(model, ids)
+
+
+def loss_on_two_threads_with_global_dropout(
+    model: torch.nn.Module, ids: torch.Tensor
+) -> torch.Tensor:
+    """:func:`loss_on_two_threads` through torch's functional dropout (its global generator).
+
+    Chains whose loss draws from torch's global generator cannot share a
+    process, so ``sample(cores=k)`` runs them in worker processes.
+    """
+    return torch.nn.functional.dropout(loss_on_two_threads(model, ids), p=0.1, training=True)

@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _slt_helpers import SEQ, loss_on_two_threads, reference_token_loss, tiny_gpt2, token_data
+from _slt_helpers import (
+    SEQ,
+    loss_on_two_threads,
+    loss_on_two_threads_with_global_dropout,
+    reference_token_loss,
+    tiny_gpt2,
+    token_data,
+)
 from torch.utils.data import DataLoader
 
 from gradsketch._processes import worker_threads
@@ -345,9 +352,16 @@ def test_a_diverging_chain_warns_and_keeps_nan(tmp_path: Path, data: torch.Tenso
         ({"cores": 0}, ValueError, r"`cores` must be a positive integer, got 0; pass the number"),
         ({"cores": 2.0}, ValueError, r"`cores` must be a positive integer, got 2.0 of type float"),
         (
-            {"cores": 2, "loss_fn": lambda model, ids: per_token_loss(model, ids)},
+            # A lambda drawing from the global generator: chains need worker processes.
+            {
+                "cores": 2,
+                "loss_fn": lambda model, ids: torch.nn.functional.dropout(
+                    per_token_loss(model, ids), 0.1
+                ),
+            },
             ValueError,
-            r"`loss_fn`=.* cannot be sent to worker processes \(cores=2\).*module-level",
+            r"`loss_fn`=.* cannot be sent to worker processes \(cores=2; its forward pass "
+            r"draws from torch's global generator.*module-level",
         ),
         ({"lr": -1.0}, ValueError, r"`lr` must be a non-negative number"),
         ({"batches_per_draw": 9}, ValueError, r"has 32 sequences but needs batch_size"),
@@ -397,11 +411,11 @@ def test_data_errors(tmp_path: Path, data: torch.Tensor) -> None:
 
 
 def test_noise_stream_is_not_the_dropout_stream() -> None:
-    """The global generator (dropout) is seeded init_seed + chain, as in devinterp; the
-    noise generator must not replay it (a shared stream correlated noise and dropout
-    masks and biased the LLC upwards). Two independent streams of 1000 normals have a
-    sample correlation with sd 1/sqrt(1000) ~ 0.032, so 0.15 is ~4.7 sd; the same
-    stream would give 1."""
+    """The dropout generator (and the global one) is seeded init_seed + chain, as devinterp
+    seeds its global generator; the noise generator must not replay it (a shared stream
+    correlated noise and dropout masks and biased the LLC upwards). Two independent streams
+    of 1000 normals have a sample correlation with sd 1/sqrt(1000) ~ 0.032, so 0.15 is
+    ~4.7 sd; the same stream would give 1."""
     for chain in range(4):
         seed = sample_module._noise_seed(100, chain)
         assert seed not in {100 + c for c in range(8)}
@@ -411,21 +425,44 @@ def test_noise_stream_is_not_the_dropout_stream() -> None:
     assert len({sample_module._noise_seed(100, c) for c in range(64)}) == 64
 
 
+@pytest.mark.parametrize(
+    ("loss_fn", "backend"),
+    [
+        (loss_on_two_threads, "threads"),
+        (loss_on_two_threads_with_global_dropout, "processes"),
+    ],
+    ids=["threads", "processes"],
+)
 def test_cores_give_the_bits_of_one_core_and_share_its_store(
-    tmp_path: Path, data: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    data: torch.Tensor,
+    monkeypatch: pytest.MonkeyPatch,
+    loss_fn: Any,
+    backend: str,
 ) -> None:
-    """cores=2 on 4 threads: chains in two spawned workers on 4 // 2 = 2 threads each.
+    """cores=2 on 4 threads: two chains at once on 4 // 2 = 2 threads each.
 
-    ``loss_on_two_threads`` fails anywhere else (the workers, and this
-    process while it computes ``init_loss``). Every array equals the cores=1
-    store's bit for bit when cores=1 runs on those 2 threads too (CPU kernels
-    may split reductions by thread count). Dropout is on, so the workers'
-    global generators are seeded per chain as in-process. ``cores`` is no
-    setting: the cores=1 store is reused as it is.
+    In threads of this process when nothing the chains run draws from
+    torch's global generator (the model's dropout is then the working
+    copy's, seeded per chain), else in two spawned workers (a loss through
+    torch's functional dropout). ``loss_on_two_threads`` fails on any other
+    thread count (the chains, and this process while it computes
+    ``init_loss``). Every array equals the cores=1 store's bit for bit when
+    cores=1 runs on those 2 threads too (CPU kernels may split reductions by
+    thread count). ``cores`` is no setting: the cores=1 store is reused as
+    it is.
     """
-    kw = {**BASE, "num_chains": 3, "save_metrics": True, "loss_fn": loss_on_two_threads}
+    kw = {**BASE, "num_chains": 3, "save_metrics": True, "loss_fn": loss_fn}
     obs = {"d": data}
     model = tiny_gpt2(dropout=0.1)
+    backends: list[str] = []
+    real_run_jobs = sample_module.run_jobs
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        backends.append(kwargs["backend"])
+        return real_run_jobs(*args, **kwargs)
+
+    monkeypatch.setattr(sample_module, "run_jobs", spy)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -435,6 +472,7 @@ def test_cores_give_the_bits_of_one_core_and_share_its_store(
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
+    assert backends == ["processes", backend]  # cores=1 runs them here (the default name)
     assert set(one.data_vars) == set(two.data_vars)
     assert one.attrs == two.attrs
     for var in one.data_vars:

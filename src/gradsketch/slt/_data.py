@@ -101,7 +101,10 @@ def per_token_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of every position: ``[batch, seq - 1]``.
 
     ``loss[b, t] = -log softmax(logits[b, t])[input_ids[b, t + 1]]``, computed
-    by one fused ``cross_entropy`` (no ``[batch, seq, vocab]`` log-softmax).
+    by one fused ``cross_entropy`` over every position (the last one's target
+    ignored), so that neither the forward pass copies the logits without
+    their last position nor the backward pass scatters into zeros of their
+    size.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 5))
@@ -110,11 +113,10 @@ def per_token_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """
     logits = _logits(model, input_ids)
     b, s, v = logits.shape
-    return F.cross_entropy(
-        logits[:, :-1].reshape(b * (s - 1), v),
-        input_ids[:, 1:].reshape(-1),
-        reduction="none",
-    ).view(b, s - 1)
+    targets = torch.full_like(input_ids, -100)  # cross_entropy's ignore_index
+    targets[:, :-1] = input_ids[:, 1:]
+    loss = F.cross_entropy(logits.reshape(b * s, v), targets.view(-1), reduction="none")
+    return loss.view(b, s)[:, :-1]
 
 
 def obs_id(task_name: str) -> str:

@@ -392,7 +392,7 @@ def llc(
 ) -> Any:
     """Sample (:func:`~gradsketch.slt.sample`, same keywords) and return :func:`compute_llc`.
 
-    ``cores > 1`` samples that many chains at once in worker processes
+    ``cores > 1`` samples that many chains at once
     (:func:`~gradsketch.slt.sample`'s ``cores``).
     """
     samples = sample(
@@ -429,7 +429,7 @@ def bif(
 ) -> Any:
     """Sample (:func:`~gradsketch.slt.sample`, same keywords) and return :func:`compute_bif`.
 
-    ``cores > 1`` samples that many chains at once in worker processes
+    ``cores > 1`` samples that many chains at once
     (:func:`~gradsketch.slt.sample`'s ``cores``).
     """
     samples = sample(
@@ -473,8 +473,8 @@ def susceptibilities(
     ``weight_restrictions`` maps names to masks (None: every weight) and
     must include ``"full"``. With ``output_path="x/s.zarr"`` restriction
     ``w`` is stored at ``x/s_w.zarr``. ``cores > 1`` samples that many
-    chains of each restriction at once in worker processes
-    (:func:`~gradsketch.slt.sample`'s ``cores``).
+    chains of each restriction at once (:func:`~gradsketch.slt.sample`'s
+    ``cores``).
     """
     if "full" not in weight_restrictions:
         raise ValueError(

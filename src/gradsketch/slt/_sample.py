@@ -24,10 +24,17 @@ same batches; and each finished chain is written by a background thread while
 the next one samples (data first, then the chain's done flag, as
 :mod:`gradsketch._store` does).
 
+Every chain runs on a working copy of the model
+(:mod:`gradsketch.slt._train_forward`): the same train-mode function with
+dropout masks from the chain's own generator and faster CPU kernels for
+dropout, attention with dropout and GELU.
+
 With ``cores=k > 1`` (devinterp 2.0 has no such option; devinterp 1.x
-called it ``cores``) ``k`` chains sample at once in worker processes
-(:mod:`gradsketch._processes`); each finished chain comes back to this
-process, which alone writes the store, in the same order (data, then flag).
+called it ``cores``) ``k`` chains sample at once
+(:mod:`gradsketch._processes`): in threads of this process when nothing a
+chain runs draws from torch's global generator (checked on one forward
+pass), else in worker processes; each finished chain comes back to this
+thread, which alone writes the store, in the same order (data, then flag).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import inspect
 import logging
 import pickle
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -64,6 +72,7 @@ from gradsketch.slt._data import (
     token_digest,
 )
 from gradsketch.slt._restrictions import to_param_mask
+from gradsketch.slt._train_forward import dropout_stream, train_copy, uses_global_generator
 
 logger = logging.getLogger(__name__)
 
@@ -437,9 +446,11 @@ def sample(
     """Run SGMCMC chains from ``model``'s weights; record per-token losses of every observable.
 
     Call-compatible with ``devinterp.slt.sampling.sample`` (2.0.1): same
-    arguments, same store layout (see the module docstring). Chain ``c``
-    seeds torch's global generator (dropout: the model runs in train mode,
-    as in devinterp) and its noise generator from ``init_seed + c``; with
+    arguments, same store layout (see the module docstring). The model runs
+    in train mode, as in devinterp; chain ``c`` draws its dropout masks and
+    initial noise from a generator seeded ``init_seed + c`` (as devinterp
+    seeds torch's global generator, which is seeded so too, for models that
+    draw from it) and its SGLD noise from a second one; with
     ``match_sampling_input_ids_across_chains`` every chain sees the batches
     of devinterp's DataLoader seeded with ``init_seed``.
 
@@ -493,19 +504,23 @@ def sample(
             default next-token cross-entropy.
         sketch_dim: Also record count sketches of size ``k`` of every update
             component per step (gradsketch only).
-        cores: Chains sampled at once, each in a worker process started with
-            ``spawn`` and running torch on ``max(1, torch.get_num_threads() //
-            cores)`` threads (gradsketch only; devinterp 1.x's name). The
-            stores are bit for bit those of ``cores=1`` run on that many
-            threads, and ``cores`` is not part of the settings: a store
-            written with one value is reused or resumed with another. The
-            model, data and ``loss_fn`` are pickled to the workers (a
-            ``loss_fn`` must then be a module-level function), and each
-            worker imports torch first (a few seconds), so it pays on long
-            chains; the workers are kept for the next call with the same
+        cores: Chains sampled at once, each running torch on ``max(1,
+            torch.get_num_threads() // cores)`` threads (gradsketch only;
+            devinterp 1.x's name). On CPU, when one train-mode forward pass
+            of ``loss_fn`` draws nothing from torch's global generator (the
+            working copy's dropout draws from each chain's own; a model
+            calling ``torch.nn.functional.dropout`` itself does), the chains
+            run in threads of this process: they start at once. Otherwise
+            each runs in a worker process started with ``spawn``: the model,
+            data and ``loss_fn`` are pickled to it (a ``loss_fn`` must then
+            be a module-level function), it imports torch first (a few
+            seconds), the workers are kept for the next call with the same
             ``cores`` and thread count (:func:`~gradsketch.slt.shutdown_workers`
-            ends them). Scripts using it need the
-            ``if __name__ == "__main__":`` guard of ``spawn``.
+            ends them), and scripts need the ``if __name__ == "__main__":``
+            guard of ``spawn``. Either way the stores are bit for bit those
+            of ``cores=1`` run on that many threads, and ``cores`` is not
+            part of the settings: a store written with one value is reused
+            or resumed with another.
 
     Returns:
         ``xarray.DataTree`` read lazily from the store.
@@ -600,14 +615,6 @@ def sample(
     if mask.numel == 0:
         raise ValueError("`param_masks` selects no weight; select at least one entry.")
     loss = loss_fn if loss_fn is not None else per_token_loss
-    if cores > 1 and loss_fn is not None:
-        try:
-            pickle.dumps(loss_fn)
-        except Exception as exc:
-            raise ValueError(
-                f"`loss_fn`={loss_fn!r} cannot be sent to worker processes (cores={cores}): "
-                f"{exc}; define it as a module-level function or pass cores=1."
-            ) from exc
     model_digest, data_digest = _model_digest(model), token_digest(data)
     loss_name = getattr(loss, "__qualname__", repr(loss))
     if lr_auto:
@@ -771,21 +778,45 @@ class _Run:
         self.ctx = data.shape[1] - 1
         self.n_batches = data.shape[0] // settings.batch_size
         self.cores = cores
-        # Per process (dropped when pickled to a worker): the working copy, the step counter.
-        self._work: nn.Module | None = None
+        # Chains in threads of this process (run() decides): no global seeding then.
+        self.threaded = False
+        # Per process (dropped when pickled to a worker): the working copies, the step counter.
+        self._local = threading.local()
         self._tick: Callable[[], Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_work"] = None
+        del state["_local"]
         state["_tick"] = None
+        state["threaded"] = False
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
     def work(self) -> nn.Module:
-        """The working copy of the model in this process (each chain resets its weights)."""
-        if self._work is None:
-            self._work = copy.deepcopy(self.model).to(self.device)
-        return self._work
+        """The working copy of the model in this thread (each chain resets its weights).
+
+        A :func:`~gradsketch.slt._train_forward.train_copy`: the same
+        train-mode function with faster dropout, attention and GELU kernels.
+        """
+        work = getattr(self._local, "work", None)
+        if work is None:
+            work = train_copy(self.model, self.device, loss_fn=self.loss_fn, probe=self.data[:1])
+            self._local.work = work
+        return work
+
+    def _generator(self, chain: int) -> torch.Generator:
+        """Chain ``chain``'s generator of dropout masks and initial noise (init_seed + chain).
+
+        Outside threads torch's global generator gets the same seed, for
+        models that draw from it (devinterp seeds only that one).
+        """
+        seed = self.s.init_seed + chain
+        if not self.threaded:
+            torch.manual_seed(seed)
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     # ------------------------------------------------------------------ layout
     def _layout(self, root: zarr.Group) -> None:
@@ -906,16 +937,17 @@ class _Run:
         if shared and cache:
             # Same weights, same batches: the same L(w*) (up to dropout's draws).
             return next(iter(cache.values()))
-        torch.manual_seed(s.init_seed + chain)
+        gen = self._generator(chain)
         self._reset(work)
         if s.init_noise:
             # devinterp: noise on every weight (ignoring the restriction) for L(w*).
             for p in work.parameters():
-                p.add_(torch.randn_like(p) * s.init_noise)
+                p.add_(_randn(p, gen) * s.init_noise)
         count = s.gradient_accumulation_steps * s.num_init_loss_batches
         rows = self._batch_rows(self._order(chain), 0, count)
         work.train()
-        losses = self._forward_rows(work, self.data[rows], check=True)
+        with dropout_stream(gen):
+            losses = self._forward_rows(work, self.data[rows], check=True)
         value = losses.double().mean(dim=0).float().numpy()
         cache[chain] = value
         return value
@@ -927,7 +959,7 @@ class _Run:
         work = self.work()
         failure: str | None = None
         bs, gas, ctx = s.batch_size, s.gradient_accumulation_steps, self.ctx
-        torch.manual_seed(s.init_seed + chain)
+        gen = self._generator(chain)
         self._reset(work)
         masks = [self.mask[n] for n, _ in work.named_parameters()]
         chosen: list[torch.Tensor] = []
@@ -945,7 +977,7 @@ class _Run:
         if s.init_noise:
             with torch.no_grad():
                 for param, sel in zip(chosen, per_param):
-                    noise = torch.randn_like(param) * s.init_noise
+                    noise = _randn(param, gen) * s.init_noise
                     param.add_(noise if sel is None else noise * sel)
         noise_gen = torch.Generator(device=self.device).manual_seed(_noise_seed(s.init_seed, chain))
         order = self._order(chain)
@@ -966,42 +998,43 @@ class _Run:
         work.train()
         step_fn: Any = optimizer.step
         try:
-            for step in range(steps):
-                rows = self._batch_rows(order, step * gas, gas)
-                micro_rows[step] = rows.numpy()
-                acc: torch.Tensor | None = None
-                for j in range(gas):
-                    ids = self.data[rows[j * bs : (j + 1) * bs]].to(self.device)
-                    loss = self.loss_fn(work, ids)
-                    if step == 0 and j == 0:
-                        self._check_shape(loss, bs)
-                    loss = loss.float()
-                    (loss.mean() / gas).backward()
-                    part = loss.detach() / gas
-                    acc = part if acc is None else acc + part
-                    micro_loss[step, j * bs : (j + 1) * bs] = loss.detach().cpu().numpy()
-                assert acc is not None
-                if not bool(torch.isfinite(acc).all()):
-                    raise NonFiniteLossError(
-                        f"chain {chain}: the loss is NaN or infinite at step {step}"
-                    )
-                step_fn(noise_generator=noise_gen)
-                if s.save_metrics:
-                    record = optimizer.get_metrics()
-                    metrics[step] = [float(getattr(record, f)) for f in fields]
-                if sketches is not None:
-                    buf = optimizer.get_sketches()
-                    sketches[step] = torch.stack(list(buf.as_dict().values())).numpy()
-                optimizer.zero_grad(set_to_none=True)
-                draw, since = divmod(step - s.num_burnin_steps, s.num_steps_bw_draws)
-                if draw >= 0 and since == 0:
-                    draw_loss[draw] = acc.cpu().numpy()
-                    with torch.inference_mode():
-                        values = self._forward_rows(work, obs_ids, check=False).numpy()
-                    for buf_, part_ in zip(obs_loss, np.split(values, obs_split)):
-                        buf_[draw] = part_
-                if self._tick is not None:
-                    self._tick()
+            with dropout_stream(gen):
+                for step in range(steps):
+                    rows = self._batch_rows(order, step * gas, gas)
+                    micro_rows[step] = rows.numpy()
+                    acc: torch.Tensor | None = None
+                    for j in range(gas):
+                        ids = self.data[rows[j * bs : (j + 1) * bs]].to(self.device)
+                        loss = self.loss_fn(work, ids)
+                        if step == 0 and j == 0:
+                            self._check_shape(loss, bs)
+                        loss = loss.float()
+                        (loss.mean() / gas).backward()
+                        part = loss.detach() / gas
+                        acc = part if acc is None else acc + part
+                        micro_loss[step, j * bs : (j + 1) * bs] = loss.detach().cpu().numpy()
+                    assert acc is not None
+                    if not bool(torch.isfinite(acc).all()):
+                        raise NonFiniteLossError(
+                            f"chain {chain}: the loss is NaN or infinite at step {step}"
+                        )
+                    step_fn(noise_generator=noise_gen)
+                    if s.save_metrics:
+                        record = optimizer.get_metrics()
+                        metrics[step] = [float(getattr(record, f)) for f in fields]
+                    if sketches is not None:
+                        buf = optimizer.get_sketches()
+                        sketches[step] = torch.stack(list(buf.as_dict().values())).numpy()
+                    optimizer.zero_grad(set_to_none=True)
+                    draw, since = divmod(step - s.num_burnin_steps, s.num_steps_bw_draws)
+                    if draw >= 0 and since == 0:
+                        draw_loss[draw] = acc.cpu().numpy()
+                        with torch.inference_mode():
+                            values = self._forward_rows(work, obs_ids, check=False).numpy()
+                        for buf_, part_ in zip(obs_loss, np.split(values, obs_split)):
+                            buf_[draw] = part_
+                    if self._tick is not None:
+                        self._tick()
         except NonFiniteLossError as exc:
             # As devinterp: a failed chain warns (in the caller's process) and keeps NaN.
             failure = f"Chain failed: {exc}; lower `lr` or raise `localization`."
@@ -1032,7 +1065,16 @@ class _Run:
         with threads_for(self.cores) as threads:
             done = np.asarray(_array(root, "progress/chain_done")[:], dtype=bool)
             todo = [c for c in range(s.num_chains) if not done[c]]
-            if len(todo) > 1:
+            parallel = self.cores > 1 and len(todo) > 1
+            # Chains share this process when nothing they run draws from torch's
+            # global generator (each has its own dropout stream); else processes.
+            self.threaded = (
+                parallel
+                and self.device.type == "cpu"
+                and not uses_global_generator(self.work(), self.loss_fn, self.data[:1])
+            )
+            if parallel and not self.threaded:
+                _check_picklable(self.loss_fn, self.cores)
                 start_workers(self.cores, threads=threads)  # their imports overlap init_loss
             try:
                 init_done = np.asarray(_array(root, "progress/init_done")[:], dtype=bool)
@@ -1042,12 +1084,17 @@ class _Run:
                         value = self._init_loss(self.work(), chain, cache)
                         writer.write(chain, {"init_loss": value}, "progress/init_done")
                 with tqdm(total=len(todo) * s.num_steps, desc="sampling", disable=None) as bar:
-                    in_process = self.cores == 1 or len(todo) <= 1
-                    self._tick = bar.update if in_process else None
+                    in_process = not parallel or self.threaded
+                    self._tick = _locked(bar.update) if in_process else None
                     # Chains are written as they finish (in any order), each one's
-                    # data before its done flag, all from this process.
+                    # data before its done flag, all from this thread.
                     for chain, values, failure in run_jobs(
-                        _sample_chain, todo, cores=self.cores, shared=self, threads=threads
+                        _sample_chain,
+                        todo,
+                        cores=self.cores,
+                        shared=self,
+                        threads=threads,
+                        backend="threads" if self.threaded else "processes",
                     ):
                         if failure is not None:
                             warnings.warn(failure, stacklevel=3)
@@ -1056,8 +1103,37 @@ class _Run:
                             bar.update(s.num_steps)
             finally:
                 self._tick = None
+                self.threaded = False
                 writer.close()
         root.update_attributes({"completed": 1})
+
+
+def _check_picklable(loss_fn: LossFn, cores: int) -> None:
+    """Refuse a ``loss_fn`` that worker processes cannot receive."""
+    try:
+        pickle.dumps(loss_fn)
+    except Exception as exc:
+        raise ValueError(
+            f"`loss_fn`={loss_fn!r} cannot be sent to worker processes (cores={cores}; "
+            f"its forward pass draws from torch's global generator, so chains cannot share "
+            f"this process): {exc}; define it as a module-level function or pass cores=1."
+        ) from exc
+
+
+def _randn(param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Standard normal noise shaped like ``param`` from ``gen`` (``randn_like`` takes none)."""
+    return torch.randn(param.shape, generator=gen, dtype=param.dtype, device=param.device)
+
+
+def _locked(fn: Callable[[int], Any]) -> Callable[[], None]:
+    """``fn(1)`` under a lock (progress ticks from chains running in threads)."""
+    lock = threading.Lock()
+
+    def tick() -> None:
+        with lock:
+            fn(1)
+
+    return tick
 
 
 def _sample_chain(run: _Run, chain: int) -> tuple[int, dict[str, np.ndarray], str | None]:

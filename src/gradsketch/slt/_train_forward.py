@@ -1,0 +1,320 @@
+"""The sampler's working copy of a model: the same train-mode function, faster on CPU.
+
+SGMCMC chains run the model in train mode, as devinterp does, so every
+forward pass draws dropout masks, and on CPU the train-mode forward of a
+Hugging Face model spends more time in three element-wise pieces than in its
+matrix products. :func:`train_copy` returns a deep copy (the caller's model
+is never changed) with each piece replaced by one computing the same
+function:
+
+* ``nn.Dropout`` modules become :class:`SeededDropout`: a keep mask from 16
+  random bits per element (torch's ``bernoulli_`` draws a double per
+  element). A mask keeps an element with probability ``1 - q / 65536``,
+  ``q = round(p * 65536)``, and scales kept ones by ``65536 / (65536 - q)``,
+  so the output's expectation is exactly the input; the drop probability
+  differs from ``p`` by at most ``2**-17`` (``p = 0.1``: ``0.1000061``).
+* Attention with dropout (PyTorch's fused kernels take none on CPU, so
+  ``sdpa`` falls back to its slower math path) runs :func:`attention`:
+  explicit scores, softmax, the same dropout, values; without dropout (eval
+  mode, or models whose attention dropout is 0) it is ``sdpa`` itself. It
+  is installed only on models built on transformers' attention interface
+  whose ``_attn_implementation`` is ``"sdpa"``, and only if the copy's
+  eval-mode output still equals the model's (:func:`train_copy` checks).
+* transformers' ``gelu_new`` and ``gelu_fast`` activations (five
+  element-wise ops each) become ``nn.GELU(approximate="tanh")``, the same
+  function in one kernel (transformers' own ``GELUTanh``).
+
+Every dropout mask of the copy comes from the generator installed by
+:func:`dropout_stream` in the calling thread (torch's default generator
+when none is), so a chain's masks depend on its seed only: chains may run
+in threads of one process and give the bits they give one after another
+(:func:`uses_global_generator` tells whether anything else in a model's
+forward still draws from torch's global generator). Timings:
+``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ATTENTION_NAME",
+    "SeededDropout",
+    "attention",
+    "dropout",
+    "dropout_stream",
+    "train_copy",
+    "uses_global_generator",
+]
+
+#: The name :func:`attention` is registered under in transformers' interfaces.
+ATTENTION_NAME = "gradsketch_sdpa"
+
+_BITS = 65536  # 16 random bits per element
+_STREAM = threading.local()
+_REGISTER_LOCK = threading.Lock()
+_REGISTERED = False
+
+
+@contextlib.contextmanager
+def dropout_stream(generator: torch.Generator | None) -> Iterator[None]:
+    """Draw every :func:`dropout` mask of this thread from ``generator`` inside the block.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> with dropout_stream(g):
+        ...     a = dropout(torch.ones(8), 0.5)
+        >>> with dropout_stream(torch.Generator().manual_seed(0)):
+        ...     b = dropout(torch.ones(8), 0.5)
+        >>> torch.equal(a, b)
+        True
+    """
+    before = getattr(_STREAM, "generator", None)
+    _STREAM.generator = generator
+    try:
+        yield
+    finally:
+        _STREAM.generator = before
+
+
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` with each element zeroed with probability ``q / 65536`` (``q = round(p * 65536)``).
+
+    Kept elements are scaled by ``65536 / (65536 - q)``, so ``E[dropout(x)] =
+    x`` exactly. The mask takes 16 bits of one 64-bit draw of the thread's
+    :func:`dropout_stream` generator per element and is independent of
+    ``x``'s values; gradients flow through the kept elements (with the same
+    scale), as ``torch.nn.functional.dropout``'s do.
+
+    Example:
+        >>> y = dropout(torch.ones(4, 4), 0.25)
+        >>> sorted({round(v, 4) for v in y.flatten().tolist()} - {0.0})
+        [1.3333]
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"`p` must be in [0, 1), got {p!r}; pass a dropout probability.")
+    q = round(p * _BITS)
+    if q == 0:
+        return x
+    n = x.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device)
+    # random_(-2**63, None) draws all 64 bits (random_() leaves the sign bit 0).
+    words.random_(-(2**63), None, generator=getattr(_STREAM, "generator", None))
+    bits = words.view(torch.int16)[:n].view(x.shape)
+    keep = bits >= q - _BITS // 2  # int16 in [-32768, 32767]: P(drop) = q / 65536
+    return x * keep.to(x.dtype).mul_(_BITS / (_BITS - q))
+
+
+class SeededDropout(nn.Dropout):
+    """``nn.Dropout`` drawing its masks through :func:`dropout` (same ``p``, same ``inplace``).
+
+    Example:
+        >>> layer = SeededDropout(0.1).eval()
+        >>> torch.equal(layer(torch.ones(3)), torch.ones(3))
+        True
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return input
+        return dropout(input, self.p)
+
+
+def attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``sdpa`` attention of transformers, with :func:`dropout` on the weights when training.
+
+    Arguments and masks are those of
+    ``transformers.integrations.sdpa_attention.sdpa_attention_forward``
+    (``[batch, heads, q, d]`` tensors, a boolean mask that is True where a
+    position may attend, a float mask to add, or None for causal); the
+    output is ``[batch, q, heads, d]``.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    explicit = (
+        dropout > 0.0
+        and module.training
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
+    if not explicit:
+        return sdpa_attention_forward(  # type: ignore[no-any-return]
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    return _attention_math(query, key, value, attention_mask, dropout, scaling, causal), None
+
+
+def _attention_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    p: float,
+    scaling: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    """``softmax(q k^T * scaling + mask)`` with :func:`dropout`, times ``v``: ``[b, q, h, d]``."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale)
+    q_len, k_len = query.shape[2], key.shape[2]
+    lowest = torch.finfo(scores.dtype).min
+    hidden: torch.Tensor | None = None
+    if mask is None:
+        if causal and q_len > 1:
+            # sdpa's is_causal: query i (aligned to the last keys) sees keys <= i + k - q.
+            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device)
+            scores.masked_fill_(~allowed.tril_(k_len - q_len), lowest)
+    elif mask.dtype == torch.bool:
+        mask = mask[..., :k_len]
+        scores.masked_fill_(~mask, lowest)
+        hidden = ~mask.any(dim=-1, keepdim=True)  # queries that see no key (padding)
+    else:
+        scores = scores + mask[..., :k_len]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    if hidden is not None:
+        weights = weights.masked_fill(hidden, 0.0)  # as sdpa's safe softmax: output 0
+    out = torch.matmul(dropout(weights, p), value)
+    return out.transpose(1, 2).contiguous()
+
+
+def _register() -> None:
+    """Register :func:`attention` (with ``sdpa``'s masks) under :data:`ATTENTION_NAME`, once."""
+    global _REGISTERED
+    with _REGISTER_LOCK:
+        if _REGISTERED:
+            return
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(ATTENTION_NAME, attention)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        _REGISTERED = True
+
+
+def _gelu_classes() -> tuple[type, ...]:
+    try:
+        from transformers.activations import FastGELUActivation, NewGELUActivation
+    except ImportError:  # pragma: no cover - transformers is in the hf extra
+        return ()
+    return (NewGELUActivation, FastGELUActivation)
+
+
+def _swap_modules(model: nn.Module, *, dropout_modules: bool) -> None:
+    gelus = _gelu_classes()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if gelus and type(child) in gelus:
+                setattr(parent, name, nn.GELU(approximate="tanh"))
+            elif dropout_modules and type(child) is nn.Dropout:
+                swapped = SeededDropout(child.p, inplace=child.inplace)
+                swapped.train(child.training)
+                setattr(parent, name, swapped)
+
+
+def train_copy(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    probe: torch.Tensor,
+) -> nn.Module:
+    """A deep copy of ``model`` on ``device`` with the faster train-mode pieces (module docstring).
+
+    Dropout modules are replaced on CPU only (CUDA's dropout is already one
+    fused kernel). The attention swap is kept only if ``loss_fn`` of the
+    copy and of the original agree on ``probe`` (a few token rows) in eval
+    mode, where it is transformers' own ``sdpa`` again: a model whose mask
+    code does not follow the interface keeps its attention.
+
+    Example:
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> from gradsketch.slt._data import per_token_loss
+        >>> m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+        >>> fast = train_copy(m, torch.device("cpu"), loss_fn=per_token_loss,
+        ...                   probe=torch.zeros(1, 4, dtype=torch.long))
+        >>> type(fast.transformer.drop).__name__, fast.config._attn_implementation
+        ('SeededDropout', 'gradsketch_sdpa')
+        >>> m.config._attn_implementation
+        'sdpa'
+    """
+    work = copy.deepcopy(model).to(device)
+    _swap_modules(work, dropout_modules=device.type == "cpu")
+    config: Any = getattr(work, "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        _register()
+        was_training = work.training
+        with torch.inference_mode():
+            reference = loss_fn(work.eval(), probe.to(device))
+            config._attn_implementation = ATTENTION_NAME
+            try:
+                swapped = loss_fn(work, probe.to(device))
+                same = swapped.shape == reference.shape and bool(
+                    torch.allclose(swapped, reference, rtol=1e-5, atol=1e-6)
+                )
+            except Exception:  # any failure keeps the model's own attention
+                same = False
+        if not same:
+            config._attn_implementation = "sdpa"
+        work.train(was_training)
+    return work
+
+
+def uses_global_generator(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    probe: torch.Tensor,
+) -> bool:
+    """Whether a train-mode ``loss_fn(model, probe)`` draws from torch's global CPU generator.
+
+    Chains may share a process only when it does not (their dropout then
+    comes from each chain's own :func:`dropout_stream`).
+
+    Example:
+        >>> net = nn.Sequential(nn.Embedding(4, 4), SeededDropout(0.5))
+        >>> loss = lambda m, ids: m(ids).sum(-1)[:, 1:]
+        >>> uses_global_generator(net, loss, torch.zeros(1, 3, dtype=torch.long))
+        False
+        >>> uses_global_generator(nn.Sequential(nn.Embedding(4, 4), nn.Dropout(0.5)), loss,
+        ...                       torch.zeros(1, 3, dtype=torch.long))
+        True
+    """
+    before = torch.random.get_rng_state()
+    was_training = model.training
+    try:
+        with dropout_stream(torch.Generator(device=probe.device)), torch.inference_mode():
+            loss_fn(model.train(), probe)
+        return not torch.equal(before, torch.random.get_rng_state())
+    finally:
+        torch.random.set_rng_state(before)
+        model.train(was_training)

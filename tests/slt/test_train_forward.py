@@ -1,0 +1,314 @@
+"""The sampler's working copy: seeded 16-bit dropout, explicit attention, fused GELU."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _slt_helpers import tiny_gpt2, tiny_llama, tiny_neox, token_data
+from torch import nn
+
+from gradsketch._processes import run_jobs
+from gradsketch.slt import _train_forward as tf
+from gradsketch.slt import per_token_loss
+
+CPU = torch.device("cpu")
+
+
+def _hoeffding(n: int, delta: float = 1e-6) -> float:
+    """Half-width t with P(|mean - p| >= t) <= delta for n independent Bernoulli draws.
+
+    Hoeffding: P(|p_hat - p| >= t) <= 2 exp(-2 n t^2), so t = sqrt(ln(2 / delta) / (2 n)).
+    """
+    return math.sqrt(math.log(2 / delta) / (2 * n))
+
+
+# ------------------------------------------------------------------ dropout
+def test_dropout_is_reproducible_from_its_stream_and_depends_on_it() -> None:
+    x = torch.randn(64, 33)
+    with tf.dropout_stream(torch.Generator().manual_seed(3)):
+        a = tf.dropout(x, 0.3)
+    with tf.dropout_stream(torch.Generator().manual_seed(3)):
+        b = tf.dropout(x, 0.3)
+    with tf.dropout_stream(torch.Generator().manual_seed(4)):
+        c = tf.dropout(x, 0.3)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_kept_elements_are_scaled_exactly_and_dropped_ones_are_zero() -> None:
+    """Kept: x * (65536 / (65536 - q)) in float32, bit for bit; dropped: exactly 0."""
+    x = torch.randn(10_000) + 5.0  # no zeros in x: a zero output means dropped
+    p = 0.1
+    q = round(p * 65536)
+    with tf.dropout_stream(torch.Generator().manual_seed(0)):
+        y = tf.dropout(x, p)
+    kept = y != 0
+    scale = torch.tensor(65536 / (65536 - q), dtype=torch.float32)
+    assert torch.equal(y[kept], x[kept] * scale)
+    assert 0 < int(kept.sum()) < x.numel()
+
+
+def test_drop_rate_is_q_over_65536_in_every_16_bit_lane() -> None:
+    """Each element takes one of the four 16-bit lanes of a 64-bit draw; every lane must
+    drop with probability q / 65536 (``random_()`` without bounds leaves the top lane's
+    sign bit 0, which would make lane 3 never drop). Per lane n = 250,000 draws; with
+    delta = 1e-6 Hoeffding's half-width is sqrt(ln(2e6) / 5e5) = 0.0054 (module helper)."""
+    n_lane = 250_000
+    p = 0.3
+    q = round(p * 65536)
+    with tf.dropout_stream(torch.Generator().manual_seed(1)):
+        y = tf.dropout(torch.ones(4 * n_lane), p)
+    dropped = (y == 0).view(n_lane, 4).double().mean(0)
+    tol = _hoeffding(n_lane)
+    assert torch.all((dropped - q / 65536).abs() < tol), dropped
+
+
+def test_expectation_is_exact_and_the_gradient_is_the_mask() -> None:
+    x = torch.randn(5, 7, requires_grad=True)
+    with tf.dropout_stream(torch.Generator().manual_seed(2)):
+        y = tf.dropout(x, 0.25)
+    y.sum().backward()
+    assert x.grad is not None
+    # Per element, the gradient is the factor applied to x: 0 or the keep scale.
+    np.testing.assert_allclose(
+        (x.grad * x).detach().numpy(), y.detach().numpy(), rtol=1e-6, atol=1e-7
+    )
+    # E[mask] = (1 - q/65536) * 65536 / (65536 - q) = 1 exactly (in float64).
+    q = round(0.25 * 65536)
+    assert (1 - q / 65536) * 65536 / (65536 - q) == pytest.approx(1.0, abs=1e-15)
+
+
+def test_dropout_edges() -> None:
+    x = torch.randn(3)
+    assert tf.dropout(x, 0.0) is x
+    assert tf.dropout(x, 1e-7) is x  # rounds to q = 0
+    with pytest.raises(ValueError, match=r"`p` must be in \[0, 1\), got 1.0"):
+        tf.dropout(x, 1.0)
+    layer = tf.SeededDropout(0.5)
+    assert layer.eval()(x) is x
+    with tf.dropout_stream(torch.Generator().manual_seed(0)):
+        assert not torch.equal(layer.train()(torch.ones(100)), torch.ones(100))
+
+
+# ---------------------------------------------------------------- attention
+def _reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    allowed: torch.Tensor | None = None,
+    additive: torch.Tensor | None = None,
+    mask_factor: torch.Tensor | None = None,
+    scale: float,
+) -> torch.Tensor:
+    """Float64 attention: explicit heads loop over grouped key/value heads; [b, q, h, d]."""
+    q, k, v = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=torch.float64)
+    for h in range(q.shape[1]):
+        scores = q[:, h] @ k[:, h // groups].transpose(-1, -2) * scale
+        if additive is not None:
+            scores = scores + additive[:, 0].double()
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed[:, 0], -math.inf)
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # no key seen: 0, as sdpa
+        if mask_factor is not None:
+            weights = weights * mask_factor[:, h].double()
+        out[:, :, h] = weights @ v[:, h // groups]
+    return out
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("q_len", [6, 9])
+def test_attention_math_matches_float64_without_dropout(kv_heads: int, q_len: int) -> None:
+    """No mask and causal (queries aligned to the last keys, as sdpa's is_causal with a
+    cache), a boolean mask, an additive float mask; grouped-query heads when kv_heads < 4."""
+    gen = torch.Generator().manual_seed(0)
+    b, h, k_len, d = 2, 4, 9, 8
+    q = torch.randn(b, h, q_len, d, generator=gen)
+    k = torch.randn(b, kv_heads, k_len, d, generator=gen)
+    v = torch.randn(b, kv_heads, k_len, d, generator=gen)
+    causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    allowed = causal.expand(b, 1, q_len, k_len).clone()
+    allowed[1, 0, :, 0] = False  # a padded first key in the second row (its query sees none)
+    additive = torch.randn(b, 1, q_len, k_len, generator=gen)
+    cases: list[tuple[Any, dict[str, Any]]] = [
+        (None, {"allowed": causal.expand(b, 1, q_len, k_len)}),
+        (allowed, {"allowed": allowed}),
+        (additive, {"additive": additive}),
+    ]
+    for mask, ref_kw in cases:
+        got = tf._attention_math(q, k, v, mask, 0.0, 0.3, True)
+        want = _reference_attention(q, k, v, scale=0.3, **ref_kw)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_math_applies_the_streams_dropout_mask_to_the_weights() -> None:
+    """The weights' mask is the one ``dropout`` draws first from the same stream."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=gen) for _ in range(3))
+    with tf.dropout_stream(torch.Generator().manual_seed(9)):
+        got = tf._attention_math(q, k, v, None, 0.2, None, True)
+    with tf.dropout_stream(torch.Generator().manual_seed(9)):
+        factor = tf.dropout(torch.ones(2, 2, 5, 5), 0.2)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
+    want = _reference_attention(q, k, v, allowed=causal, mask_factor=factor, scale=0.5)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_without_dropout_is_sdpa_itself() -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=gen) for _ in range(3))
+    module = nn.Module()
+    for training in (False, True):  # eval mode (transformers passes 0 there), or p = 0
+        module.train(training)
+        got, _ = tf.attention(module, q, k, v, None, dropout=0.0, scaling=0.5)
+        want, _ = sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=0.5)
+        assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- the copy
+MODELS = {
+    "gpt2": lambda: tiny_gpt2(dropout=0.1),
+    "llama-gqa": lambda: _with_attention_dropout(tiny_llama(), 0.1),
+    "neox": lambda: _with_attention_dropout(tiny_neox(), 0.1),
+}
+
+
+def _with_attention_dropout(model: nn.Module, p: float) -> nn.Module:
+    model.config.attention_dropout = p
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            value = module.attention_dropout
+            if isinstance(value, nn.Dropout):
+                value.p = p
+            else:
+                module.attention_dropout = p
+    return model
+
+
+def _ids(model: nn.Module, rows: int = 3) -> torch.Tensor:
+    return token_data(rows) % model.config.vocab_size
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_train_copy_leaves_the_model_alone_and_keeps_its_eval_function(name: str) -> None:
+    model = MODELS[name]()
+    types = [type(m) for m in model.modules()]
+    ids = _ids(model)
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=ids[:1])
+    assert [type(m) for m in model.modules()] == types
+    assert model.config._attn_implementation == "sdpa"
+    assert work.config._attn_implementation == tf.ATTENTION_NAME
+    assert not any(type(m) is nn.Dropout for m in work.modules())
+    with torch.no_grad():
+        want = per_token_loss(model.eval(), ids).double()
+        got = per_token_loss(work.eval(), ids).double()
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_train_mode_copy_with_masks_of_ones_is_the_models_eval_function(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every dropout mask all ones (``dropout`` patched to the identity), the copy
+    in train mode takes the explicit attention path (masks, grouped heads, scaling)
+    and must compute the model's dropout-free function."""
+    model = MODELS[name]()
+    ids = _ids(model)
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=ids[:1])
+    calls: list[int] = []
+
+    def identity(x: torch.Tensor, p: float) -> torch.Tensor:
+        calls.append(x.dim())
+        return x
+
+    monkeypatch.setattr(tf, "dropout", identity)
+    with torch.no_grad():
+        want = per_token_loss(model.eval(), ids).double()
+        got = per_token_loss(work.train(), ids).double()
+    assert 4 in calls  # the attention weights went through the explicit path
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_train_mode_loss_has_the_expectation_of_torch_dropout() -> None:
+    """Mean train-mode loss over N = 300 forward passes, copy against model (torch's
+    dropout): both estimate E[loss] under the same dropout law (up to the 2**-17 rounding
+    of p), so their difference over its standard error sqrt(s1^2/N + s2^2/N) is about
+    N(0, 1); |z| < 5 fails by chance with probability 6e-7."""
+    model = tiny_gpt2(dropout=0.1)
+    ids = _ids(model, rows=2)
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=ids[:1])
+    n = 300
+    torch.manual_seed(0)
+    with torch.no_grad(), tf.dropout_stream(torch.Generator().manual_seed(0)):
+        ours = torch.stack([per_token_loss(work.train(), ids).mean() for _ in range(n)])
+        theirs = torch.stack([per_token_loss(model.train(), ids).mean() for _ in range(n)])
+    se = math.sqrt(float(ours.var()) / n + float(theirs.var()) / n)
+    z = (float(ours.mean()) - float(theirs.mean())) / se
+    assert abs(z) < 5, z
+    assert float(ours.std()) > 0  # dropout is on
+
+
+def test_global_generator_detection() -> None:
+    model = tiny_gpt2(dropout=0.1)
+    ids = _ids(model, rows=1)
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=ids)
+    state = torch.random.get_rng_state()
+    assert tf.uses_global_generator(model, per_token_loss, ids)
+    assert not tf.uses_global_generator(work, per_token_loss, ids)
+    assert torch.equal(state, torch.random.get_rng_state())  # the check restores it
+    model.eval()
+    tf.uses_global_generator(model, per_token_loss, ids)
+    assert not model.training
+
+
+def test_a_model_whose_mask_code_disagrees_keeps_its_attention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If the copy's eval-mode loss moves when attention is swapped, the swap is undone."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def wrong(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        out, _ = sdpa_attention_forward(*args, **kwargs)
+        return out + 1.0, None
+
+    tf._register()
+    monkeypatch.setitem(AttentionInterface._global_mapping, tf.ATTENTION_NAME, wrong)
+    model = tiny_gpt2(dropout=0.1)
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, rows=1))
+    assert work.config._attn_implementation == "sdpa"
+    assert work.training == model.training
+
+
+# ------------------------------------------------------------------ threads
+def _chain_like(shared: int, job: int) -> tuple[int, float]:
+    gen = torch.Generator().manual_seed(shared + job)
+    with tf.dropout_stream(gen):
+        return job, float(tf.dropout(torch.ones(1000), 0.5).sum())
+
+
+def test_jobs_in_threads_give_the_results_of_one_by_one() -> None:
+    one = dict(run_jobs(_chain_like, [0, 1, 2, 3], cores=1, shared=7))
+    two = dict(run_jobs(_chain_like, [0, 1, 2, 3], cores=2, shared=7, backend="threads"))
+    assert one == two
+    with pytest.raises(ValueError, match=r"`backend` must be one of"):
+        list(run_jobs(_chain_like, [0], cores=1, shared=7, backend="fork"))
+
+
+def _failing(shared: int, job: int) -> int:
+    if job == 1:
+        raise RuntimeError("job 1 failed")
+    return job
+
+
+def test_a_failing_thread_job_raises_here() -> None:
+    with pytest.raises(RuntimeError, match="job 1 failed"):
+        list(run_jobs(_failing, [0, 1, 2], cores=2, shared=0, backend="threads"))

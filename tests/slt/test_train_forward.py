@@ -288,6 +288,24 @@ def test_a_model_whose_mask_code_disagrees_keeps_its_attention(
     assert work.training == model.training
 
 
+def _loss_with_global_dropout(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.dropout(per_token_loss(model, ids), 0.5, training=True)
+
+
+def test_the_swap_check_is_deterministic_for_a_random_loss() -> None:
+    """A loss drawing from the global generator even in eval mode sees the same draws in
+    both checked passes (else the swap would depend on whether two dropout masks happen
+    to coincide, and processes would disagree), and the generator is left as found."""
+    model = tiny_gpt2(dropout=0.1)
+    ids = _ids(model, rows=2)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        state = torch.random.get_rng_state()
+        work = tf.train_copy(model, CPU, loss_fn=_loss_with_global_dropout, probe=ids)
+        assert work.config._attn_implementation == tf.ATTENTION_NAME
+        assert torch.equal(state, torch.random.get_rng_state())
+
+
 # ------------------------------------------------------------------ threads
 def _chain_like(shared: int, job: int) -> tuple[int, float]:
     gen = torch.Generator().manual_seed(shared + job)

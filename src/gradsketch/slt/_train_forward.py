@@ -274,16 +274,23 @@ def train_copy(
     if getattr(config, "_attn_implementation", None) == "sdpa":
         _register()
         was_training = work.training
-        with torch.inference_mode():
-            reference = loss_fn(work.eval(), probe.to(device))
-            config._attn_implementation = ATTENTION_NAME
-            try:
-                swapped = loss_fn(work, probe.to(device))
-                same = swapped.shape == reference.shape and bool(
-                    torch.allclose(swapped, reference, rtol=1e-5, atol=1e-6)
-                )
-            except Exception:  # any failure keeps the model's own attention
-                same = False
+        # Both passes from the same global generator state (a loss_fn may draw
+        # from it even in eval mode), which is left as it was found.
+        state = torch.random.get_rng_state()
+        try:
+            with torch.inference_mode():
+                reference = loss_fn(work.eval(), probe.to(device))
+                config._attn_implementation = ATTENTION_NAME
+                torch.random.set_rng_state(state)
+                try:
+                    swapped = loss_fn(work, probe.to(device))
+                    same = swapped.shape == reference.shape and bool(
+                        torch.allclose(swapped, reference, rtol=1e-5, atol=1e-6)
+                    )
+                except Exception:  # any failure keeps the model's own attention
+                    same = False
+        finally:
+            torch.random.set_rng_state(state)
         if not same:
             config._attn_implementation = "sdpa"
         work.train(was_training)

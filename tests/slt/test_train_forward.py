@@ -10,8 +10,10 @@ import pytest
 import torch
 from _slt_helpers import tiny_gpt2, tiny_llama, tiny_neox, token_data
 from torch import nn
+from torch.nn import functional as F
 
 from gradsketch._processes import run_jobs
+from gradsketch.sketch._backend import native_status
 from gradsketch.slt import _train_forward as tf
 from gradsketch.slt import per_token_loss
 
@@ -26,8 +28,20 @@ def _hoeffding(n: int, delta: float = 1e-6) -> float:
     return math.sqrt(math.log(2 / delta) / (2 * n))
 
 
+@pytest.fixture(params=["native", "torch"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test of the dropout and GELU runs on the native kernels and on torch's path."""
+    if request.param == "native":
+        if tf._native_kernels() is None:
+            pytest.skip(f"native kernels unavailable: {native_status().reason}")
+    else:
+        monkeypatch.setattr(tf, "_NATIVE", None)
+        monkeypatch.setattr(tf, "_NATIVE_LOOKED_UP", True)
+    return str(request.param)
+
+
 # ------------------------------------------------------------------ dropout
-def test_dropout_is_reproducible_from_its_stream_and_depends_on_it() -> None:
+def test_dropout_is_reproducible_from_its_stream_and_depends_on_it(backend: str) -> None:
     x = torch.randn(64, 33)
     with tf.dropout_stream(torch.Generator().manual_seed(3)):
         a = tf.dropout(x, 0.3)
@@ -39,7 +53,7 @@ def test_dropout_is_reproducible_from_its_stream_and_depends_on_it() -> None:
     assert not torch.equal(a, c)
 
 
-def test_kept_elements_are_scaled_exactly_and_dropped_ones_are_zero() -> None:
+def test_kept_elements_are_scaled_exactly_and_dropped_ones_are_zero(backend: str) -> None:
     """Kept: x * (65536 / (65536 - q)) in float32, bit for bit; dropped: exactly 0."""
     x = torch.randn(10_000) + 5.0  # no zeros in x: a zero output means dropped
     p = 0.1
@@ -52,11 +66,12 @@ def test_kept_elements_are_scaled_exactly_and_dropped_ones_are_zero() -> None:
     assert 0 < int(kept.sum()) < x.numel()
 
 
-def test_drop_rate_is_q_over_65536_in_every_16_bit_lane() -> None:
-    """Each element takes one of the four 16-bit lanes of a 64-bit draw; every lane must
+def test_drop_rate_is_q_over_65536_in_every_16_bit_lane(backend: str) -> None:
+    """Each element takes one of the four 16-bit lanes of a 64-bit word; every lane must
     drop with probability q / 65536 (``random_()`` without bounds leaves the top lane's
-    sign bit 0, which would make lane 3 never drop). Per lane n = 250,000 draws; with
-    delta = 1e-6 Hoeffding's half-width is sqrt(ln(2e6) / 5e5) = 0.0054 (module helper)."""
+    sign bit 0, which would make lane 3 never drop; a weak hash would bias a lane). Per
+    lane n = 250,000 draws; with delta = 1e-6 Hoeffding's half-width is
+    sqrt(ln(2e6) / 5e5) = 0.0054 (module helper)."""
     n_lane = 250_000
     p = 0.3
     q = round(p * 65536)
@@ -67,7 +82,7 @@ def test_drop_rate_is_q_over_65536_in_every_16_bit_lane() -> None:
     assert torch.all((dropped - q / 65536).abs() < tol), dropped
 
 
-def test_expectation_is_exact_and_the_gradient_is_the_mask() -> None:
+def test_expectation_is_exact_and_the_gradient_is_the_mask(backend: str) -> None:
     x = torch.randn(5, 7, requires_grad=True)
     with tf.dropout_stream(torch.Generator().manual_seed(2)):
         y = tf.dropout(x, 0.25)
@@ -82,7 +97,7 @@ def test_expectation_is_exact_and_the_gradient_is_the_mask() -> None:
     assert (1 - q / 65536) * 65536 / (65536 - q) == pytest.approx(1.0, abs=1e-15)
 
 
-def test_dropout_edges() -> None:
+def test_dropout_edges(backend: str) -> None:
     x = torch.randn(3)
     assert tf.dropout(x, 0.0) is x
     assert tf.dropout(x, 1e-7) is x  # rounds to q = 0
@@ -92,6 +107,62 @@ def test_dropout_edges() -> None:
     assert layer.eval()(x) is x
     with tf.dropout_stream(torch.Generator().manual_seed(0)):
         assert not torch.equal(layer.train()(torch.ones(100)), torch.ones(100))
+
+
+def test_the_backward_pass_recomputes_the_forward_mask_also_for_strided_gradients(
+    backend: str,
+) -> None:
+    x = torch.randn(6, 10, requires_grad=True)
+    with tf.dropout_stream(torch.Generator().manual_seed(5)):
+        y = tf.dropout(x, 0.4)
+    g = torch.randn(10, 6).T  # not contiguous
+    (y * g).sum().backward()
+    factor = torch.where(y != 0, y / x, torch.zeros(())).detach()
+    assert x.grad is not None
+    np.testing.assert_allclose(x.grad.numpy(), (g * factor).numpy(), rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------- GELU
+def test_tanh_gelu_matches_float64_forward_and_backward(backend: str) -> None:
+    """Against 0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3))) in float64 on [-12, 12]
+    (both tails, the exp clamp): float32 rounding of the result and of e^t bounds the
+    forward error by a few ulp of max(|y|, 1) and the derivative's (at most ~1.13) by
+    a few 1e-7; 2e-6 leaves a margin that torch's own kernel also meets."""
+    x = torch.linspace(-12, 12, 200_001, requires_grad=True)
+    y = tf.TanhGELU()(x)
+    y.backward(torch.ones_like(y))
+    xd = x.detach().double().requires_grad_()
+    ref = 0.5 * xd * (1 + torch.tanh(math.sqrt(2 / math.pi) * (xd + 0.044715 * xd**3)))
+    ref.sum().backward()
+    assert x.grad is not None and xd.grad is not None
+    forward_err = (y.detach().double() - ref.detach()).abs() / ref.detach().abs().clamp_min(1.0)
+    assert float(forward_err.max()) < 2e-6
+    assert float((x.grad.double() - xd.grad).abs().max()) < 2e-6
+
+
+def test_tanh_gelu_takes_other_dtypes_and_strides_through_torch() -> None:
+    x = torch.randn(8, 6, dtype=torch.float64)
+    assert torch.equal(tf.TanhGELU()(x), F.gelu(x, approximate="tanh"))
+    strided = torch.randn(6, 8).T
+    np.testing.assert_allclose(
+        tf.TanhGELU()(strided).numpy(), F.gelu(strided, approximate="tanh").numpy(), atol=1e-6
+    )
+
+
+def test_the_tanh_gelus_are_swapped_and_the_erf_gelu_is_not() -> None:
+    from transformers import activations
+
+    names = ["NewGELUActivation", "FastGELUActivation", "GELUTanh"]
+    net = nn.Sequential(
+        *(getattr(activations, n)() for n in names if hasattr(activations, n)),
+        nn.GELU(approximate="tanh"),
+        nn.GELU(),
+        nn.Dropout(0.1),
+    )
+    tf._swap_modules(net, dropout_modules=True)
+    kinds = [type(m) for m in net]
+    assert kinds[:-2] == [tf.TanhGELU] * (len(net) - 2)
+    assert kinds[-2:] == [nn.GELU, tf.SeededDropout]
 
 
 # ---------------------------------------------------------------- attention
@@ -124,7 +195,9 @@ def _reference_attention(
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("q_len", [6, 9])
-def test_attention_math_matches_float64_without_dropout(kv_heads: int, q_len: int) -> None:
+def test_attention_math_matches_float64_without_dropout(
+    kv_heads: int, q_len: int, backend: str
+) -> None:
     """No mask and causal (queries aligned to the last keys, as sdpa's is_causal with a
     cache), a boolean mask, an additive float mask; grouped-query heads when kv_heads < 4."""
     gen = torch.Generator().manual_seed(0)
@@ -147,8 +220,9 @@ def test_attention_math_matches_float64_without_dropout(kv_heads: int, q_len: in
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_attention_math_applies_the_streams_dropout_mask_to_the_weights() -> None:
-    """The weights' mask is the one ``dropout`` draws first from the same stream."""
+def test_attention_math_applies_the_streams_dropout_mask_to_the_weights(backend: str) -> None:
+    """The weights' mask is the one ``dropout`` draws first from the same stream (natively:
+    the same hash of the same seed and element index, in the fused softmax kernel)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 5, 4, generator=gen) for _ in range(3))
     with tf.dropout_stream(torch.Generator().manual_seed(9)):
@@ -215,25 +289,32 @@ def test_train_copy_leaves_the_model_alone_and_keeps_its_eval_function(name: str
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_train_mode_copy_with_masks_of_ones_is_the_models_eval_function(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With every dropout mask all ones (``dropout`` patched to the identity), the copy
-    in train mode takes the explicit attention path (masks, grouped heads, scaling)
-    and must compute the model's dropout-free function."""
+    """With every dropout probability 1e-7 (q = round(p * 65536) = 0: masks all ones) the
+    copy in train mode still takes the explicit attention path (dropout > 0: masks,
+    grouped heads, scaling, the fused native softmax) and must compute the model's
+    dropout-free function."""
     model = MODELS[name]()
     ids = _ids(model)
-    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=ids[:1])
+    work = _with_attention_dropout(
+        tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=ids[:1]), 1e-7
+    )
+    for module in work.modules():
+        if isinstance(module, tf.SeededDropout):
+            module.p = 1e-7
     calls: list[int] = []
+    explicit = tf._attention_math
 
-    def identity(x: torch.Tensor, p: float) -> torch.Tensor:
-        calls.append(x.dim())
-        return x
+    def spy(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return explicit(*args)
 
-    monkeypatch.setattr(tf, "dropout", identity)
+    monkeypatch.setattr(tf, "_attention_math", spy)
     with torch.no_grad():
         want = per_token_loss(model.eval(), ids).double()
         got = per_token_loss(work.train(), ids).double()
-    assert 4 in calls  # the attention weights went through the explicit path
+    assert calls  # the attention went through the explicit path
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
 
 

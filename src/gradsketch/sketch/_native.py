@@ -48,15 +48,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NativeStatus", "available", "native_status", "reduce_", "reduce_rows_"]
+__all__ = ["NativeStatus", "available", "library", "native_status", "reduce_", "reduce_rows_"]
 
 #: The C sources, shipped as package data.
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("gs_kernels.c", "gs_reduce.h")
+SOURCES = ("gs_kernels.c", "gs_reduce.h", "gs_train.h")
 #: Compiler flags (``-march=native`` is added when the compiler accepts it).
 FLAGS = ("-O3", "-funroll-loops", "-fopenmp", "-shared", "-fPIC", "-std=gnu99")
 #: Must equal ``gs_abi_version()`` in ``gs_kernels.c``.
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: Columns per chunk when threads split the columns: the chunk's rows stay in
 #: L1 from the scatter to the Gram (3 rows of 2048 float32 are 24 KB).
 CHUNK = 2048
@@ -111,6 +111,7 @@ class NativeStatus:
 
 _lock = threading.Lock()
 _state: tuple[NativeStatus, dict[tuple[str, str], Any] | None] | None = None
+_library: ctypes.CDLL | None = None
 
 
 def _cache_root() -> Path:
@@ -228,6 +229,8 @@ def _load() -> tuple[NativeStatus, dict[tuple[str, str], Any] | None]:
         return NativeStatus(False, f"a second OpenMP runtime was loaded: {sorted(after)}"), None
     if lib.gs_abi_version() != ABI_VERSION:
         return NativeStatus(False, f"{target} has another interface version"), None
+    global _library
+    _library = lib
     kernels = {}
     for value in _VALUE.values():
         for index in _INDEX.values():
@@ -260,6 +263,20 @@ def native_status() -> NativeStatus:
     _kernels()
     assert _state is not None
     return _state[0]
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library (None when unavailable), for callers binding its other kernels.
+
+    ``gs_train.h``'s kernels are reached through
+    :func:`gradsketch.sketch._backend.native_library`.
+
+    Example:
+        >>> library() is None or hasattr(library(), "gs_dropout_f32")
+        True
+    """
+    _kernels()
+    return _library
 
 
 def available(device: torch.device) -> bool:

@@ -12,7 +12,11 @@ function:
   element). A mask keeps an element with probability ``1 - q / 65536``,
   ``q = round(p * 65536)``, and scales kept ones by ``65536 / (65536 - q)``,
   so the output's expectation is exactly the input; the drop probability
-  differs from ``p`` by at most ``2**-17`` (``p = 0.1``: ``0.1000061``).
+  differs from ``p`` by at most ``2**-17`` (``p = 0.1``: ``0.1000061``). On
+  CPU float32 the bits come from the native kernel ``gs_dropout_f32``
+  (:func:`gradsketch.sketch._backend.native_library`): SplitMix64 of a counter and one seed
+  per call drawn from the stream, so the backward pass recomputes the mask
+  instead of storing it; elsewhere from ``torch.Tensor.random_``.
 * Attention with dropout (PyTorch's fused kernels take none on CPU, so
   ``sdpa`` falls back to its slower math path) runs :func:`attention`:
   explicit scores, softmax, the same dropout, values; without dropout (eval
@@ -20,9 +24,10 @@ function:
   is installed only on models built on transformers' attention interface
   whose ``_attn_implementation`` is ``"sdpa"``, and only if the copy's
   eval-mode output still equals the model's (:func:`train_copy` checks).
-* transformers' ``gelu_new`` and ``gelu_fast`` activations (five
-  element-wise ops each) become ``nn.GELU(approximate="tanh")``, the same
-  function in one kernel (transformers' own ``GELUTanh``).
+* transformers' ``gelu_new``, ``gelu_fast`` and ``gelu_pytorch_tanh``
+  activations and ``nn.GELU(approximate="tanh")`` (five element-wise ops,
+  or one slow ``tanh`` kernel) become :class:`TanhGELU`, the same function
+  as ``x * sigmoid(2u)`` in one native pass (torch's ``gelu`` elsewhere).
 
 Every dropout mask of the copy comes from the generator installed by
 :func:`dropout_stream` in the calling thread (torch's default generator
@@ -37,16 +42,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 __all__ = [
     "ATTENTION_NAME",
     "SeededDropout",
+    "TanhGELU",
     "attention",
     "dropout",
     "dropout_stream",
@@ -61,6 +69,174 @@ _BITS = 65536  # 16 random bits per element
 _STREAM = threading.local()
 _REGISTER_LOCK = threading.Lock()
 _REGISTERED = False
+#: The native kernels' ctypes functions by name; None when unavailable; unset until looked up.
+_NATIVE: dict[str, Any] | None = None
+_NATIVE_LOOKED_UP = False
+
+
+def _native_kernels() -> dict[str, Any] | None:
+    """``gs_train.h``'s kernels from the native library (None without one), bound once."""
+    global _NATIVE, _NATIVE_LOOKED_UP
+    if not _NATIVE_LOOKED_UP:
+        with _REGISTER_LOCK:
+            if not _NATIVE_LOOKED_UP:
+                from gradsketch.sketch._backend import native_library
+
+                lib = native_library()
+                if lib is not None:
+                    ptr, size = ctypes.c_void_p, ctypes.c_int64
+                    kernels: dict[str, tuple[Any, list[Any]]] = {
+                        "dropout": (
+                            lib.gs_dropout_f32,
+                            [ptr, ptr, size, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float],
+                        ),
+                        "gelu": (lib.gs_gelu_tanh_f32, [ptr, ptr, size]),
+                        "gelu_backward": (lib.gs_gelu_tanh_backward_f32, [ptr, ptr, ptr, size]),
+                        "softmax_dropout": (
+                            lib.gs_softmax_dropout_f32,
+                            [
+                                ptr,
+                                ptr,
+                                ptr,
+                                size,
+                                size,
+                                size,
+                                ctypes.c_int,
+                                ctypes.c_float,
+                                ctypes.c_uint64,
+                                ctypes.c_uint32,
+                                ctypes.c_float,
+                            ],
+                        ),
+                        "softmax_dropout_backward": (
+                            lib.gs_softmax_dropout_backward_f32,
+                            [
+                                ptr,
+                                ptr,
+                                ptr,
+                                size,
+                                size,
+                                ctypes.c_float,
+                                ctypes.c_uint64,
+                                ctypes.c_uint32,
+                                ctypes.c_float,
+                            ],
+                        ),
+                    }
+                    for fn, argtypes in kernels.values():
+                        fn.argtypes = argtypes
+                        fn.restype = None
+                    _NATIVE = {name: fn for name, (fn, _) in kernels.items()}
+                _NATIVE_LOOKED_UP = True
+    return _NATIVE
+
+
+def _native_for(x: torch.Tensor) -> dict[str, Any] | None:
+    """The native kernels when ``x`` suits them (contiguous float32 on CPU), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    return _native_kernels()
+
+
+class _NativeDropout(torch.autograd.Function):
+    """``gs_dropout_f32`` forward; backward applies the same (seed-determined) mask."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seed: int, q: int, scale: float, fn: Any) -> Any:
+        y = torch.empty_like(x)
+        fn(x.data_ptr(), y.data_ptr(), x.numel(), seed, q, scale)
+        ctx.args = (seed, q, scale, fn)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        seed, q, scale, fn = ctx.args
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        fn(grad.data_ptr(), out.data_ptr(), grad.numel(), seed, q, scale)
+        return out, None, None, None, None
+
+
+class _NativeSoftmaxDropout(torch.autograd.Function):
+    """``gs_softmax_dropout_f32``: scaled, optionally causal softmax and dropout in one pass."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        scores: torch.Tensor,
+        scale: float,
+        causal: bool,
+        seed: int,
+        q: int,
+        kernels: dict[str, Any],
+    ) -> Any:
+        cols, q_len = scores.shape[-1], scores.shape[-2]
+        rows = scores.numel() // cols
+        probs, out = torch.empty_like(scores), torch.empty_like(scores)
+        dscale = _BITS / (_BITS - q)
+        kernels["softmax_dropout"](
+            scores.data_ptr(), probs.data_ptr(), out.data_ptr(), rows, cols, q_len,
+            int(causal), scale, seed, q, dscale,
+        )  # fmt: skip
+        ctx.save_for_backward(probs)
+        ctx.args = (rows, cols, scale, seed, q, dscale, kernels)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (probs,) = ctx.saved_tensors
+        rows, cols, scale, seed, q, dscale, kernels = ctx.args
+        grad = grad.contiguous()
+        out = torch.empty_like(probs)
+        kernels["softmax_dropout_backward"](
+            grad.data_ptr(), probs.data_ptr(), out.data_ptr(), rows, cols, scale, seed, q, dscale
+        )
+        return out, None, None, None, None, None
+
+
+def _seed(generator: torch.Generator | None) -> int:
+    """One 64-bit seed for a native kernel's hash, drawn from ``generator``."""
+    word = torch.empty((), dtype=torch.int64).random_(-(2**63), None, generator=generator)
+    return int(word) % 2**64
+
+
+class _NativeGELU(torch.autograd.Function):
+    """``gs_gelu_tanh_f32`` forward and ``gs_gelu_tanh_backward_f32`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, kernels: dict[str, Any]) -> Any:
+        y = torch.empty_like(x)
+        kernels["gelu"](x.data_ptr(), y.data_ptr(), x.numel())
+        ctx.save_for_backward(x)
+        ctx.kernels = kernels
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (x,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        out = torch.empty_like(x)
+        ctx.kernels["gelu_backward"](grad.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel())
+        return out, None
+
+
+class TanhGELU(nn.Module):
+    """``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``: GELU's tanh form.
+
+    The native kernel on contiguous float32 CPU tensors (relative error a few
+    float32 ulp against float64), ``F.gelu(x, approximate="tanh")`` otherwise.
+
+    Example:
+        >>> x = torch.linspace(-3, 3, 7)
+        >>> torch.allclose(TanhGELU()(x), F.gelu(x, approximate="tanh"), atol=1e-6)
+        True
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        kernels = _native_for(input)
+        if kernels is None:
+            return F.gelu(input, approximate="tanh")
+        return _NativeGELU.apply(input, kernels)  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -88,10 +264,11 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """``x`` with each element zeroed with probability ``q / 65536`` (``q = round(p * 65536)``).
 
     Kept elements are scaled by ``65536 / (65536 - q)``, so ``E[dropout(x)] =
-    x`` exactly. The mask takes 16 bits of one 64-bit draw of the thread's
-    :func:`dropout_stream` generator per element and is independent of
-    ``x``'s values; gradients flow through the kept elements (with the same
-    scale), as ``torch.nn.functional.dropout``'s do.
+    x`` exactly. The mask takes 16 bits per element of 64-bit words from the
+    thread's :func:`dropout_stream` generator (on CPU float32, of the native
+    kernel's hash of one seed drawn from it) and is independent of ``x``'s
+    values; gradients flow through the kept elements (with the same scale),
+    as ``torch.nn.functional.dropout``'s do.
 
     Example:
         >>> y = dropout(torch.ones(4, 4), 0.25)
@@ -103,10 +280,15 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     q = round(p * _BITS)
     if q == 0:
         return x
+    generator = getattr(_STREAM, "generator", None)
+    kernels = _native_for(x)
+    if kernels is not None:
+        scale = _BITS / (_BITS - q)
+        return _NativeDropout.apply(x, _seed(generator), q, scale, kernels["dropout"])  # type: ignore[no-any-return]
     n = x.numel()
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device)
     # random_(-2**63, None) draws all 64 bits (random_() leaves the sign bit 0).
-    words.random_(-(2**63), None, generator=getattr(_STREAM, "generator", None))
+    words.random_(-(2**63), None, generator=generator)
     bits = words.view(torch.int16)[:n].view(x.shape)
     keep = bits >= q - _BITS // 2  # int16 in [-32768, 32767]: P(drop) = q / 65536
     return x * keep.to(x.dtype).mul_(_BITS / (_BITS - q))
@@ -186,8 +368,16 @@ def _attention_math(
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale)
     q_len, k_len = query.shape[2], key.shape[2]
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    kernels = _native_for(scores) if mask is None else None
+    if kernels is not None:
+        # One pass: scale, the causal mask, softmax and dropout (gs_softmax_dropout_f32).
+        q = round(p * _BITS)
+        seed = _seed(getattr(_STREAM, "generator", None))
+        weights = _NativeSoftmaxDropout.apply(scores, scale, causal, seed, q, kernels)
+        return torch.matmul(weights.to(value.dtype), value).transpose(1, 2).contiguous()
+    scores = scores.mul_(scale)
     lowest = torch.finfo(scores.dtype).min
     hidden: torch.Tensor | None = None
     if mask is None:
@@ -222,20 +412,25 @@ def _register() -> None:
         _REGISTERED = True
 
 
-def _gelu_classes() -> tuple[type, ...]:
+def _is_tanh_gelu(module: nn.Module) -> bool:
+    """Whether ``module`` is a tanh-form GELU of transformers, or ``nn.GELU("tanh")``."""
+    if type(module) is nn.GELU:
+        return module.approximate == "tanh"
     try:
-        from transformers.activations import FastGELUActivation, NewGELUActivation
+        from transformers import activations
     except ImportError:  # pragma: no cover - transformers is in the hf extra
-        return ()
-    return (NewGELUActivation, FastGELUActivation)
+        return False
+    names = ("NewGELUActivation", "FastGELUActivation", "GELUTanh")
+    classes = tuple(getattr(activations, name) for name in names if hasattr(activations, name))
+    # GELUTanh(use_gelu_tanh_python=True) is the same function; either way it is swapped.
+    return type(module) in classes
 
 
 def _swap_modules(model: nn.Module, *, dropout_modules: bool) -> None:
-    gelus = _gelu_classes()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if gelus and type(child) in gelus:
-                setattr(parent, name, nn.GELU(approximate="tanh"))
+            if _is_tanh_gelu(child):
+                setattr(parent, name, TanhGELU())
             elif dropout_modules and type(child) is nn.Dropout:
                 swapped = SeededDropout(child.p, inplace=child.inplace)
                 swapped.train(child.training)

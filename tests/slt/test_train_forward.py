@@ -165,6 +165,26 @@ def test_the_tanh_gelus_are_swapped_and_the_erf_gelu_is_not() -> None:
     assert kinds[-2:] == [nn.GELU, tf.SeededDropout]
 
 
+# ------------------------------------------------------------ cross-entropy
+def test_token_cross_entropy_matches_float64_with_ignored_rows(backend: str) -> None:
+    """Loss and gradient against float64 ``cross_entropy`` (rows of 256 logits up to |12|:
+    float32 log-sum-exp rounding is a few ulp of the loss, ~1e-6 here), ignored rows 0."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(300, 256, generator=gen) * 4).requires_grad_()
+    targets = torch.randint(0, 256, (300,), generator=gen)
+    targets[::7] = -100
+    weights = torch.randn(300, generator=gen)
+    loss = tf.token_cross_entropy(logits, targets)
+    (loss * weights).sum().backward()
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = F.cross_entropy(ref_logits, targets, reduction="none")
+    (ref * weights.double()).sum().backward()
+    assert logits.grad is not None and ref_logits.grad is not None
+    np.testing.assert_allclose(loss.detach().double().numpy(), ref.detach().numpy(), atol=1e-5)
+    np.testing.assert_allclose(logits.grad.double().numpy(), ref_logits.grad.numpy(), atol=1e-6)
+    assert torch.all(loss[::7] == 0) and torch.all(logits.grad[::7] == 0)
+
+
 # ---------------------------------------------------------------- attention
 def _reference_attention(
     q: torch.Tensor,

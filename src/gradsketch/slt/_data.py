@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gradsketch.errors import GradsketchError
+from gradsketch.slt._train_forward import token_cross_entropy
 
 __all__ = [
     "LossFn",
@@ -101,10 +101,11 @@ def per_token_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of every position: ``[batch, seq - 1]``.
 
     ``loss[b, t] = -log softmax(logits[b, t])[input_ids[b, t + 1]]``, computed
-    by one fused ``cross_entropy`` over every position (the last one's target
-    ignored), so that neither the forward pass copies the logits without
-    their last position nor the backward pass scatters into zeros of their
-    size.
+    by one fused cross-entropy
+    (:func:`~gradsketch.slt._train_forward.token_cross_entropy`) over every
+    position (the last one's target ignored), so that neither the forward
+    pass copies the logits without their last position nor the backward pass
+    scatters into zeros of their size.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 5))
@@ -115,7 +116,7 @@ def per_token_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     b, s, v = logits.shape
     targets = torch.full_like(input_ids, -100)  # cross_entropy's ignore_index
     targets[:, :-1] = input_ids[:, 1:]
-    loss = F.cross_entropy(logits.reshape(b * s, v), targets.view(-1), reduction="none")
+    loss = token_cross_entropy(logits.reshape(b * s, v), targets.view(-1))
     return loss.view(b, s)[:, :-1]
 
 

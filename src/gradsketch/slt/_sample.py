@@ -92,12 +92,13 @@ SAMPLING_METHODS: dict[str, Callable[..., SGMCMC]] = {
     "sgnht": SGMCMC.sgnht,
 }
 
-#: Bytes of one forward pass's logits when evaluating observables and ``init_loss``
-#: (at least ``batch_size`` rows per pass), on CUDA and on the CPU. On the CPU,
-#: passes whose activations stay in cache are faster per row: on the benchmark's
-#: tiny GPT-2 (train mode), 32-64 rows per pass cost 0.9-1.1 ms per row, 96
-#: rows 1.2 and 1024 rows 1.5 (CPU time, one thread).
+#: Bytes of one forward pass's logits, at most, when evaluating observables and
+#: ``init_loss`` (with at least one row per pass).
 EVAL_LOGIT_BYTES = {"cuda": 256 << 20, "cpu": 4 << 20}
+#: Token positions of one such forward pass on CPU, at most: the activations of
+#: a few thousand positions stay in cache from one operation to the next, which
+#: makes smaller passes faster per row (benchmarks/RESULTS.md).
+EVAL_TOKENS_CPU = 3200
 #: Bytes of one stored chunk, at most (chunks span one chain and several draws).
 CHUNK_BYTES = 32 << 20
 #: Base64 of NaN as float64: xarray's encoding of a NaN fill value.
@@ -397,14 +398,20 @@ def _open_tree(path: Path) -> Any:
 
 
 def _chunks(rows: int, limit: int) -> list[slice]:
-    return [slice(i, min(i + limit, rows)) for i in range(0, rows, limit)]
+    """``rows`` split into the fewest passes of at most ``limit`` rows, of even sizes."""
+    passes = -(-rows // limit)
+    size = -(-rows // passes) if rows else limit
+    return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
 
 
-def _eval_rows(model: nn.Module, seq: int, batch_size: int, device: torch.device) -> int:
-    """Rows per forward pass: logits under EVAL_LOGIT_BYTES, at least ``batch_size`` rows."""
+def _eval_rows(model: nn.Module, seq: int, device: torch.device) -> int:
+    """Rows per forward pass: logits within EVAL_LOGIT_BYTES; on CPU, EVAL_TOKENS_CPU tokens."""
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", None) or 50_000)
     budget = EVAL_LOGIT_BYTES["cuda" if device.type == "cuda" else "cpu"]
-    return max(batch_size, budget // max(1, seq * vocab * 4))
+    rows = budget // max(1, seq * vocab * 4)
+    if device.type != "cuda":
+        rows = min(rows, EVAL_TOKENS_CPU // max(1, seq))
+    return max(1, rows)
 
 
 def sample(
@@ -908,7 +915,7 @@ class _Run:
 
     def _forward_rows(self, model: nn.Module, ids: torch.Tensor, *, check: bool) -> torch.Tensor:
         """Per-token loss of every row of ``ids``, in forward passes of bounded size."""
-        limit = _eval_rows(model, ids.shape[1], self.s.batch_size, self.device)
+        limit = _eval_rows(model, ids.shape[1], self.device)
         out = torch.empty(ids.shape[0], self.ctx, dtype=torch.float32)
         for sl in _chunks(ids.shape[0], limit):
             loss = self.loss_fn(model, ids[sl].to(self.device))

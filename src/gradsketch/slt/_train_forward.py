@@ -58,6 +58,7 @@ __all__ = [
     "attention",
     "dropout",
     "dropout_stream",
+    "token_cross_entropy",
     "train_copy",
     "uses_global_generator",
 ]
@@ -107,6 +108,11 @@ def _native_kernels() -> dict[str, Any] | None:
                                 ctypes.c_uint32,
                                 ctypes.c_float,
                             ],
+                        ),
+                        "xent": (lib.gs_token_xent_f32, [ptr, ptr, ptr, ptr, size, size]),
+                        "xent_backward": (
+                            lib.gs_token_xent_backward_f32,
+                            [ptr, ptr, ptr, ptr, ptr, size, size],
                         ),
                         "softmax_dropout_backward": (
                             lib.gs_softmax_dropout_backward_f32,
@@ -192,6 +198,53 @@ class _NativeSoftmaxDropout(torch.autograd.Function):
             grad.data_ptr(), probs.data_ptr(), out.data_ptr(), rows, cols, scale, seed, q, dscale
         )
         return out, None, None, None, None, None
+
+
+class _NativeTokenCrossEntropy(torch.autograd.Function):
+    """``gs_token_xent_f32``: per-row cross-entropy in one pass over the logits."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, kernels: Any) -> Any:
+        rows, vocab = logits.shape
+        loss = torch.empty(rows, dtype=logits.dtype)
+        lse = torch.empty(rows, dtype=logits.dtype)
+        kernels["xent"](
+            logits.data_ptr(), targets.data_ptr(), loss.data_ptr(), lse.data_ptr(), rows, vocab
+        )
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.kernels = kernels
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        logits, targets, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        out = torch.empty_like(logits)
+        ctx.kernels["xent_backward"](
+            grad.data_ptr(), logits.data_ptr(), targets.data_ptr(), lse.data_ptr(),
+            out.data_ptr(), *logits.shape,
+        )  # fmt: skip
+        return out, None, None
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(logits, targets, reduction="none")`` with ``ignore_index=-100``.
+
+    ``[rows, vocab]`` logits and int64 ``[rows]`` targets; one native pass on
+    contiguous CPU float32 logits (log-sum-exp and the target's logit), torch's
+    ``cross_entropy`` otherwise.
+
+    Example:
+        >>> logits = torch.randn(3, 5)
+        >>> targets = torch.tensor([1, -100, 4])
+        >>> want = F.cross_entropy(logits, targets, reduction="none")
+        >>> torch.allclose(token_cross_entropy(logits, targets), want, atol=1e-6)
+        True
+    """
+    kernels = _native_for(logits)
+    if kernels is None or logits.dim() != 2 or targets.dtype != torch.int64:
+        return F.cross_entropy(logits, targets, reduction="none")
+    return _NativeTokenCrossEntropy.apply(logits, targets.contiguous(), kernels)  # type: ignore[no-any-return]
 
 
 def _seed(generator: torch.Generator | None) -> int:

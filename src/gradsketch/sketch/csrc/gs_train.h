@@ -1,8 +1,10 @@
 /*
  * Train-mode kernels of the SLT sampler's working copy (gradsketch.slt._train_forward):
- * seeded dropout and the tanh form of GELU with its derivative, one memory pass each.
+ * seeded dropout, the tanh form of GELU, attention weights' softmax with dropout and the
+ * per-token cross-entropy, each forward and backward in one memory pass.
  * Included by gs_kernels.c. Every loop is written so that the compiler vectorizes it.
  */
+#include <math.h>
 #include <stdint.h>
 
 /* SplitMix64's output function (Steele, Lea and Flood 2014) of a counter: 64 well-mixed
@@ -129,5 +131,58 @@ void gs_softmax_dropout_backward_f32(const float *grad_out, const float *probs,
             dot += d[j] * p[j];
         }
         for (int64_t j = 0; j < cols; j++) d[j] = scale * p[j] * (d[j] - dot);
+    }
+}
+
+/* Sum and max of a row in 16 independent lanes (so that the loops vectorize), then lanes. */
+#define GS_LANES 16
+
+static inline float gs_row_max(const float *x, int64_t n) {
+    float acc[GS_LANES];
+    for (int l = 0; l < GS_LANES; l++) acc[l] = -3.4028234663852886e38f;
+    int64_t j = 0;
+    for (; j + GS_LANES <= n; j += GS_LANES)
+        for (int l = 0; l < GS_LANES; l++) acc[l] = x[j + l] > acc[l] ? x[j + l] : acc[l];
+    float m = -3.4028234663852886e38f;
+    for (int l = 0; l < GS_LANES; l++) m = acc[l] > m ? acc[l] : m;
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+static inline float gs_row_sum_exp(const float *x, int64_t n, float shift) {
+    float acc[GS_LANES] = {0};
+    int64_t j = 0;
+    for (; j + GS_LANES <= n; j += GS_LANES)
+        for (int l = 0; l < GS_LANES; l++) acc[l] += gs_expf(x[j + l] - shift);
+    float s = 0.0f;
+    for (int l = 0; l < GS_LANES; l++) s += acc[l];
+    for (; j < n; j++) s += gs_expf(x[j] - shift);
+    return s;
+}
+
+/* Per-row cross-entropy of logits x [rows, v] and targets t: loss[r] = lse[r] - x[r, t[r]],
+ * lse[r] = log sum_j e^x[r, j] (kept for the backward pass); a negative target (ignored)
+ * gives loss 0, as torch's ignore_index. */
+void gs_token_xent_f32(const float *x, const int64_t *t, float *loss, float *lse,
+                       int64_t rows, int64_t v) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * v;
+        float m = gs_row_max(row, v);
+        float l = m + logf(gs_row_sum_exp(row, v, m));
+        lse[r] = l;
+        loss[r] = t[r] >= 0 && t[r] < v ? l - row[t[r]] : 0.0f;
+    }
+}
+
+/* dx[r, j] = g[r] (softmax(x[r])_j - [j == t[r]]), 0 for ignored rows. */
+void gs_token_xent_backward_f32(const float *g, const float *x, const int64_t *t,
+                                const float *lse, float *dx, int64_t rows, int64_t v) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * v;
+        float *out = dx + r * v;
+        int ignored = !(t[r] >= 0 && t[r] < v);
+        float gr = ignored ? 0.0f : g[r], l = lse[r];
+        for (int64_t j = 0; j < v; j++) out[j] = gr * gs_expf(row[j] - l);
+        if (!ignored) out[t[r]] -= gr;
     }
 }

@@ -2,32 +2,39 @@
 
 SGMCMC chains run the model in train mode, as devinterp does, so every
 forward pass draws dropout masks, and on CPU the train-mode forward of a
-Hugging Face model spends more time in three element-wise pieces than in its
-matrix products. :func:`train_copy` returns a deep copy (the caller's model
-is never changed) with each piece replaced by one computing the same
-function:
+Hugging Face model spends about as much time in element-wise operations as
+in its matrix products. :func:`train_copy` returns a deep copy (the
+caller's model is never changed) whose pieces compute the same function
+with fewer passes over memory:
 
-* ``nn.Dropout`` modules become :class:`SeededDropout`: a keep mask from 16
-  random bits per element (torch's ``bernoulli_`` draws a double per
-  element). A mask keeps an element with probability ``1 - q / 65536``,
-  ``q = round(p * 65536)``, and scales kept ones by ``65536 / (65536 - q)``,
-  so the output's expectation is exactly the input; the drop probability
-  differs from ``p`` by at most ``2**-17`` (``p = 0.1``: ``0.1000061``). On
-  CPU float32 the bits come from the native kernel ``gs_dropout_f32``
-  (:func:`gradsketch.sketch._backend.native_library`): SplitMix64 of a counter and one seed
-  per call drawn from the stream, so the backward pass recomputes the mask
-  instead of storing it; elsewhere from ``torch.Tensor.random_``.
+* ``nn.Dropout`` modules become :class:`SeededDropout` (:func:`dropout`):
+  a mask keeps an element with probability ``1 - q / 65536``, ``q =
+  round(p * 65536)``, from 16 random bits per element, and scales kept ones
+  by ``65536 / (65536 - q)``, so the output's expectation is exactly the
+  input; the drop probability differs from ``p`` by at most ``2**-17``
+  (``p = 0.1``: ``0.1000061``). torch's ``bernoulli_`` draws a double per
+  element instead.
 * Attention with dropout (PyTorch's fused kernels take none on CPU, so
   ``sdpa`` falls back to its slower math path) runs :func:`attention`:
-  explicit scores, softmax, the same dropout, values; without dropout (eval
-  mode, or models whose attention dropout is 0) it is ``sdpa`` itself. It
-  is installed only on models built on transformers' attention interface
-  whose ``_attn_implementation`` is ``"sdpa"``, and only if the copy's
-  eval-mode output still equals the model's (:func:`train_copy` checks).
+  scores, then scale, causal mask, softmax and dropout in one pass, then
+  values; without dropout (eval mode, or models whose attention dropout is
+  0) it is ``sdpa`` itself. It replaces ``"sdpa"`` (transformers' default)
+  only if the copy's eval-mode loss still equals the model's (checked).
 * transformers' ``gelu_new``, ``gelu_fast`` and ``gelu_pytorch_tanh``
   activations and ``nn.GELU(approximate="tanh")`` (five element-wise ops,
-  or one slow ``tanh`` kernel) become :class:`TanhGELU`, the same function
-  as ``x * sigmoid(2u)`` in one native pass (torch's ``gelu`` elsewhere).
+  or one slow ``tanh`` kernel) become :class:`TanhGELU`: the same function
+  as ``x * sigmoid(2u)``.
+* :func:`token_cross_entropy` (used by
+  :func:`~gradsketch.slt.per_token_loss`) reads the logits once.
+
+On contiguous CPU float32 tensors these run the native kernels of
+``gs_train.h`` (compiled with the count sketch's, reached through
+:func:`gradsketch.sketch._backend.native_library`), forward and backward,
+with errors against float64 no larger than torch's own kernels'; the
+dropout bits there are SplitMix64 of a counter under one seed per call,
+drawn from the stream, so a backward pass recomputes its mask instead of
+storing it. Elsewhere (other dtypes or devices, no C compiler,
+``GRADSKETCH_NATIVE=0``) torch's operations compute the same.
 
 Every dropout mask of the copy comes from the generator installed by
 :func:`dropout_stream` in the calling thread (torch's default generator

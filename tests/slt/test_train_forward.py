@@ -35,8 +35,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         if tf._native_kernels() is None:
             pytest.skip(f"native kernels unavailable: {native_status().reason}")
     else:
-        monkeypatch.setattr(tf, "_NATIVE", None)
-        monkeypatch.setattr(tf, "_NATIVE_LOOKED_UP", True)
+        monkeypatch.setattr(tf, "_native_kernels", lambda: None)
     return str(request.param)
 
 

@@ -111,7 +111,8 @@ class NativeStatus:
 
 _lock = threading.Lock()
 _state: tuple[NativeStatus, dict[tuple[str, str], Any] | None] | None = None
-_library: ctypes.CDLL | None = None
+#: The key of the loaded library itself among ``_state``'s kernels.
+_LIBRARY = ("library", "")
 
 
 def _cache_root() -> Path:
@@ -229,9 +230,7 @@ def _load() -> tuple[NativeStatus, dict[tuple[str, str], Any] | None]:
         return NativeStatus(False, f"a second OpenMP runtime was loaded: {sorted(after)}"), None
     if lib.gs_abi_version() != ABI_VERSION:
         return NativeStatus(False, f"{target} has another interface version"), None
-    global _library
-    _library = lib
-    kernels = {}
+    kernels: dict[tuple[str, str], Any] = {_LIBRARY: lib}
     for value in _VALUE.values():
         for index in _INDEX.values():
             fn = getattr(lib, f"gs_reduce_{value}_{index}")
@@ -275,8 +274,8 @@ def library() -> ctypes.CDLL | None:
         >>> library() is None or hasattr(library(), "gs_dropout_f32")
         True
     """
-    _kernels()
-    return _library
+    kernels = _kernels()
+    return None if kernels is None else kernels.get(_LIBRARY)
 
 
 def available(device: torch.device) -> bool:

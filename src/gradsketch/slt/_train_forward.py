@@ -77,71 +77,55 @@ _BITS = 65536  # 16 random bits per element
 _STREAM = threading.local()
 _REGISTER_LOCK = threading.Lock()
 _REGISTERED = False
-#: The native kernels' ctypes functions by name; None when unavailable; unset until looked up.
-_NATIVE: dict[str, Any] | None = None
-_NATIVE_LOOKED_UP = False
+#: ``(library, its kernels by name)`` as last bound.
+_BOUND: tuple[Any, dict[str, Any]] | None = None
 
 
 def _native_kernels() -> dict[str, Any] | None:
-    """``gs_train.h``'s kernels from the native library (None without one), bound once."""
-    global _NATIVE, _NATIVE_LOOKED_UP
-    if not _NATIVE_LOOKED_UP:
-        with _REGISTER_LOCK:
-            if not _NATIVE_LOOKED_UP:
-                from gradsketch.sketch._backend import native_library
+    """``gs_train.h``'s kernels from the native library (None without one).
 
-                lib = native_library()
-                if lib is not None:
-                    ptr, size = ctypes.c_void_p, ctypes.c_int64
-                    kernels: dict[str, tuple[Any, list[Any]]] = {
-                        "dropout": (
-                            lib.gs_dropout_f32,
-                            [ptr, ptr, size, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float],
-                        ),
-                        "gelu": (lib.gs_gelu_tanh_f32, [ptr, ptr, size]),
-                        "gelu_backward": (lib.gs_gelu_tanh_backward_f32, [ptr, ptr, ptr, size]),
-                        "softmax_dropout": (
-                            lib.gs_softmax_dropout_f32,
-                            [
-                                ptr,
-                                ptr,
-                                ptr,
-                                size,
-                                size,
-                                size,
-                                ctypes.c_int,
-                                ctypes.c_float,
-                                ctypes.c_uint64,
-                                ctypes.c_uint32,
-                                ctypes.c_float,
-                            ],
-                        ),
-                        "xent": (lib.gs_token_xent_f32, [ptr, ptr, ptr, ptr, size, size]),
-                        "xent_backward": (
-                            lib.gs_token_xent_backward_f32,
-                            [ptr, ptr, ptr, ptr, ptr, size, size],
-                        ),
-                        "softmax_dropout_backward": (
-                            lib.gs_softmax_dropout_backward_f32,
-                            [
-                                ptr,
-                                ptr,
-                                ptr,
-                                size,
-                                size,
-                                ctypes.c_float,
-                                ctypes.c_uint64,
-                                ctypes.c_uint32,
-                                ctypes.c_float,
-                            ],
-                        ),
-                    }
-                    for fn, argtypes in kernels.values():
-                        fn.argtypes = argtypes
-                        fn.restype = None
-                    _NATIVE = {name: fn for name, (fn, _) in kernels.items()}
-                _NATIVE_LOOKED_UP = True
-    return _NATIVE
+    Bound once per library object: the library in use is asked for on every
+    call, so a change of it (the tests load other builds) is followed.
+    """
+    global _BOUND
+    from gradsketch.sketch._backend import native_library
+
+    lib = native_library()
+    if lib is None:
+        return None
+    bound = _BOUND
+    if bound is not None and bound[0] is lib:
+        return bound[1]
+    with _REGISTER_LOCK:
+        ptr, size = ctypes.c_void_p, ctypes.c_int64
+        signatures: dict[str, tuple[str, list[Any]]] = {
+            "dropout": (
+                "gs_dropout_f32",
+                [ptr, ptr, size, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float],
+            ),
+            "gelu": ("gs_gelu_tanh_f32", [ptr, ptr, size]),
+            "gelu_backward": ("gs_gelu_tanh_backward_f32", [ptr, ptr, ptr, size]),
+            "softmax_dropout": (
+                "gs_softmax_dropout_f32",
+                [ptr, ptr, ptr, size, size, size, ctypes.c_int, ctypes.c_float,
+                 ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float],
+            ),
+            "softmax_dropout_backward": (
+                "gs_softmax_dropout_backward_f32",
+                [ptr, ptr, ptr, size, size, ctypes.c_float, ctypes.c_uint64,
+                 ctypes.c_uint32, ctypes.c_float],
+            ),
+            "xent": ("gs_token_xent_f32", [ptr, ptr, ptr, ptr, size, size]),
+            "xent_backward": ("gs_token_xent_backward_f32", [ptr, ptr, ptr, ptr, ptr, size, size]),
+        }  # fmt: skip
+        kernels = {}
+        for name, (symbol, argtypes) in signatures.items():
+            fn = getattr(lib, symbol)
+            fn.argtypes = argtypes
+            fn.restype = None
+            kernels[name] = fn
+        _BOUND = (lib, kernels)
+    return kernels
 
 
 def _native_for(x: torch.Tensor) -> dict[str, Any] | None:

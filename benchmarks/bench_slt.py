@@ -171,11 +171,31 @@ def main() -> None:
         wrs = {"full": None, "l0h0": head}
         return lambda: fn(model, train, obs, wrs, sampling_task="train", **kw)
 
-    def spread(task: str, result: Any) -> float | None:
-        """Standard error of the mean over chains (llc only)."""
-        if task != "llc":
+    def spread(task: str, result: Any, out: Path) -> float | None:
+        """Standard error of the estimate from its spread over chains.
+
+        llc: the chains' LLCs. bif and susceptibilities: the same estimate
+        computed from each chain's draws alone (gradsketch's ``compute_*``,
+        which give devinterp's numbers on either store), read back from the
+        stores under ``out``'s directory. With 2 chains each standard error
+        has one degree of freedom, so |z| < 3 is a rough tolerance only.
+        """
+        if task == "llc":
+            per_chain = np.asarray(result["llc_per_chain"].values, dtype=float)
+        else:
+            import xarray as xr
+
+            stores = {
+                p.stem.removeprefix("s_"): xr.open_datatree(str(p), engine="zarr").dataset
+                for p in sorted(out.parent.glob("*.zarr"))
+            }
+            chains = next(iter(stores.values())).sizes["chain"]
+            per_chain = np.asarray(
+                [estimate(task, _per_chain_result(task, stores, c, slt)) for c in range(chains)],
+                dtype=float,
+            )
+        if per_chain.size < 2:
             return None
-        per_chain = np.asarray(result["llc_per_chain"].values, dtype=float)
         return float(per_chain.std(ddof=1) / np.sqrt(per_chain.size))
 
     def estimate(task: str, result: Any) -> float:
@@ -195,11 +215,11 @@ def main() -> None:
                 tmp = Path(tempfile.mkdtemp())
                 try:
                     wall, cpu, result = timed(task_fns(task, lib, tmp / "s.zarr"))
+                    sems[lib].append(spread(task, result, tmp / "s.zarr"))
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                 times[lib].append((wall, cpu))
                 estimates[lib].append(estimate(task, result))
-                sems[lib].append(spread(task, result))
         med = {
             lib: (
                 statistics.median(t[0] for t in v),
@@ -219,7 +239,8 @@ def main() -> None:
                 "cpu_speedup": med["devinterp"][1] / med["gradsketch"][1],
                 "estimate_gradsketch": statistics.median(estimates["gradsketch"]),
                 "estimate_devinterp": statistics.median(estimates["devinterp"]),
-                # Last repeat: (gradsketch - devinterp) / sqrt(sem_g^2 + sem_d^2) over chains.
+                # Last repeat: (gradsketch - devinterp) / sqrt(sem_g^2 + sem_d^2), the
+                # standard errors from the spread over chains (see `spread`).
                 "z": _z(estimates, sems),
                 "train_epochs": args.train_epochs,
                 "repeats": args.repeats,
@@ -235,6 +256,14 @@ def main() -> None:
                 **info,
             }
         )
+
+
+def _per_chain_result(task: str, stores: dict[str, Any], chain: int, slt: Any) -> Any:
+    """``task``'s result from chain ``chain``'s draws alone (stores by restriction name)."""
+    if task == "bif":
+        return slt.compute_bif(next(iter(stores.values())).isel(chain=[chain]), device="cpu")
+    one = {name: ds.isel(chain=[chain]) for name, ds in stores.items()}
+    return slt.compute_susceptibilities(one, sampling_task="train")
 
 
 def _z(estimates: dict[str, list[float]], sems: dict[str, list[float | None]]) -> float | None:

@@ -58,6 +58,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gradsketch.sketch._backend import native_library
+
 __all__ = [
     "ATTENTION_NAME",
     "SeededDropout",
@@ -81,6 +83,21 @@ _REGISTERED = False
 _BOUND: tuple[Any, dict[str, Any]] | None = None
 
 
+def _drop_rule(p: float) -> tuple[int, float]:
+    """``(q, scale)``: drop when 16 random bits are below ``q``; scale kept elements.
+
+    ``q = round(p * 65536)`` and ``scale = 65536 / (65536 - q)``, so the
+    expectation is exact (:func:`dropout`; the fused attention kernel too).
+    """
+    q = round(p * _BITS)
+    return q, _BITS / (_BITS - q)
+
+
+def _stream() -> torch.Generator | None:
+    """The :func:`dropout_stream` generator of the calling thread (None: torch's default)."""
+    return getattr(_STREAM, "generator", None)
+
+
 def _native_kernels() -> dict[str, Any] | None:
     """``gs_train.h``'s kernels from the native library (None without one).
 
@@ -88,8 +105,6 @@ def _native_kernels() -> dict[str, Any] | None:
     call, so a change of it (the tests load other builds) is followed.
     """
     global _BOUND
-    from gradsketch.sketch._backend import native_library
-
     lib = native_library()
     if lib is None:
         return None
@@ -165,12 +180,12 @@ class _NativeSoftmaxDropout(torch.autograd.Function):
         causal: bool,
         seed: int,
         q: int,
+        dscale: float,
         kernels: dict[str, Any],
     ) -> Any:
         cols, q_len = scores.shape[-1], scores.shape[-2]
         rows = scores.numel() // cols
         probs, out = torch.empty_like(scores), torch.empty_like(scores)
-        dscale = _BITS / (_BITS - q)
         kernels["softmax_dropout"](
             scores.data_ptr(), probs.data_ptr(), out.data_ptr(), rows, cols, q_len,
             int(causal), scale, seed, q, dscale,
@@ -188,7 +203,7 @@ class _NativeSoftmaxDropout(torch.autograd.Function):
         kernels["softmax_dropout_backward"](
             grad.data_ptr(), probs.data_ptr(), out.data_ptr(), rows, cols, scale, seed, q, dscale
         )
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 class _NativeTokenCrossEntropy(torch.autograd.Function):
@@ -296,7 +311,7 @@ def dropout_stream(generator: torch.Generator | None) -> Iterator[None]:
         >>> torch.equal(a, b)
         True
     """
-    before = getattr(_STREAM, "generator", None)
+    before = _stream()
     _STREAM.generator = generator
     try:
         yield
@@ -321,13 +336,12 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"`p` must be in [0, 1), got {p!r}; pass a dropout probability.")
-    q = round(p * _BITS)
+    q, scale = _drop_rule(p)
     if q == 0:
         return x
-    generator = getattr(_STREAM, "generator", None)
+    generator = _stream()
     kernels = _native_for(x)
     if kernels is not None:
-        scale = _BITS / (_BITS - q)
         return _NativeDropout.apply(x, _seed(generator), q, scale, kernels["dropout"])  # type: ignore[no-any-return]
     n = x.numel()
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device)
@@ -335,7 +349,7 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     words.random_(-(2**63), None, generator=generator)
     bits = words.view(torch.int16)[:n].view(x.shape)
     keep = bits >= q - _BITS // 2  # int16 in [-32768, 32767]: P(drop) = q / 65536
-    return x * keep.to(x.dtype).mul_(_BITS / (_BITS - q))
+    return x * keep.to(x.dtype).mul_(scale)
 
 
 class SeededDropout(nn.Dropout):
@@ -417,9 +431,10 @@ def _attention_math(
     kernels = _native_for(scores) if mask is None else None
     if kernels is not None:
         # One pass: scale, the causal mask, softmax and dropout (gs_softmax_dropout_f32).
-        q = round(p * _BITS)
-        seed = _seed(getattr(_STREAM, "generator", None))
-        weights = _NativeSoftmaxDropout.apply(scores, scale, causal, seed, q, kernels)
+        q, dscale = _drop_rule(p)
+        weights = _NativeSoftmaxDropout.apply(
+            scores, scale, causal, _seed(_stream()), q, dscale, kernels
+        )
         return torch.matmul(weights.to(value.dtype), value).transpose(1, 2).contiguous()
     scores = scores.mul_(scale)
     lowest = torch.finfo(scores.dtype).min
@@ -512,17 +527,18 @@ def train_copy(
     config: Any = getattr(work, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa":
         _register()
+        probe = probe.to(device)
         was_training = work.training
         # Both passes from the same global generator state (a loss_fn may draw
         # from it even in eval mode), which is left as it was found.
         state = torch.random.get_rng_state()
         try:
             with torch.inference_mode():
-                reference = loss_fn(work.eval(), probe.to(device))
+                reference = loss_fn(work.eval(), probe)
                 config._attn_implementation = ATTENTION_NAME
                 torch.random.set_rng_state(state)
                 try:
-                    swapped = loss_fn(work, probe.to(device))
+                    swapped = loss_fn(work, probe)
                     same = swapped.shape == reference.shape and bool(
                         torch.allclose(swapped, reference, rtol=1e-5, atol=1e-6)
                     )

@@ -15,10 +15,20 @@ static inline uint64_t gs_mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
+/* The 64 random bits of block b (elements 4b .. 4b + 3) under seed. */
+static inline uint64_t gs_block_bits(uint64_t seed, uint64_t b) {
+    return gs_mix64(seed + b * 0x9E3779B97F4A7C15ULL);
+}
+
+/* Element idx's 16 bits: lane idx % 4 of its block's word, as gs_dropout_f32 reads them. */
+static inline uint32_t gs_element_bits(uint64_t seed, uint64_t idx) {
+    return (uint32_t)(gs_block_bits(seed, idx >> 2) >> (16 * (idx & 3))) & 0xFFFFu;
+}
+
 /* Elements per block of hashed bits. */
 #define GS_DROP_CHUNK 1024
 
-/* y[i] = x[i] * scale when lane i % 4 of gs_mix64(seed + (i / 4) * golden) is >= q, else 0.
+/* y[i] = x[i] * scale when gs_element_bits(seed, i) >= q, else 0 (whole blocks at a time).
  * The mask depends on (seed, i) only, so the backward pass applies the same call to the
  * incoming gradient. x and y may be the same array. */
 void gs_dropout_f32(const float *x, float *y, int64_t n, uint64_t seed, uint32_t q,
@@ -29,7 +39,7 @@ void gs_dropout_f32(const float *x, float *y, int64_t n, uint64_t seed, uint32_t
         int64_t m = n - i0 < GS_DROP_CHUNK ? n - i0 : GS_DROP_CHUNK;
         int64_t b0 = i0 / 4;
         for (int64_t b = 0; b < (m + 3) / 4; b++)
-            words[b] = gs_mix64(seed + (uint64_t)(b0 + b) * 0x9E3779B97F4A7C15ULL);
+            words[b] = gs_block_bits(seed, (uint64_t)(b0 + b));
         memcpy(lanes, words, sizeof lanes); /* little-endian: lane l of word b is element 4b + l */
         for (int64_t j = 0; j < m; j++)
             y[i0 + j] = lanes[j] >= q ? x[i0 + j] * scale : 0.0f;
@@ -83,7 +93,7 @@ void gs_gelu_tanh_backward_f32(const float *g, const float *x, float *dx, int64_
 /* Attention weights with dropout, for scores without a mask or with the causal one: for each
  * of `rows` rows of `cols` scores (row r is query r % q_len, which sees keys <= its position
  * + cols - q_len when causal), probs = softmax(scale * scores) (masked keys 0) and out =
- * probs with gs_dropout_f32's mask of element r * cols + j under `seed`. */
+ * probs with gs_dropout_f32's mask of element r * cols + j under `seed` (gs_element_bits). */
 void gs_softmax_dropout_f32(const float *scores, float *probs, float *out, int64_t rows,
                             int64_t cols, int64_t q_len, int causal, float scale,
                             uint64_t seed, uint32_t q, float dscale) {
@@ -105,10 +115,7 @@ void gs_softmax_dropout_f32(const float *scores, float *probs, float *out, int64
         for (int64_t j = seen; j < cols; j++) p[j] = 0.0f;
         uint64_t first = (uint64_t)(r * cols);
         for (int64_t j = 0; j < cols; j++) {
-            uint64_t idx = first + (uint64_t)j;
-            uint64_t h = gs_mix64(seed + (idx >> 2) * 0x9E3779B97F4A7C15ULL);
-            uint32_t bits = (uint32_t)(h >> (16 * (idx & 3))) & 0xFFFFu;
-            o[j] = bits >= q ? p[j] * dscale : 0.0f;
+            o[j] = gs_element_bits(seed, first + (uint64_t)j) >= q ? p[j] * dscale : 0.0f;
         }
     }
 }
@@ -124,10 +131,7 @@ void gs_softmax_dropout_backward_f32(const float *grad_out, const float *probs,
         uint64_t first = (uint64_t)(r * cols);
         float dot = 0.0f;
         for (int64_t j = 0; j < cols; j++) {
-            uint64_t idx = first + (uint64_t)j;
-            uint64_t h = gs_mix64(seed + (idx >> 2) * 0x9E3779B97F4A7C15ULL);
-            uint32_t bits = (uint32_t)(h >> (16 * (idx & 3))) & 0xFFFFu;
-            d[j] = bits >= q ? g[j] * dscale : 0.0f;
+            d[j] = gs_element_bits(seed, first + (uint64_t)j) >= q ? g[j] * dscale : 0.0f;
             dot += d[j] * p[j];
         }
         for (int64_t j = 0; j < cols; j++) d[j] = scale * p[j] * (d[j] - dot);

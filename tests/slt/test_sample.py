@@ -28,6 +28,7 @@ from gradsketch.slt import (
     sample,
 )
 from gradsketch.slt import _sample as sample_module
+from gradsketch.slt._data import as_token_tensor
 
 pytest.importorskip("xarray")
 
@@ -402,6 +403,13 @@ def test_data_errors(tmp_path: Path, data: torch.Tensor) -> None:
         sample(model, data.float(), {"d": data}, output_path=tmp_path / "b", **BASE)
     with pytest.raises(ValueError, match=r"non-empty dict"):
         sample(model, data, {}, output_path=tmp_path / "c", **BASE)
+    from datasets import Dataset
+
+    ragged = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]]})
+    with pytest.raises(ValueError, match=r"`dataset` has 'input_ids' sequences of different"):
+        sample(model, ragged, {"d": data}, output_path=tmp_path / "e", **BASE)
+    table = Dataset.from_dict({"input_ids": data.tolist()}).with_format("torch")
+    assert torch.equal(as_token_tensor(table), data)
 
     def bad_shape(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return per_token_loss(m, ids).mean(dim=1)

@@ -253,6 +253,79 @@ def test_attention_math_applies_the_streams_dropout_mask_to_the_weights(backend:
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "q_len", "k_len"), [(4, 4, 9, 9), (4, 2, 5, 7), (2, 1, 3, 1030)]
+)
+def test_attention_with_dropout_matches_float64_forward_and_backward(
+    heads: int, kv_heads: int, q_len: int, k_len: int, causal: bool, backend: str
+) -> None:
+    """Query laid out as GPT-2's (a head-major view of one packed projection), key as a
+    ``[b, t, h, d]`` view, value contiguous; grouped-query heads; rows longer than the
+    native kernels' 1024-column blocks. Output and the gradients of the three leaves
+    against a float64 per-head loop with the mask :func:`dropout` draws from the same
+    stream; without autograd the output is the same bits."""
+    gen = torch.Generator().manual_seed(1)
+    b, d, p = 2, 6, 0.2
+    leaves = [
+        torch.randn(b, q_len, 3 * heads * d, generator=gen),
+        torch.randn(b, k_len, kv_heads, d, generator=gen),
+        torch.randn(b, kv_heads, k_len, d, generator=gen),
+    ]
+
+    def views(packed: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        q = packed[..., : heads * d].view(b, q_len, heads, d).transpose(1, 2)
+        return [q, k.transpose(1, 2), v]
+
+    with tf.dropout_stream(torch.Generator().manual_seed(7)):
+        factor = tf.dropout(torch.ones(b, heads, q_len, k_len), p)
+    ours = [t.clone().requires_grad_() for t in leaves]
+    with tf.dropout_stream(torch.Generator().manual_seed(7)):
+        got = tf._attention_math(*views(*ours), None, p, 0.4, causal)
+    with torch.no_grad(), tf.dropout_stream(torch.Generator().manual_seed(7)):
+        assert torch.equal(tf._attention_math(*views(*leaves), None, p, 0.4, causal), got)
+    ref = [t.double().requires_grad_() for t in leaves]
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    want = _reference_attention(
+        *views(*ref),
+        allowed=allowed.expand(b, 1, q_len, k_len) if causal else None,
+        mask_factor=factor,
+        scale=0.4,
+    )
+    np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), rtol=1e-5, atol=1e-6)
+    weights = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    for mine, theirs in zip(ours, ref):
+        assert mine.grad is not None and theirs.grad is not None
+        np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_attention_is_the_same_bits_on_more_threads_and_declines_strided_heads() -> None:
+    """The native kernel shares batches among threads: each batch's work is the same
+    whatever the count. A head dimension without unit stride (BLAS cannot read it in
+    place) is left to torch's path, which still gives the answer."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(3, 2, 7, 5, generator=gen, requires_grad=True) for _ in range(3))
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with tf.dropout_stream(torch.Generator().manual_seed(3)):
+                out = tf._attention_math(q, k, v, None, 0.3, None, True)
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
+            results.append((out, *grads))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    strided = torch.randn(3, 2, 7, 10, generator=gen)[..., ::2]
+    assert tf._fused_attention(strided, k, v, 0.3, 0.5, True) is None
+    with tf.dropout_stream(torch.Generator().manual_seed(3)):
+        got = tf._attention_math(strided, k, v, None, 0.3, 0.5, True)
+    assert got.shape == (3, 7, 2, 5)
+
+
 def test_attention_without_dropout_is_sdpa_itself() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

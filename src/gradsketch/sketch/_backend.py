@@ -40,12 +40,13 @@ from typing import Any
 import torch
 
 from gradsketch.sketch import _native
-from gradsketch.sketch._native import NativeStatus, native_status
+from gradsketch.sketch._native import NativeStatus, blas_sgemm, native_status
 
 __all__ = [
     "BACKENDS",
     "KERNELS",
     "NativeStatus",
+    "blas_sgemm",
     "default_backend",
     "native_library",
     "native_status",

@@ -13,7 +13,6 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -53,7 +52,14 @@ def as_token_tensor(dataset: Any, *, name: str = "dataset") -> torch.Tensor:
                 f"`{name}` has columns {dataset.column_names} but no 'input_ids'; tokenize it "
                 "into an 'input_ids' column of equal-length sequences."
             )
-        ids = torch.as_tensor(np.asarray(dataset.with_format("numpy")["input_ids"]))
+        # One batch read of the column (indexing the column alone reads row by row).
+        column = dataset.with_format("numpy")[:]["input_ids"]
+        if column.dtype == object:
+            raise ValueError(
+                f"`{name}` has 'input_ids' sequences of different lengths; pad or chunk them to "
+                "one length."
+            )
+        ids = torch.as_tensor(column)
     elif isinstance(dataset, Mapping) and "input_ids" in dataset:
         ids = torch.as_tensor(dataset["input_ids"])
     else:

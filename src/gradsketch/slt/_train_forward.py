@@ -58,7 +58,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradsketch.sketch._backend import native_library
+from gradsketch.sketch._backend import blas_sgemm, native_library
 
 __all__ = [
     "ATTENTION_NAME",
@@ -81,6 +81,19 @@ _REGISTER_LOCK = threading.Lock()
 _REGISTERED = False
 #: ``(library, its kernels by name)`` as last bound.
 _BOUND: tuple[Any, dict[str, Any]] | None = None
+
+
+class _AttnShape(ctypes.Structure):
+    """``gs_attn_shape``: the sizes and element strides of one fused attention call."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("batch", "heads", "kv_heads", "q_len", "k_len", "d")),
+        *((name, ctypes.c_int64 * 3) for name in ("q", "k", "v", "o")),
+    ]
+
+
+#: BLAS takes 32-bit sizes and strides.
+_BLAS_INT_MAX = 2**31 - 1
 
 
 def _drop_rule(p: float) -> tuple[int, float]:
@@ -130,6 +143,17 @@ def _native_kernels() -> dict[str, Any] | None:
                 [ptr, ptr, ptr, size, size, ctypes.c_float, ctypes.c_uint64,
                  ctypes.c_uint32, ctypes.c_float],
             ),
+            "attention": (
+                "gs_attention_f32",
+                [ptr, ctypes.c_int, ctypes.POINTER(_AttnShape), ptr, ptr, ptr, ptr, ptr,
+                 ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float],
+            ),
+            "attention_backward": (
+                "gs_attention_backward_f32",
+                [ptr, ctypes.c_int, ctypes.POINTER(_AttnShape), ctypes.POINTER(_AttnShape), ptr,
+                 ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_uint64,
+                 ctypes.c_uint32, ctypes.c_float],
+            ),
             "xent": ("gs_token_xent_f32", [ptr, ptr, ptr, ptr, size, size]),
             "xent_backward": ("gs_token_xent_backward_f32", [ptr, ptr, ptr, ptr, ptr, size, size]),
         }  # fmt: skip
@@ -137,7 +161,7 @@ def _native_kernels() -> dict[str, Any] | None:
         for name, (symbol, argtypes) in signatures.items():
             fn = getattr(lib, symbol)
             fn.argtypes = argtypes
-            fn.restype = None
+            fn.restype = ctypes.c_int if symbol.startswith("gs_attention") else None
             kernels[name] = fn
         _BOUND = (lib, kernels)
     return kernels
@@ -231,6 +255,155 @@ class _NativeTokenCrossEntropy(torch.autograd.Function):
             out.data_ptr(), *logits.shape,
         )  # fmt: skip
         return out, None, None
+
+
+def _blas_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """Batch, head and token strides of a ``[b, h, t, d]`` tensor for BLAS, else None.
+
+    None unless ``d`` is unit-strided and the token stride is at least ``d``
+    (BLAS's ``lda >= k``) and within 32 bits; strides of size-1 dimensions
+    are free, so they are set to suit.
+    """
+    d = t.shape[-1]
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return None
+    sb, sh, st = (t.stride(i) if t.shape[i] > 1 else 0 for i in range(3))
+    st = st if t.shape[2] > 1 else d
+    if st < d or max(sb, sh, st) > _BLAS_INT_MAX:
+        return None
+    return sb, sh, st
+
+
+class _NativeAttention(torch.autograd.Function):
+    """``gs_attention_f32`` forward and ``gs_attention_backward_f32`` backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, run: Any
+    ) -> Any:
+        out, probs = run.forward(query, key, value, keep_probs=True)
+        ctx.save_for_backward(query, key, value, probs)
+        ctx.run = run
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        query, key, value, probs = ctx.saved_tensors
+        return (*ctx.run.backward(grad, query, key, value, probs), None)
+
+
+class _FusedAttention:
+    """One attention call of the fused kernels: its settings, mask seed, kernels and sgemm."""
+
+    def __init__(
+        self, causal: bool, scale: float, p: float, kernels: dict[str, Any], gemm: int
+    ) -> None:
+        self.causal, self.scale, self.kernels, self.gemm = causal, scale, kernels, gemm
+        self.q, self.dscale = _drop_rule(p)
+        self.seed = _seed(_stream())
+
+    @staticmethod
+    def shape(*tensors: torch.Tensor) -> _AttnShape | None:
+        """The kernels' record of ``[b, h, t, d]`` query, key, value and output.
+
+        Or of their gradients; None where BLAS cannot read one of them where it lies.
+        """
+        strides = [_blas_strides(t) for t in tensors]
+        query, key = tensors[0], tensors[1]
+        if any(st is None for st in strides) or max(*query.shape[2:], key.shape[2]) > _BLAS_INT_MAX:
+            return None
+        b, h, tq, d = query.shape
+        return _AttnShape(b, h, key.shape[1], tq, key.shape[2], d, *strides)
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, keep_probs: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out [b, q, h, d], probs [b, h, q, k] or None)``; None if BLAS cannot read them."""
+        b, h, tq, d = query.shape
+        out = query.new_empty(b, tq, h, d)  # as the attention interface returns it
+        sh = self.shape(query, key, value, out.transpose(1, 2))
+        if sh is None:
+            return None, None  # type: ignore[return-value]
+        probs = query.new_empty(b, h, tq, key.shape[2]) if keep_probs else None
+        status = self.kernels["attention"](
+            self.gemm, torch.get_num_threads(), ctypes.byref(sh), query.data_ptr(),
+            key.data_ptr(), value.data_ptr(), out.data_ptr(),
+            None if probs is None else probs.data_ptr(), int(self.causal), self.scale,
+            self.seed, self.q, self.dscale,
+        )  # fmt: skip
+        _check_status(status)
+        return out, probs
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of query, key and value for ``grad`` of the ``[b, q, h, d]`` output.
+
+        Laid out ``[b, t, h, d]``, as the projections' outputs they flow back to are.
+        """
+        b, h, tq, d = query.shape
+        g, tk = key.shape[1], key.shape[2]
+        dq = query.new_empty(b, tq, h, d).transpose(1, 2)
+        dk = key.new_empty(b, tk, g, d).transpose(1, 2)
+        dv = value.new_empty(b, tk, g, d).transpose(1, 2)
+        dout = grad.transpose(1, 2)
+        if _blas_strides(dout) is None:
+            dout = grad.contiguous().transpose(1, 2)
+        inputs, grads = self.shape(query, key, value, dout), self.shape(dq, dk, dv, dout)
+        assert inputs is not None and grads is not None  # the forward pass read these
+        status = self.kernels["attention_backward"](
+            self.gemm, torch.get_num_threads(), ctypes.byref(inputs), ctypes.byref(grads),
+            dout.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(),
+            probs.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), self.scale,
+            self.seed, self.q, self.dscale,
+        )  # fmt: skip
+        _check_status(status)
+        return dq, dk, dv
+
+
+def _check_status(status: int) -> None:
+    if status != 0:
+        raise MemoryError("the fused attention kernel could not allocate its rows of scores")
+
+
+def _fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    p: float,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor | None:
+    """Attention with dropout by the fused native kernels (``[b, q, h, d]``), or None.
+
+    None, for the caller's path, unless query, key and value are float32 CPU
+    ``[b, h, t, d]`` tensors that BLAS can read where they lie (any head and
+    token strides; no copies), and the native kernels and a BLAS ``sgemm``
+    are at hand. Heads share key/value heads in groups (grouped-query).
+    """
+    tensors = (query, key, value)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 4 for t in tensors):
+        return None
+    if (
+        key.shape != value.shape
+        or key.shape[0] != query.shape[0]
+        or key.shape[-1] != query.shape[-1]
+    ):
+        return None
+    if query.shape[1] % key.shape[1] or query.numel() == 0 or key.shape[2] == 0:
+        return None
+    kernels, gemm = _native_kernels(), blas_sgemm()
+    if kernels is None or gemm is None or _FusedAttention.shape(*tensors, query) is None:
+        return None
+    run = _FusedAttention(causal, scale, p, kernels, gemm)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _NativeAttention.apply(query, key, value, run)  # type: ignore[no-any-return]
+    return run.forward(query, key, value, keep_probs=False)[0]
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -421,11 +594,15 @@ def _attention_math(
     causal: bool,
 ) -> torch.Tensor:
     """``softmax(q k^T * scaling + mask)`` with :func:`dropout`, times ``v``: ``[b, q, h, d]``."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if mask is None:
+        fused = _fused_attention(query, key, value, p, scale, causal)
+        if fused is not None:
+            return fused
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     q_len, k_len = query.shape[2], key.shape[2]
     scores = torch.matmul(query, key.transpose(-1, -2))
     kernels = _native_for(scores) if mask is None else None

@@ -6,6 +6,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* SplitMix64's output function (Steele, Lea and Flood 2014) of a counter: 64 well-mixed
  * bits per block of four elements, from which each element takes one 16-bit lane. */
@@ -20,29 +22,35 @@ static inline uint64_t gs_block_bits(uint64_t seed, uint64_t b) {
     return gs_mix64(seed + b * 0x9E3779B97F4A7C15ULL);
 }
 
-/* Element idx's 16 bits: lane idx % 4 of its block's word, as gs_dropout_f32 reads them. */
-static inline uint32_t gs_element_bits(uint64_t seed, uint64_t idx) {
-    return (uint32_t)(gs_block_bits(seed, idx >> 2) >> (16 * (idx & 3))) & 0xFFFFu;
-}
-
 /* Elements per block of hashed bits. */
 #define GS_DROP_CHUNK 1024
 
-/* y[i] = x[i] * scale when gs_element_bits(seed, i) >= q, else 0 (whole blocks at a time).
+/* The 16 mask bits of elements first .. first + m - 1 (m <= GS_DROP_CHUNK): element i's are
+ * lane i % 4 of its block's word gs_block_bits(seed, i / 4). The words of the blocks that
+ * cover the elements are hashed once each and read as 16-bit lanes (little-endian: lane l
+ * of word b is element 4b + l). Returns where element `first` is, inside `lanes`. */
+static inline const uint16_t *gs_lanes(uint64_t seed, uint64_t first, int64_t m,
+                                       uint64_t words[GS_DROP_CHUNK / 4 + 1],
+                                       uint16_t lanes[GS_DROP_CHUNK + 4]) {
+    uint64_t b0 = first >> 2;
+    int64_t blocks = (int64_t)(((first + (uint64_t)m + 3) >> 2) - b0);
+    for (int64_t b = 0; b < blocks; b++) words[b] = gs_block_bits(seed, b0 + (uint64_t)b);
+    memcpy(lanes, words, (size_t)blocks * sizeof(uint64_t));
+    return lanes + (first & 3);
+}
+
+/* y[i] = x[i] * scale when element i's bits (gs_lanes) are >= q, else 0 (whole blocks at a time).
  * The mask depends on (seed, i) only, so the backward pass applies the same call to the
  * incoming gradient. x and y may be the same array. */
 void gs_dropout_f32(const float *x, float *y, int64_t n, uint64_t seed, uint32_t q,
                     float scale) {
+    uint64_t words[GS_DROP_CHUNK / 4 + 1];
+    uint16_t lanes[GS_DROP_CHUNK + 4];
     for (int64_t i0 = 0; i0 < n; i0 += GS_DROP_CHUNK) {
-        uint64_t words[GS_DROP_CHUNK / 4];
-        uint16_t lanes[GS_DROP_CHUNK];
         int64_t m = n - i0 < GS_DROP_CHUNK ? n - i0 : GS_DROP_CHUNK;
-        int64_t b0 = i0 / 4;
-        for (int64_t b = 0; b < (m + 3) / 4; b++)
-            words[b] = gs_block_bits(seed, (uint64_t)(b0 + b));
-        memcpy(lanes, words, sizeof lanes); /* little-endian: lane l of word b is element 4b + l */
+        const uint16_t *bits = gs_lanes(seed, (uint64_t)i0, m, words, lanes);
         for (int64_t j = 0; j < m; j++)
-            y[i0 + j] = lanes[j] >= q ? x[i0 + j] * scale : 0.0f;
+            y[i0 + j] = bits[j] >= q ? x[i0 + j] * scale : 0.0f;
     }
 }
 
@@ -90,54 +98,6 @@ void gs_gelu_tanh_backward_f32(const float *g, const float *x, float *dx, int64_
     }
 }
 
-/* Attention weights with dropout, for scores without a mask or with the causal one: for each
- * of `rows` rows of `cols` scores (row r is query r % q_len, which sees keys <= its position
- * + cols - q_len when causal), probs = softmax(scale * scores) (masked keys 0) and out =
- * probs with gs_dropout_f32's mask of element r * cols + j under `seed` (gs_element_bits). */
-void gs_softmax_dropout_f32(const float *scores, float *probs, float *out, int64_t rows,
-                            int64_t cols, int64_t q_len, int causal, float scale,
-                            uint64_t seed, uint32_t q, float dscale) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *s = scores + r * cols;
-        float *p = probs + r * cols, *o = out + r * cols;
-        int64_t seen = causal ? (r % q_len) + cols - q_len + 1 : cols;
-        if (seen > cols) seen = cols;
-        if (seen < 1) seen = 1;
-        float m = s[0] * scale;
-        for (int64_t j = 1; j < seen; j++) m = s[j] * scale > m ? s[j] * scale : m;
-        float total = 0.0f;
-        for (int64_t j = 0; j < seen; j++) {
-            p[j] = gs_expf(s[j] * scale - m);
-            total += p[j];
-        }
-        float inv = 1.0f / total;
-        for (int64_t j = 0; j < seen; j++) p[j] *= inv;
-        for (int64_t j = seen; j < cols; j++) p[j] = 0.0f;
-        uint64_t first = (uint64_t)(r * cols);
-        for (int64_t j = 0; j < cols; j++) {
-            o[j] = gs_element_bits(seed, first + (uint64_t)j) >= q ? p[j] * dscale : 0.0f;
-        }
-    }
-}
-
-/* The gradient of the scores: with gp = the dropout mask times dscale times grad_out,
- * grad_scores = scale * probs * (gp - sum_j gp_j probs_j), row by row. */
-void gs_softmax_dropout_backward_f32(const float *grad_out, const float *probs,
-                                     float *grad_scores, int64_t rows, int64_t cols,
-                                     float scale, uint64_t seed, uint32_t q, float dscale) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = grad_out + r * cols, *p = probs + r * cols;
-        float *d = grad_scores + r * cols;
-        uint64_t first = (uint64_t)(r * cols);
-        float dot = 0.0f;
-        for (int64_t j = 0; j < cols; j++) {
-            d[j] = gs_element_bits(seed, first + (uint64_t)j) >= q ? g[j] * dscale : 0.0f;
-            dot += d[j] * p[j];
-        }
-        for (int64_t j = 0; j < cols; j++) d[j] = scale * p[j] * (d[j] - dot);
-    }
-}
-
 /* Sum and max of a row in 16 independent lanes (so that the loops vectorize), then lanes. */
 #define GS_LANES 16
 
@@ -153,6 +113,28 @@ static inline float gs_row_max(const float *x, int64_t n) {
     return m;
 }
 
+static inline float gs_row_sum(const float *x, int64_t n) {
+    float acc[GS_LANES] = {0};
+    int64_t j = 0;
+    for (; j + GS_LANES <= n; j += GS_LANES)
+        for (int l = 0; l < GS_LANES; l++) acc[l] += x[j + l];
+    float s = 0.0f;
+    for (int l = 0; l < GS_LANES; l++) s += acc[l];
+    for (; j < n; j++) s += x[j];
+    return s;
+}
+
+static inline float gs_row_dot(const float *x, const float *y, int64_t n) {
+    float acc[GS_LANES] = {0};
+    int64_t j = 0;
+    for (; j + GS_LANES <= n; j += GS_LANES)
+        for (int l = 0; l < GS_LANES; l++) acc[l] += x[j + l] * y[j + l];
+    float s = 0.0f;
+    for (int l = 0; l < GS_LANES; l++) s += acc[l];
+    for (; j < n; j++) s += x[j] * y[j];
+    return s;
+}
+
 static inline float gs_row_sum_exp(const float *x, int64_t n, float shift) {
     float acc[GS_LANES] = {0};
     int64_t j = 0;
@@ -162,6 +144,194 @@ static inline float gs_row_sum_exp(const float *x, int64_t n, float shift) {
     for (int l = 0; l < GS_LANES; l++) s += acc[l];
     for (; j < n; j++) s += gs_expf(x[j] - shift);
     return s;
+}
+
+/* Keys query row `row` of `q_len` (aligned to the last of `cols` keys) sees: all when not
+ * causal, else those <= row + cols - q_len (at least one). */
+static inline int64_t gs_seen(int64_t row, int64_t q_len, int64_t cols, int causal) {
+    int64_t seen = causal ? row + cols - q_len + 1 : cols;
+    return seen > cols ? cols : (seen < 1 ? 1 : seen);
+}
+
+/* w = p with gs_dropout_f32's mask of elements first .. first + cols - 1 (scaled by dscale). */
+static inline void gs_dropout_row(const float *p, float *w, int64_t cols, uint64_t seed,
+                                  uint64_t first, uint32_t q, float dscale) {
+    uint64_t words[GS_DROP_CHUNK / 4 + 1];
+    uint16_t lanes[GS_DROP_CHUNK + 4];
+    for (int64_t j0 = 0; j0 < cols; j0 += GS_DROP_CHUNK) {
+        int64_t n = cols - j0 < GS_DROP_CHUNK ? cols - j0 : GS_DROP_CHUNK;
+        const uint16_t *bits = gs_lanes(seed, first + (uint64_t)j0, n, words, lanes);
+        const float *pc = p + j0;
+        float *wc = w + j0;
+        for (int64_t j = 0; j < n; j++) wc[j] = bits[j] >= q ? pc[j] * dscale : 0.0f;
+    }
+}
+
+/* p = softmax(scale * s) over the first `seen` of `cols` keys, 0 after. Loops without a
+ * carried dependency (the max and the sum in gs_row_* lanes), so that each vectorizes. */
+static inline void gs_softmax_row(const float *s, float *p, int64_t cols, int64_t seen,
+                                  float scale) {
+    for (int64_t j = 0; j < seen; j++) p[j] = s[j] * scale;
+    float m = gs_row_max(p, seen);
+    for (int64_t j = 0; j < seen; j++) p[j] = gs_expf(p[j] - m);
+    float inv = 1.0f / gs_row_sum(p, seen);
+    for (int64_t j = 0; j < seen; j++) p[j] *= inv;
+    for (int64_t j = seen; j < cols; j++) p[j] = 0.0f;
+}
+
+/* d = scale * p * (gm - sum_j gm_j p_j), gm = the dropout mask (of elements first ..) times
+ * dscale times g: the gradient of the scores of one row. d may be g. */
+static inline void gs_softmax_dropout_row_backward(const float *g, const float *p, float *d,
+                                                   int64_t cols, float scale, uint64_t seed,
+                                                   uint64_t first, uint32_t q, float dscale) {
+    gs_dropout_row(g, d, cols, seed, first, q, dscale);
+    float dot = gs_row_dot(d, p, cols);
+    for (int64_t j = 0; j < cols; j++) d[j] = scale * p[j] * (d[j] - dot);
+}
+
+/* Attention weights with dropout, for scores without a mask or with the causal one: for each
+ * of `rows` rows of `cols` scores (row r is query r % q_len, gs_seen), probs = softmax(scale
+ * * scores) (masked keys 0) and out = probs with gs_dropout_f32's mask of element
+ * r * cols + j under `seed`. */
+void gs_softmax_dropout_f32(const float *scores, float *probs, float *out, int64_t rows,
+                            int64_t cols, int64_t q_len, int causal, float scale,
+                            uint64_t seed, uint32_t q, float dscale) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *p = probs + r * cols;
+        gs_softmax_row(scores + r * cols, p, cols, gs_seen(r % q_len, q_len, cols, causal), scale);
+        gs_dropout_row(p, out + r * cols, cols, seed, (uint64_t)(r * cols), q, dscale);
+    }
+}
+
+/* The gradient of gs_softmax_dropout_f32's scores, row by row
+ * (gs_softmax_dropout_row_backward). */
+void gs_softmax_dropout_backward_f32(const float *grad_out, const float *probs,
+                                     float *grad_scores, int64_t rows, int64_t cols,
+                                     float scale, uint64_t seed, uint32_t q, float dscale) {
+    for (int64_t r = 0; r < rows; r++)
+        gs_softmax_dropout_row_backward(grad_out + r * cols, probs + r * cols,
+                                        grad_scores + r * cols, cols, scale, seed,
+                                        (uint64_t)(r * cols), q, dscale);
+}
+
+/* ------------------------------------------------------------------ fused attention */
+
+/* The Fortran BLAS sgemm (column-major; the caller passes the one torch or SciPy uses). */
+typedef void (*gs_sgemm_fn)(const char *, const char *, const int *, const int *, const int *,
+                            const float *, const float *, const int *, const float *,
+                            const int *, const float *, float *, const int *);
+
+/* Row-major C (m x n, row stride ldc) = alpha op(A) op(B) + beta C, with A (m x k after op)
+ * and B (k x n after op) row-major of row strides lda and ldb (op: transposed when ta / tb
+ * is 'T'): column-major sgemm of the transposes, C^T = op(B)^T op(A)^T. */
+static inline void gs_gemm_rm(gs_sgemm_fn gemm, char ta, char tb, int64_t m, int64_t n,
+                              int64_t k, float alpha, const float *a, int64_t lda,
+                              const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+    int im = (int)m, in = (int)n, ik = (int)k, ia = (int)lda, ib = (int)ldb, ic = (int)ldc;
+    gemm(&tb, &ta, &in, &im, &ik, &alpha, b, &ib, a, &ia, &beta, c, &ic);
+}
+
+/* Shapes and element strides of one attention call. Tensors are [batch, heads, tokens, d]
+ * with unit stride along d; key and value have kv_heads heads, each serving heads / kv_heads
+ * query heads (grouped-query attention); out is written [batch, heads, q_len, d] through its
+ * strides. */
+typedef struct {
+    int64_t batch, heads, kv_heads, q_len, k_len, d;
+    int64_t q[3], k[3], v[3], o[3]; /* batch, head and token strides */
+} gs_attn_shape;
+
+/* softmax(scale q k^T) (causal or not) with dropout, times v, for every (batch, head):
+ * probs [batch, heads, q_len, k_len] (contiguous) receives the softmax when not NULL (for the
+ * backward pass); the dropout mask of element ((b * heads + h) * q_len + i) * k_len + j is
+ * gs_softmax_dropout_f32's. The products run in `gemm`, reading q, k and v where they lie;
+ * batches are shared among `threads` OpenMP threads. Returns 0, or -1 when out of memory. */
+int gs_attention_f32(gs_sgemm_fn gemm, int threads, const gs_attn_shape *sh, const float *q,
+                     const float *k, const float *v, float *out, float *probs, int causal,
+                     float scale, uint64_t seed, uint32_t qdrop, float dscale) {
+    const int64_t tq = sh->q_len, tk = sh->k_len, group = sh->heads / sh->kv_heads;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t b = 0; b < sh->batch; b++) {
+        float *scratch = malloc((size_t)(tq * tk) * sizeof(float) * (probs ? 2 : 3));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *s = scratch, *w = scratch + tq * tk;
+        for (int64_t h = 0; h < sh->heads; h++) {
+            const int64_t g = h / group, bh = b * sh->heads + h;
+            const float *qh = q + b * sh->q[0] + h * sh->q[1];
+            const float *kh = k + b * sh->k[0] + g * sh->k[1];
+            const float *vh = v + b * sh->v[0] + g * sh->v[1];
+            float *p = probs ? probs + bh * tq * tk : scratch + 2 * tq * tk;
+            gs_gemm_rm(gemm, 'N', 'T', tq, tk, sh->d, 1.0f, qh, sh->q[2], kh, sh->k[2], 0.0f, s,
+                       tk);
+            for (int64_t i = 0; i < tq; i++) {
+                gs_softmax_row(s + i * tk, p + i * tk, tk, gs_seen(i, tq, tk, causal), scale);
+                gs_dropout_row(p + i * tk, w + i * tk, tk, seed, (uint64_t)((bh * tq + i) * tk),
+                               qdrop, dscale);
+            }
+            gs_gemm_rm(gemm, 'N', 'N', tq, sh->d, tk, 1.0f, w, tk, vh, sh->v[2], 0.0f,
+                       out + b * sh->o[0] + h * sh->o[1], sh->o[2]);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The backward pass of gs_attention_f32 from its probs: dq, dk and dv for the gradient dout
+ * of out. sh gives the sizes and the strides of q, k and v; gr those of dq, dk, dv and dout
+ * (in its q, k, v and o). dk and dv of a key/value head sum over the query heads it serves.
+ * Returns 0, or -1 when out of memory. */
+int gs_attention_backward_f32(gs_sgemm_fn gemm, int threads, const gs_attn_shape *sh,
+                              const gs_attn_shape *gr, const float *dout, const float *q,
+                              const float *k, const float *v, const float *probs, float *dq,
+                              float *dk, float *dv, float scale, uint64_t seed, uint32_t qdrop,
+                              float dscale) {
+    const int64_t tq = sh->q_len, tk = sh->k_len, group = sh->heads / sh->kv_heads;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t b = 0; b < sh->batch; b++) {
+        float *scratch = malloc((size_t)(tq * tk) * sizeof(float) * 2);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *w = scratch, *ds = scratch + tq * tk;
+        for (int64_t h = 0; h < sh->heads; h++) {
+            const int64_t g = h / group, bh = b * sh->heads + h;
+            const float beta = h % group ? 1.0f : 0.0f; /* a group's first head overwrites */
+            const float *p = probs + bh * tq * tk;
+            const float *qh = q + b * sh->q[0] + h * sh->q[1];
+            const float *kh = k + b * sh->k[0] + g * sh->k[1];
+            const float *vh = v + b * sh->v[0] + g * sh->v[1];
+            const float *doh = dout + b * gr->o[0] + h * gr->o[1];
+            float *dqh = dq + b * gr->q[0] + h * gr->q[1];
+            float *dkh = dk + b * gr->k[0] + g * gr->k[1];
+            float *dvh = dv + b * gr->v[0] + g * gr->v[1];
+            for (int64_t i = 0; i < tq; i++)
+                gs_dropout_row(p + i * tk, w + i * tk, tk, seed, (uint64_t)((bh * tq + i) * tk),
+                               qdrop, dscale);
+            /* dv += w^T dout; d(weights) = dout v^T, then the scores' gradient in place */
+            gs_gemm_rm(gemm, 'T', 'N', tk, sh->d, tq, 1.0f, w, tk, doh, gr->o[2], beta, dvh,
+                       gr->v[2]);
+            gs_gemm_rm(gemm, 'N', 'T', tq, tk, sh->d, 1.0f, doh, gr->o[2], vh, sh->v[2], 0.0f,
+                       ds, tk);
+            for (int64_t i = 0; i < tq; i++)
+                gs_softmax_dropout_row_backward(ds + i * tk, p + i * tk, ds + i * tk, tk, scale,
+                                                seed, (uint64_t)((bh * tq + i) * tk), qdrop,
+                                                dscale);
+            /* dq = ds k; dk += ds^T q */
+            gs_gemm_rm(gemm, 'N', 'N', tq, sh->d, tk, 1.0f, ds, tk, kh, sh->k[2], 0.0f, dqh,
+                       gr->q[2]);
+            gs_gemm_rm(gemm, 'T', 'N', tk, sh->d, tq, 1.0f, ds, tk, qh, sh->q[2], beta, dkh,
+                       gr->k[2]);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
 }
 
 /* Per-row cross-entropy of logits x [rows, v] and targets t: loss[r] = lse[r] - x[r, t[r]],

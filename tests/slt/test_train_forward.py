@@ -326,6 +326,25 @@ def test_fused_attention_is_the_same_bits_on_more_threads_and_declines_strided_h
     assert got.shape == (3, 7, 2, 5)
 
 
+def test_fused_attention_through_scipys_sgemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch exports no ``sgemm_`` the kernels take SciPy's: the same attention."""
+    from gradsketch.sketch import _native
+
+    if tf._native_kernels() is None:
+        pytest.skip(f"native kernels unavailable: {native_status().reason}")
+    scipy_gemm = _native._find_sgemm(torch_first=False)
+    assert scipy_gemm is not None
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # grouped-query heads
+    outs = []
+    for gemm in (_native.blas_sgemm(), scipy_gemm):
+        monkeypatch.setattr(tf, "blas_sgemm", lambda gemm=gemm: gemm)
+        with tf.dropout_stream(torch.Generator().manual_seed(5)):
+            outs.append(tf._attention_math(q, k, v, None, 0.25, None, True))
+    np.testing.assert_allclose(outs[1].numpy(), outs[0].numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_attention_without_dropout_is_sdpa_itself() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -314,12 +314,13 @@ def blas_sgemm() -> int | None:
         return _SGEMM[0]
 
 
-def _find_sgemm() -> int | None:
-    try:
-        torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        return ctypes.cast(torch_cpu.sgemm_, ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        pass
+def _find_sgemm(*, torch_first: bool = True) -> int | None:
+    if torch_first:
+        try:
+            torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+            return ctypes.cast(torch_cpu.sgemm_, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            pass
     try:
         from scipy.linalg import cython_blas
     except ImportError:

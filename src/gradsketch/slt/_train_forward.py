@@ -167,6 +167,11 @@ def _native_kernels() -> dict[str, Any] | None:
     return kernels
 
 
+def _tracked(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``tensors`` (else the kernels run without a node)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _native_for(x: torch.Tensor) -> dict[str, Any] | None:
     """The native kernels when ``x`` suits them (contiguous float32 on CPU), else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
@@ -174,15 +179,19 @@ def _native_for(x: torch.Tensor) -> dict[str, Any] | None:
     return _native_kernels()
 
 
+def _dropout_kernel(x: torch.Tensor, seed: int, q: int, scale: float, fn: Any) -> torch.Tensor:
+    y = torch.empty_like(x)
+    fn(x.data_ptr(), y.data_ptr(), x.numel(), seed, q, scale)
+    return y
+
+
 class _NativeDropout(torch.autograd.Function):
     """``gs_dropout_f32`` forward; backward applies the same (seed-determined) mask."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, seed: int, q: int, scale: float, fn: Any) -> Any:
-        y = torch.empty_like(x)
-        fn(x.data_ptr(), y.data_ptr(), x.numel(), seed, q, scale)
         ctx.args = (seed, q, scale, fn)
-        return y
+        return _dropout_kernel(x, seed, q, scale, fn)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -230,17 +239,25 @@ class _NativeSoftmaxDropout(torch.autograd.Function):
         return out, None, None, None, None, None, None
 
 
+def _xent_kernel(
+    logits: torch.Tensor, targets: torch.Tensor, kernels: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, log-sum-exp)`` per row of ``[rows, vocab]`` logits."""
+    rows, vocab = logits.shape
+    loss = torch.empty(rows, dtype=logits.dtype)
+    lse = torch.empty(rows, dtype=logits.dtype)
+    kernels["xent"](
+        logits.data_ptr(), targets.data_ptr(), loss.data_ptr(), lse.data_ptr(), rows, vocab
+    )
+    return loss, lse
+
+
 class _NativeTokenCrossEntropy(torch.autograd.Function):
     """``gs_token_xent_f32``: per-row cross-entropy in one pass over the logits."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, kernels: Any) -> Any:
-        rows, vocab = logits.shape
-        loss = torch.empty(rows, dtype=logits.dtype)
-        lse = torch.empty(rows, dtype=logits.dtype)
-        kernels["xent"](
-            logits.data_ptr(), targets.data_ptr(), loss.data_ptr(), lse.data_ptr(), rows, vocab
-        )
+        loss, lse = _xent_kernel(logits, targets, kernels)
         ctx.save_for_backward(logits, targets, lse)
         ctx.kernels = kernels
         return loss
@@ -318,12 +335,11 @@ class _FusedAttention:
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, keep_probs: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(out [b, q, h, d], probs [b, h, q, k] or None)``; None if BLAS cannot read them."""
+        """``(out [b, q, h, d], probs [b, h, q, k] or None)`` (``probs`` for the backward)."""
         b, h, tq, d = query.shape
         out = query.new_empty(b, tq, h, d)  # as the attention interface returns it
         sh = self.shape(query, key, value, out.transpose(1, 2))
-        if sh is None:
-            return None, None  # type: ignore[return-value]
+        assert sh is not None  # _fused_attention checked the inputs; out is contiguous
         probs = query.new_empty(b, h, tq, key.shape[2]) if keep_probs else None
         status = self.kernels["attention"](
             self.gemm, torch.get_num_threads(), ctypes.byref(sh), query.data_ptr(),
@@ -398,10 +414,11 @@ def _fused_attention(
     if query.shape[1] % key.shape[1] or query.numel() == 0 or key.shape[2] == 0:
         return None
     kernels, gemm = _native_kernels(), blas_sgemm()
+    # (query stands in for the output, which is allocated contiguous)
     if kernels is None or gemm is None or _FusedAttention.shape(*tensors, query) is None:
         return None
     run = _FusedAttention(causal, scale, p, kernels, gemm)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if _tracked(*tensors):
         return _NativeAttention.apply(query, key, value, run)  # type: ignore[no-any-return]
     return run.forward(query, key, value, keep_probs=False)[0]
 
@@ -423,6 +440,8 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     kernels = _native_for(logits)
     if kernels is None or logits.dim() != 2 or targets.dtype != torch.int64:
         return F.cross_entropy(logits, targets, reduction="none")
+    if not _tracked(logits):
+        return _xent_kernel(logits, targets.contiguous(), kernels)[0]
     return _NativeTokenCrossEntropy.apply(logits, targets.contiguous(), kernels)  # type: ignore[no-any-return]
 
 
@@ -432,13 +451,18 @@ def _seed(generator: torch.Generator | None) -> int:
     return int(word) % 2**64
 
 
+def _gelu_kernel(x: torch.Tensor, kernels: dict[str, Any]) -> torch.Tensor:
+    y = torch.empty_like(x)
+    kernels["gelu"](x.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
 class _NativeGELU(torch.autograd.Function):
     """``gs_gelu_tanh_f32`` forward and ``gs_gelu_tanh_backward_f32`` backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, kernels: dict[str, Any]) -> Any:
-        y = torch.empty_like(x)
-        kernels["gelu"](x.data_ptr(), y.data_ptr(), x.numel())
+        y = _gelu_kernel(x, kernels)
         ctx.save_for_backward(x)
         ctx.kernels = kernels
         return y
@@ -468,6 +492,8 @@ class TanhGELU(nn.Module):
         kernels = _native_for(input)
         if kernels is None:
             return F.gelu(input, approximate="tanh")
+        if not _tracked(input):
+            return _gelu_kernel(input, kernels)
         return _NativeGELU.apply(input, kernels)  # type: ignore[no-any-return]
 
 
@@ -515,7 +541,8 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     generator = _stream()
     kernels = _native_for(x)
     if kernels is not None:
-        return _NativeDropout.apply(x, _seed(generator), q, scale, kernels["dropout"])  # type: ignore[no-any-return]
+        args = (x, _seed(generator), q, scale, kernels["dropout"])
+        return _NativeDropout.apply(*args) if _tracked(x) else _dropout_kernel(*args)  # type: ignore[no-any-return]
     n = x.numel()
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device)
     # random_(-2**63, None) draws all 64 bits (random_() leaves the sign bit 0).

@@ -16,10 +16,14 @@ with fewer passes over memory:
   element instead.
 * Attention with dropout (PyTorch's fused kernels take none on CPU, so
   ``sdpa`` falls back to its slower math path) runs :func:`attention`:
-  scores, then scale, causal mask, softmax and dropout in one pass, then
-  values; without dropout (eval mode, or models whose attention dropout is
-  0) it is ``sdpa`` itself. It replaces ``"sdpa"`` (transformers' default)
-  only if the copy's eval-mode loss still equals the model's (checked).
+  on CPU float32, one native kernel per batch and head computes the scores
+  with BLAS ``sgemm`` from query, key and value where they lie (the
+  head-major views of a projection: no copies), then scale, causal mask,
+  softmax and dropout in cache, then the values into the ``[b, q, h, d]``
+  output; elsewhere the same in torch operations. Without dropout (eval
+  mode, or models whose attention dropout is 0) it is ``sdpa`` itself. It
+  replaces ``"sdpa"`` (transformers' default) only if the copy's eval-mode
+  loss still equals the model's (checked).
 * transformers' ``gelu_new``, ``gelu_fast`` and ``gelu_pytorch_tanh``
   activations and ``nn.GELU(approximate="tanh")`` (five element-wise ops,
   or one slow ``tanh`` kernel) become :class:`TanhGELU`: the same function
@@ -33,8 +37,9 @@ On contiguous CPU float32 tensors these run the native kernels of
 with errors against float64 no larger than torch's own kernels'; the
 dropout bits there are SplitMix64 of a counter under one seed per call,
 drawn from the stream, so a backward pass recomputes its mask instead of
-storing it. Elsewhere (other dtypes or devices, no C compiler,
-``GRADSKETCH_NATIVE=0``) torch's operations compute the same.
+storing it. Where autograd records nothing (observable passes) the
+kernels run without autograd nodes. Elsewhere (other dtypes or devices, no
+C compiler, ``GRADSKETCH_NATIVE=0``) torch's operations compute the same.
 
 Every dropout mask of the copy comes from the generator installed by
 :func:`dropout_stream` in the calling thread (torch's default generator

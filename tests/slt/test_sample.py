@@ -520,3 +520,38 @@ def test_a_killed_store_resumes_in_worker_processes(tmp_path: Path, data: torch.
     assert resumed.attrs["completed"] == 1
     for var in whole.data_vars:
         np.testing.assert_array_equal(resumed[var].values, whole[var].values, err_msg=str(var))
+
+
+def test_the_initial_loss_is_computed_once_per_process_for_the_same_inputs(
+    tmp_path: Path, data: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second run that differs only in its restriction (susceptibilities' runs) reuses
+    L(w*), which ignores the restriction, bit for bit; another dropout rate, other data or
+    another init_seed compute it again."""
+    monkeypatch.setattr(sample_module, "_INIT_LOSSES", {})
+    calls: list[int] = []
+    original = sample_module._Run._init_loss
+
+    def counted(self: Any, work: Any, chain: int, cache: Any) -> Any:
+        calls.append(chain)
+        return original(self, work, chain, cache)
+
+    monkeypatch.setattr(sample_module._Run, "_init_loss", counted)
+    model = tiny_gpt2(dropout=0.1)
+    head = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
+    head["transformer.h.0.attn.c_attn.weight"][:, :4] = True
+    full = sample(model, data, {"d": data}, output_path=tmp_path / "full", **BASE)
+    assert calls == [0, 1]
+    restricted = sample(
+        model, data, {"d": data}, param_masks=head, output_path=tmp_path / "head", **BASE
+    )
+    assert calls == [0, 1]
+    np.testing.assert_array_equal(
+        restricted.dataset["init_loss"].values, full.dataset["init_loss"].values
+    )
+    sample(tiny_gpt2(dropout=0.2), data, {"d": data}, output_path=tmp_path / "p", **BASE)
+    assert calls == [0, 1] * 2
+    sample(model, data.flip(0), {"d": data}, output_path=tmp_path / "data", **BASE)
+    assert calls == [0, 1] * 3
+    sample(model, data, {"d": data}, output_path=tmp_path / "seed", init_seed=7, **BASE)
+    assert calls == [0, 1] * 4

@@ -63,6 +63,7 @@ from gradsketch._settings import SettingsMismatchError, settings_diff, settings_
 from gradsketch._writer import BackgroundWriter
 from gradsketch.masked import ParamMask
 from gradsketch.sampling import SGMCMC, Metrics
+from gradsketch.sketch._backend import native_library
 from gradsketch.slt._data import (
     LossFn,
     NonFiniteLossError,
@@ -689,6 +690,12 @@ def sample(
     return _open_tree(path)
 
 
+#: Initial losses L(w*) already computed in this process, by everything that decides their
+#: bits: model, data, loss, the settings that pick the batches, dropout and noise, device,
+#: threads and native library (not the restriction: L(w*) ignores it, as devinterp's does),
+#: so that the runs of :func:`~gradsketch.slt.susceptibilities` compute it once.
+_INIT_LOSSES: dict[tuple[Any, ...], np.ndarray] = {}
+
 #: Steps of ``lr="auto"`` already calibrated in this process, by model, data and settings.
 _AUTO_LR: dict[tuple[Any, ...], float] = {}
 
@@ -937,6 +944,29 @@ class _Run:
                 p.copy_(ref)
 
     # ------------------------------------------------------------ init loss
+    def _init_key(self, threads: int) -> tuple[Any, ...]:
+        """What decides :meth:`_init_loss`'s bits (:data:`_INIT_LOSSES`), less the chain."""
+        s = self.s
+        # The modules' settings (dropout rates, activations) too, beside the weights' digest.
+        modules = hashlib.blake2b(repr(self.model).encode(), digest_size=8).hexdigest()
+        return (
+            self.record["model"],
+            modules,
+            self.record["dataset"],
+            self.loss_fn,
+            s.batch_size,
+            s.gradient_accumulation_steps,
+            s.num_init_loss_batches,
+            s.init_seed,
+            s.init_noise,
+            s.shuffle,
+            s.match_sampling_input_ids_across_chains,
+            str(self.device),
+            threads,
+            self.threaded,
+            native_library(),
+        )
+
     @torch.inference_mode()
     def _init_loss(self, work: nn.Module, chain: int, cache: dict[int, np.ndarray]) -> np.ndarray:
         s = self.s
@@ -1086,9 +1116,13 @@ class _Run:
             try:
                 init_done = np.asarray(_array(root, "progress/init_done")[:], dtype=bool)
                 cache: dict[int, np.ndarray] = {}
+                known = self._init_key(threads)
                 for chain in range(s.num_chains):
                     if not init_done[chain]:
-                        value = self._init_loss(self.work(), chain, cache)
+                        value = _INIT_LOSSES.get((*known, chain))
+                        if value is None:
+                            value = self._init_loss(self.work(), chain, cache)
+                            _INIT_LOSSES[(*known, chain)] = value.copy()
                         writer.write(chain, {"init_loss": value}, "progress/init_done")
                 with tqdm(total=len(todo) * s.num_steps, desc="sampling", disable=None) as bar:
                     in_process = not parallel or self.threaded

@@ -240,6 +240,16 @@ typedef struct {
     int64_t q[3], k[3], v[3], o[3]; /* batch, head and token strides */
 } gs_attn_shape;
 
+/* `floats` of scratch for one batch's rows of scores, or NULL with *failed set (any thread). */
+static inline float *gs_attn_scratch(int64_t floats, int *failed) {
+    float *p = malloc((size_t)floats * sizeof(float));
+    if (!p) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return p;
+}
+
 /* softmax(scale q k^T) (causal or not) with dropout, times v, for every (batch, head):
  * probs [batch, heads, q_len, k_len] (contiguous) receives the softmax when not NULL (for the
  * backward pass); the dropout mask of element ((b * heads + h) * q_len + i) * k_len + j is
@@ -252,12 +262,8 @@ int gs_attention_f32(gs_sgemm_fn gemm, int threads, const gs_attn_shape *sh, con
     int failed = 0;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t b = 0; b < sh->batch; b++) {
-        float *scratch = malloc((size_t)(tq * tk) * sizeof(float) * (probs ? 2 : 3));
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
+        float *scratch = gs_attn_scratch(tq * tk * (probs ? 2 : 3), &failed);
+        if (!scratch) continue;
         float *s = scratch, *w = scratch + tq * tk;
         for (int64_t h = 0; h < sh->heads; h++) {
             const int64_t g = h / group, bh = b * sh->heads + h;
@@ -293,12 +299,8 @@ int gs_attention_backward_f32(gs_sgemm_fn gemm, int threads, const gs_attn_shape
     int failed = 0;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t b = 0; b < sh->batch; b++) {
-        float *scratch = malloc((size_t)(tq * tk) * sizeof(float) * 2);
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
+        float *scratch = gs_attn_scratch(tq * tk * 2, &failed);
+        if (!scratch) continue;
         float *w = scratch, *ds = scratch + tq * tk;
         for (int64_t h = 0; h < sh->heads; h++) {
             const int64_t g = h / group, bh = b * sh->heads + h;

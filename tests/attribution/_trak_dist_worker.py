@@ -64,7 +64,12 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
         if mid == 0:
             traker.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
         else:
-            traker.score((xt, yt), num_samples=N_TARGETS)
+            # Batches inside one chunk of targets: a rank featurizes whole batches or
+            # none, as one process does (a row's features may differ in the last bit
+            # with the rows batched beside it, e.g. on AVX2 code paths).
+            for s in range(0, N_TARGETS, BATCH):
+                part = (xt[s : s + BATCH], yt[s : s + BATCH])
+                traker.score(part, num_samples=len(part[0]))
     scores = np.array(traker.finalize_scores("exp"))
 
     budget = TRAKer(

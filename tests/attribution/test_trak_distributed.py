@@ -62,7 +62,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     single_root = tmp_path_factory.mktemp("single")
     model, ckpts, x, y, _, _ = problem()
     with one_thread():
-        # One process featurizes the first chunk of checkpoint 0; the ranks resume.
+        # One process featurizes the first chunk of checkpoint 0 (in the pipeline's
+        # batches: a row's features may differ in the last bit with the batch it is in,
+        # e.g. on AVX2 code paths); the ranks resume.
         first = TRAKer(
             model,
             "image_classification",
@@ -74,7 +76,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             **QUIET,
         )
         first.load_checkpoint(ckpts[0], model_id=0)
-        first.featurize((x[:CHUNK_ROWS], y[:CHUNK_ROWS]), num_samples=CHUNK_ROWS)
+        for s in range(0, CHUNK_ROWS, BATCH):
+            first.featurize((x[s : s + BATCH], y[s : s + BATCH]), num_samples=BATCH)
         single = pipeline(single_root)
     torchrun(Path(__file__).with_name("_trak_dist_worker.py"), str(dist_root), nproc=WORLD)
     ranks = [dict(np.load(dist_root / f"rank{r}.npz")) for r in range(WORLD)]

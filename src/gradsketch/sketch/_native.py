@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -293,9 +294,7 @@ def library() -> ctypes.CDLL | None:
     return None if kernels is None else kernels.get(_LIBRARY)
 
 
-_SGEMM: list[int | None] = []
-
-
+@functools.cache
 def blas_sgemm() -> int | None:
     """The address of a Fortran-interface ``sgemm`` for the native kernels, else None.
 
@@ -308,10 +307,7 @@ def blas_sgemm() -> int | None:
         >>> address is None or address > 0
         True
     """
-    with _lock:
-        if not _SGEMM:
-            _SGEMM.append(_find_sgemm())
-        return _SGEMM[0]
+    return _find_sgemm()
 
 
 def _find_sgemm(*, torch_first: bool = True) -> int | None:

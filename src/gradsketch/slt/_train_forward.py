@@ -99,6 +99,8 @@ class _AttnShape(ctypes.Structure):
 
 #: BLAS takes 32-bit sizes and strides.
 _BLAS_INT_MAX = 2**31 - 1
+#: Batch, head and token strides of a ``[b, h, t, d]`` tensor (:func:`_blas_strides`).
+_Strides = tuple[int, int, int]
 
 
 def _drop_rule(p: float) -> tuple[int, float]:
@@ -279,7 +281,7 @@ class _NativeTokenCrossEntropy(torch.autograd.Function):
         return out, None, None
 
 
-def _blas_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
+def _blas_strides(t: torch.Tensor) -> _Strides | None:
     """Batch, head and token strides of a ``[b, h, t, d]`` tensor for BLAS, else None.
 
     None unless ``d`` is unit-strided and the token stride is at least ``d``
@@ -287,7 +289,7 @@ def _blas_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
     are free, so they are set to suit.
     """
     d = t.shape[-1]
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
+    if d > 1 and t.stride(-1) != 1:
         return None
     sb, sh, st = (t.stride(i) if t.shape[i] > 1 else 0 for i in range(3))
     st = st if t.shape[2] > 1 else d
@@ -315,27 +317,41 @@ class _NativeAttention(torch.autograd.Function):
 
 
 class _FusedAttention:
-    """One attention call of the fused kernels: its settings, mask seed, kernels and sgemm."""
+    """One attention call of the fused kernels: settings, mask seed, kernels and sgemm.
+
+    Also the BLAS strides of its query, key and value (:func:`_blas_strides`,
+    checked by the caller).
+    """
 
     def __init__(
-        self, causal: bool, scale: float, p: float, kernels: dict[str, Any], gemm: int
+        self,
+        causal: bool,
+        scale: float,
+        p: float,
+        kernels: dict[str, Any],
+        gemm: int,
+        strides: list[_Strides],
     ) -> None:
         self.causal, self.scale, self.kernels, self.gemm = causal, scale, kernels, gemm
+        self.strides = strides
         self.q, self.dscale = _drop_rule(p)
         self.seed = _seed(_stream())
 
     @staticmethod
-    def shape(*tensors: torch.Tensor) -> _AttnShape | None:
-        """The kernels' record of ``[b, h, t, d]`` query, key, value and output.
+    def shape(query: torch.Tensor, key: torch.Tensor, strides: list[_Strides]) -> _AttnShape:
+        """The kernels' record: sizes, and strides of query, key, value and output.
 
-        Or of their gradients; None where BLAS cannot read one of them where it lies.
+        (Or of their gradients, in the same order.)
         """
-        strides = [_blas_strides(t) for t in tensors]
-        query, key = tensors[0], tensors[1]
-        if any(st is None for st in strides) or max(*query.shape[2:], key.shape[2]) > _BLAS_INT_MAX:
-            return None
         b, h, tq, d = query.shape
         return _AttnShape(b, h, key.shape[1], tq, key.shape[2], d, *strides)
+
+    @staticmethod
+    def strides_of(t: torch.Tensor) -> _Strides:
+        """:func:`_blas_strides` of a tensor this call laid out itself (always readable)."""
+        strides = _blas_strides(t)
+        assert strides is not None
+        return strides
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, keep_probs: bool
@@ -343,8 +359,7 @@ class _FusedAttention:
         """``(out [b, q, h, d], probs [b, h, q, k] or None)`` (``probs`` for the backward)."""
         b, h, tq, d = query.shape
         out = query.new_empty(b, tq, h, d)  # as the attention interface returns it
-        sh = self.shape(query, key, value, out.transpose(1, 2))
-        assert sh is not None  # _fused_attention checked the inputs; out is contiguous
+        sh = self.shape(query, key, [*self.strides, self.strides_of(out.transpose(1, 2))])
         probs = query.new_empty(b, h, tq, key.shape[2]) if keep_probs else None
         status = self.kernels["attention"](
             self.gemm, torch.get_num_threads(), ctypes.byref(sh), query.data_ptr(),
@@ -373,10 +388,12 @@ class _FusedAttention:
         dk = key.new_empty(b, tk, g, d).transpose(1, 2)
         dv = value.new_empty(b, tk, g, d).transpose(1, 2)
         dout = grad.transpose(1, 2)
-        if _blas_strides(dout) is None:
+        dout_strides = _blas_strides(dout)
+        if dout_strides is None:
             dout = grad.contiguous().transpose(1, 2)
-        inputs, grads = self.shape(query, key, value, dout), self.shape(dq, dk, dv, dout)
-        assert inputs is not None and grads is not None  # the forward pass read these
+            dout_strides = self.strides_of(dout)
+        inputs = self.shape(query, key, [*self.strides, dout_strides])
+        grads = self.shape(query, key, [*map(self.strides_of, (dq, dk, dv)), dout_strides])
         status = self.kernels["attention_backward"](
             self.gemm, torch.get_num_threads(), ctypes.byref(inputs), ctypes.byref(grads),
             dout.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(),
@@ -418,11 +435,13 @@ def _fused_attention(
         return None
     if query.shape[1] % key.shape[1] or query.numel() == 0 or key.shape[2] == 0:
         return None
-    kernels, gemm = _native_kernels(), blas_sgemm()
-    # (query stands in for the output, which is allocated contiguous)
-    if kernels is None or gemm is None or _FusedAttention.shape(*tensors, query) is None:
+    if max(*query.shape[2:], key.shape[2]) > _BLAS_INT_MAX:
         return None
-    run = _FusedAttention(causal, scale, p, kernels, gemm)
+    kernels, gemm = _native_kernels(), blas_sgemm()
+    strides = [_blas_strides(t) for t in tensors]
+    if kernels is None or gemm is None or None in strides:
+        return None
+    run = _FusedAttention(causal, scale, p, kernels, gemm, strides)  # type: ignore[arg-type]
     if _tracked(*tensors):
         return _NativeAttention.apply(query, key, value, run)  # type: ignore[no-any-return]
     return run.forward(query, key, value, keep_probs=False)[0]

@@ -2,8 +2,9 @@
  * gradsketch's native CPU kernels: the count-sketch scatter of a folded table (the fast path
  * of gradsketch.sketch._countsketch.scatter_folded_) and the sampler's fused Gram + scatter
  * pass (gradsketch.sampling._reduce); gs_train.h adds the SLT sampler's train-mode dropout,
- * GELU, attention (through the caller's BLAS sgemm) and cross-entropy. gradsketch.sketch._native compiles this file at first use with the system C
- * compiler and falls back to torch's scatter (and torch's dropout and GELU) when it cannot. The
+ * GELU, attention (through the caller's BLAS sgemm) and cross-entropy.
+ * gradsketch.sketch._native compiles this file at first use with the system C compiler and
+ * falls back to torch's scatter (and torch's train-mode operations) when it cannot. The
  * OpenMP regions run on the OpenMP runtime torch has already loaded (libgomp.so.1), so they
  * share torch's threads; the loader checks that no second runtime got loaded.
  */

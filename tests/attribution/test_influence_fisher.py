@@ -32,7 +32,7 @@ from gradsketch._hash import derive_key
 from gradsketch._settings import SettingsMismatchError
 from gradsketch.attribution import InfluenceComputer, TRAKer
 from gradsketch.attribution._fisher import draw_labels
-from gradsketch.attribution._influence import _SAMPLE_STREAM
+from gradsketch.attribution._kronecker_features import SAMPLE_STREAM as _SAMPLE_STREAM
 from gradsketch.attribution._modelout import AbstractModelOutput
 
 D_IN, HIDDEN, CLASSES = 3, 4, 3

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from gradsketch._hash import derive_key  # noqa: E402
 from gradsketch.attribution import InfluenceComputer, TRAKer  # noqa: E402
 from gradsketch.attribution._fisher import draw_labels  # noqa: E402
-from gradsketch.attribution._influence import _SAMPLE_STREAM  # noqa: E402
+from gradsketch.attribution._kronecker_features import SAMPLE_STREAM as _SAMPLE_STREAM  # noqa: E402
 
 N, M, T, VOCAB = 6, 2, 5, 11
 SAMPLE_SEED = 3
@@ -213,7 +213,7 @@ def test_gpt2_scores_equal_dense_float64_inverse(tmp_path, method, damping, curv
     targets = torch.as_tensor(np.asarray(ic.store.array("experiments/q/0/grads")[:]))
     q = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/out_to_loss")[:]))
     assert torch.equal(q, torch.ones_like(q))  # the loss is minus the log-likelihood
-    got = q * (train_rows @ ic._preconditioned(0, targets).T)
+    got = q * (train_rows @ ic.preconditioner(0).solve(targets).T)
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL * float(ref.abs().max()))
 
 
@@ -268,4 +268,4 @@ def test_gpt2_projected_store_accepts_the_tied_head(tmp_path):
     traker.score(_batch(M, 1), num_samples=M)
     scores = traker.finalize_scores("q")
     assert scores.shape == (N, M) and np.isfinite(scores).all()
-    assert traker._influence.feature_dim == 5 * 16
+    assert traker.proj_dim == 5 * 16

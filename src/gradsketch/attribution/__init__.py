@@ -61,6 +61,14 @@ from gradsketch.attribution._score_computers import (
     BasicScoreComputer,
     BasicSingleBlockScoreComputer,
 )
+from gradsketch.attribution._preconditioners import (
+    PRECONDITIONERS,
+    FeatureBatch,
+    Preconditioner,
+    PreconditionerSpec,
+    TrainRows,
+    register_preconditioner,
+)
 from gradsketch.attribution._scores import MemoryBudgetError, trak_scores
 from gradsketch.attribution._topk import TopK, trak_topk
 from gradsketch.attribution._traker import ModelIDException, TRAKer, TRAKSettings
@@ -112,6 +120,13 @@ __all__ = [
     "BatchFormatError",
     "VmapTraceError",
     "DistributedMismatchError",
+    # preconditioners: TRAKer(method=name) for every registered one
+    "Preconditioner",
+    "PreconditionerSpec",
+    "FeatureBatch",
+    "TrainRows",
+    "PRECONDITIONERS",
+    "register_preconditioner",
     # curvature-aware influence (K-FAC / EK-FAC / identity; TRAKer(method=...))
     "InfluenceComputer",
     "InfluenceSettings",

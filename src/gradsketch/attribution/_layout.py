@@ -39,7 +39,7 @@ CHECKPOINT_RECORD = "checkpoint.json"
 #: File name of an experiment's record.
 EXPERIMENT_RECORD = "experiment.json"
 #: Arrays stored per checkpoint.
-CHECKPOINT_ARRAYS = ("grads", "out_to_loss", "done", "xtx", "features")
+CHECKPOINT_ARRAYS = ("grads", "out_to_loss", "done", "xtx", "features", "fisher_grads")
 #: Arrays stored per experiment and checkpoint (``token_grads``: per-token targets).
 TARGET_ARRAYS = ("grads", "done", "token_grads")
 
@@ -96,3 +96,24 @@ def scores_array(exp_name: str) -> str:
 def scores_record(exp_name: str) -> str:
     """``scores/{exp_name}.json``: which model ids were ensembled, and ``num_targets``."""
     return f"{SCORES}/{exp_name}.json"
+
+
+#: Per-checkpoint arrays the features and preconditioner state must not be named.
+_ROW_ARRAYS = ("grads", "out_to_loss", "done", "features", "fisher_grads")
+
+
+def checkpoint_state(model_id: int, key: str) -> str:
+    """``checkpoints/{model_id}/{key}``: one array of a finalized preconditioner's state.
+
+    TRAK's is ``xtx``; K-FAC's ``q_a_{i}``, ``q_s_{i}``, ``eigenvalues_{i}`` per layer.
+
+    Example:
+        >>> checkpoint_state(0, "xtx")
+        'checkpoints/0/xtx'
+    """
+    if not key.isidentifier() or key in _ROW_ARRAYS:
+        raise ValueError(
+            f"preconditioner state key {key!r} must be an identifier other than "
+            f"{list(_ROW_ARRAYS)}."
+        )
+    return f"{checkpoint_dir(model_id)}/{key}"

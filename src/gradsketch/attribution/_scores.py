@@ -85,6 +85,10 @@ class CheckpointGrads:
         out_to_loss: ``[n]`` or ``[n, 1]`` out-to-loss terms Q.
         xtx: optional precomputed ``[k, k]`` XᵀX (skips a pass over ``train``).
         preconditioned: ``train`` already holds the features ``X (XᵀX + λI)⁻¹``.
+        solve: optional ``[m, k] -> [m, k]`` map applied to the targets in
+            place of ``(XᵀX + λI)⁻¹`` (a fitted preconditioner's ``P⁻¹``).
+        q_per_checkpoint: weight this checkpoint's scores by its own Q
+            (``mean_c Q_c ⊙ X_c P_c⁻¹ T_cᵀ``) instead of the checkpoints' mean Q.
     """
 
     train: Any
@@ -92,6 +96,15 @@ class CheckpointGrads:
     out_to_loss: Any
     xtx: Tensor | None = None
     preconditioned: bool = False
+    solve: Callable[[Tensor], Tensor] | None = None
+    q_per_checkpoint: bool = False
+
+
+def _is_float64(array: Any) -> bool:
+    dtype = getattr(array, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype == torch.float64
+    return dtype is not None and np.dtype(dtype) == np.float64
 
 
 def check_lambda(lambda_reg: object) -> float | str:
@@ -232,18 +245,30 @@ def score_checkpoints(
         n_block -= n_block % int(chunk[0])
     result = _prepare_out(out, n, m, n_block, m_block, memory_budget)
     order = apply_inverse_to
-    if order == "auto":
+    if any(ck.solve is not None for ck in checkpoints):
+        order = "targets"  # a preconditioner's solve applies to the targets only
+    elif order == "auto":
         # k² m flops to apply the inverse to the targets, n k² to the train rows.
         order = "targets" if m <= n else "train"
+    per_ckpt = [ck.q_per_checkpoint for ck in checkpoints]
+    if any(per_ckpt) and not all(per_ckpt):
+        raise ValueError(
+            "`checkpoints` mix q_per_checkpoint=True and False; ensemble one method's "
+            "checkpoints at a time."
+        )
+    # float64 stores (influence's exact mode) are multiplied in float64.
+    work = torch.float64 if any(_is_float64(ck.train) for ck in checkpoints) else torch.float32
 
     # Pass 1: per checkpoint, XᵀX and its damped inverse; mean out-to-loss.
     inverses: list[Tensor | None] = []
-    q_mean = torch.zeros(n, dtype=torch.float32)
+    q_mean = torch.zeros(n, dtype=work)
+    q_each: list[Tensor] = []
     for ck in checkpoints:
-        q_mean += rows_as_tensor(
-            ck.out_to_loss, 0, n, device=torch.device("cpu"), dtype=torch.float32
-        ).reshape(n)
-        if ck.preconditioned:
+        q_c = rows_as_tensor(ck.out_to_loss, 0, n, device=torch.device("cpu"), dtype=work)
+        q_mean += q_c.reshape(n)
+        if ck.q_per_checkpoint:
+            q_each.append((q_c.reshape(n) / cks).to(dev))
+        if ck.preconditioned or ck.solve is not None:
             inverses.append(None)
             continue
         xtx = ck.xtx
@@ -262,7 +287,8 @@ def score_checkpoints(
     row_weight = (q_mean / cks).to(dev)
     # The row weights Q/C are shared by every checkpoint: they scale a tile of
     # scores once (n m_block work) or X's rows per checkpoint (C n k), the cheaper.
-    weight_scores = m_block <= cks * k
+    # Per-checkpoint weights can only scale each checkpoint's rows.
+    weight_scores = m_block <= cks * k and not q_each
     in_memory = isinstance(result, np.ndarray)
     direct = in_memory and dev.type == "cpu" and m_block == m
     writers = [array_writer(a) for a in ((copy_to,) if copy_to is not None else ())]
@@ -274,38 +300,42 @@ def score_checkpoints(
             # Right-hand sides for these targets: (A_c⁻¹ T_cᵀ)ᵀ = T_c A_c⁻¹ ([mj, k]).
             rhs = []
             for ck, inv in zip(checkpoints, inverses):
-                t = rows_as_tensor(ck.targets, j0, j1, device=dev, dtype=torch.float32)
-                rhs.append(t @ inv if order == "targets" and inv is not None else t)
+                t = rows_as_tensor(ck.targets, j0, j1, device=dev, dtype=work)
+                if ck.solve is not None:
+                    rhs.append(ck.solve(t).to(work))
+                else:
+                    rhs.append(t @ inv.to(work) if order == "targets" and inv is not None else t)
             streams = [
                 iter_row_blocks(
                     ck.train,
                     n_block,
                     device=dev,
-                    dtype=torch.float32,
+                    dtype=work,
                     prefetch=memory_budget is None,
                 )
                 for ck in checkpoints
             ]
             for i0 in range(0, n, n_block):
                 i1 = min(n, i0 + n_block)
-                if direct:
+                if direct and work == torch.float32:
                     # Multiply straight into the result's memory: no temporary, no copy.
                     acc = torch.from_numpy(result[i0:i1])
                 else:
-                    acc = torch.empty(i1 - i0, j1 - j0, dtype=torch.float32, device=dev)
+                    acc = torch.empty(i1 - i0, j1 - j0, dtype=work, device=dev)
                 for c, (stream, inv, r) in enumerate(zip(streams, inverses, rhs)):
                     _, _, x = next(stream)
+                    weight = q_each[c] if q_each else row_weight
                     if not weight_scores and isinstance(checkpoints[c].train, zarr.Array):
-                        x.mul_(row_weight[i0:i1, None])  # a fresh copy read from disk
+                        x.mul_(weight[i0:i1, None])  # a fresh copy read from disk
                     elif not weight_scores:
-                        x = x * row_weight[i0:i1, None]  # may be a view of the caller's data
+                        x = x * weight[i0:i1, None]  # may be a view of the caller's data
                     if order == "train" and inv is not None:
                         x = x @ inv
                     matmul_nt(x, r, prec, out=acc, accumulate=c > 0)
                 if weight_scores:
                     acc.mul_(row_weight[i0:i1, None])
-                tile = acc.cpu().numpy()
-                if in_memory and not direct:
+                tile = acc.float().cpu().numpy()
+                if in_memory and not (direct and work == torch.float32):
                     result[i0:i1, j0:j1] = tile
                 for writer in writers:
                     # The tile is not touched again, so the thread may read it later.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +24,6 @@ from gradsketch._settings import SettingsMismatchError, read_record, write_recor
 from gradsketch._store import RowStore, default_chunk_rows
 from gradsketch.attribution import _layout as layout
 from gradsketch.attribution._distributed import (
-    RowWindow,
-    all_reduce_sum_,
     barrier,
     chunk_shard,
     owned_mask,
@@ -36,12 +36,21 @@ from gradsketch.attribution._distributed import (
 from gradsketch.attribution._gradient_computers import (
     FunctionalGradientComputer,
 )
-from gradsketch.attribution._hook_computer import HookGradientComputer
+from gradsketch.attribution._hook_computer import refuse_wrapped
 from gradsketch.attribution._io import default_block_rows, rows_as_tensor
-from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
+from gradsketch.attribution._kronecker_features import CURVATURES, KroneckerFeaturizer
+from gradsketch.attribution._linalg import damped_inverse, resolve_lambda
 from gradsketch.attribution._lm_data import as_loader, as_task_batch
 from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
+from gradsketch.attribution._preconditioners import (
+    FeatureBatch,
+    GramPreconditioner,
+    Preconditioner,
+    PreconditionerSpec,
+    TrainRows,
+    resolve_method,
+)
 from gradsketch.attribution._scores import (
     MEMORY_BUDGET_FIX,
     CheckpointGrads,
@@ -60,11 +69,16 @@ from gradsketch.sketch import (
 )
 
 
-def _refuse_per_token(per_token: bool, method: str) -> None:
-    if per_token:
-        raise ValueError(
-            f"`per_token`=True needs method='trak'; method={method!r} scores whole targets."
-        )
+def _whole_parameters(mask: Any) -> bool:
+    """Whether a ParamMask selects whole parameters only (names, not entries)."""
+    return all(c in (0, mask[n].numel()) for n, c in mask.counts().items())
+
+
+def _atomic_save(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """``np.savez`` to a temporary file, then rename: a kill never leaves a torn file."""
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)  # type: ignore[arg-type]
+    os.replace(tmp, path)
 
 
 class ModelIDException(GradsketchError, RuntimeError):
@@ -84,6 +98,12 @@ class TRAKSettings:
         grad_wrt: differentiated parameters (``None``: all).
         dtype: storage dtype of features.
         normalize: features are divided by ``sqrt(num_coordinates)``.
+        method: the preconditioner (``"trak"``, ``"identity"``, ``"kfac"``,
+            ``"ekfac"`` or a registered one).
+        curvature: whose second moment per-layer curvature is (``"loss"``,
+            ``"output"``, ``"sampled"``).
+        sample_seed: seed of the labels drawn for ``curvature="sampled"``.
+        layers: the factored layers whose features are stored (per-layer methods).
     """
 
     train_set_size: int
@@ -94,13 +114,23 @@ class TRAKSettings:
     grad_wrt: list[str] | None = None
     dtype: str = "float32"
     normalize: float = 1.0
+    method: str = "trak"
+    curvature: str = "loss"
+    sample_seed: int = 0
+    layers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("train_set_size", "proj_dim"):
             value = getattr(self, name)
             positive_int(name, value)
-        if self.dtype not in ("float16", "float32"):
-            raise ValueError(f"`dtype` must be 'float16' or 'float32', got {self.dtype!r}.")
+        if self.dtype not in ("float16", "float32", "float64"):
+            raise ValueError(
+                f"`dtype` must be 'float16', 'float32' or 'float64', got {self.dtype!r}."
+            )
+        if self.curvature not in CURVATURES:
+            raise ValueError(
+                f"`curvature` must be one of {list(CURVATURES)}, got {self.curvature!r}."
+            )
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -192,10 +222,11 @@ class TRAKer:
         device: where gradients are computed (default: CUDA if available).
         gradient_computer: gradient computer class.
         projector: projector instance (default: :class:`CountSketchProjector`
-            on CPU, :class:`CudaProjector` on CUDA; with a
-            :class:`HookGradientComputer` on CPU and no ``mask``,
-            :meth:`FactorizedProjector.from_budget` of ``proj_dim``, so that no
-            per-example gradient of a Linear / Conv2d layer is formed).
+            on CPU, :class:`CudaProjector` on CUDA: exactly ``proj_dim``
+            features whichever gradient computer runs; pass
+            :meth:`FactorizedProjector.from_budget` to the hook computer to
+            never form a per-example gradient of a Linear / Conv2d layer, at
+            the cost of noisier inner products).
         saver: must be ``None`` (features are stored in zarr).
         score_computer: optional TRAK score-computer class; ``None`` uses the
             streamed kernel of :func:`trak_scores`.
@@ -222,16 +253,24 @@ class TRAKer:
         chunk_rows: rows per chunk of the stored features (default: about
             1 MiB per chunk). Chunks are the unit of resuming and of sharding
             across ``torch.distributed`` ranks; an existing store keeps its own.
-        method: ``"trak"`` (default), or ``"identity"``, ``"kfac"``, ``"ekfac"``:
-            the same calls and store then run
-            :class:`~gradsketch.attribution.InfluenceComputer` (``lambda_reg``
-            is its damping; a :class:`FactorizedProjector` given as
-            ``projector`` sets its per-layer projection).
-        curvature: with an influence ``method``, ``"loss"`` (empirical
-            Fisher), ``"output"`` or ``"sampled"`` (true Fisher, labels drawn
-            from the model, seeded by ``projector_seed``); see
-            :class:`~gradsketch.attribution.InfluenceComputer`. TRAK has no
-            curvature choice: only ``"loss"`` is accepted with ``method="trak"``.
+        method: the preconditioner (:data:`PRECONDITIONERS`): ``"trak"``
+            (default: XᵀX of the projected gradients), ``"identity"``,
+            ``"kfac"``, ``"ekfac"`` (per-layer Kronecker curvature of every
+            Linear / Conv2d / ``Conv1D`` layer; ``lambda_reg`` is the damping,
+            ``"auto"`` a tenth of each layer's mean eigenvalue), or one
+            registered with :func:`register_preconditioner`. Every method
+            takes every input form, ``grad_wrt``, ``per_token``, :meth:`topk`,
+            ``memory_budget`` and ``torch.distributed`` sharding.
+        curvature: per-layer methods: ``"loss"`` (empirical Fisher),
+            ``"output"`` or ``"sampled"`` (true Fisher, labels drawn from the
+            model, seeded by ``sample_seed``); TRAK accepts only ``"loss"``.
+            See :mod:`gradsketch.attribution._kronecker_features`.
+        projection: per-layer methods: ``(k_in, k_out)`` projects each layer's
+            inputs and output gradients (LoGra), or ``None`` for exact
+            per-layer gradients.
+        sample_seed: seed of ``curvature="sampled"`` (default: ``projector_seed``).
+        dtype: storage dtype of the features (default: float16 on CUDA for
+            TRAK, else float32; per-layer methods also take float64).
 
     Distributed: when a ``torch.distributed`` process group is initialised
     (``torchrun``), each rank featurizes and computes target features only for
@@ -289,100 +328,102 @@ class TRAKer:
         chunk_rows: int | None = None,
         method: str = "trak",
         curvature: str = "loss",
+        projection: tuple[int, int] | None = None,
+        sample_seed: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.logger = logging.getLogger("gradsketch.attribution.TRAKer")
         self.logger.setLevel(logging_level)
         self.method = method
-        self._influence: Any = None
-        if method != "trak":
-            from gradsketch.attribution._influence import make_influence
-
-            self._influence = make_influence(
-                method,
-                model,
-                task,
-                train_set_size,
-                save_dir,
-                load_from_save_dir,
-                device,
-                projector,
-                projector_seed,
-                grad_wrt,
-                lambda_reg,
-                progress,
-                chunk_rows,
-                curvature,
-            )
-            self.save_dir = self._influence.save_dir
-            return
-        if curvature != "loss":
+        self._precond_cls = resolve_method(method)
+        self.layered = self._precond_cls.features == "layers"
+        if curvature not in CURVATURES:
+            raise ValueError(f"`curvature` must be one of {list(CURVATURES)}, got {curvature!r}.")
+        if not self.layered and curvature != "loss":
             raise ValueError(
-                f"`curvature`={curvature!r} needs an influence method ('identity', 'kfac', "
-                "'ekfac'); TRAK preconditions with its own Gram matrix. Pass method='ekfac' "
-                "(or another influence method), or leave curvature='loss'."
+                f"`curvature`={curvature!r} needs a per-layer method ('identity', 'kfac', "
+                f"'ekfac'); method={method!r} preconditions with its own matrix of the projected "
+                "features. Pass method='ekfac' (or another per-layer method), or leave "
+                "curvature='loss'."
             )
         if saver is not None:
             raise ValueError(
                 f"`saver`={saver!r} is not supported: gradsketch stores features in a resumable "
                 "zarr store under `save_dir`. Pass saver=None."
             )
+        if score_computer is not None and method != "trak":
+            raise ValueError(
+                f"`score_computer` is TRAK's own kernel; method={method!r} scores with its "
+                "preconditioner. Pass score_computer=None."
+            )
         positive_int("memory_budget", memory_budget, optional=True, fix=MEMORY_BUDGET_FIX)
         self.model = model
         self.task = resolve_task(task)
+        positive_int("train_set_size", train_set_size)
         self.train_set_size = int(train_set_size)
         self.device = torch.device(
             device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        if use_half_precision is None:
-            use_half_precision = self.device.type == "cuda"
-        self.dtype = torch.float16 if use_half_precision else torch.float32
+        self.dtype = self._resolve_dtype(dtype, use_half_precision)
         self.lambda_reg = check_lambda(lambda_reg)
+        if self.layered and method != "identity" and self.lambda_reg == 0:
+            self.logger.warning(
+                "TRAKer(method=%r, lambda_reg=0): no damping, so directions of near-zero "
+                "curvature dominate the scores; pass lambda_reg='auto' (a tenth of each layer's "
+                "mean eigenvalue) or a positive number.",
+                method,
+            )
         self.memory_budget = memory_budget
         self.precision = precision
         self.progress = progress
         self.load_from_save_dir = bool(load_from_save_dir)
-        self.grad_wrt = select_parameters(model, grad_wrt, mask)
-
-        params = dict(model.named_parameters())
-        self.num_params = sum(p.numel() for p in params.values())
-        if self.grad_wrt is not None:
-            self.num_params_for_grad = sum(params[n].numel() for n in self.grad_wrt)
-        else:
-            self.num_params_for_grad = self.num_params
-        self.grad_dim = int(mask.numel) if mask is not None else self.num_params_for_grad
-        self.proj_seed = projector_seed
-        self._init_projector(projector, proj_dim, proj_max_batch_size, mask, gradient_computer)
-        # TRAK divides by sqrt(d) so XᵀX stays well scaled.
-        self.normalize_factor = math.sqrt(self.grad_dim)
-
-        self.gradient_computer = gradient_computer(
-            model=self.model,
-            task=self.task,
-            grad_dim=self.num_params_for_grad,
-            dtype=self.dtype,
-            device=self.device,
-            grad_wrt=self.grad_wrt,
-        )
-        self.score_computer = (
-            None
-            if score_computer is None
-            else score_computer(
-                dtype=self.dtype,
-                device=self.device,
-                logging_level=logging_level,
-                lambda_reg=self.lambda_reg,
+        if self.layered and mask is not None and not _whole_parameters(mask):
+            raise ValueError(
+                f"`mask` selects single entries, which method={method!r} cannot restrict (its "
+                "features are whole layers' gradients); pass the layers' names as `grad_wrt`, "
+                "or use method='trak' with the mask."
             )
-        )
+        self.grad_wrt = select_parameters(model, grad_wrt, mask)
+        self.proj_seed = projector_seed
+        self.sample_seed = projector_seed if sample_seed is None else int(sample_seed)
+        if self.layered:
+            self._init_layered(projector, projection, curvature)
+        else:
+            if projection is not None:
+                raise ValueError(
+                    f"`projection`={projection!r} projects each layer's inputs and output "
+                    f"gradients for the per-layer methods; method={method!r} takes `projector` "
+                    "or `proj_dim`. Pass projection=None."
+                )
+            self._init_projected(
+                projector, proj_dim, proj_max_batch_size, mask, gradient_computer, score_computer
+            )
+            self.score_computer = (
+                None
+                if score_computer is None
+                else score_computer(
+                    dtype=self.dtype,
+                    device=self.device,
+                    logging_level=logging_level,
+                    lambda_reg=self.lambda_reg,
+                )
+            )
         self.settings = TRAKSettings(
             train_set_size=self.train_set_size,
             proj_dim=self.proj_dim,
-            projector=_projector_record(self.projector, self.grad_dim),
+            projector=self._projector_record(),
             model=model_fingerprint(model),
             task=type(self.task).__name__,
             grad_wrt=self.grad_wrt,
             dtype=str(self.dtype).removeprefix("torch."),
             normalize=self.normalize_factor,
+            method=method,
+            curvature=curvature,
+            sample_seed=self.sample_seed if curvature == "sampled" else 0,
+            layers=[x.name for x in self.layers],
         )
+        # An instance to ask what it stores beside the features.
+        self._stored_arrays = self._new_preconditioner().stored_arrays
         self.save_dir = Path(save_dir).resolve()
         # Rank 0 writes the settings record; the others then compare with it.
         with rank_zero_first():
@@ -401,45 +442,149 @@ class TRAKer:
         self._exp_done: np.ndarray | None = None
         self._exp_per_token = False
         self._last_ind_target = 0
+        self._precond: Preconditioner | None = None
+        self._covered: np.ndarray | None = None
+        self._covered_any: np.ndarray | None = None
+        self._rows_since_save = 0
         self.scores: Any = None
 
     # -- set-up ----------------------------------------------------------------
     @property
     def _np_dtype(self) -> Any:
-        return np.float16 if self.dtype == torch.float16 else np.float32
+        return np.dtype(str(self.dtype).removeprefix("torch.")).type
 
-    def _init_projector(
+    @property
+    def _q_dtype(self) -> Any:
+        # Per-layer methods keep Q in float64 (it weighs EK-FAC's squared rows).
+        return np.float64 if self.layered else np.float32
+
+    def _resolve_dtype(self, dtype: torch.dtype | None, half: bool | None) -> torch.dtype:
+        """The features' storage dtype (see the class docstring)."""
+        allowed = (torch.float32, torch.float64) if self.layered else (torch.float16, torch.float32)
+        if dtype is None:
+            if half is None:
+                half = self.device.type == "cuda" and not self.layered
+            if half and self.layered:
+                raise ValueError(
+                    f"`use_half_precision`=True is not supported by method={self.method!r}: its "
+                    "features' squares feed the curvature. Pass use_half_precision=False."
+                )
+            return torch.float16 if half else torch.float32
+        if dtype not in allowed:
+            raise ValueError(
+                f"`dtype` must be one of {[str(d) for d in allowed]} for method={self.method!r}, "
+                f"got {dtype!r}."
+            )
+        return dtype
+
+    def _init_layered(
+        self, projector: Any, projection: tuple[int, int] | None, curvature: str
+    ) -> None:
+        """Per-layer (Kronecker) features: no gradient computer, no flat projector."""
+        refuse_wrapped(self.model)
+        seed = self.proj_seed
+        if isinstance(projector, FactorizedProjector):
+            if projection is None:
+                projection = (
+                    max(x.k_in for x in projector.layers),
+                    max(x.k_out for x in projector.layers),
+                )
+            seed = int(projector.seed)
+        elif projector is not None:
+            raise ValueError(
+                f"`projector` must be None or a FactorizedProjector with method={self.method!r}, "
+                f"got {type(projector).__name__}; per-layer methods project inputs and output "
+                "gradients per layer: pass projection=(k_in, k_out)."
+            )
+        if projection is not None:
+            p = tuple(projection)
+            if len(p) != 2 or any(
+                isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in p
+            ):
+                raise ValueError(
+                    f"`projection` must be (k_in, k_out) positive ints or None, got {projection!r}."
+                )
+            projection = (int(p[0]), int(p[1]))
+        self.featurizer = KroneckerFeaturizer(
+            self.model,
+            self.task,
+            grad_wrt=self.grad_wrt,
+            projection=projection,
+            projection_seed=seed,
+            curvature=curvature,
+            sample_seed=self.sample_seed,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.projection = projection
+        self.layers = self.featurizer.layers
+        self.projector = self.featurizer.projector
+        self.proj_dim = self.featurizer.feature_dim
+        self.grad_dim = self.proj_dim
+        self.normalize_factor = 1.0
+        self.gradient_computer: Any = None
+        self.score_computer = None
+
+    def _init_projected(
         self,
         projector: Any,
         proj_dim: int,
         proj_max_batch_size: int,
         mask: MaskLike | None,
         gradient_computer: Any,
+        score_computer: Any,
     ) -> None:
+        """TRAK's features: a gradient computer's per-example gradients, projected."""
+        params = dict(self.model.named_parameters())
+        self.num_params = sum(p.numel() for p in params.values())
+        if self.grad_wrt is not None:
+            self.num_params_for_grad = sum(params[n].numel() for n in self.grad_wrt)
+        else:
+            self.num_params_for_grad = self.num_params
+        self.grad_dim = int(mask.numel) if mask is not None else self.num_params_for_grad
         if projector is None:
-            projector = self._default_projector(
-                proj_dim, proj_max_batch_size, mask, gradient_computer
-            )
+            projector = self._default_projector(proj_dim, proj_max_batch_size, mask)
         self.projector = projector
         self.proj_dim = (
             self.grad_dim if isinstance(projector, NoOpProjector) else int(projector.proj_dim)
         )
         self.logger.info("Using %s", type(self.projector).__name__)
+        self.layers: list[Any] = []
+        self.projection = None
+        # TRAK divides by sqrt(d) so XᵀX stays well scaled.
+        self.normalize_factor = math.sqrt(self.grad_dim)
+        self.gradient_computer = gradient_computer(
+            model=self.model,
+            task=self.task,
+            grad_dim=self.num_params_for_grad,
+            dtype=self.dtype,
+            device=self.device,
+            grad_wrt=self.grad_wrt,
+        )
+
+    def _projector_record(self) -> dict[str, Any]:
+        if self.layered:
+            # The per-layer projection is fixed by its sides and seed.
+            projection = None if self.projection is None else list(self.projection)
+            seed = None if self.projector is None else int(self.projector.seed)
+            return {"kind": "per-layer", "projection": projection, "seed": seed}
+        return _projector_record(self.projector, self.grad_dim)
+
+    def _new_preconditioner(self) -> Preconditioner:
+        spec = PreconditionerSpec(
+            feature_dim=self.proj_dim,
+            damping=self.lambda_reg,
+            device=self.device,
+            layers=self.layers,
+            curvature=self.settings.curvature,
+            score_computer=self.score_computer,
+        )
+        return self._precond_cls(spec)
 
     def _default_projector(
-        self, proj_dim: int, proj_max_batch_size: int, mask: MaskLike | None, gradient_computer: Any
+        self, proj_dim: int, proj_max_batch_size: int, mask: MaskLike | None
     ) -> Any:
         """The projector used when none is given (see the class docstring)."""
-        if self._wants_factorized(gradient_computer, mask):
-            # Layer hooks never form a per-example gradient when the projector
-            # is factorized: the fast CPU pair (features up to proj_dim).
-            return FactorizedProjector.from_budget(
-                self.model,
-                proj_dim,
-                seed=self.proj_seed,
-                device=self.device,
-                grad_wrt=self.grad_wrt,
-            )
         if self.device.type == "cuda":
             return CudaProjector(
                 self.grad_dim,
@@ -450,18 +595,10 @@ class TRAKer:
                 proj_max_batch_size,
                 mask=mask,
             )
-        # One index_add_ pass per batch, tables built once: the fast CPU choice.
+        # One index_add_ pass per batch, tables built once: the fast CPU choice,
+        # with exactly proj_dim features whichever gradient computer runs.
         return CountSketchProjector(
             self.grad_dim, int(proj_dim), self.proj_seed, self.device, mask=mask
-        )
-
-    def _wants_factorized(self, gradient_computer: Any, mask: MaskLike | None) -> bool:
-        """Hook gradients on CPU, no mask: the default projector is a FactorizedProjector."""
-        return (
-            isinstance(gradient_computer, type)
-            and issubclass(gradient_computer, HookGradientComputer)
-            and self.device.type == "cpu"
-            and mask is None
         )
 
     def _ckpt_record(self, model_id: int) -> dict[str, Any]:
@@ -481,8 +618,58 @@ class TRAKer:
     def _load_weights(self, checkpoint: Mapping[str, Any], model_id: int) -> None:
         self.model.load_state_dict(checkpoint)
         self.model.eval()
+        if self.layered:
+            self.featurizer.set_model_id(int(model_id))
+            return
         self.gradient_computer.load_model_params(self.model)
         self.projector.set_model_id(int(model_id))
+
+    # -- accumulated preconditioner state (per rank, saved with the rows it covers) ------
+    def _accumulated_path(self, model_id: int, rank: int) -> Path:
+        return self.save_dir / layout.checkpoint_dir(model_id) / f"accumulated.{rank}.npz"
+
+    def _accumulated_files(self, model_id: int) -> list[Path]:
+        return sorted((self.save_dir / layout.checkpoint_dir(model_id)).glob("accumulated.*.npz"))
+
+    def _read_accumulated(self, model_id: int) -> tuple[Preconditioner, np.ndarray, np.ndarray]:
+        """The accumulated preconditioner and covered rows of this rank, and every rank's.
+
+        Raises:
+            SettingsMismatchError: the store's accumulated state was written by
+                another number of ranks.
+        """
+        rank, world = rank_and_world()
+        n = self.train_set_size
+        precond = self._new_preconditioner()
+        mine = np.zeros(n, dtype=bool)
+        every = np.zeros(n, dtype=bool)
+        for path in self._accumulated_files(model_id):
+            with np.load(path) as z:
+                written_by = int(z["__world__"])
+                if written_by != world:
+                    raise SettingsMismatchError(
+                        f"model id {model_id} in `{self.save_dir}` has curvature statistics "
+                        f"accumulated by {written_by} process(es), but this run has {world}. "
+                        f"Resume with {written_by}, or pass load_from_save_dir=False to refit."
+                    )
+                covered = z["__covered__"].astype(bool)
+                every |= covered
+                if path == self._accumulated_path(model_id, rank):
+                    mine = covered
+                    precond.load_state_dict({k: z[k] for k in z.files if not k.startswith("__")})
+        return precond, mine, every
+
+    def _save_accumulated(self) -> None:
+        """Write the loaded checkpoint's accumulated state, if rows were added since."""
+        if self.ckpt_loaded is None or self._precond is None or not self._rows_since_save:
+            return
+        assert self._covered is not None
+        rank, world = rank_and_world()
+        arrays = dict(self._precond.state_dict())
+        arrays["__covered__"] = self._covered.astype(np.uint8)
+        arrays["__world__"] = np.array(world, dtype=np.int64)
+        _atomic_save(self._accumulated_path(self.ckpt_loaded, rank), arrays)
+        self._rows_since_save = 0
 
     def load_checkpoint(self, checkpoint: Mapping[str, Any], model_id: int) -> None:
         """Load a checkpoint for featurizing; resumes rows already stored for ``model_id``.
@@ -490,8 +677,7 @@ class TRAKer:
         Raises:
             SettingsMismatchError: ``model_id`` was featurized from other weights.
         """
-        if self._influence is not None:
-            return self._influence.load_checkpoint(checkpoint, model_id)
+        self._save_accumulated()  # the previous checkpoint's, before they are replaced
         sha = checkpoint_fingerprint(checkpoint)
         require_same_across_ranks("(model_id, checkpoint fingerprint)", (int(model_id), sha))
         n, k = self.train_set_size, self.proj_dim
@@ -511,27 +697,44 @@ class TRAKer:
                 arr("grads"), (n, k), self._np_dtype, chunk_rows=self._chunk_rows
             )
             self.store.require_array(
-                arr("out_to_loss"), (n, 1), np.float32, chunk_rows=self._chunk_rows
+                arr("out_to_loss"), (n, 1), self._q_dtype, chunk_rows=self._chunk_rows
             )
+            for extra in self._stored_arrays:
+                self.store.require_array(
+                    arr(extra), (n, k), self._np_dtype, chunk_rows=self._chunk_rows
+                )
             self.store.require_done(arr("done"), n, chunk_rows=self._chunk_rows)
             if first and not self.load_from_save_dir:
                 self.store.array(arr("done"))[:] = np.zeros(n, dtype=np.uint8)
+                for path in self._accumulated_files(model_id):
+                    path.unlink()
                 self._write_ckpt_record(model_id, {"checkpoint": sha, "finalized": False})
         # The stored chunking decides the shards (a resumed store keeps its own).
         self._owned = owned_mask(n, int(grads.chunks[0]))
         self._done = self.store.done_rows(arr("done"))
-        if self._done.any():
+        self._precond, self._covered, self._covered_any = None, None, None
+        if self._precond_cls.accumulates:
+            self._precond, self._covered, self._covered_any = self._read_accumulated(model_id)
+        if self._done.any() or (self._covered_any is not None and self._covered_any.any()):
             self.logger.info(
-                "model id %d: resuming, %d of %d rows already featurized",
+                "model id %d: resuming, %d of %d rows already featurized%s",
                 model_id,
                 int(self._done.sum()),
                 n,
+                ""
+                if self._covered_any is None
+                else f", {int(self._covered_any.sum())} in the curvature statistics",
             )
         self._load_weights(checkpoint, model_id)
         self.ckpt_loaded = int(model_id)
         self._last_ind = 0
+        self._rows_since_save = 0
 
     def _features(self, batch: Sequence[Tensor], model_id: int) -> Tensor:
+        """``[B, k]`` stored features of a batch (training rows or targets)."""
+        if self.layered:
+            parts, _ = self.featurizer.layer_parts(batch)
+            return self.featurizer.features([(a, g) for a, g, _ in parts])
         gc = self.gradient_computer
         if hasattr(gc, "project"):
             phi = gc.project(batch, self.projector, model_id)
@@ -539,14 +742,36 @@ class TRAKer:
             phi = self.projector.project(gc.compute_per_sample_grad(batch), model_id=model_id)
         return phi / self.normalize_factor
 
+    def _train_rows(
+        self, batch: Sequence[Tensor], idx: np.ndarray
+    ) -> tuple[Tensor, Tensor, Any, dict[str, Tensor]]:
+        """Features, Q, per-layer parts (or None) and extra stored rows of training rows."""
+        if not self.layered:
+            phi = self._features(batch, int(self.ckpt_loaded or 0))
+            return phi, self.gradient_computer.compute_loss_grad(batch), None, {}
+        sampled = self.settings.curvature == "sampled" and (
+            self._precond_cls.accumulates or bool(self._stored_arrays)
+        )
+        parts, q = self.featurizer.layer_parts(batch, idx if sampled else None)
+        phi = self.featurizer.features([(a, g) for a, g, _ in parts])
+        extra = {}
+        if "fisher_grads" in self._stored_arrays:
+            extra["fisher_grads"] = self.featurizer.features(
+                [(a, gs) for a, _, gs in parts if gs is not None]
+            )
+        return phi, q, parts, extra
+
     # -- featurizing ------------------------------------------------------------
     def featurize(
         self, batch: Sequence[Tensor], inds: Any = None, num_samples: int | None = None
     ) -> None:
-        """Compute and store features ``P grad f / sqrt(d)`` and Q for a batch of training rows.
+        """Compute and store features and Q of a batch of training rows.
 
-        Rows already stored (from an interrupted run) are skipped: their
-        gradients are not recomputed.
+        TRAK's features are ``P grad f / sqrt(d)``; the per-layer methods store
+        each factored layer's gradient and fit their curvature from the same
+        pass. Rows already stored (from an interrupted run) are skipped: their
+        gradients are not recomputed, and rows already in the stored curvature
+        statistics are not added twice (both resume independently).
 
         Args:
             batch: tuple of ``[B, ...]`` tensors, as the task expects, or (for
@@ -554,8 +779,6 @@ class TRAKer:
             inds: ``[B]`` row indices in the training set.
             num_samples: ``B``, when rows follow the previous batch.
         """
-        if self._influence is not None:
-            return self._influence.featurize(batch, inds, num_samples)
         if self.ckpt_loaded is None or self._done is None:
             raise ModelIDException(
                 "no checkpoint loaded; call traker.load_checkpoint(state_dict, model_id) "
@@ -565,28 +788,75 @@ class TRAKer:
         idx = _resolve_inds(inds, num_samples, self._last_ind, self.train_set_size, "featurize")
         if num_samples is not None:
             self._last_ind += int(num_samples)
-        todo = ~self._done[idx]
+        need_rows = ~self._done[idx]
+        need_acc = np.zeros_like(need_rows)
+        if self._covered_any is not None:
+            need_acc = ~self._covered_any[idx]
         if self._owned is not None:
-            todo &= self._owned[idx]
+            need_rows &= self._owned[idx]
+            need_acc &= self._owned[idx]
+        todo = need_rows | need_acc
         if not todo.any():
             return
         if not todo.all():
             keep = torch.as_tensor(np.nonzero(todo)[0], device=batch[0].device)
             batch = tuple(t.index_select(0, keep.to(t.device)) for t in batch)
-            idx = idx[todo]
-        phi = self._features(batch, self.ckpt_loaded)
-        q = self.gradient_computer.compute_loss_grad(batch)
+            idx, need_rows, need_acc = idx[todo], need_rows[todo], need_acc[todo]
+        phi, q, parts, extra = self._train_rows(batch, idx)
+        if need_acc.any():
+            self._accumulate(idx, need_acc, phi, q, parts)
+        if not need_rows.any():
+            return
+        rows = np.nonzero(need_rows)[0]
+        if rows.size < idx.size:
+            keep_rows = torch.as_tensor(rows, device=phi.device)
+            phi, q = phi[keep_rows], q[keep_rows.to(q.device)]
+            extra = {name: x[keep_rows] for name, x in extra.items()}
         arr = functools.partial(layout.checkpoint_array, self.ckpt_loaded)
+        arrays = {
+            arr("grads"): phi.detach().to(self.dtype).cpu().numpy(),
+            arr("out_to_loss"): q.detach().cpu().numpy().astype(self._q_dtype).reshape(-1, 1),
+        }
+        for name, x in extra.items():
+            arrays[arr(name)] = x.detach().to(self.dtype).cpu().numpy()
         self.store.write_rows(
-            idx,
-            {
-                arr("grads"): phi.detach().to(self.dtype).cpu().numpy(),
-                arr("out_to_loss"): q.detach().float().reshape(-1, 1).cpu().numpy(),
-            },
+            idx[rows],
+            arrays,
             done=arr("done"),
             background=True,  # written while the next batch is computed
         )
-        self._done[idx] = True
+        self._done[idx[rows]] = True
+
+    def _accumulate(
+        self, idx: np.ndarray, need: np.ndarray, phi: Tensor, q: Tensor, parts: Any
+    ) -> None:
+        """Hand the rows ``need`` of a batch to the accumulating preconditioner."""
+        assert self._precond is not None and self._covered is not None
+        assert self._covered_any is not None
+        sel = torch.as_tensor(np.nonzero(need)[0], device=phi.device)
+        layers = None
+        if parts is not None:
+            layers = [
+                (
+                    a.index_select(0, sel),
+                    g.index_select(0, sel),
+                    None if gs is None else gs.index_select(0, sel),
+                )
+                for a, g, gs in parts
+            ]
+        self._precond.accumulate(
+            FeatureBatch(
+                rows=idx[need],
+                features=phi.index_select(0, sel),
+                out_to_loss=q.index_select(0, sel.to(q.device)),
+                layers=layers,
+            )
+        )
+        self._covered[idx[need]] = True
+        self._covered_any[idx[need]] = True
+        self._rows_since_save += int(need.sum())
+        if self._rows_since_save >= max(self._chunk_rows, self.train_set_size // 10):
+            self._save_accumulated()
 
     def featurize_loader(self, loader: Iterable[Any], *, batch_size: int = 16) -> None:
         """Featurize every batch of ``loader`` in order, with a progress bar.
@@ -600,8 +870,6 @@ class TRAKer:
         the examples it featurizes; other iterables are read in full and each
         rank keeps its own rows.
         """
-        if self._influence is not None:
-            return self._influence.featurize_loader(loader)
         if self._done is None or self._owned is None:
             raise ModelIDException(
                 "no checkpoint loaded; call traker.load_checkpoint(state_dict, model_id) "
@@ -615,6 +883,7 @@ class TRAKer:
             self._last_ind,
             f"featurizing model {self.ckpt_loaded}",
         )
+        self._save_accumulated()
         self.store.flush()
 
     def _run_loader(
@@ -658,15 +927,23 @@ class TRAKer:
     def finalize_features(
         self, model_ids: Iterable[int] | None = None, del_grads: bool = False
     ) -> None:
-        """Compute each checkpoint's XᵀX (streamed in row blocks) and mark it final.
+        """Fit each checkpoint's preconditioner from its stored rows and mark it final.
 
-        The ``[n, k]`` features ``X (XᵀX + λI)⁻¹`` are only formed when
-        ``del_grads=True`` (then they replace the gradients); otherwise the
-        inverse is applied to the targets at scoring time, which is cheaper.
+        TRAK computes XᵀX (streamed in row blocks, summed across ranks); K-FAC
+        eigendecomposes its factors; EK-FAC also corrects the eigenvalues in
+        one pass over the stored rows. The ``[n, k]`` features
+        ``X (XᵀX + λI)⁻¹`` are only formed when ``del_grads=True`` (TRAK only;
+        then they replace the gradients); otherwise the preconditioner is
+        applied to the targets at scoring time, which is cheaper.
         """
-        if self._influence is not None:
-            return self._influence.finalize_features(model_ids, del_grads)
-        self.projector.free_memory()
+        if del_grads and self.method != "trak":
+            raise ValueError(
+                f"`del_grads`=True is not supported by method={self.method!r}: the stored "
+                "training gradients are what queries are scored against. Pass del_grads=False."
+            )
+        self._save_accumulated()
+        if not self.layered:
+            self.projector.free_memory()
         # Every rank's rows must be on disk before anyone reads the flags.
         self.store.flush()
         barrier()
@@ -683,6 +960,10 @@ class TRAKer:
                 )
             arr = functools.partial(layout.checkpoint_array, model_id)
             done = self.store.done_rows(arr("done"))
+            precond: Preconditioner | None = None
+            if self._precond_cls.accumulates:
+                precond, _, covered = self._read_accumulated(model_id)
+                done = done & covered
             # Ranks decide together, from the same flags, whether to go on.
             require_same_across_ranks(f"model id {model_id} complete", bool(done.all()))
             if not done.all():
@@ -695,34 +976,69 @@ class TRAKer:
             if record.get("finalized"):
                 self.logger.info("model id %d already finalized; skipping", model_id)
                 continue
+            precond = precond or self._new_preconditioner()
             grads = self.store.array(arr("grads"))
-            dev = self.device
-            # XᵀX = Σ_r X_rᵀX_r: each rank multiplies its own rows, all_reduce adds.
+            # Each rank reads its own rows; the preconditioner sums across ranks.
             mine = chunk_shard(self.train_set_size, int(grads.chunks[0]))
-            rows = grads if world == 1 else RowWindow(grads, mine.start, mine.stop)
-            if self.score_computer is not None:
-                xtx = self.score_computer.get_xtx(torch.as_tensor(rows[:], device=dev).float())
-            else:
-                xtx = xtx_blocked(
-                    rows,
-                    block_rows=self._row_block(),
-                    device=dev,
-                    prefetch=self.memory_budget is None,
-                )
-            xtx = all_reduce_sum_(xtx)
+            if world == 1:
+                mine = range(self.train_set_size)
+            names = ("grads", *self._stored_arrays)
+            train = TrainRows(
+                {name: self.store.array(arr(name)) for name in names},
+                self.store.array(arr("out_to_loss")),
+                mine,
+                size=self.train_set_size,
+                block_rows=self._row_block(),
+                device=self.device,
+                prefetch=self.memory_budget is None,
+            )
+            precond.finalize(train)
+            state = precond.state_dict()
             if rank == 0:
-                xtx_arr = self.store.require_array(arr("xtx"), tuple(xtx.shape), np.float32)
-                xtx_arr[:] = xtx.float().cpu().numpy()
+                for key, value in state.items():
+                    name = layout.checkpoint_state(model_id, key)
+                    self.store.require_array(name, value.shape, value.dtype)[...] = value
             if del_grads:
-                self._form_features(model_id, xtx, mine)
+                assert isinstance(precond, GramPreconditioner) and precond.xtx is not None
+                self._form_features(model_id, precond.xtx, mine)
                 barrier()
                 if rank == 0:
                     self.store.delete(arr("grads"))
             if rank == 0:
                 self._write_ckpt_record(
-                    model_id, {**record, "finalized": True, "features": del_grads}
+                    model_id,
+                    {**record, "finalized": True, "features": del_grads, "state": sorted(state)},
                 )
             barrier()
+
+    def preconditioner(self, model_id: int) -> Preconditioner:
+        """The finalized preconditioner of checkpoint ``model_id``, read from the store.
+
+        ``traker.preconditioner(0).solve(targets)`` is ``P⁻¹`` applied to
+        ``[m, k]`` target features, as scoring applies it.
+
+        Raises:
+            ModelIDException: ``model_id`` is not finalized.
+        """
+        record = self._ckpt_record(model_id)
+        if not record.get("finalized"):
+            raise ModelIDException(
+                f"model id {model_id} is not finalized in `{self.save_dir}`; call "
+                "finalize_features() first."
+            )
+        return self._load_preconditioner(model_id, record)
+
+    def _load_preconditioner(self, model_id: int, record: Mapping[str, Any]) -> Preconditioner:
+        """The finalized preconditioner of ``model_id``, read from the store."""
+        keys = record.get("state", ["xtx"] if self.method == "trak" else [])
+        precond = self._new_preconditioner()
+        precond.load_state_dict(
+            {
+                key: np.asarray(self.store.array(layout.checkpoint_state(model_id, key))[...])
+                for key in keys
+            }
+        )
+        return precond
 
     def _form_features(self, model_id: int, xtx: Tensor, rows: range) -> None:
         grads = self.store.array(layout.checkpoint_array(model_id, "grads"))
@@ -767,11 +1083,7 @@ class TRAKer:
             SettingsMismatchError: ``exp_name`` exists with another ``num_targets``
                 or ``per_token``.
         """
-        if self._influence is not None:
-            _refuse_per_token(per_token, self.method)
-            return self._influence.start_scoring_checkpoint(
-                exp_name, checkpoint, model_id, num_targets
-            )
+        self._save_accumulated()
         if not exp_name or "/" in exp_name:
             raise ValueError(f"`exp_name` must be a non-empty name without '/', got {exp_name!r}.")
         positive_int("num_targets", num_targets)
@@ -831,8 +1143,6 @@ class TRAKer:
         self, batch: Sequence[Tensor], inds: Any = None, num_samples: int | None = None
     ) -> None:
         """Compute and store the target features of a batch (see :meth:`featurize`)."""
-        if self._influence is not None:
-            return self._influence.score(batch, inds, num_samples)
         if self._exp is None or self._exp_model_id is None or self._exp_done is None:
             raise ModelIDException(
                 "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before score."
@@ -895,8 +1205,6 @@ class TRAKer:
 
     def score_loader(self, loader: Iterable[Any], *, batch_size: int = 16) -> None:
         """Score every batch of ``loader`` in order (inputs, sharding: see ``featurize_loader``)."""
-        if self._influence is not None:
-            return self._influence.score_loader(loader)
         if self._exp_done is None or self._exp_owned is None:
             raise ModelIDException(
                 "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before "
@@ -948,16 +1256,20 @@ class TRAKer:
                     continue
                 raise ModelIDException(problem + "; or pass allow_skip=True.")
             arr = functools.partial(layout.checkpoint_array, model_id)
-            has_features = bool(record.get("features"))
             used.append(model_id)
-            ckpts.append(
-                CheckpointGrads(
-                    train=self.store.array(arr("features") if has_features else arr("grads")),
-                    targets=self.store.array(target("grads")),
-                    out_to_loss=self.store.array(arr("out_to_loss")),
-                    xtx=torch.from_numpy(np.asarray(self.store.array(arr("xtx"))[:])),
-                    preconditioned=has_features,
+            targets = self.store.array(target("grads"))
+            out_to_loss = self.store.array(arr("out_to_loss"))
+            if record.get("features"):
+                # TRAK's del_grads: the rows hold X (XᵀX + λI)⁻¹ already.
+                ckpts.append(
+                    CheckpointGrads(
+                        self.store.array(arr("features")), targets, out_to_loss, preconditioned=True
+                    )
                 )
+                continue
+            precond = self._load_preconditioner(model_id, record)
+            ckpts.append(
+                precond.checkpoint_grads(self.store.array(arr("grads")), targets, out_to_loss)
             )
         if not ckpts:
             raise ModelIDException(
@@ -988,9 +1300,6 @@ class TRAKer:
             (when it exceeds ``memory_budget``) the zarr array
             ``save_dir/scores/<exp_name>`` on disk. Both are also saved there.
         """
-        if self._influence is not None:
-            _refuse_per_token(per_token, self.method)
-            return self._influence.finalize_scores(exp_name, model_ids, allow_skip)
         experiment, used, ckpts = self._scoring_inputs(exp_name, model_ids, allow_skip)
         num_targets = int(experiment["num_targets"])
         if per_token:
@@ -1014,7 +1323,15 @@ class TRAKer:
             scores_json = self.save_dir / layout.scores_record(exp_name)
             scores_json.parent.mkdir(exist_ok=True)
             scores_json.write_text(
-                json.dumps({"model_ids": [int(i) for i in used], "num_targets": m}) + "\n"
+                json.dumps(
+                    {
+                        "model_ids": [int(i) for i in used],
+                        "num_targets": m,
+                        "method": self.method,
+                        "lambda_reg": self.lambda_reg,
+                    }
+                )
+                + "\n"
             )
         barrier()
         self.scores = scores
@@ -1043,14 +1360,12 @@ class TRAKer:
         for model_id in model_ids:
             # The targets' rows: [m, T * k] stored, [m * T, k] for the kernel.
             name = layout.target_array(exp_name, model_id, "token_grads")
-            stored = np.asarray(self.store.array(name)[:], dtype=np.float32)
+            wide = np.float64 if self.dtype == torch.float64 else np.float32
+            stored = np.asarray(self.store.array(name)[:], dtype=wide)
             tokens.append(stored.reshape(m * (stored.shape[1] // self.proj_dim), self.proj_dim))
         length = tokens[0].shape[0] // m
         per_token = [
-            CheckpointGrads(
-                ck.train, torch.from_numpy(t), ck.out_to_loss, ck.xtx, ck.preconditioned
-            )
-            for ck, t in zip(ckpts, tokens)
+            dataclasses.replace(ck, targets=torch.from_numpy(t)) for ck, t in zip(ckpts, tokens)
         ]
         scores = score_checkpoints(
             per_token,
@@ -1079,11 +1394,6 @@ class TRAKer:
             :class:`~gradsketch.attribution.TopK` with ``[k, m]`` training-row
             indices and scores (proponents highest first, opponents lowest first).
         """
-        if self._influence is not None:
-            raise ValueError(
-                f"`topk` streams TRAK's kernel; with method={self.method!r} call "
-                "finalize_scores(exp_name) and take the top rows of its columns."
-            )
         if rank_and_world()[1] > 1:
             raise ValueError(
                 "TRAKer.topk is not supported under torch.distributed yet; call it in one "

@@ -1,0 +1,201 @@
+"""Per-layer (Kronecker) features: what K-FAC, EK-FAC and identity influence store per row.
+
+For every factored layer (Linear, Conv2d, Hugging Face ``Conv1D``; see
+:func:`~gradsketch.attribution._layer_capture.find_layers`) one hooked
+forward and backward gives the inputs ``a [B, T, d_in]`` and the gradients
+``g [B, T, d_out]`` of the task's output function at the layer's outputs.
+The stored feature of a row is each layer's ``vec(G) = vec(sum_t g_t a_tᵀ)``
+(bias: an extra input fixed at 1), concatenated in layer order, so
+``feature_dim = sum_l d_out (d_in + 1)``; nothing larger than one layer's
+gradient is formed per example. The same ``(a, g)`` feed the Kronecker
+factors of :class:`~gradsketch.attribution._preconditioners.KFACPreconditioner`.
+
+With ``projection=(k_in, k_out)`` inputs and output gradients are first
+multiplied by the Gaussian factors of
+:class:`~gradsketch.sketch.FactorizedProjector` (scaled by ``1/sqrt(k)`` so
+inner products are kept in expectation): the stored rows are
+``P_out G P_inᵀ`` (``k_out k_in`` numbers) and the factors ``k x k`` (LoGra:
+Choe et al., "What is your data worth to GPT?", 2024).
+
+The output function is the task's TRAK margin, or for language models the
+summed log-likelihood of the predicted tokens (see
+:mod:`gradsketch.attribution._fisher`), and ``Q`` makes ``Q · feature``
+minus the training loss's gradient. ``curvature="sampled"`` adds a second
+backward through the loss under labels drawn from the model's own
+predictions (the true Fisher), seeded by ``(sample_seed, checkpoint id,
+row)``: a row's draw does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from gradsketch._hash import derive_key
+from gradsketch.attribution._fisher import (
+    INFLUENCE_OUTPUTS,
+    SAMPLED_LOSSES,
+    draw_labels,
+    find_task_entry,
+)
+from gradsketch.attribution._kfac import add_bias_input
+from gradsketch.attribution._layer_capture import FactoredLayer, capture_layers, find_layers
+from gradsketch.attribution._modelout import (
+    LOSS_GRAD_FROM_OUTPUT,
+    AbstractModelOutput,
+    resolve_batch_output,
+)
+from gradsketch.sketch import FactorizedLayer, FactorizedProjector
+
+__all__ = ["CURVATURES", "KroneckerFeaturizer"]
+
+#: Whose second moment the curvature is: empirical Fisher, output Gram, true Fisher.
+CURVATURES = ("loss", "output", "sampled")
+# Stream of the sampled labels' keys (see gradsketch._hash.derive_key).
+SAMPLE_STREAM = 0x5A3F
+
+LayerParts = list[tuple[Tensor, Tensor, Tensor | None]]
+
+
+class KroneckerFeaturizer:
+    """Per-layer features ``vec(sum_t g_t a_tᵀ)`` and Q of a batch (module docstring).
+
+    Args:
+        model: the model.
+        task: the resolved task.
+        grad_wrt: parameter names to differentiate (``None``: all).
+        projection: ``(k_in, k_out)`` per-layer projection, or ``None``.
+        projection_seed: seed of the projection (re-drawn per checkpoint id).
+        curvature: ``"loss"``, ``"output"`` or ``"sampled"``.
+        sample_seed: seed of the sampled labels.
+        device: where gradients are computed.
+        dtype: the features' dtype (float32 or float64).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: AbstractModelOutput,
+        *,
+        grad_wrt: Sequence[str] | None,
+        projection: tuple[int, int] | None,
+        projection_seed: int,
+        curvature: str,
+        sample_seed: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.task = task
+        override = find_task_entry(INFLUENCE_OUTPUTS, task)
+        self._batch_output = resolve_batch_output(task) if override is None else override[0]
+        self._q_from_output = (
+            LOSS_GRAD_FROM_OUTPUT.get(type(task)) if override is None else override[1]
+        )
+        self._sampled_loss = find_task_entry(SAMPLED_LOSSES, task)
+        if curvature == "sampled" and self._sampled_loss is None:
+            able = ", ".join(sorted(t.__name__ for t in SAMPLED_LOSSES))
+            raise ValueError(
+                f"`curvature`='sampled' draws labels from the model's predictions, which task "
+                f"{type(task).__name__} does not define (tasks that can: {able}). Pass "
+                "curvature='loss' or 'output', or register its sampled loss with "
+                "@gradsketch.attribution.register_sampled_loss(YourTask)."
+            )
+        self.curvature = curvature
+        self.sample_seed = int(sample_seed)
+        self.device = device
+        self.dtype = dtype
+        self.layers: list[FactoredLayer] = find_layers(model, grad_wrt, projection)
+        self.feature_dim = sum(x.width for x in self.layers)
+        self.projector = self._build_projector(projection, int(projection_seed))
+        self.model_id: int | None = None
+
+    def _build_projector(self, proj: tuple[int, int] | None, seed: int) -> Any:
+        if proj is None:
+            return None
+        segments = []
+        for x in self.layers:
+            prefix = f"{x.name}." if x.name else ""
+            names = (prefix + "weight",) + ((prefix + "bias",) if x.bias else ())
+            segments.append(
+                FactorizedLayer(
+                    name=x.name,
+                    param_names=names,
+                    d_in=x.d_in - int(x.bias),
+                    d_out=x.d_out,
+                    bias=x.bias,
+                    k_in=x.k_in,
+                    k_out=x.k_out,
+                )
+            )
+        return FactorizedProjector(segments, seed, self.device)
+
+    def set_model_id(self, model_id: int) -> None:
+        """Checkpoint id: re-seeds the projection and the sampled labels."""
+        self.model_id = int(model_id)
+        if self.projector is not None:
+            self.projector.set_model_id(self.model_id)
+
+    def layer_parts(
+        self, batch: Sequence[Any], rows: np.ndarray | None = None
+    ) -> tuple[LayerParts, Tensor]:
+        """Per layer the stored-side ``(a, g, g_sampled)`` (bias column, projection), and Q.
+
+        ``g_sampled`` (output gradients of the loss under labels drawn from the
+        model) is computed when ``rows`` (the batch's row indices, which seed
+        the draws) is given and the curvature is ``"sampled"``; else ``None``.
+        """
+        sampled_loss = None
+        if rows is not None and self.curvature == "sampled":
+            assert self.model_id is not None
+            key = derive_key(self.sample_seed, self.model_id, SAMPLE_STREAM)
+            index = torch.as_tensor(rows, dtype=torch.int64)
+            rule, task = self._sampled_loss, self.task
+
+            def draw(logits: Tensor) -> Tensor:
+                return draw_labels(logits, index, key)
+
+            def sampled_loss(output: Any) -> Tensor:
+                return rule(task, output, batch, draw)
+
+        caps, root = capture_layers(
+            self.model, self.layers, self._batch_output, batch, sampled_loss
+        )
+        work = self.dtype
+        out: LayerParts = []
+        for x in self.layers:
+            a, g, gs = caps[x.name]
+            a, g = a.to(work), g.to(work)
+            gs = None if gs is None else gs.to(work)
+            if x.bias:
+                a = add_bias_input(a)
+            if self.projector is not None:
+                p_out, p_in = self.projector.factor_matrices(x.name, work)
+                if x.k_in < x.d_in:
+                    a = a @ (p_in.T / math.sqrt(x.k_in))
+                if x.k_out < x.d_out:
+                    g = g @ (p_out.T / math.sqrt(x.k_out))
+                    gs = None if gs is None else gs @ (p_out.T / math.sqrt(x.k_out))
+            out.append((a, g, gs))
+        return out, self._out_to_loss(batch, root)
+
+    def _out_to_loss(self, batch: Sequence[Any], root: Any) -> Tensor:
+        rule = self._q_from_output
+        if rule is not None and root is not None:
+            q = rule(self.task, root, batch)
+        else:
+            weights = {k: p.detach() for k, p in self.model.named_parameters()}
+            buffers = {k: b.detach() for k, b in self.model.named_buffers()}
+            q = self.task.get_out_to_loss_grad(self.model, weights, buffers, batch)
+        return q.detach().reshape(-1).to(torch.float64)
+
+    @staticmethod
+    def features(parts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        """``[B, feature_dim]``: each layer's ``vec(sum_t g_t a_tᵀ)``, in layer order."""
+        blocks = [torch.bmm(g.transpose(1, 2), a).reshape(a.shape[0], -1) for a, g in parts]
+        return torch.cat(blocks, dim=1)

@@ -1,0 +1,509 @@
+"""Preconditioners: the curvature part of attribution, behind one small protocol.
+
+Every attribution method of :class:`~gradsketch.attribution.TRAKer` scores
+``score[i, q] = Q_i · φ_iᵀ P⁻¹ φ_q``: stored training features ``φ_i``,
+out-to-loss terms ``Q_i``, target features ``φ_q`` and a preconditioner
+``P`` fitted on the training rows. The store flow (featurize, finalize,
+score, resume, refusal of other settings, sharding) is the same for every
+method; what differs is ``P``, which is one :class:`Preconditioner`:
+
+* :meth:`~Preconditioner.accumulate` sees each featurized batch of training
+  rows (K-FAC / EK-FAC add its layers' Kronecker factors);
+* :meth:`~Preconditioner.finalize` sees the stored training rows once, in
+  large blocks (TRAK: ``XᵀX``; EK-FAC: the eigenvalue correction);
+* :meth:`~Preconditioner.solve` applies ``P⁻¹`` to target features;
+* :meth:`~Preconditioner.state_dict` / :meth:`~Preconditioner.load_state_dict`
+  keep what it fitted (arrays), so one fit serves every later query set.
+
+Built in (:data:`PRECONDITIONERS`): ``"trak"`` (TRAK's ``XᵀX + λI`` of
+projected gradients), ``"identity"`` (gradient dot products), ``"kfac"`` and
+``"ekfac"`` (per-layer Kronecker curvature, :mod:`gradsketch.attribution._kfac`).
+Register your own with :func:`register_preconditioner`; it then runs through
+``TRAKer(..., method=name)`` with every input form, ``per_token``, ``topk``,
+``memory_budget`` and ``torch.distributed`` sharding.
+
+Example:
+    A diagonal preconditioner (each feature divided by its second moment):
+
+    >>> import tempfile, torch
+    >>> from gradsketch.attribution import TRAKer
+    >>> @register_preconditioner("diag")
+    ... class Diagonal(Preconditioner):
+    ...     def finalize(self, train):
+    ...         total = torch.zeros(train.width, dtype=torch.float64)
+    ...         for _, _, x, _ in train.blocks():
+    ...             total += (x.double() ** 2).sum(0)
+    ...         self.second = train.reduce(total) / train.size
+    ...     def solve(self, targets):
+    ...         return targets / (self.second + 1e-3).to(targets)
+    ...     def state_dict(self):
+    ...         return {"second": self.second.numpy()}
+    ...     def load_state_dict(self, state):
+    ...         self.second = torch.from_numpy(state["second"])
+    >>> model = torch.nn.Linear(4, 3)
+    >>> x, y = torch.randn(12, 4), torch.arange(12) % 3
+    >>> traker = TRAKer(model, "image_classification", 12, tempfile.mkdtemp(), device="cpu",
+    ...                 proj_dim=8, method="diag", progress=False)
+    >>> traker.load_checkpoint(model.state_dict(), model_id=0)
+    >>> traker.featurize((x, y), num_samples=12)
+    >>> traker.finalize_features()
+    >>> traker.start_scoring_checkpoint("q", model.state_dict(), model_id=0, num_targets=2)
+    >>> traker.score((x[:2], y[:2]), num_samples=2)
+    >>> traker.finalize_scores("q").shape
+    (12, 2)
+    >>> del PRECONDITIONERS["diag"]
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gradsketch.attribution._distributed import RowWindow, all_reduce_sum_
+from gradsketch.attribution._io import iter_row_blocks
+from gradsketch.attribution._kfac import KroneckerEigen, KroneckerFactors, resolve_damping
+from gradsketch.attribution._layer_capture import FactoredLayer
+from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
+from gradsketch.attribution._scores import CheckpointGrads
+
+__all__ = [
+    "PRECONDITIONERS",
+    "FeatureBatch",
+    "Preconditioner",
+    "PreconditionerSpec",
+    "TrainRows",
+    "register_preconditioner",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Kinds of stored features a preconditioner can ask for.
+FEATURE_KINDS = ("projected", "layers")
+
+
+@dataclass
+class PreconditionerSpec:
+    """What a preconditioner is built from (one per checkpoint).
+
+    Attributes:
+        feature_dim: stored numbers per row k.
+        damping: λ >= 0 or ``"auto"`` (``lambda_reg`` of the TRAKer).
+        device: where it computes.
+        layers: the factored layers (``"layers"`` features), in feature order.
+        curvature: ``"loss"``, ``"output"`` or ``"sampled"`` (layer methods).
+        score_computer: TRAK's optional score computer (``"trak"`` only).
+    """
+
+    feature_dim: int
+    damping: float | str
+    device: torch.device
+    layers: Sequence[FactoredLayer] = field(default_factory=list)
+    curvature: str = "loss"
+    score_computer: Any = None
+
+
+@dataclass
+class FeatureBatch:
+    """One featurized batch of training rows, as :meth:`Preconditioner.accumulate` sees it.
+
+    Attributes:
+        rows: ``[B]`` training-row indices.
+        features: ``[B, k]`` the stored features.
+        out_to_loss: ``[B]`` Q.
+        layers: per factored layer ``(a [B, T, k_in], g [B, T, k_out], g_sampled | None)``
+            (``"layers"`` features only, else ``None``).
+    """
+
+    rows: np.ndarray
+    features: Tensor
+    out_to_loss: Tensor
+    layers: Sequence[tuple[Tensor, Tensor, Tensor | None]] | None = None
+
+
+class TrainRows:
+    """One checkpoint's stored training rows that this rank owns, read in large blocks.
+
+    Attributes:
+        size: the training-set size n (every rank's rows together).
+        width: features per row k.
+    """
+
+    def __init__(
+        self,
+        arrays: Mapping[str, Any],
+        out_to_loss: Any,
+        rows: range,
+        *,
+        size: int,
+        block_rows: int,
+        device: torch.device,
+        prefetch: bool = True,
+    ) -> None:
+        self._arrays = arrays
+        self._q = out_to_loss
+        self.rows = rows
+        self.size = int(size)
+        self.width = int(arrays["grads"].shape[1])
+        self.block_rows = int(block_rows)
+        self.device = device
+        self.prefetch = prefetch
+
+    def window(self, name: str = "grads") -> Any:
+        """The stored array ``name``'s rows that this rank owns (sliceable, with ``shape``)."""
+        array = self._arrays[name]
+        if self.rows.start == 0 and self.rows.stop == int(array.shape[0]):
+            return array
+        return RowWindow(array, self.rows.start, self.rows.stop)
+
+    def blocks(
+        self, name: str = "grads", *, dtype: torch.dtype = torch.float32
+    ) -> Iterator[tuple[int, int, Tensor, Tensor]]:
+        """``(start, stop, x [rows, k], q [rows])`` over this rank's rows (global indices)."""
+        q_all = self.window_q()
+        for start, stop, x in iter_row_blocks(
+            self.window(name),
+            self.block_rows,
+            device=self.device,
+            dtype=dtype,
+            prefetch=self.prefetch,
+        ):
+            q = torch.as_tensor(q_all[start:stop], device=self.device).reshape(-1)
+            yield self.rows.start + start, self.rows.start + stop, x, q
+
+    def window_q(self) -> np.ndarray:
+        """``[rows]`` float64 Q of this rank's rows."""
+        q = self._q[self.rows.start : self.rows.stop]
+        return np.asarray(q, dtype=np.float64).reshape(-1)
+
+    @staticmethod
+    def reduce(tensor: Tensor) -> Tensor:
+        """Sum ``tensor`` over ``torch.distributed`` ranks (in place; identity in one process)."""
+        return all_reduce_sum_(tensor)
+
+
+class Preconditioner(ABC):
+    """The curvature ``P`` of one checkpoint (see the module docstring).
+
+    Subclasses implement :meth:`finalize` and :meth:`solve` and, to be kept
+    in the store, :meth:`state_dict` / :meth:`load_state_dict`; those that
+    fit from featurized batches also set ``accumulates = True`` and
+    implement :meth:`accumulate` (its state is saved with the rows it
+    covers, so a killed run resumes without adding a row twice).
+
+    Class attributes:
+        features: ``"projected"`` (one projected, normalised gradient per row:
+            TRAK's features) or ``"layers"`` (each factored layer's
+            ``vec(sum_t g_t a_tᵀ)``, the inputs of Kronecker curvature).
+        accumulates: :meth:`accumulate` is called on each training batch.
+        q_per_checkpoint: each checkpoint's scores are weighted by its own Q
+            (influence: the training feature is then minus the loss
+            gradient); ``False`` averages Q over checkpoints first (TRAK).
+        stored_arrays: extra per-row arrays the featurizer stores for
+            :meth:`finalize` (``"fisher_grads"``: gradients under sampled labels).
+    """
+
+    name: ClassVar[str] = ""
+    features: ClassVar[str] = "projected"
+    accumulates: ClassVar[bool] = False
+    q_per_checkpoint: ClassVar[bool] = False
+
+    def __init__(self, spec: PreconditionerSpec) -> None:
+        self.spec = spec
+
+    @property
+    def stored_arrays(self) -> tuple[str, ...]:
+        """Extra per-row arrays this preconditioner reads in :meth:`finalize`."""
+        return ()
+
+    def accumulate(self, batch: FeatureBatch) -> None:  # noqa: B027 - optional hook
+        """Add one featurized batch of training rows (only if ``accumulates``)."""
+
+    @abstractmethod
+    def finalize(self, train: TrainRows) -> None:
+        """Fit from the stored training rows (call ``train.reduce`` on sums across ranks)."""
+
+    @abstractmethod
+    def solve(self, targets: Tensor) -> Tensor:
+        """``[m, k] -> [m, k]``: ``P⁻¹`` applied to each target row."""
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Arrays that restore it (after :meth:`accumulate` or :meth:`finalize`)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:  # noqa: B027
+        """Restore from :meth:`state_dict`'s arrays."""
+
+    def checkpoint_grads(self, train: Any, targets: Any, out_to_loss: Any) -> CheckpointGrads:
+        """The scoring kernel's view of this checkpoint (override to hand it a matrix)."""
+        return CheckpointGrads(
+            train, targets, out_to_loss, solve=self.solve, q_per_checkpoint=self.q_per_checkpoint
+        )
+
+
+#: Registered preconditioners: ``TRAKer(method=name)``.
+PRECONDITIONERS: dict[str, type[Preconditioner]] = {}
+
+_P = TypeVar("_P", bound=type[Preconditioner])
+
+
+def register_preconditioner(name: str) -> Callable[[_P], _P]:
+    """Class decorator: make a :class:`Preconditioner` ``TRAKer(method=name)``.
+
+    Raises:
+        ValueError: ``name`` is taken, or the class is not a Preconditioner
+            with a known ``features`` kind.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
+
+    def decorate(cls: _P) -> _P:
+        if not (isinstance(cls, type) and issubclass(cls, Preconditioner)):
+            raise ValueError(
+                f"@register_preconditioner({name!r}) decorates {cls!r}, which is not a "
+                "subclass of gradsketch.attribution.Preconditioner."
+            )
+        if cls.features not in FEATURE_KINDS:
+            raise ValueError(
+                f"{cls.__name__}.features is {cls.features!r}; allowed: {list(FEATURE_KINDS)}."
+            )
+        if name in PRECONDITIONERS and PRECONDITIONERS[name] is not cls:
+            raise ValueError(
+                f"a preconditioner named {name!r} is registered already "
+                f"({PRECONDITIONERS[name].__name__}); pick another name, or delete "
+                f"PRECONDITIONERS[{name!r}] first."
+            )
+        cls.name = name
+        PRECONDITIONERS[name] = cls
+        return cls
+
+    return decorate
+
+
+def resolve_method(method: object) -> type[Preconditioner]:
+    """The registered preconditioner class of ``method``, with a clear error."""
+    if not isinstance(method, str) or method not in PRECONDITIONERS:
+        raise ValueError(
+            f"`method` must be one of {sorted(PRECONDITIONERS)}, got {method!r}; register "
+            "your own with @gradsketch.attribution.register_preconditioner(name)."
+        )
+    return PRECONDITIONERS[method]
+
+
+# -- TRAK ----------------------------------------------------------------------------
+@register_preconditioner("trak")
+class GramPreconditioner(Preconditioner):
+    """TRAK's ``XᵀX + λI`` of the projected training features (Park et al., 2023).
+
+    ``XᵀX`` is streamed over the stored rows in symmetric tiles and summed
+    across ranks; the scoring kernel applies the damped inverse to whichever
+    side is cheaper, so :meth:`checkpoint_grads` hands it ``XᵀX`` itself.
+    """
+
+    def __init__(self, spec: PreconditionerSpec) -> None:
+        super().__init__(spec)
+        self.xtx: Tensor | None = None
+
+    def finalize(self, train: TrainRows) -> None:
+        rows = train.window("grads")
+        computer = self.spec.score_computer
+        if computer is not None:
+            xtx = computer.get_xtx(torch.as_tensor(rows[:], device=train.device).float())
+        else:
+            xtx = xtx_blocked(
+                rows, block_rows=train.block_rows, device=train.device, prefetch=train.prefetch
+            )
+        self.xtx = train.reduce(xtx)
+
+    def _xtx(self) -> Tensor:
+        if self.xtx is None:
+            raise RuntimeError("the Gram preconditioner is not finalized; call finalize first.")
+        return self.xtx
+
+    def solve(self, targets: Tensor) -> Tensor:
+        xtx = self._xtx().to(targets.device, torch.float32)
+        inv = damped_inverse(xtx, resolve_lambda(self.spec.damping, xtx))
+        return targets @ inv.to(targets.dtype)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"xtx": self._xtx().float().cpu().numpy()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        self.xtx = torch.from_numpy(np.asarray(state["xtx"]))
+
+    def checkpoint_grads(self, train: Any, targets: Any, out_to_loss: Any) -> CheckpointGrads:
+        return CheckpointGrads(train, targets, out_to_loss, xtx=self._xtx())
+
+
+# -- per-layer (Kronecker) methods ----------------------------------------------------
+@register_preconditioner("identity")
+class IdentityPreconditioner(Preconditioner):
+    """``P = I``: plain dot products of the per-layer gradients (TracIn at one checkpoint)."""
+
+    features = "layers"
+    q_per_checkpoint = True
+
+    def finalize(self, train: TrainRows) -> None:
+        return None
+
+    def solve(self, targets: Tensor) -> Tensor:
+        return targets
+
+
+def _blocks(layers: Sequence[FactoredLayer], x: Tensor) -> Iterator[tuple[int, Tensor]]:
+    for i, layer in enumerate(layers):
+        yield i, x[:, layer.offset : layer.offset + layer.width]
+
+
+def rotate(block: Tensor, layer: FactoredLayer, q_a: Tensor, q_s: Tensor) -> Tensor:
+    """``vec(Q_Sᵀ G Q_A)`` of stored ``vec(G)`` rows ``[B, k_out * k_in]``, in the rows' dtype.
+
+    Two plain GEMMs over all rows at once (a broadcast batched matmul of small
+    matrices is several times slower on CPU).
+    """
+    rows, k_out, k_in = block.shape[0], layer.k_out, layer.k_in
+    q_a, q_s = q_a.to(block.dtype), q_s.to(block.dtype)
+    right = (block.reshape(rows * k_out, k_in) @ q_a).reshape(rows, k_out, k_in)
+    left = right.transpose(1, 2).reshape(rows * k_in, k_out) @ q_s  # (Q_Sᵀ G Q_A)ᵀ
+    return left.reshape(rows, k_in, k_out).transpose(1, 2).reshape(rows, -1)
+
+
+def _rotate_back(rot: Tensor, layer: FactoredLayer, q_a: Tensor, q_s: Tensor) -> Tensor:
+    """Inverse of :func:`rotate`: ``vec(Q_S G' Q_Aᵀ)``."""
+    back = q_s.to(rot.dtype) @ rot.reshape(-1, layer.k_out, layer.k_in) @ q_a.to(rot.dtype).T
+    return back.reshape(rot.shape)
+
+
+@register_preconditioner("kfac")
+class KFACPreconditioner(Preconditioner):
+    """Per-layer ``S ⊗ A`` (Martens & Grosse, 2015), fitted while featurizing.
+
+    ``A`` sums the layer inputs' second moments over tokens and ``S`` the
+    output gradients' over examples (weighted by ``|Q|`` for the empirical
+    Fisher, ``curvature="loss"``; the sampled-label gradients for
+    ``"sampled"``). :meth:`finalize` eigendecomposes both; :meth:`solve` is
+    ``(S ⊗ A + λI)⁻¹`` in that eigenbasis, λ resolved per layer.
+    """
+
+    features = "layers"
+    accumulates = True
+    q_per_checkpoint = True
+
+    def __init__(self, spec: PreconditionerSpec) -> None:
+        super().__init__(spec)
+        dev = str(spec.device)
+        self.factors = [KroneckerFactors.zeros(x.k_in, x.k_out, device=dev) for x in spec.layers]
+        self.eigen: list[tuple[Tensor, Tensor, Tensor]] | None = None
+
+    def accumulate(self, batch: FeatureBatch) -> None:
+        assert batch.layers is not None
+        q = batch.out_to_loss
+        weight = q.abs() if self.spec.curvature == "loss" else None
+        for f, (a, g, g_sampled) in zip(self.factors, batch.layers):
+            g = g if g_sampled is None else g_sampled
+            if weight is not None:
+                g = g * weight.to(g.device, g.dtype).reshape(-1, 1, 1)
+            f.update(a, g)
+
+    def _reduce_factors(self, train: TrainRows) -> list[KroneckerEigen]:
+        eigens = []
+        for f in self.factors:
+            counts = torch.tensor([f.tokens, f.examples], dtype=torch.float64)
+            train.reduce(f.a_sum)
+            train.reduce(f.g_sum)
+            train.reduce(counts)
+            f.tokens, f.examples = int(counts[0]), int(counts[1])
+            eigens.append(f.eigen())
+        return eigens
+
+    def _values(self, eigens: Sequence[KroneckerEigen], train: TrainRows) -> list[Tensor]:
+        return [e.kfac_eigenvalues() for e in eigens]
+
+    def finalize(self, train: TrainRows) -> None:
+        eigens = self._reduce_factors(train)
+        values = self._values(eigens, train)
+        self.eigen = [(e.q_a, e.q_s, v) for e, v in zip(eigens, values)]
+
+    def solve(self, targets: Tensor) -> Tensor:
+        if self.eigen is None:
+            raise RuntimeError(f"the {self.name} preconditioner is not finalized.")
+        work = targets.double()
+        out = torch.empty_like(work)
+        for layer, (q_a, q_s, values) in zip(self.spec.layers, self.eigen):
+            block = work[:, layer.offset : layer.offset + layer.width]
+            rot = rotate(block, layer, q_a, q_s)
+            rot = rot / (values + resolve_damping(self.spec.damping, values))
+            out[:, layer.offset : layer.offset + layer.width] = _rotate_back(rot, layer, q_a, q_s)
+        return out.to(targets.dtype)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        state: dict[str, np.ndarray] = {}
+        if self.eigen is not None:
+            for i, (q_a, q_s, values) in enumerate(self.eigen):
+                state[f"q_a_{i}"] = q_a.cpu().numpy()
+                state[f"q_s_{i}"] = q_s.cpu().numpy()
+                state[f"eigenvalues_{i}"] = values.cpu().numpy()
+            return state
+        for i, f in enumerate(self.factors):
+            state[f"a_sum_{i}"] = f.a_sum.cpu().numpy()
+            state[f"g_sum_{i}"] = f.g_sum.cpu().numpy()
+        state["tokens"] = np.array([f.tokens for f in self.factors], dtype=np.int64)
+        state["examples"] = np.array([f.examples for f in self.factors], dtype=np.int64)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        dev = self.spec.device
+        if "q_a_0" in state:
+            self.eigen = [
+                (
+                    torch.from_numpy(np.asarray(state[f"q_a_{i}"])).to(dev),
+                    torch.from_numpy(np.asarray(state[f"q_s_{i}"])).to(dev),
+                    torch.from_numpy(np.asarray(state[f"eigenvalues_{i}"])).to(dev),
+                )
+                for i in range(len(self.spec.layers))
+            ]
+            return
+        self.factors = [
+            KroneckerFactors(
+                torch.from_numpy(np.asarray(state[f"a_sum_{i}"])).to(dev),
+                torch.from_numpy(np.asarray(state[f"g_sum_{i}"])).to(dev),
+                int(state["tokens"][i]),
+                int(state["examples"][i]),
+            )
+            for i in range(len(self.spec.layers))
+        ]
+
+
+@register_preconditioner("ekfac")
+class EKFACPreconditioner(KFACPreconditioner):
+    """K-FAC's eigenbasis with EK-FAC's eigenvalues (George et al., 2018).
+
+    The eigenvalues are the diagonal of the Fisher in the Kronecker
+    eigenbasis, ``Λ = mean_n (Q_Sᵀ G_n Q_A)²``, from one pass over the stored
+    rows (weighted by Q for the empirical Fisher; the stored sampled-label
+    rows for ``curvature="sampled"``), summed across ranks.
+    """
+
+    @property
+    def stored_arrays(self) -> tuple[str, ...]:
+        return ("fisher_grads",) if self.spec.curvature == "sampled" else ()
+
+    def _values(self, eigens: Sequence[KroneckerEigen], train: TrainRows) -> list[Tensor]:
+        layers = self.spec.layers
+        name = "fisher_grads" if self.spec.curvature == "sampled" else "grads"
+        sums = [torch.zeros(x.width, dtype=torch.float64, device=train.device) for x in layers]
+        dtype = train._arrays[name].dtype
+        work = torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
+        for _, _, x, q in train.blocks(name, dtype=work):
+            for i, block in _blocks(layers, x):
+                rot = rotate(block, layers[i], eigens[i].q_a, eigens[i].q_s)
+                if self.spec.curvature == "loss":
+                    rot = rot * q.to(rot.dtype).reshape(-1, 1)
+                sums[i] += (rot * rot).sum(0, dtype=torch.float64)
+        return [train.reduce(s) / train.size for s in sums]

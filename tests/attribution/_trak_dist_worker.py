@@ -107,7 +107,28 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
     sc.start_scoring_checkpoint("exp", ckpts[1], model_id=0, num_targets=N_TARGETS)
     sc.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
     scores_sc = np.array(sc.finalize_scores("exp"))
+    # A per-layer method through the same flow: each rank fits the Kronecker
+    # factors and EK-FAC's correction on its own rows; finalize sums them.
+    ek = TRAKer(
+        model,
+        "image_classification",
+        N_TRAIN,
+        save_dir=root / "ekfac",
+        method="ekfac",
+        chunk_rows=CHUNK_ROWS,
+        lambda_reg="auto",
+        **QUIET,
+    )
+    for mid, state in enumerate(ckpts):
+        ek.load_checkpoint(state, model_id=mid)
+        ek.featurize_loader(DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    ek.finalize_features()
+    for mid, state in enumerate(ckpts):
+        ek.start_scoring_checkpoint("exp", state, model_id=mid, num_targets=N_TARGETS)
+        ek.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
+    scores_ekfac = np.array(ek.finalize_scores("exp"))
     return {
+        "scores_ekfac": scores_ekfac,
         "scores_sc": scores_sc,
         "scores": scores,
         "scores_disk": scores_disk,

@@ -241,16 +241,15 @@ def direct_scores(config, save_dir, **options):
 
 
 def test_attribute_command_with_hooks_matches_vmap_on_the_same_projector(tiny_config, tmp_path):
-    """`gradients = "hooks"` runs the hook path (a FactorizedProjector on CPU) and records it;
-    its scores are those of the vmap path given the same projector (same map)."""
+    """`gradients = "hooks"` runs the hook path (the default CountSketchProjector) and records
+    it; its scores are those of the vmap path given the same projector (same map)."""
     path = tiny_config()
     path.write_text(path.read_text() + '\ngradients = "hooks"\n')
     summary = attribute_command(path, tmp_path / "hooks", progress=False)
     assert summary["settings"]["gradients"] == "hooks"
     hooks = np.load(tmp_path / "hooks" / "scores.npy")
     config = read_config(load_config(path))
-    projector = FactorizedProjector.from_budget(config["model"], 16, seed=0)
-    vmap = direct_scores(config, tmp_path / "vmap", projector=projector)
+    vmap = direct_scores(config, tmp_path / "vmap", proj_dim=16)
     np.testing.assert_allclose(hooks, vmap, rtol=1e-4, atol=1e-5 * np.abs(vmap).max())
 
 

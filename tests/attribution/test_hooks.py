@@ -615,9 +615,9 @@ def test_plugs_into_traker_same_scores_as_functional_with_same_projector(tmp_pat
     np.testing.assert_allclose(hooks, vmap, rtol=1e-3, atol=1e-4 * np.abs(vmap).max())
 
 
-def test_traker_with_hooks_defaults_to_a_factorized_projector(tmp_path, digits_model):
-    """On CPU with no projector, hook gradients get FactorizedProjector.from_budget(proj_dim):
-    same scores as passing that projector; a mask keeps the count-sketch default."""
+def test_traker_defaults_to_count_sketch_with_exactly_proj_dim(tmp_path, digits_model):
+    """With no projector both computers get CountSketchProjector(proj_dim) on CPU: exactly
+    proj_dim features, and the hook computer's scores are the vmap computer's (same map)."""
     split, model = digits_model
     ckpt = {k: v.clone() for k, v in model.state_dict().items()}
     kw = dict(device="cpu", logging_level=logging.WARNING, progress=False)
@@ -630,36 +630,24 @@ def test_traker_with_hooks_defaults_to_a_factorized_projector(tmp_path, digits_m
         **kw,
         gradient_computer=HookGradientComputer,
     )
-    assert isinstance(traker.projector, FactorizedProjector)
-    assert traker.proj_dim == traker.projector.proj_dim <= 300
-    assert (
-        traker.projector.fingerprint
-        == FactorizedProjector.from_budget(model, 300, seed=0).fingerprint
-    )
-    explicit = FactorizedProjector.from_budget(model, 2048, seed=0)  # TRAKer's default proj_dim
-    defaulted = _digits_traker_scores(
-        tmp_path,
-        "default",
-        model,
-        ckpt,
-        split,
-        gc=HookGradientComputer,
-        projector=None,
-        n_train=200,
-        n_targets=5,
-    )
-    given = _digits_traker_scores(
-        tmp_path,
-        "given",
-        model,
-        ckpt,
-        split,
-        gc=HookGradientComputer,
-        projector=explicit,
-        n_train=200,
-        n_targets=5,
-    )
-    np.testing.assert_array_equal(defaulted, given)
+    assert isinstance(traker.projector, CountSketchProjector)
+    assert traker.proj_dim == traker.projector.proj_dim == 300
+    runs = {
+        name: _digits_traker_scores(
+            tmp_path,
+            name,
+            model,
+            ckpt,
+            split,
+            gc=gc,
+            projector=None,
+            n_train=200,
+            n_targets=5,
+        )
+        for name, gc in (("hooks", HookGradientComputer), ("vmap", FunctionalGradientComputer))
+    }
+    ref = runs["vmap"]
+    np.testing.assert_allclose(runs["hooks"], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     masked = pytest.importorskip("gradsketch.masked")
     mask = masked.ParamMask.random(model, 0.5, seed=0)
     with_mask = TRAKer(

@@ -95,7 +95,7 @@ def test_sampled_factor_matches_its_closed_form_expectation(tmp_path):
     outer = [torch.einsum("nci,ncj->ncij", g, g) for g in grads]  # [N, C, d, d]
     entries = sum(o.shape[-1] ** 2 for o in outer)
     empirical = _fit(tmp_path / "e", "kfac", "loss", x, y, batch=1000)
-    for f, fe, o in zip(ic._factors, empirical._factors, outer):
+    for f, fe, o in zip(ic._precond.factors, empirical._precond.factors, outer):
         _, s_cov = f.covariances()
         expected = (probs[:, :, None, None] * o).sum((0, 1)) / n
         spread = (o.amax(1) - o.amin(1)).pow(2).sum(0)
@@ -135,18 +135,18 @@ def test_same_seed_gives_identical_factors_and_curvature(tmp_path):
     first = _fit(tmp_path / "a", "ekfac", "sampled", x, y, seed=5, batch=20)
     second = _fit(tmp_path / "b", "ekfac", "sampled", x, y, seed=5, batch=20)
     other = _fit(tmp_path / "c", "ekfac", "sampled", x, y, seed=6, batch=20)
-    for f1, f2, f3 in zip(first._factors, second._factors, other._factors):
+    for f1, f2, f3 in zip(first._precond.factors, second._precond.factors, other._precond.factors):
         assert torch.equal(f1.g_sum, f2.g_sum)
         assert torch.equal(f1.a_sum, f2.a_sum)
         assert not torch.equal(f1.g_sum, f3.g_sum)
     for ic in (first, second):
         ic.finalize_features()
-    for c1, c2 in zip(first._read_curvature(0), second._read_curvature(0)):
+    for c1, c2 in zip(first.preconditioner(0).eigen, second.preconditioner(0).eigen):
         for t1, t2 in zip(c1, c2):
             assert torch.equal(t1, t2)
     # Another checkpoint id draws other labels.
     again = _fit(tmp_path / "d", "ekfac", "sampled", x, y, seed=5, batch=20, model_id=1)
-    assert not torch.equal(again._factors[1].g_sum, first._factors[1].g_sum)
+    assert not torch.equal(again._precond.factors[1].g_sum, first._precond.factors[1].g_sum)
 
 
 def test_sampled_ekfac_corrects_with_sampled_label_gradients(tmp_path):
@@ -168,7 +168,7 @@ def test_sampled_ekfac_corrects_with_sampled_label_gradients(tmp_path):
     stored = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/fisher_grads")[:]))
     want = torch.stack([torch.cat(r) for r in rows])
     torch.testing.assert_close(stored, want, rtol=1e-12, atol=1e-14)
-    for layer, (q_a, q_s, values) in enumerate(ic._read_curvature(0)):
+    for layer, (q_a, q_s, values) in enumerate(ic.preconditioner(0).eigen):
         g = torch.stack([r[layer] for r in rows])
         rotated = torch.stack(
             [(q_s.T @ gi.reshape(q_s.shape[0], -1) @ q_a).reshape(-1) for gi in g]
@@ -213,7 +213,7 @@ def test_settings_refusal_lists_and_records_the_sampled_curvature(tmp_path):
             curvature="sampled",
             sample_seed=1,
         )
-    with pytest.raises(ValueError, match="`curvature`='sampled' needs an influence method"):
+    with pytest.raises(ValueError, match="`curvature`='sampled' needs a per-layer method"):
         TRAKer(
             _model(),
             "image_classification",

@@ -385,11 +385,10 @@ def test_half_model_featurized_in_its_dtype_with_float32_features(tmp_path, half
             save_dir=tmp_path / str(dtype),
             device="cpu",
             gradient_computer=HookGradientComputer,
-            proj_dim=64,
+            projector=FactorizedProjector.from_budget(model, 64, seed=0),
             progress=False,
             logging_level=logging.WARNING,
         )
-        assert isinstance(traker.projector, FactorizedProjector)
         traker.load_checkpoint(model.state_dict(), model_id=0)
         traker.featurize({"input_ids": ids, "attention_mask": mask}, num_samples=8)
         traker.finalize_features()

@@ -210,13 +210,12 @@ def test_lora_adapters_only_with_exact_per_example_gradients(tmp_path):
         save_dir=tmp_path,
         device="cpu",
         gradient_computer=HookGradientComputer,
-        proj_dim=64,
+        projector=FactorizedProjector.from_budget(model, 64, seed=0, grad_wrt=adapters),
         progress=False,
         logging_level=logging.WARNING,
     )
     # Frozen base weights are skipped: the store records the adapters only.
     assert traker.grad_wrt == adapters and traker.settings.grad_wrt == adapters
-    assert isinstance(traker.projector, FactorizedProjector)
 
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(1, VOCAB, (4, SEQ), generator=gen)

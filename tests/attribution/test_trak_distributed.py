@@ -90,10 +90,27 @@ def _array(root: Path, name: str) -> np.ndarray:
 
 def test_every_rank_returns_the_same_scores(runs):
     rank0, rank1 = runs["ranks"]
-    for key in ("scores", "scores_disk", "scores_pre", "scores_sc"):
+    for key in ("scores", "scores_disk", "scores_pre", "scores_sc", "scores_ekfac"):
         # Exact: each rank's columns are copied to the others, never recomputed.
         assert np.array_equal(rank0[key], rank1[key]), key
     assert bool(rank0["on_disk"]), "the small budget must send the scores to disk"
+
+
+def test_ekfac_across_ranks_equals_one_process(runs):
+    """The factors and EK-FAC's correction are float64 sums over rows, split at a chunk
+    boundary and added once across ranks instead of in one pass: the sums agree to
+    ~n 2^-52 relative, far inside float32's 2^-24 rounding of the stored rows and of the
+    scores. The eigendecomposition can amplify that by the conditioning of the factors
+    (damped by λ = 'auto', a tenth of the mean eigenvalue: at most ~11x), so a 1e-5
+    relative tolerance on the scores is loose for the rounding and tight for any row
+    counted twice or missed (a change of 1/n = 1e-2 in a factor)."""
+    got, want = runs["ranks"][0]["scores_ekfac"], runs["ref"]["scores_ekfac"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    ekfac = runs["dist"] / "ekfac" / "checkpoints" / "0"
+    assert sorted(p.name for p in ekfac.glob("accumulated.*.npz")) == [
+        "accumulated.0.npz",
+        "accumulated.1.npz",
+    ]
 
 
 def test_ranks_loading_different_weights_are_refused(runs):

@@ -48,6 +48,7 @@ from gradsketch.attribution._layer_capture import FactoredLayer, capture_layers,
 from gradsketch.attribution._modelout import (
     LOSS_GRAD_FROM_OUTPUT,
     AbstractModelOutput,
+    TextClassificationModelOutput,
     resolve_batch_output,
 )
 from gradsketch.sketch import FactorizedLayer, FactorizedProjector
@@ -193,6 +194,23 @@ class KroneckerFeaturizer:
             buffers = {k: b.detach() for k, b in self.model.named_buffers()}
             q = self.task.get_out_to_loss_grad(self.model, weights, buffers, batch)
         return q.detach().reshape(-1).to(torch.float64)
+
+    def token_mask(self, batch: Sequence[Any]) -> Tensor | None:
+        """``[B, T]`` bool: the batch's real (not padded) positions, for tasks with a padding mask.
+
+        Padded positions carry no output gradient, so they add nothing to the
+        features; K-FAC leaves them out of ``A``'s mean too, so that a row's
+        curvature does not depend on how far its batch was padded.
+        """
+        from gradsketch.attribution._lm import LanguageModelingModelOutput
+
+        if isinstance(self.task, LanguageModelingModelOutput):
+            mask = batch[1]
+        elif isinstance(self.task, TextClassificationModelOutput):
+            mask = batch[-2]  # (input_ids[, token_type_ids], attention_mask, labels)
+        else:
+            return None
+        return torch.as_tensor(mask).to(self.device).bool()
 
     @staticmethod
     def features(parts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:

@@ -119,12 +119,15 @@ class FeatureBatch:
         out_to_loss: ``[B]`` Q.
         layers: per factored layer ``(a [B, T, k_in], g [B, T, k_out], g_sampled | None)``
             (``"layers"`` features only, else ``None``).
+        token_mask: ``[B, T]`` bool, the real (not padded) positions of the
+            batch's sequences, for tasks with a padding mask; else ``None``.
     """
 
     rows: np.ndarray
     features: Tensor
     out_to_loss: Tensor
     layers: Sequence[tuple[Tensor, Tensor, Tensor | None]] | None = None
+    token_mask: Tensor | None = None
 
 
 class TrainRows:
@@ -405,11 +408,18 @@ class KFACPreconditioner(Preconditioner):
         assert batch.layers is not None
         q = batch.out_to_loss
         weight = q.abs() if self.spec.curvature == "loss" else None
+        mask = batch.token_mask
         for f, (a, g, g_sampled) in zip(self.factors, batch.layers):
             g = g if g_sampled is None else g_sampled
             if weight is not None:
                 g = g * weight.to(g.device, g.dtype).reshape(-1, 1, 1)
-            f.update(a, g)
+            if mask is not None and mask.shape == a.shape[:2]:
+                # Padded positions leave A's mean: a row's curvature is its batch's.
+                keep = mask.to(a.device)
+                f.update(a[keep].unsqueeze(0), g[keep].unsqueeze(0))
+                f.examples += a.shape[0] - 1
+            else:
+                f.update(a, g)
 
     def _reduce_factors(self, train: TrainRows) -> list[KroneckerEigen]:
         eigens = []

@@ -804,7 +804,8 @@ class TRAKer:
             idx, need_rows, need_acc = idx[todo], need_rows[todo], need_acc[todo]
         phi, q, parts, extra = self._train_rows(batch, idx)
         if need_acc.any():
-            self._accumulate(idx, need_acc, phi, q, parts)
+            mask = self.featurizer.token_mask(batch) if self.layered else None
+            self._accumulate(idx, need_acc, phi, q, parts, mask)
         if not need_rows.any():
             return
         rows = np.nonzero(need_rows)[0]
@@ -828,7 +829,13 @@ class TRAKer:
         self._done[idx[rows]] = True
 
     def _accumulate(
-        self, idx: np.ndarray, need: np.ndarray, phi: Tensor, q: Tensor, parts: Any
+        self,
+        idx: np.ndarray,
+        need: np.ndarray,
+        phi: Tensor,
+        q: Tensor,
+        parts: Any,
+        token_mask: Tensor | None,
     ) -> None:
         """Hand the rows ``need`` of a batch to the accumulating preconditioner."""
         assert self._precond is not None and self._covered is not None
@@ -844,12 +851,14 @@ class TRAKer:
                 )
                 for a, g, gs in parts
             ]
+        mask = None if token_mask is None else token_mask.index_select(0, sel.to(token_mask.device))
         self._precond.accumulate(
             FeatureBatch(
                 rows=idx[need],
                 features=phi.index_select(0, sel),
                 out_to_loss=q.index_select(0, sel.to(q.device)),
                 layers=layers,
+                token_mask=mask,
             )
         )
         self._covered[idx[need]] = True

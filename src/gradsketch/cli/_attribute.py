@@ -26,9 +26,9 @@ name                required  meaning
                               (default ``None``: unbounded)
 ``gradients``       no        ``"vmap"`` (per-example gradients by
                               ``torch.func``, count-sketched; the default) or
-                              ``"hooks"`` (layer hooks and, on CPU, a
-                              ``FactorizedProjector`` of at most ``proj_dim``
-                              features: the faster path)
+                              ``"hooks"`` (per-example gradients from one
+                              hooked forward and backward; the same
+                              count sketch)
 ==================  ========  ================================================
 
 Outputs in ``out_dir``: ``scores.npy`` (``[train_set_size, num_targets]``

@@ -282,3 +282,36 @@ def test_resuming_accumulated_state_with_another_world_size_is_refused(tmp_path)
     second = TRAKer(model, "image_classification", 8, save_dir=tmp_path, **kw)
     with pytest.raises(Exception, match="accumulated by 2 process\\(es\\), but this run has 1"):
         second.load_checkpoint(model.state_dict(), model_id=0)
+
+
+@pytest.mark.parametrize("curvature", ["loss", "sampled"])
+def test_ekfac_rank_one_rows_equal_the_dense_rotation(tmp_path, curvature):
+    """An MLP's layers see one position per example: EK-FAC's eigenvalues from the
+    rank-one rows, (Q_Sᵀg)² ⊗ (Q_Aᵀa)², equal the rotation of the dense rows (the path
+    taken when a layer sees several positions, forced here by NaN rank-one rows)."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x = torch.randn(20, 5, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(20) % 3
+    traker = TRAKer(
+        model,
+        "image_classification",
+        20,
+        save_dir=tmp_path,
+        device="cpu",
+        method="ekfac",
+        lambda_reg="auto",
+        curvature=curvature,
+        dtype=torch.float64,
+        progress=False,
+        chunk_rows=8,
+    )
+    traker.load_checkpoint(model.state_dict(), model_id=0)
+    traker.featurize((x, y), num_samples=20)
+    traker.finalize_features()
+    compact = [v for _, _, v in traker.preconditioner(0).eigen]
+    traker.store.array("checkpoints/0/rank_one")[:] = np.nan
+    traker._write_ckpt_record(0, {**traker._ckpt_record(0), "finalized": False})
+    traker.finalize_features()
+    dense = [v for _, _, v in traker.preconditioner(0).eigen]
+    for c, d in zip(compact, dense):
+        torch.testing.assert_close(c, d, rtol=1e-10, atol=1e-14)

@@ -56,11 +56,6 @@ from gradsketch.attribution._modelout import (
     register_loss_grad_from_output,
     register_task,
 )
-from gradsketch.attribution._score_computers import (
-    AbstractScoreComputer,
-    BasicScoreComputer,
-    BasicSingleBlockScoreComputer,
-)
 from gradsketch.attribution._preconditioners import (
     PRECONDITIONERS,
     FeatureBatch,
@@ -68,6 +63,11 @@ from gradsketch.attribution._preconditioners import (
     PreconditionerSpec,
     TrainRows,
     register_preconditioner,
+)
+from gradsketch.attribution._score_computers import (
+    AbstractScoreComputer,
+    BasicScoreComputer,
+    BasicSingleBlockScoreComputer,
 )
 from gradsketch.attribution._scores import MemoryBudgetError, trak_scores
 from gradsketch.attribution._topk import TopK, trak_topk

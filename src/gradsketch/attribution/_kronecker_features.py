@@ -195,6 +195,38 @@ class KroneckerFeaturizer:
             q = self.task.get_out_to_loss_grad(self.model, weights, buffers, batch)
         return q.detach().reshape(-1).to(torch.float64)
 
+    def row_width(self, name: str) -> int:
+        """Numbers per row of the stored array ``name`` (features or an extra array)."""
+        if name == "rank_one":
+            return sum(x.k_in + x.k_out for x in self.layers)
+        if name in ("grads", "fisher_grads"):
+            return self.feature_dim
+        raise ValueError(
+            f"per-layer features store 'grads', 'fisher_grads' and 'rank_one', not {name!r}."
+        )
+
+    def extra_rows(self, name: str, parts: LayerParts) -> Tensor:
+        """``[B, row_width(name)]`` rows of the extra array ``name`` from a batch's parts.
+
+        ``"fisher_grads"``: the features under sampled labels. ``"rank_one"``:
+        each layer's ``[a, g]`` (``g`` under sampled labels when there are)
+        where every layer sees one position per example, so that
+        ``G = g aᵀ`` is kept in ``k_in + k_out`` numbers instead of
+        ``k_out k_in``; NaN rows where a layer sees several positions.
+        """
+        if name == "fisher_grads":
+            return self.features([(a, gs) for a, _, gs in parts if gs is not None])
+        if name != "rank_one":
+            raise ValueError(f"no extra per-row array {name!r}.")
+        if any(a.shape[1] != 1 for a, _, _ in parts):
+            b = parts[0][0].shape[0]
+            like = parts[0][0]
+            return like.new_full((b, self.row_width(name)), float("nan"))
+        pieces = []
+        for a, g, gs in parts:
+            pieces += [a[:, 0], (g if gs is None else gs)[:, 0]]
+        return torch.cat(pieces, dim=1)
+
     def token_mask(self, batch: Sequence[Any]) -> Tensor | None:
         """``[B, T]`` bool: the batch's real (not padded) positions, for tasks with a padding mask.
 

@@ -11,6 +11,9 @@ records are JSON files::
     checkpoints/{model_id}/done             uint8 [n] rows featurized
     checkpoints/{model_id}/xtx              [k, k] XᵀX (finalize_features)
     checkpoints/{model_id}/features         [n, k] X (XᵀX + λI)⁻¹ (del_grads=True)
+    checkpoints/{model_id}/fisher_grads     [n, k] features under sampled labels (EK-FAC)
+    checkpoints/{model_id}/rank_one         [n, Σ k_in + k_out] each layer's [a, g] (EK-FAC)
+    checkpoints/{model_id}/{key}            a finalized preconditioner's state arrays
     experiments/{exp_name}/experiment.json  {"num_targets"}
     experiments/{exp_name}/{model_id}/grads [m, k] projected target gradients
     experiments/{exp_name}/{model_id}/done  uint8 [m] targets featurized
@@ -39,7 +42,15 @@ CHECKPOINT_RECORD = "checkpoint.json"
 #: File name of an experiment's record.
 EXPERIMENT_RECORD = "experiment.json"
 #: Arrays stored per checkpoint.
-CHECKPOINT_ARRAYS = ("grads", "out_to_loss", "done", "xtx", "features", "fisher_grads")
+CHECKPOINT_ARRAYS = (
+    "grads",
+    "out_to_loss",
+    "done",
+    "xtx",
+    "features",
+    "fisher_grads",
+    "rank_one",
+)
 #: Arrays stored per experiment and checkpoint (``token_grads``: per-token targets).
 TARGET_ARRAYS = ("grads", "done", "token_grads")
 
@@ -99,7 +110,7 @@ def scores_record(exp_name: str) -> str:
 
 
 #: Per-checkpoint arrays the features and preconditioner state must not be named.
-_ROW_ARRAYS = ("grads", "out_to_loss", "done", "features", "fisher_grads")
+_ROW_ARRAYS = ("grads", "out_to_loss", "done", "features", "fisher_grads", "rank_one")
 
 
 def checkpoint_state(model_id: int, key: str) -> str:

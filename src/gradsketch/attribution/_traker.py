@@ -517,7 +517,7 @@ class TRAKer:
             dtype=self.dtype,
         )
         self.projection = projection
-        self.layers = self.featurizer.layers
+        self.layers: list[Any] = list(self.featurizer.layers)
         self.projector = self.featurizer.projector
         self.proj_dim = self.featurizer.feature_dim
         self.grad_dim = self.proj_dim
@@ -549,7 +549,7 @@ class TRAKer:
             self.grad_dim if isinstance(projector, NoOpProjector) else int(projector.proj_dim)
         )
         self.logger.info("Using %s", type(self.projector).__name__)
-        self.layers: list[Any] = []
+        self.layers = []
         self.projection = None
         # TRAK divides by sqrt(d) so XᵀX stays well scaled.
         self.normalize_factor = math.sqrt(self.grad_dim)
@@ -700,8 +700,9 @@ class TRAKer:
                 arr("out_to_loss"), (n, 1), self._q_dtype, chunk_rows=self._chunk_rows
             )
             for extra in self._stored_arrays:
+                width = self.featurizer.row_width(extra)
                 self.store.require_array(
-                    arr(extra), (n, k), self._np_dtype, chunk_rows=self._chunk_rows
+                    arr(extra), (n, width), self._np_dtype, chunk_rows=self._chunk_rows
                 )
             self.store.require_done(arr("done"), n, chunk_rows=self._chunk_rows)
             if first and not self.load_from_save_dir:
@@ -754,11 +755,7 @@ class TRAKer:
         )
         parts, q = self.featurizer.layer_parts(batch, idx if sampled else None)
         phi = self.featurizer.features([(a, g) for a, g, _ in parts])
-        extra = {}
-        if "fisher_grads" in self._stored_arrays:
-            extra["fisher_grads"] = self.featurizer.features(
-                [(a, gs) for a, _, gs in parts if gs is not None]
-            )
+        extra = {name: self.featurizer.extra_rows(name, parts) for name in self._stored_arrays}
         return phi, q, parts, extra
 
     # -- featurizing ------------------------------------------------------------
@@ -841,24 +838,23 @@ class TRAKer:
         assert self._precond is not None and self._covered is not None
         assert self._covered_any is not None
         sel = torch.as_tensor(np.nonzero(need)[0], device=phi.device)
+
+        every = bool(need.all())
+
+        def pick(t: Tensor) -> Tensor:
+            # Most batches hand over every row: no copy then.
+            return t if every else t.index_select(0, sel.to(t.device))
+
         layers = None
         if parts is not None:
-            layers = [
-                (
-                    a.index_select(0, sel),
-                    g.index_select(0, sel),
-                    None if gs is None else gs.index_select(0, sel),
-                )
-                for a, g, gs in parts
-            ]
-        mask = None if token_mask is None else token_mask.index_select(0, sel.to(token_mask.device))
+            layers = [(pick(a), pick(g), None if gs is None else pick(gs)) for a, g, gs in parts]
         self._precond.accumulate(
             FeatureBatch(
                 rows=idx[need],
-                features=phi.index_select(0, sel),
-                out_to_loss=q.index_select(0, sel.to(q.device)),
+                features=pick(phi),
+                out_to_loss=pick(q),
                 layers=layers,
-                token_mask=mask,
+                token_mask=None if token_mask is None else pick(token_mask),
             )
         )
         self._covered[idx[need]] = True

@@ -23,7 +23,6 @@ from gradsketch.cli import (
     read_config,
 )
 from gradsketch.demos import build_mlp, load_digits_split, make_loader, to_numpy
-from gradsketch.sketch import FactorizedProjector
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -139,6 +138,8 @@ def test_missing_model_lists_both_spellings():
         ),
         ({"memory_budget": 1.5e9}, r"`memory_budget` must be .* got 1500000000.0"),
         ({"gradients": "autograd"}, r"`gradients` must be one of .*'vmap'\], got 'autograd'"),
+        ({"method": "lissa"}, r"`method` must be one of \['ekfac', .*\], got 'lissa'"),
+        ({"curvature": "hessian"}, r"`curvature` must be one of \['loss', .*got 'hessian'"),
     ],
     ids=[
         "model-type",
@@ -155,6 +156,8 @@ def test_missing_model_lists_both_spellings():
         "budget-zero",
         "budget-float",
         "gradients",
+        "method",
+        "curvature",
     ],
 )
 def test_invalid_config_values(overrides, match):
@@ -251,6 +254,18 @@ def test_attribute_command_with_hooks_matches_vmap_on_the_same_projector(tiny_co
     config = read_config(load_config(path))
     vmap = direct_scores(config, tmp_path / "vmap", proj_dim=16)
     np.testing.assert_allclose(hooks, vmap, rtol=1e-4, atol=1e-5 * np.abs(vmap).max())
+
+
+def test_attribute_command_runs_every_method(tiny_config, tmp_path):
+    """`method = "ekfac"` in a config runs TRAKer(method="ekfac") on the same pipeline."""
+    path = tiny_config("auto")
+    path.write_text(path.read_text() + '\nmethod = "ekfac"\n')
+    summary = attribute_command(path, tmp_path / "ekfac", progress=False)
+    assert summary["settings"]["method"] == "ekfac"
+    got = np.load(tmp_path / "ekfac" / "scores.npy")
+    config = read_config(load_config(path))
+    want = direct_scores(config, tmp_path / "direct", method="ekfac", lambda_reg="auto")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 def test_attribute_command_rerun_is_identical(tiny_config, tmp_path):

@@ -24,6 +24,11 @@ name                required  meaning
 ``device``          no        torch device (default ``"cpu"``)
 ``memory_budget``   no        bytes of working memory for the finalize steps
                               (default ``None``: unbounded)
+``method``          no        ``"trak"`` (default), ``"identity"``,
+                              ``"kfac"``, ``"ekfac"`` or a registered
+                              preconditioner (``TRAKer(method=...)``)
+``curvature``       no        per-layer methods: ``"loss"`` (default),
+                              ``"output"`` or ``"sampled"``
 ``gradients``       no        ``"vmap"`` (per-example gradients by
                               ``torch.func``, count-sketched; the default) or
                               ``"hooks"`` (per-example gradients from one
@@ -85,6 +90,8 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "memory_budget": None,
     "gradients": "vmap",
+    "method": "trak",
+    "curvature": "loss",
 }
 
 #: Values of the config's ``gradients`` name and the gradient computers they pick.
@@ -115,6 +122,8 @@ class AttributeSettings:
         memory_budget: bytes of working memory for the finalize steps
             (``None``: unbounded); larger score matrices stay on disk.
         gradients: ``"vmap"`` or ``"hooks"`` (see :data:`GRADIENTS`).
+        method: the attribution method (``TRAKer``'s ``method``).
+        curvature: per-layer methods' curvature (``TRAKer``'s ``curvature``).
     """
 
     proj_dim: int
@@ -125,8 +134,22 @@ class AttributeSettings:
     device: str = "cpu"
     memory_budget: int | None = None
     gradients: str = "vmap"
+    method: str = "trak"
+    curvature: str = "loss"
 
     def __post_init__(self) -> None:
+        from gradsketch.attribution import CURVATURES, PRECONDITIONERS
+
+        if self.method not in PRECONDITIONERS:
+            raise ConfigError(
+                f"`method` must be one of {sorted(PRECONDITIONERS)}, got {self.method!r}; "
+                'set e.g. `method = "ekfac"` in the config, or leave it out.'
+            )
+        if self.curvature not in CURVATURES:
+            raise ConfigError(
+                f"`curvature` must be one of {list(CURVATURES)}, got {self.curvature!r}; "
+                'set e.g. `curvature = "loss"` in the config, or leave it out.'
+            )
         if self.gradients not in GRADIENTS:
             raise ConfigError(
                 f"`gradients` must be one of {sorted(GRADIENTS)}, got {self.gradients!r}; "
@@ -282,6 +305,8 @@ def attribute_command(
         logging_level=logging.WARNING,
         progress=progress,
         memory_budget=settings.memory_budget,
+        method=settings.method,
+        curvature=settings.curvature,
     )
     checkpoints = config["checkpoints"]
     t0 = time.perf_counter()

@@ -58,6 +58,35 @@ def test_rotate_is_the_gradient_in_the_kronecker_eigenbasis():
     torch.testing.assert_close(eig.rotate(a, g), ref, rtol=1e-10, atol=1e-12)
 
 
+def test_rotate_rows_of_stored_gradients_and_back():
+    a, g = _batch()
+    eig = _fitted(a, g).eigen()
+    rows = _per_example_grads(a, g).reshape(N, -1)
+    rotated = eig.rotate_rows(rows)
+    torch.testing.assert_close(rotated, eig.rotate(a, g), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(eig.unrotate_rows(rotated), rows, rtol=1e-10, atol=1e-12)
+
+
+def test_precondition_is_the_damped_inverse_of_the_kronecker_curvature():
+    a, g = _batch()
+    eig = _fitted(a, g).eigen()
+    rows = _per_example_grads(a, g).reshape(N, -1)
+    values = eig.kfac_eigenvalues()
+    dense = torch.kron(eig.q_s, eig.q_a) @ torch.diag(values) @ torch.kron(eig.q_s, eig.q_a).T
+    want = torch.linalg.solve(dense + 0.3 * torch.eye(dense.shape[0], dtype=dense.dtype), rows.T)
+    torch.testing.assert_close(eig.precondition(rows, values, 0.3), want.T, rtol=1e-8, atol=1e-10)
+
+
+def test_rank_one_squares_sum_the_rotated_rank_one_gradients():
+    a, g = _batch()
+    a1, g1 = a[:, :1], g[:, :1]  # one position per example: G_n = g_n a_nᵀ
+    eig = _fitted(a, g).eigen()
+    ref = (eig.rotate(a1, g1) ** 2).sum(0)
+    torch.testing.assert_close(
+        eig.rank_one_squares(a1[:, 0], g1[:, 0]), ref, rtol=1e-10, atol=1e-12
+    )
+
+
 def test_ekfac_eigenvalues_are_the_fisher_diagonal_in_the_eigenbasis():
     a, g = _batch()
     eig = _fitted(a, g).eigen()

@@ -161,6 +161,42 @@ class KroneckerEigen:
         gr = g.to(dtype) @ self.q_s.to(dtype)
         return torch.bmm(gr.transpose(1, 2), ar).reshape(a.shape[0], -1)
 
+    def rotate_rows(self, rows: Tensor) -> Tensor:
+        """Stored ``vec(G)`` rows ``[B, d_out * d_in]`` in the eigenbasis, ``vec(Q_Sᵀ G Q_A)``.
+
+        One GEMM over all rows for ``G Q_A``, then ``Q_Sᵀ`` broadcast over the
+        rows (no transposed copy), in the rows' dtype.
+        """
+        b, d_in, d_out = rows.shape[0], self.q_a.shape[0], self.q_s.shape[0]
+        right = (rows.reshape(b * d_out, d_in) @ self.q_a.to(rows.dtype)).reshape(b, d_out, d_in)
+        return torch.matmul(self.q_s.to(rows.dtype).T, right).reshape(b, -1)
+
+    def unrotate_rows(self, rotated: Tensor) -> Tensor:
+        """Inverse of :meth:`rotate_rows`: ``vec(Q_S G' Q_Aᵀ)``."""
+        d_in, d_out = self.q_a.shape[0], self.q_s.shape[0]
+        q_a, q_s = self.q_a.to(rotated.dtype), self.q_s.to(rotated.dtype)
+        return (q_s @ rotated.reshape(-1, d_out, d_in) @ q_a.T).reshape(rotated.shape)
+
+    def precondition(self, rows: Tensor, eigenvalues: Tensor, damping: float | str) -> Tensor:
+        """``(F + λI)⁻¹ vec(G)`` of each row, with ``F``'s eigenvalues in this basis (float64)."""
+        rot = self.rotate_rows(rows.double())
+        rot = rot / (eigenvalues.double() + resolve_damping(damping, eigenvalues))
+        return self.unrotate_rows(rot).to(rows.dtype)
+
+    def rank_one_squares(self, a: Tensor, g: Tensor) -> Tensor:
+        """``sum_n (Q_Sᵀ g_n)² ⊗ (Q_Aᵀ a_n)²``, ``[d_out * d_in]`` float64, for ``G_n = g_n a_nᵀ``.
+
+        The sum of :meth:`rotate`'s squares when each example has one position,
+        as one GEMM: ``k_in + k_out`` numbers per example instead of ``k_out k_in``.
+
+        Args:
+            a: ``[N, d_in]`` inputs.
+            g: ``[N, d_out]`` output gradients (weighted as the Fisher's rows are).
+        """
+        ar = a @ self.q_a.to(a.dtype)
+        gr = g @ self.q_s.to(g.dtype)
+        return ((gr * gr).T @ (ar * ar)).reshape(-1).double()
+
 
 def ekfac_eigenvalues(rotated: Tensor) -> Tensor:
     """EK-FAC's corrected eigenvalues: the mean over examples of ``rotated ** 2``.

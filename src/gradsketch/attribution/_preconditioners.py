@@ -68,7 +68,7 @@ from torch import Tensor
 
 from gradsketch.attribution._distributed import RowWindow, all_reduce_sum_
 from gradsketch.attribution._io import iter_row_blocks, rows_as_tensor
-from gradsketch.attribution._kfac import KroneckerEigen, KroneckerFactors, resolve_damping
+from gradsketch.attribution._kfac import KroneckerEigen, KroneckerFactors
 from gradsketch.attribution._layer_capture import FactoredLayer
 from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
 from gradsketch.attribution._scores import CheckpointGrads
@@ -379,25 +379,6 @@ def _blocks(layers: Sequence[FactoredLayer], x: Tensor) -> Iterator[tuple[int, T
         yield i, x[:, layer.offset : layer.offset + layer.width]
 
 
-def rotate(block: Tensor, layer: FactoredLayer, q_a: Tensor, q_s: Tensor) -> Tensor:
-    """``vec(Q_Sᵀ G Q_A)`` of stored ``vec(G)`` rows ``[B, k_out * k_in]``, in the rows' dtype.
-
-    One GEMM over all rows for ``G Q_A``, then ``Q_Sᵀ`` broadcast over the rows
-    (no transposed copy of the rows; 1.3x faster than a second plain GEMM on
-    transposed rows at 256 x 257 layers).
-    """
-    rows, k_out, k_in = block.shape[0], layer.k_out, layer.k_in
-    q_a, q_s = q_a.to(block.dtype), q_s.to(block.dtype)
-    right = (block.reshape(rows * k_out, k_in) @ q_a).reshape(rows, k_out, k_in)
-    return torch.matmul(q_s.T, right).reshape(rows, -1)
-
-
-def _rotate_back(rot: Tensor, layer: FactoredLayer, q_a: Tensor, q_s: Tensor) -> Tensor:
-    """Inverse of :func:`rotate`: ``vec(Q_S G' Q_Aᵀ)``."""
-    back = q_s.to(rot.dtype) @ rot.reshape(-1, layer.k_out, layer.k_in) @ q_a.to(rot.dtype).T
-    return back.reshape(rot.shape)
-
-
 @register_preconditioner("kfac")
 class KFACPreconditioner(Preconditioner):
     """Per-layer ``S ⊗ A`` (Martens & Grosse, 2015), fitted while featurizing.
@@ -458,13 +439,14 @@ class KFACPreconditioner(Preconditioner):
     def solve(self, targets: Tensor) -> Tensor:
         if self.eigen is None:
             raise RuntimeError(f"the {self.name} preconditioner is not finalized.")
-        work = targets.double()
-        out = torch.empty_like(work)
-        for layer, (q_a, q_s, values) in zip(self.spec.layers, self.eigen):
-            block = work[:, layer.offset : layer.offset + layer.width]
-            rot = rotate(block, layer, q_a, q_s)
-            rot = rot / (values + resolve_damping(self.spec.damping, values))
-            out[:, layer.offset : layer.offset + layer.width] = _rotate_back(rot, layer, q_a, q_s)
+        out = torch.empty_like(targets, dtype=torch.float64)
+        for i, block in _blocks(self.spec.layers, targets):
+            q_a, q_s, values = self.eigen[i]
+            basis = KroneckerEigen(q_a=q_a, alpha=q_a.new_empty(0), q_s=q_s, s=q_s.new_empty(0))
+            layer = self.spec.layers[i]
+            out[:, layer.offset : layer.offset + layer.width] = basis.precondition(
+                block.double(), values, self.spec.damping
+            )
         return out.to(targets.dtype)
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -538,16 +520,12 @@ class EKFACPreconditioner(KFACPreconditioner):
                     a = x[:, offset : offset + layer.k_in]
                     g = x[:, offset + layer.k_in : offset + layer.k_in + layer.k_out]
                     offset += layer.k_in + layer.k_out
-                    ar = a @ eigens[i].q_a.to(work)
-                    gr = g @ eigens[i].q_s.to(work)
-                    if weighted:
-                        gr = gr * w
-                    sums[i] += ((gr * gr).T @ (ar * ar)).reshape(-1).double()
+                    sums[i] += eigens[i].rank_one_squares(a, g * w if weighted else g)
                 continue
             if compact:  # a layer saw several positions: rotate the dense rows
                 x = train.read(dense, start, stop, dtype=work)
             for i, block in _blocks(layers, x):
-                rot = rotate(block, layers[i], eigens[i].q_a, eigens[i].q_s)
+                rot = eigens[i].rotate_rows(block)
                 if weighted:
                     rot = rot * w
                 sums[i] += (rot * rot).sum(0, dtype=torch.float64)

@@ -127,7 +127,11 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
         ek.start_scoring_checkpoint("exp", state, model_id=mid, num_targets=N_TARGETS)
         ek.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
     scores_ekfac = np.array(ek.finalize_scores("exp"))
+    top = ek.topk("exp", 3)
     return {
+        "top_ekfac": top.proponents.numpy(),
+        "top_ekfac_scores": top.proponent_scores.numpy(),
+        "bottom_ekfac": top.opponents.numpy(),
         "scores_ekfac": scores_ekfac,
         "scores_sc": scores_sc,
         "scores": scores,

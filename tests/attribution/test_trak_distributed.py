@@ -106,6 +106,16 @@ def test_ekfac_across_ranks_equals_one_process(runs):
     counted twice or missed (a change of 1/n = 1e-2 in a factor)."""
     got, want = runs["ranks"][0]["scores_ekfac"], runs["ref"]["scores_ekfac"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for rank in runs["ranks"]:
+        # Top-k across ranks: each rank's columns, gathered; the rows of the scores.
+        for j in range(N_TARGETS):
+            want_top = np.sort(np.argsort(-want[:, j], kind="stable")[:3])
+            assert np.array_equal(np.sort(rank["top_ekfac"][:, j]), want_top), j
+            want_bottom = np.sort(np.argsort(want[:, j], kind="stable")[:3])
+            assert np.array_equal(np.sort(rank["bottom_ekfac"][:, j]), want_bottom), j
+        np.testing.assert_allclose(
+            rank["top_ekfac_scores"], -np.sort(-want, axis=0)[:3], rtol=1e-5, atol=1e-6
+        )
     ekfac = runs["dist"] / "ekfac" / "checkpoints" / "0"
     assert sorted(p.name for p in ekfac.glob("accumulated.*.npz")) == [
         "accumulated.0.npz",

@@ -24,12 +24,15 @@ from gradsketch._settings import SettingsMismatchError, read_record, write_recor
 from gradsketch._store import RowStore, default_chunk_rows
 from gradsketch.attribution import _layout as layout
 from gradsketch.attribution._distributed import (
+    all_gather_columns,
     barrier,
     chunk_shard,
+    column_shard,
     owned_mask,
     rank_and_world,
     rank_zero_first,
     require_same_across_ranks,
+    shard_checkpoint_targets,
     shard_loader,
     shardable_size,
 )
@@ -1395,21 +1398,33 @@ class TRAKer:
         ``memory_budget``) into running top-k lists: the ``[n, m]`` score
         matrix is never formed, memory is ``O((block + k) * m)``.
 
+        Under ``torch.distributed`` each rank streams the targets of its
+        :func:`~gradsketch.attribution.column_shard` and the ``[k, m]`` lists
+        are gathered: every rank returns the whole result.
+
         Returns:
             :class:`~gradsketch.attribution.TopK` with ``[k, m]`` training-row
             indices and scores (proponents highest first, opponents lowest first).
         """
-        if rank_and_world()[1] > 1:
-            raise ValueError(
-                "TRAKer.topk is not supported under torch.distributed yet; call it in one "
-                "process on the finalized store."
-            )
+        positive_int("k", k, fix="pass the number of proponents to keep per target")
         _, _, ckpts = self._scoring_inputs(exp_name, model_ids, allow_skip)
-        return topk_checkpoints(
-            ckpts,
-            k,
-            self.lambda_reg,
-            self.memory_budget,
-            device=self.device,
-            progress=self.progress,
-        )
+        m = int(ckpts[0].targets.shape[0])
+        rank, world = rank_and_world()
+        cols = column_shard(m) if world > 1 else range(m)
+        if len(cols) == 0:
+            kk = min(int(k), self.train_set_size)
+            idx, val = torch.zeros(kk, 0, dtype=torch.int64), torch.zeros(kk, 0)
+            local = TopK(idx, val, idx.clone(), val.clone())
+        else:
+            local = topk_checkpoints(
+                ckpts if world == 1 else shard_checkpoint_targets(ckpts, cols),
+                k,
+                self.lambda_reg,
+                self.memory_budget,
+                device=self.device,
+                progress=self.progress and rank == 0,
+            )
+        if world == 1:
+            return local
+        parts = (local.proponents, local.proponent_scores, local.opponents, local.opponent_scores)
+        return TopK(*(all_gather_columns(t, m) for t in parts))

@@ -23,8 +23,8 @@ Sections (``--section`` or ``--part``):
 - featurize: examples/s of ``TRAKer.featurize`` on the digits MLP
   (64-256-256-10) and the small CNN at proj_dim 2,048: gradsketch's CPU
   default (per-example gradients by vmap, CountSketchProjector), gradsketch's
-  layer hooks (``gradient_computer=HookGradientComputer``, whose default
-  projector is a FactorizedProjector with the most features up to proj_dim),
+  layer hooks (``gradient_computer=HookGradientComputer``) with their default
+  CountSketchProjector and with ``FactorizedProjector.from_budget(proj_dim)``,
   traker's CPU default (BasicProjector, block_size 100) and traker
   with one dense block; per-example gradients alone for both.
 - lds: digits, 3 MLP checkpoints, proj_dim 512, LDS over retrained half-data
@@ -393,8 +393,12 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
         )
 
     def ours_hooks(model, n, tmp):
-        # No projector given: FactorizedProjector.from_budget(model, proj_dim) by default.
+        # The hook computer's default projector: CountSketchProjector(proj_dim).
         return ours(model, n, tmp, gradient_computer=HookGradientComputer)
+
+    def ours_hooks_factorized(model, n, tmp):
+        projector = FactorizedProjector.from_budget(model, proj_dim, seed=0)
+        return ours(model, n, tmp, gradient_computer=HookGradientComputer, projector=projector)
 
     def ref(model, n, tmp, **options):
         return trak.TRAKer(
@@ -434,8 +438,11 @@ def bench_featurize(proj_dim: int, batch: int, repeats: int, quick: bool) -> Non
             "gradsketch.TRAKer (CountSketchProjector)": _featurize_rate(
                 ours, model, x[:n_ours], y[:n_ours], batch, repeats
             ),
-            "gradsketch.TRAKer (HookGradientComputer + FactorizedProjector)": _featurize_rate(
+            "gradsketch.TRAKer (HookGradientComputer + CountSketchProjector)": _featurize_rate(
                 ours_hooks, model, x[:n_ours], y[:n_ours], batch, repeats
+            ),
+            "gradsketch.TRAKer (HookGradientComputer + FactorizedProjector)": _featurize_rate(
+                ours_hooks_factorized, model, x[:n_ours], y[:n_ours], batch, repeats
             ),
             "traker.TRAKer (BasicProjector, block_size=100)": _featurize_rate(
                 ref_default, model, x[:n_default], y[:n_default], batch, 1 if quick else 2

@@ -32,4 +32,5 @@ target_loader = make_loader(_split.x_test[:50], _split.y_test[:50], batch_size=5
 task = "image_classification"
 proj_dim = 256  # below the 600 training rows, so lambda_reg = 0 is well posed
 lambda_reg = 0.0
-# gradients = "hooks"  # layer hooks + a factorized projector: faster on CPU
+# gradients = "hooks"  # per-example gradients from one hooked forward and backward
+# method = "ekfac"  # or "trak" (default), "identity", "kfac"

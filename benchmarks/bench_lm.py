@@ -13,8 +13,8 @@ resident memory is its own (the model and a batch included):
 * ``forward+backward``: one forward of the batch, the summed token loss,
   ``backward()`` into ``.grad`` (what a training step pays);
 * ``gradsketch hooks+factorized``: TRAK features of the batch
-  (``language_modeling`` task, :class:`HookGradientComputer` with the
-  default :class:`FactorizedProjector` of ``proj_dim`` 2048) plus Q;
+  (``language_modeling`` task, :class:`HookGradientComputer` with
+  ``FactorizedProjector.from_budget`` of ``proj_dim`` 2048) plus Q;
 * ``dattri vmap grads``: dattri's per-example gradient function
   (``AttributionTask.get_grad_loss_func``: ``vmap`` of ``grad`` over
   ``functional_call``), full gradients, no projection;

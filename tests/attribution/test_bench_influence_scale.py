@@ -1,0 +1,28 @@
+"""The model-scale EK-FAC benchmark: gradsketch and Kronfluence give the same scores."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+
+@pytest.mark.bench
+def test_quick_shape_scores_equal_kronfluence(capsys):
+    """Same maths, same damping heuristic (a tenth of each layer's mean eigenvalue), the
+    empirical Fisher on both sides: the score matrices agree up to float32 rounding, so
+    their correlation is 1 to many digits; 0.9999 leaves room for summation order only."""
+    pytest.importorskip("kronfluence")
+    pytest.importorskip("transformers")
+    import bench_influence_scale
+
+    bench_influence_scale.run("tiny", bench_influence_scale.QUICK["tiny"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["bench"] == "influence_scale" and row["projection"] is None
+    assert row["pearson"] > 0.9999
+    assert row["ratio"] == pytest.approx(row["kronfluence_s"] / row["gradsketch_s"], rel=0.02)

@@ -66,6 +66,20 @@ def _margin(logits: Tensor, label: Tensor) -> Tensor:
     return (correct - others).sum()
 
 
+def model_logits(output: Any) -> Tensor:
+    """The logits of a model's output: the tensor itself, or its ``.logits``.
+
+    Hugging Face models return output objects (``ImageClassifierOutput``,
+    ``SequenceClassifierOutput``, ...) that carry the logits as an attribute.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> model_logits(SimpleNamespace(logits=torch.zeros(2, 3))).shape
+        torch.Size([2, 3])
+    """
+    return output.logits if hasattr(output, "logits") else output
+
+
 def _one_minus_p(logits: Tensor, labels: Tensor, temperature: float) -> Tensor:
     probs = torch.softmax(logits / temperature, dim=-1)
     p = probs.gather(-1, labels.reshape(-1, 1).long())
@@ -76,6 +90,8 @@ class ImageClassificationModelOutput(AbstractModelOutput):
     """Margin of a classifier on ``(image, label)`` batches.
 
     ``f = logit_y - log Σ_{j≠y} exp(logit_j)`` and ``Q = 1 - softmax(logits/T)_y``.
+    The model returns ``[batch, classes]`` logits, or an object with a
+    ``logits`` attribute (Hugging Face's ``ViTForImageClassification``...).
 
     Args:
         temperature: softmax temperature T of the out-to-loss term.
@@ -105,8 +121,8 @@ class ImageClassificationModelOutput(AbstractModelOutput):
     ) -> Tensor:
         """Margin for one ``(image, label)`` pair (no batch axis)."""
         image, label = example
-        logits = torch.func.functional_call(model, (weights, buffers), (image.unsqueeze(0),))
-        return _margin(logits, label)
+        out = torch.func.functional_call(model, (weights, buffers), (image.unsqueeze(0),))
+        return _margin(model_logits(out), label)
 
     def get_out_to_loss_grad(
         self,
@@ -118,8 +134,8 @@ class ImageClassificationModelOutput(AbstractModelOutput):
         """``[batch, 1]``: ``1 - p_y``."""
         images, labels = batch
         with torch.no_grad():
-            logits = torch.func.functional_call(model, (weights, buffers), (images,))
-        return _one_minus_p(logits, labels, self.loss_temperature)
+            out = torch.func.functional_call(model, (weights, buffers), (images,))
+        return _one_minus_p(model_logits(out), labels, self.loss_temperature)
 
 
 class TextClassificationModelOutput(AbstractModelOutput):
@@ -141,7 +157,7 @@ class TextClassificationModelOutput(AbstractModelOutput):
         model: nn.Module, params: tuple[dict[str, Tensor], dict[str, Tensor]], **kw: Tensor
     ) -> Tensor:
         out = torch.func.functional_call(model, params, args=(), kwargs=kw)
-        return out.logits if hasattr(out, "logits") else out
+        return model_logits(out)
 
     @staticmethod
     def get_output(
@@ -256,7 +272,7 @@ def _margins(logits: Tensor, labels: Tensor) -> Tensor:
 @register_batch_output(ImageClassificationModelOutput)
 def image_classification_batch_output(model: nn.Module, images: Tensor, labels: Tensor) -> Tensor:
     """Margins of a batch, the batched twin of ``ImageClassificationModelOutput.get_output``."""
-    return _margins(model(images), labels)
+    return _margins(model_logits(model(images)), labels)
 
 
 @register_batch_output(TextClassificationModelOutput)
@@ -269,7 +285,7 @@ def text_classification_batch_output(
 ) -> Tensor:
     """Margins of a batch of tokenised examples (batched ``TextClassificationModelOutput``)."""
     out = model(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-    return _margins(out.logits if hasattr(out, "logits") else out, labels)
+    return _margins(model_logits(out), labels)
 
 
 def register_loss_grad_from_output(
@@ -303,8 +319,8 @@ def register_loss_grad_from_output(
 def image_classification_loss_grad(
     task: ImageClassificationModelOutput, logits: Any, batch: Sequence[Tensor]
 ) -> Tensor:
-    """``1 - p_y`` from the logits of ``model(images)``."""
-    return _one_minus_p(logits, batch[1], task.loss_temperature)
+    """``1 - p_y`` from the logits of ``model(images)`` (a tensor or an object with ``.logits``)."""
+    return _one_minus_p(model_logits(logits), batch[1], task.loss_temperature)
 
 
 @register_loss_grad_from_output(TextClassificationModelOutput)
@@ -312,8 +328,7 @@ def text_classification_loss_grad(
     task: TextClassificationModelOutput, output: Any, batch: Sequence[Tensor]
 ) -> Tensor:
     """``1 - p_y`` from ``model(input_ids=..., ...)`` (logits or an object with ``.logits``)."""
-    logits = output.logits if hasattr(output, "logits") else output
-    return _one_minus_p(logits, batch[3], task.loss_temperature)
+    return _one_minus_p(model_logits(output), batch[3], task.loss_temperature)
 
 
 def resolve_batch_output(task: AbstractModelOutput) -> BatchOutput:

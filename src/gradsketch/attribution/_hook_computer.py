@@ -11,7 +11,17 @@ terms Q reuse the logits of that same forward. Examples do not interact
 parameter gradient is a closed form in ``(a[b], g[b])``, given by the rules
 of :mod:`gradsketch.attribution._layers` (one file per layer family). Modules
 without a rule get per-example gradients of their own parameters from
-``torch.func`` on the stored inputs.
+``torch.func`` on the stored inputs (or, where ``vmap`` cannot trace the
+module, from one ``autograd.grad`` per example on its stored inputs).
+
+Rows of a call belong to examples in one of two layouts: the batch on dim 0
+(``[B, ...]``), or the batch and a sequence of the batch flattened together,
+batch-major (``[B * T, ...]`` with ``T`` a length of the batch's tensors, as
+OPT's MLP and the routers of mixture-of-experts layers see them). A module
+whose rows fit neither (a computation shared by all examples, as T5's
+relative position bias; a data-dependent subset of the tokens, as one expert
+of a mixture of experts sees) is handed to the nearest enclosing module that
+sees the batch, which then gets its parameters' per-example gradients.
 
 With a :class:`gradsketch.sketch.FactorizedProjector`, Linear and Conv2d
 layers hand ``(a, g)`` to the projector, which returns
@@ -39,8 +49,16 @@ from gradsketch.attribution._layers import (
     GRAD_SAMPLERS,
     LAYER_FACTORS,
     ROW_SPARSE_SAMPLERS,
+    WHOLE_MODULES,
     HookComputationError,
     register_optional_rules,
+)
+from gradsketch.attribution._layers._rows import (
+    RowLayout,
+    batch_lengths,
+    by_example,
+    leaf_rows,
+    unflatten,
 )
 from gradsketch.attribution._modelout import (
     LOSS_GRAD_FROM_OUTPUT,
@@ -111,12 +129,19 @@ def refuse_wrapped(model: nn.Module) -> None:
 # -- the hooked units ----------------------------------------------------------
 @dataclass
 class _Unit:
-    """A hooked module and the parameters whose gradients it produces."""
+    """A hooked module and the parameters whose gradients it produces.
+
+    A fallback unit (no rule) owns its direct parameters and those of the
+    children it adopted (whose calls do not map to the examples); a unit of
+    :data:`WHOLE_MODULES` owns its whole subtree.
+    """
 
     name: str
     module: nn.Module
     fallback: bool
     params: dict[str, str]  # local name (relative to module) -> full parameter name
+    #: Whether ``vmap`` traces the module (``None``: not tried yet).
+    vmap_ok: bool | None = None
 
 
 @dataclass
@@ -126,17 +151,29 @@ class _Call:
     unit: _Unit
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    #: ``{leading dim: rows per example}`` of this call's batch tensors.
+    rows: dict[int, int]
     grads: list[Tensor | None] = field(default_factory=list)
     out_template: list[Tensor] = field(default_factory=list)
     edges: list[GradientEdge] = field(default_factory=list)
+
+    def rule_inputs(self, batch_size: int) -> tuple[Any, ...]:
+        """The positional inputs as the rules read them (flattened rows as ``[B, T, ...]``)."""
+        return tuple(unflatten(a, batch_size, self.rows) for a in self.args)
+
+    def rule_grad(self, g: Tensor, batch_size: int) -> Tensor:
+        return unflatten(g, batch_size, self.rows)
 
 
 class _Capture:
     """State of one hooked forward + backward."""
 
-    def __init__(self, batch_size: int) -> None:
-        self.batch_size = batch_size
+    def __init__(self, layout: RowLayout) -> None:
+        self.layout = layout
+        self.batch_size = layout.batch_size
         self.calls: list[_Call] = []
+        #: Units whose calls' rows do not map to the examples, with a shape they returned.
+        self.unmapped: dict[str, str] = {}
         self.dummies: dict[tuple[torch.dtype, torch.device], Tensor] = {}
         #: Outputs of the root module's calls (for the out-to-loss terms).
         self.root_outputs: list[Any] = []
@@ -154,29 +191,58 @@ def _detach(value: Any) -> Any:
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
 
 
+def _has_forward(module: nn.Module) -> bool:
+    """Whether the module can be called (ModuleList / ModuleDict only hold children)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _shapes(value: Any) -> str:
+    shapes = [tuple(t.shape) for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+    return ", ".join(str(s) for s in shapes[:4]) or "no tensor"
+
+
+def model_family(model: nn.Module) -> str:
+    """``"OPTForCausalLM (model_type 'opt')"``: the class and, for Hugging Face, the family."""
+    base = getattr(model, "get_base_model", None)
+    target = base() if callable(base) else model
+    model_type = getattr(getattr(target, "config", None), "model_type", None)
+    name = type(target).__name__
+    return f"{name} (model_type {model_type!r})" if model_type else name
+
+
 class HookGradientComputer(AbstractGradientComputer):
     """Per-example gradients from layer hooks, one forward and one backward per batch.
 
     Modules are visited from the root: a module whose exact type has a rule
     in :data:`GRAD_SAMPLERS` (Linear, Conv2d, Embedding, LayerNorm, RMSNorm,
     Hugging Face's Conv1D and RMSNorm classes, or any type you register) is
-    hooked; any other module owning parameters is
-    hooked as a whole and its parameters' per-example gradients come from
-    ``torch.func`` (``vmap`` of ``grad``) on its stored inputs; parameter-free
-    containers are descended into. The batched output
-    ``F = sum_b f(z_b)`` comes from :func:`resolve_batch_output`; the backward
-    computes only activation gradients (never the batch gradient of the
-    parameters), and parameters need not require grad.
+    hooked; any other module owning parameters directly is hooked too and its
+    own parameters' per-example gradients come from ``torch.func`` (``vmap``
+    of ``grad``; one ``autograd.grad`` per example where ``vmap`` cannot trace
+    the module) on its stored inputs, while its children are visited in
+    turn; parameter-free containers are descended into; a module of
+    :data:`WHOLE_MODULES` (mixture-of-experts containers) is hooked as a
+    whole. The batched output ``F = sum_b f(z_b)`` comes from
+    :func:`resolve_batch_output`; the backward computes only activation
+    gradients (never the batch gradient of the parameters), and parameters
+    need not require grad.
 
-    Assumptions (as for any per-example method): the batch axis is dim 0 of
-    every hooked module's inputs and outputs, and examples do not interact
-    (eval-mode BatchNorm, no cross-example attention, padding masked out).
-    One exception is handled: a module that sees only integer indices and
-    returns a leading dim of 1 (learned position embeddings, ``[1, T, D]``)
-    has its output expanded to the batch, so each example's gradient stays
-    its own. A weight used by several modules (tied input and output
-    embeddings) gets the sum of its uses' gradients, under the parameter's
-    first name in ``named_parameters``.
+    Assumptions (as for any per-example method): examples do not interact
+    (eval-mode BatchNorm, no cross-example attention, padding masked out),
+    and each hooked module's rows are the batch on dim 0 or the batch
+    flattened batch-major with one of the batch's lengths (``[B * T, ...]``,
+    see :mod:`gradsketch.attribution._layers._rows`). A module whose
+    inputs are integer indices only and which returns a leading dim of 1
+    (learned position embeddings, ``[1, T, D]``) has its output expanded to
+    the batch, so each example's gradient stays its own. A module whose rows
+    map to neither (T5's relative position bias, shared by all examples; one
+    expert's gathered tokens) is adopted by the nearest enclosing module that
+    can be called, which then computes those parameters' per-example
+    gradients as a fallback; this is found on the first batch, logged, and
+    kept. So is a module never called whose parameters still get a gradient
+    (its weight read directly by its parent). A weight used by several
+    modules (tied input and output embeddings) gets the sum of its uses'
+    gradients, under the parameter's first name in ``named_parameters``.
 
     :meth:`project` with a :class:`gradsketch.sketch.FactorizedProjector`
     returns projected features without per-example gradients of the factorized
@@ -224,6 +290,11 @@ class HookGradientComputer(AbstractGradientComputer):
         self._checked_layouts: set[str] = set()
         self._remembered: tuple[tuple[Any, ...], tuple[Any, ...], Any] | None = None
         self._grad_wrt_arg = None if grad_wrt is None else list(grad_wrt)
+        #: Module name -> names of the descendants it adopted (their rows do not map).
+        self._adopted: dict[str, set[str]] = {}
+        #: Why torch.func.vmap could not trace the model, when this computer stands in
+        #: for a FunctionalGradientComputer (its errors then suggest other ways out).
+        self.vmap_failure: str | None = None
         self.load_model_params(model)
 
     # -- set-up --------------------------------------------------------------
@@ -236,6 +307,7 @@ class HookGradientComputer(AbstractGradientComputer):
             self._names = [n for n, _ in model.named_parameters()]
             self.grad_wrt: list[str] | None = resolve_grad_wrt(self._names, self._grad_wrt_arg)
             register_optional_rules(model)
+            self._adopted = {}
             self._units = self._find_units(model)
             self._units_model = model
             self._checked_layouts = set()
@@ -251,24 +323,22 @@ class HookGradientComputer(AbstractGradientComputer):
         # named_parameters' canonical (first) name of each tensor, for tied weights.
         canonical = {id(p): n for n, p in model.named_parameters()}
         wanted = self._wanted()
+        merged = {name for names in self._adopted.values() for name in names}
         units: list[_Unit] = []
+        seen: set[int] = set()
 
         def full(prefix: str, local: str) -> str:
             return f"{prefix}.{local}" if prefix else local
 
-        def visit(prefix: str, module: nn.Module) -> None:
+        def plan(
+            prefix: str, module: nn.Module
+        ) -> tuple[bool, dict[str, str], list[tuple[str, nn.Module]]]:
+            """``(fallback, {local name: parameter}, children to visit)`` of a module's unit."""
             direct = dict(module.named_parameters(recurse=False))
-            # Parameters held in a ParameterDict / ParameterList child are read by
-            # this module's forward (the container is never called, so a hook on
-            # it would never fire): they belong to this module (peft's LoRA
-            # embeddings keep their adapters this way).
-            held = any(
-                isinstance(child, (nn.ParameterDict, nn.ParameterList))
-                and any(True for _ in child.parameters())
-                for child in module.children()
-            )
-            if type(module) in GRAD_SAMPLERS:
-                params = {k: canonical[id(p)] for k, p in direct.items()}
+            adopted = sorted(self._adopted.get(prefix, ()))
+            if type(module) in WHOLE_MODULES:
+                return True, {k: canonical[id(p)] for k, p in module.named_parameters()}, []
+            if type(module) in GRAD_SAMPLERS and not adopted:
                 extra = [full(prefix, n) for n, _ in module.named_parameters() if n not in direct]
                 if extra:
                     raise HookComputationError(
@@ -276,17 +346,38 @@ class HookGradientComputer(AbstractGradientComputer):
                         f"but its children own parameters {extra[:5]}; register the rule on a "
                         "leaf type."
                     )
-                fallback = False
-            elif direct or held:
-                params = {k: canonical[id(p)] for k, p in module.named_parameters()}
-                fallback = True
-            else:
-                for child_name, child in module.named_children():
-                    visit(full(prefix, child_name), child)
+                return False, {k: canonical[id(p)] for k, p in direct.items()}, []
+            params = {k: canonical[id(p)] for k, p in direct.items()}
+            children = []
+            for child_name, child in module.named_children():
+                if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
+                    # Parameters held in a ParameterDict / ParameterList child are read
+                    # by this module's forward (the container is never called, so a
+                    # hook on it would never fire): they belong to this module (peft's
+                    # LoRA embeddings keep their adapters this way).
+                    params.update(
+                        {f"{child_name}.{k}": canonical[id(p)] for k, p in child.named_parameters()}
+                    )
+                else:
+                    children.append((full(prefix, child_name), child))
+            for name in adopted:
+                # What the adopted module's unit would own moves here; its children
+                # keep their own units.
+                local = name[len(prefix) + 1 :] if prefix else name
+                _, theirs, _ = plan(name, model.get_submodule(name))
+                params.update({f"{local}.{k}": v for k, v in theirs.items()})
+            return True, params, children
+
+        def visit(prefix: str, module: nn.Module) -> None:
+            if id(module) in seen:
+                # The same module object under a second name: one hook serves both.
                 return
-            params = {k: v for k, v in params.items() if v in wanted}
-            if params:
-                units.append(_Unit(prefix, module, fallback, params))
+            seen.add(id(module))
+            fallback, params, children = plan(prefix, module)
+            if prefix not in merged:
+                self._add_unit(units, prefix, module, fallback, params, wanted)
+            for name, child in children:
+                visit(name, child)
 
         visit("", model)
         for unit in units:
@@ -297,6 +388,19 @@ class HookGradientComputer(AbstractGradientComputer):
                     type(unit.module).__name__,
                 )
         return units
+
+    @staticmethod
+    def _add_unit(
+        units: list[_Unit],
+        name: str,
+        module: nn.Module,
+        fallback: bool,
+        params: dict[str, str],
+        wanted: set[str],
+    ) -> None:
+        params = {k: v for k, v in params.items() if v in wanted}
+        if params:
+            units.append(_Unit(name, module, fallback, params))
 
     def add_hooks(self) -> None:
         """Install the forward hooks (idempotent)."""
@@ -323,6 +427,75 @@ class HookGradientComputer(AbstractGradientComputer):
     def __exit__(self, *exc: object) -> None:
         self.remove_hooks()
 
+    # -- modules whose rows do not map to the examples ----------------------------
+    def _adopter(self, name: str) -> str | None:
+        """The nearest callable proper ancestor of module ``name`` (``None``: only the root)."""
+        parent = name
+        while parent:
+            parent = parent.rpartition(".")[0]
+            if parent and _has_forward(self.model.get_submodule(parent)):
+                return parent
+        return None
+
+    def _adopt(self, unmapped: Mapping[str, str], layout: RowLayout) -> None:
+        """Hand each unit in ``unmapped`` to its nearest callable ancestor; rebuild the hooks."""
+        for name, why in unmapped.items():
+            adopter = self._adopter(name)
+            if adopter is None:
+                raise HookComputationError(self._unmapped_message(name, why, layout))
+            self._adopted.setdefault(adopter, set()).add(name)
+            logger.info(
+                "HookGradientComputer: %r (%s) %s; the per-example gradients of its parameters "
+                "now come from %r (%s), run again on each example's inputs",
+                name,
+                type(self.model.get_submodule(name)).__name__,
+                why,
+                adopter,
+                type(self.model.get_submodule(adopter)).__name__,
+            )
+        self.remove_hooks()
+        self._units = self._find_units(self.model)
+        self._checked_layouts = set()
+        self.add_hooks()
+
+    def _unmapped_message(self, name: str, why: str, layout: RowLayout) -> str:
+        module = self.model.get_submodule(name) if name else self.model
+        where = f"module {name!r}" if name else "the model"
+        return (
+            f"{where} ({type(module).__name__}) {why}; layer hooks need the batch on dim 0 "
+            "(use batch_first=True) or the batch flattened batch-major with one of the batch's "
+            f"lengths {sorted(layout.lengths)} ([B * T, ...]), and no module enclosing it below "
+            f"the root of {model_family(self.model)} sees the examples apart. "
+            f"{self._ways_out(name)}"
+        )
+
+    def _ways_out(self, name: str) -> str:
+        """What to do instead when module ``name``'s per-example gradients cannot be hooked."""
+        prefix = f"{name}." if name else ""
+        own = [n for n in (self.grad_wrt or self._names) if n.startswith(prefix)]
+        keep = [n for n in (self.grad_wrt or self._names) if not n.startswith(prefix)]
+        ways = []
+        if own and keep:
+            ways.append(
+                f"leave its parameters ({own[:3]}{' ...' if len(own) > 3 else ''}) out of "
+                "`grad_wrt`: grad_wrt=[n for n, _ in model.named_parameters() if not "
+                f"n.startswith({prefix!r})]"
+            )
+        if self.vmap_failure is None:
+            ways.append(
+                "use FunctionalGradientComputer (torch.func.vmap over the whole model), if vmap "
+                "can trace the model"
+            )
+        else:
+            ways.append(
+                "FunctionalGradientComputer handed this model to the hooks because "
+                f"torch.func.vmap cannot trace it ({self.vmap_failure}), so make the model "
+                "traceable (no data-dependent control flow) or register a per-example rule "
+                "for the module's type with @register_grad_sampler"
+            )
+        return "Ways out: " + "; or ".join(ways) + "."
+
+    # -- the hooks -------------------------------------------------------------------
     def _make_hook(self, unit: _Unit) -> Callable[..., Any]:
         def hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -335,27 +508,45 @@ class HookGradientComputer(AbstractGradientComputer):
                 # broadcast it; expanded to the batch here, the gradient keeps
                 # one row per example and the rule sees per-example inputs.
                 args, kwargs, output = _expand_to_batch((args, kwargs, output), capture.batch_size)
-            call = _Call(unit, _detach(args), _detach(kwargs))
+            rows = capture.layout.call_rows((args, kwargs), output)
+            if rows is None and capture.batch_size > 1:
+                # T5's attention returns its relative position bias as [1, heads, q, k],
+                # made from its parameters alone and broadcast over the batch later:
+                # expanded here, its gradient keeps one row per example.
+                expanded = _expand_shared(args, kwargs, output, capture.batch_size)
+                if expanded is not output:
+                    rows = capture.layout.call_rows((args, kwargs), expanded)
+                    output = expanded if rows is not None else output
+            if rows is None:
+                capture.unmapped.setdefault(
+                    unit.name,
+                    f"returned shape {_shapes(output)} for a batch of {capture.batch_size}",
+                )
+                return None
+            call = _Call(unit, _detach(args), _detach(kwargs), rows)
+            floating = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, Tensor) and t.is_floating_point()
+            ]
+            # With several outputs, one may have been computed from another inside
+            # the module (a router's scores from its logits): the edge of the first
+            # would also collect the gradient that reached it through the second,
+            # counted twice in <outputs, g>. A new node per output (adding a zero)
+            # keeps each edge to the uses outside the module.
+            separate = len(floating) > 1
 
             def route(t: Any) -> Any:
                 # The backward asks for the gradient at each output's autograd
                 # edge, taken here before any in-place op of the caller, so it
                 # is the gradient of this value; the engine then computes
-                # activation gradients only (no parameter gradients) and
-                # outputs are neither copied nor replaced. An output that does
-                # not require grad (frozen parameters so far) gets a path by
-                # adding a zero that does.
+                # activation gradients only (no parameter gradients) and a
+                # single output is neither copied nor replaced. An output that
+                # does not require grad (frozen parameters so far) gets a path
+                # by adding a zero that does.
                 if not (isinstance(t, Tensor) and t.is_floating_point()):
                     return t
-                if t.dim() == 0 or t.shape[0] != capture.batch_size:
-                    raise HookComputationError(
-                        f"module {unit.name!r} ({type(module).__name__}) returned shape "
-                        f"{tuple(t.shape)} for a batch of {capture.batch_size}; layer hooks "
-                        "need the batch on dim 0 (use batch_first=True), or use "
-                        "FunctionalGradientComputer. (A module whose inputs are all integer "
-                        "indices may return a leading dim of 1, broadcast over the batch.)"
-                    )
-                routed = t if t.requires_grad else t + capture.dummy(t)
+                routed = t if t.requires_grad and not separate else t + capture.dummy(t)
                 call.grads.append(None)
                 call.out_template.append(t.detach())
                 call.edges.append(get_gradient_edge(routed))
@@ -368,14 +559,14 @@ class HookGradientComputer(AbstractGradientComputer):
         return hook
 
     @contextmanager
-    def _capturing(self, batch_size: int) -> Iterator[_Capture]:
+    def _capturing(self, layout: RowLayout) -> Iterator[_Capture]:
         if self._capture is not None:
             raise HookComputationError("a hooked computation is already running (re-entrant call).")
         if not self._handles:
             raise HookComputationError(
                 "hooks were removed; call add_hooks() (or build a new HookGradientComputer) first."
             )
-        self._capture = _Capture(batch_size)
+        self._capture = _Capture(layout)
         root_hook = self.model.register_forward_hook(self._capture_root)
         try:
             yield self._capture
@@ -388,29 +579,69 @@ class HookGradientComputer(AbstractGradientComputer):
             self._capture.root_outputs.append(_detach(output))
 
     def _run(self, batch: Sequence[Tensor]) -> _Capture:
-        """Hooked forward of ``F = sum_b f(z_b)`` and backward to every layer output."""
+        """Hooked forward of ``F = sum_b f(z_b)`` and backward to every layer output.
+
+        A unit whose rows do not map to the examples, or that was never
+        called although its parameters get a gradient, is adopted by its
+        parent and the batch runs again (once per level, on the first batch).
+        """
         batch_size = int(batch[0].shape[0])
+        layout = RowLayout(batch_size, batch_lengths(batch, batch_size))
         self._remembered = None
-        with self._capturing(batch_size) as capture, torch.enable_grad():
-            outputs = self._batch_output(self.model, *batch)
-            if outputs.shape != (batch_size,):
-                raise HookComputationError(
-                    f"the batched output has shape {tuple(outputs.shape)}; expected "
-                    f"({batch_size},) (one scalar per example)."
-                )
-            slots = [(call, i) for call in capture.calls for i in range(len(call.edges))]
-            if slots:
-                grads = torch.autograd.grad(
-                    outputs.sum(),
-                    [call.edges[i] for call, i in slots],
-                    allow_unused=True,
-                )
-                for (call, i), g in zip(slots, grads):
-                    call.grads[i] = g
-            for call in capture.calls:
-                call.edges.clear()
-        self._remember_output(batch, capture)
-        return capture
+        # Each pass that does not return adopts a module into a proper ancestor.
+        for _ in range(sum(1 for _ in self.model.modules()) + 1):
+            with self._capturing(layout) as capture, torch.enable_grad():
+                outputs = self._batch_output(self.model, *batch)
+                if outputs.shape != (batch_size,):
+                    raise HookComputationError(
+                        f"the batched output has shape {tuple(outputs.shape)}; expected "
+                        f"({batch_size},) (one scalar per example)."
+                    )
+                if capture.unmapped:
+                    self._adopt(capture.unmapped, layout)
+                    continue
+                stray = self._backward(outputs, capture)
+                if stray:
+                    self._adopt(stray, layout)
+                    continue
+            self._remember_output(batch, capture)
+            return capture
+        raise HookComputationError(  # pragma: no cover - each pass adopts at least one unit
+            "the hooked units did not settle; please report this model."
+        )
+
+    def _backward(self, outputs: Tensor, capture: _Capture) -> dict[str, str]:
+        """Output gradients of every call; returns the uncalled units whose weights got one."""
+        slots = [(call, i) for call in capture.calls for i in range(len(call.edges))]
+        called = {id(call.unit) for call in capture.calls}
+        covered = {n for call in capture.calls for n in call.unit.params.values()}
+        params = dict(self.model.named_parameters())
+        # A unit never called whose parameters are not another called unit's
+        # (tied) may still have been read directly, by its parent: ask for
+        # their gradient too (a few leaves of the same backward).
+        suspects = [
+            (unit, name)
+            for unit in self._units
+            if id(unit) not in called
+            for name in unit.params.values()
+            if name not in covered and params[name].requires_grad
+        ]
+        targets: list[Any] = [call.edges[i] for call, i in slots]
+        targets += [params[name] for _, name in suspects]
+        if targets:
+            grads = torch.autograd.grad(outputs.sum(), targets, allow_unused=True)
+            for (call, i), g in zip(slots, grads):
+                call.grads[i] = g
+            strays = {
+                unit.name: f"was never called but its parameter {name!r} has a gradient"
+                for (unit, name), g in zip(suspects, grads[len(slots) :])
+                if g is not None and bool(g.ne(0).any())
+            }
+        else:
+            strays = {}
+        for call in capture.calls:
+            call.edges.clear()
+        return strays
 
     # -- out-to-loss terms from the hooked forward --------------------------------
     def _state_key(self, batch: Sequence[Tensor]) -> tuple[Any, ...]:
@@ -466,7 +697,13 @@ class HookGradientComputer(AbstractGradientComputer):
             local = _fallback_grads(call, batch_size)
         else:
             g = _single_grad(call)
-            local = {} if g is None else GRAD_SAMPLERS[type(unit.module)](unit.module, call.args, g)
+            local = (
+                {}
+                if g is None
+                else GRAD_SAMPLERS[type(unit.module)](
+                    unit.module, call.rule_inputs(batch_size), call.rule_grad(g, batch_size)
+                )
+            )
         return {unit.params[k]: v for k, v in local.items() if k in unit.params}
 
     def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
@@ -491,7 +728,9 @@ class HookGradientComputer(AbstractGradientComputer):
         With a :class:`FactorizedProjector`, Linear / Conv2d layers go through
         their Kronecker factors, Embedding rows are count-sketched where they
         are, and only the remaining parameters' per-example gradients are
-        formed; otherwise ``projector.project(compute_per_sample_grad(batch))``.
+        formed (a factorized layer inside a module hooked as a whole, such as
+        a mixture-of-experts container, is projected from its per-example
+        gradient); otherwise ``projector.project(compute_per_sample_grad(batch))``.
         """
         if not isinstance(projector, FactorizedProjector):
             return projector.project(self.compute_per_sample_grad(batch), model_id=model_id)
@@ -518,10 +757,12 @@ class HookGradientComputer(AbstractGradientComputer):
         unit = call.unit
         module_type = type(unit.module)
         first = layout[next(iter(unit.params.values()))]
-        if isinstance(first, FactorizedLayer) and first.name == unit.name:
+        if not unit.fallback and isinstance(first, FactorizedLayer) and first.name == unit.name:
             g = _single_grad(call)
             if g is not None:
-                a, g3 = LAYER_FACTORS[module_type](unit.module, call.args, g)
+                a, g3 = LAYER_FACTORS[module_type](
+                    unit.module, call.rule_inputs(batch_size), call.rule_grad(g, batch_size)
+                )
                 projector.project_layer_into_(out, unit.name, a, g3)
             return
         if not unit.fallback and module_type in ROW_SPARSE_SAMPLERS:
@@ -529,7 +770,7 @@ class HookGradientComputer(AbstractGradientComputer):
             if g is None:
                 return
             for local, (rows, values) in ROW_SPARSE_SAMPLERS[module_type](
-                unit.module, call.args, g
+                unit.module, call.rule_inputs(batch_size), call.rule_grad(g, batch_size)
             ).items():
                 if local not in unit.params:
                     continue
@@ -548,10 +789,7 @@ class HookGradientComputer(AbstractGradientComputer):
             g = _single_grad(call)
             if g is None or self._project_rest_weight(call, g, projector, out, batch_size):
                 return
-        for name, grad in self._call_grads(call, batch_size).items():
-            projector.project_rest_into_(
-                out, grad.reshape(batch_size, -1), projector.rest_offset_of(name)
-            )
+        _project_dense(self._call_grads(call, batch_size), projector, layout, out, batch_size)
 
     def _project_rest_weight(
         self, call: _Call, g: Tensor, projector: FactorizedProjector, out: Tensor, batch_size: int
@@ -567,7 +805,9 @@ class HookGradientComputer(AbstractGradientComputer):
         """
         unit = call.unit
         try:
-            a, g3 = LAYER_FACTORS[type(unit.module)](unit.module, call.args, g)
+            a, g3 = LAYER_FACTORS[type(unit.module)](
+                unit.module, call.rule_inputs(batch_size), call.rule_grad(g, batch_size)
+            )
         except HookComputationError:
             return False
         a = a.to(g3.dtype)
@@ -587,7 +827,13 @@ class HookGradientComputer(AbstractGradientComputer):
         return True
 
     def _check_layout(self, projector: FactorizedProjector) -> None:
-        """The projector must cover exactly this computer's parameters, layer by layer."""
+        """The projector must cover exactly this computer's parameters, layer by layer.
+
+        A factorized layer must be a module of a type with Kronecker factors
+        owning exactly the layer's parameters; the hooks project it through
+        its factors, or, where the module is hooked as part of an enclosing
+        one (a mixture-of-experts container), through its per-example gradient.
+        """
         key = projector.fingerprint.to_json()
         if key in self._checked_layouts:
             return
@@ -601,8 +847,9 @@ class HookGradientComputer(AbstractGradientComputer):
                 f"{missing[:10]}, unexpected {extra[:10]}. Build it with "
                 "FactorizedProjector.from_model(model, grad_wrt=<the same grad_wrt>, ...)."
             )
-        by_name = {u.name: u for u in self._units}
+        modules = dict(self.model.named_modules())
         shapes = {n: p.numel() for n, p in self.model.named_parameters()}
+        canonical = {id(p): n for n, p in self.model.named_parameters()}
         for seg in projector.segments:
             if isinstance(seg, PlainParam):
                 if shapes[seg.name] != seg.numel:
@@ -611,25 +858,30 @@ class HookGradientComputer(AbstractGradientComputer):
                         f"has {shapes[seg.name]}; rebuild it with FactorizedProjector.from_model."
                     )
                 continue
-            unit = by_name.get(seg.name)
-            if unit is None or unit.fallback or type(unit.module) not in LAYER_FACTORS:
+            module = modules.get(seg.name)
+            if module is None or type(module) not in LAYER_FACTORS:
                 allowed = ", ".join(sorted(t.__name__ for t in LAYER_FACTORS))
+                found = "no module" if module is None else f"a {type(module).__name__}"
                 raise ValueError(
-                    f"`projector` factorizes layer {seg.name!r}, which is not a hooked module with "
-                    f"Kronecker factors here (types with factors: {allowed}). Build it with "
+                    f"`projector` factorizes layer {seg.name!r}, but the model has {found} there "
+                    f"(types with Kronecker factors: {allowed}). Build it with "
                     "FactorizedProjector.from_model(model, ...)."
                 )
-            if tuple(unit.params.values()) != seg.param_names:
+            own = tuple(
+                canonical[id(p)]
+                for p in module.parameters(recurse=False)
+                if canonical[id(p)] in set(wanted)
+            )
+            if own != seg.param_names:
                 raise ValueError(
                     f"layer {seg.name!r}: `projector` expects parameters {seg.param_names}, the "
-                    f"model gives {tuple(unit.params.values())} (a tied or excluded weight?); "
-                    "factorized layers need their own weight."
+                    f"model gives {own} (a tied or excluded weight?); factorized layers need "
+                    "their own weight."
                 )
-            expected = seg.numel
             actual = sum(shapes[n] for n in seg.param_names)
-            if expected != actual:
+            if seg.numel != actual:
                 raise ValueError(
-                    f"layer {seg.name!r}: `projector` expects {expected} coordinates, the model "
+                    f"layer {seg.name!r}: `projector` expects {seg.numel} coordinates, the model "
                     f"has {actual}; rebuild it with FactorizedProjector.from_model(model, ...)."
                 )
         tied = self._tied_factorized(projector)
@@ -661,6 +913,36 @@ class HookGradientComputer(AbstractGradientComputer):
         )
 
 
+def _project_dense(
+    grads: Mapping[str, Tensor],
+    projector: FactorizedProjector,
+    layout: Mapping[str, Any],
+    out: Tensor,
+    batch_size: int,
+) -> None:
+    """Project per-example gradients: rest parameters by count sketch, layers densely.
+
+    A factorized layer's parameters come together (one unit's call gives
+    them all) and are projected as ``s_l vec(P_out [W | b] P_in^T)``.
+    """
+    pending: dict[str, dict[str, Tensor]] = {}
+    for name, grad in grads.items():
+        seg = layout[name]
+        if isinstance(seg, PlainParam):
+            projector.project_rest_into_(
+                out, grad.reshape(batch_size, -1), projector.rest_offset_of(name)
+            )
+            continue
+        parts = pending.setdefault(seg.name, {})
+        parts[name] = grad
+        if set(parts) == set(seg.param_names):
+            flat = torch.cat([parts[n].reshape(batch_size, -1) for n in seg.param_names], 1)
+            projector._project_dense_layer(out, seg, flat)
+            del pending[seg.name]
+    if pending:  # pragma: no cover - a module's weight and bias always share a unit
+        raise HookComputationError(f"layers {sorted(pending)} got part of their parameters.")
+
+
 def _broadcasts_over_batch(args: Any, kwargs: Any, output: Any) -> bool:
     """Whether a call saw no batch and returned values meant to broadcast over it.
 
@@ -674,6 +956,57 @@ def _broadcasts_over_batch(args: Any, kwargs: Any, output: Any) -> bool:
         return False
     outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
     return bool(outs) and all(t.dim() > 0 and t.shape[0] == 1 for t in outs)
+
+
+def _expand_shared(args: Any, kwargs: Any, output: Any, batch_size: int) -> Any:
+    """``output`` with its shared ``[1, ...]`` floating tensors expanded (views) to the batch.
+
+    Shared: computed without any floating input of the call (found by
+    walking the output's autograd graph, which must not reach an input's).
+    Returns ``output`` itself when nothing is shared or it cannot be told
+    (no input requires grad, or the graph is too large to walk).
+    """
+    sources = [
+        t
+        for t in tree_flatten((args, kwargs))[0]
+        if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    leading_one = [
+        t
+        for t in tree_flatten(output)[0]
+        if isinstance(t, Tensor) and t.is_floating_point() and t.dim() and t.shape[0] == 1
+    ]
+    if not sources or not leading_one:
+        return output
+    inputs = {get_gradient_edge(t).node for t in sources}
+    shared = {id(t) for t in leading_one if not _reaches(t, inputs)}
+    if not shared:
+        return output
+
+    def expand(t: Any) -> Any:
+        if isinstance(t, Tensor) and id(t) in shared:
+            return t.expand(batch_size, *t.shape[1:])
+        return t
+
+    return tree_map(expand, output)
+
+
+def _reaches(t: Tensor, nodes: set[Any], limit: int = 10_000) -> bool:
+    """Whether ``t``'s autograd graph reaches one of ``nodes`` (True past ``limit`` nodes)."""
+    if t.grad_fn is None:
+        return False
+    stack, visited = [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node in nodes:
+            return True
+        if node in visited:
+            continue
+        visited.add(node)
+        if len(visited) > limit:
+            return True
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 def _expand_to_batch(tree: Any, batch_size: int) -> Any:
@@ -698,35 +1031,82 @@ def _single_grad(call: _Call) -> Tensor | None:
 
 
 def _fallback_grads(call: _Call, batch_size: int) -> dict[str, Tensor]:
-    """Per-example gradients of a module's own parameters with ``torch.func``.
+    """Per-example gradients of a unit's own parameters on its stored inputs.
 
-    ``grad_b = d/dθ <module(x_b; θ), g_b>`` on the stored inputs, ``vmap``-ed
-    over the batch (each example keeps a batch axis of 1 inside).
+    ``grad_b = d/dθ <module(x_b; θ), g_b>`` where ``x_b`` are example ``b``'s
+    rows of every batch input (``[1, ...]`` for the batch on dim 0, ``[T,
+    ...]`` for flattened rows) and ``g_b`` its rows of the output gradients:
+    ``vmap``-ed over the examples, or, for a module ``vmap`` cannot trace
+    (data-dependent control flow: a mixture of experts picking its tokens),
+    one ``autograd.grad`` per example. Which one works is found once per unit.
     """
     if all(g is None for g in call.grads):
         return {}
-    module = call.unit.module
-    params = {k: p.detach() for k, p in module.named_parameters() if k in call.unit.params}
+    unit = call.unit
+    module = unit.module
+    params = {k: p.detach() for k, p in module.named_parameters() if k in unit.params}
     leaves, spec = tree_flatten((call.args, call.kwargs))
-    batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch_size for t in leaves]
-    inputs = [t for t, b in zip(leaves, batched) if b]
+    split = [leaf_rows(t, call.rows) for t in leaves]
+    inputs = [by_example(t, batch_size, r) for t, r in zip(leaves, split) if r is not None]
     grads = [
-        g if g is not None else torch.zeros_like(t) for g, t in zip(call.grads, call.out_template)
+        by_example(g if g is not None else torch.zeros_like(t), batch_size, call.rows[t.shape[0]])
+        for g, t in zip(call.grads, call.out_template)
     ]
 
-    def contracted(p: dict[str, Tensor], xs: list[Tensor], gs: list[Tensor]) -> Tensor:
+    def contracted(p: dict[str, Tensor], xs: Sequence[Tensor], gs: Sequence[Tensor]) -> Tensor:
         it = iter(xs)
-        full = [next(it).unsqueeze(0) if b else t for t, b in zip(leaves, batched)]
+        full = [next(it) if r is not None else t for t, r in zip(leaves, split)]
         args, kwargs = tree_unflatten(full, spec)
         out = torch.func.functional_call(module, p, args, kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.is_floating_point()]
-        return sum((o * g.unsqueeze(0)).sum() for o, g in zip(outs, gs))  # type: ignore[return-value]
+        total = gs[0].new_zeros(())
+        for o, g in zip(outs, gs):
+            total = total + (o * g).sum()
+        return total
 
-    per_example = torch.func.vmap(torch.func.grad(contracted), in_dims=(None, 0, 0))
-    with warnings.catch_warnings():
-        # vmap falls back to a loop for a few fused kernels (CPU flash
-        # attention) and says so; the result is exact and nothing is actionable.
-        warnings.filterwarnings(
-            "ignore", message="There is a performance drop", category=UserWarning
-        )
-        return per_example(params, inputs, grads)
+    if unit.vmap_ok is not False:
+        per_example = torch.func.vmap(torch.func.grad(contracted), in_dims=(None, 0, 0))
+        try:
+            with warnings.catch_warnings():
+                # vmap falls back to a loop for a few fused kernels (CPU flash
+                # attention) and says so; the result is exact, nothing is actionable.
+                warnings.filterwarnings(
+                    "ignore", message="There is a performance drop", category=UserWarning
+                )
+                result = per_example(params, inputs, grads)
+        except Exception as exc:  # any failure to trace: loop instead
+            if unit.vmap_ok:
+                raise
+            unit.vmap_ok = False
+            logger.info(
+                "HookGradientComputer: torch.func.vmap cannot trace %r (%s: %s); its "
+                "per-example gradients come from one autograd.grad per example",
+                unit.name,
+                type(exc).__name__,
+                str(exc).strip().splitlines()[0][:160] if str(exc).strip() else "",
+            )
+        else:
+            unit.vmap_ok = True
+            return result
+    return _looped_grads(contracted, params, inputs, grads, batch_size)
+
+
+def _looped_grads(
+    contracted: Callable[[dict[str, Tensor], Sequence[Tensor], Sequence[Tensor]], Tensor],
+    params: dict[str, Tensor],
+    inputs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    batch_size: int,
+) -> dict[str, Tensor]:
+    """``{name: [B, *shape]}``: one ``autograd.grad`` of the contracted output per example."""
+    rows: dict[str, list[Tensor]] = {k: [] for k in params}
+    for b in range(batch_size):
+        leaves = {k: p.detach().requires_grad_(True) for k, p in params.items()}
+        with torch.enable_grad():
+            value = contracted(leaves, [x[b] for x in inputs], [g[b] for g in grads])
+            got = torch.autograd.grad(
+                value, list(leaves.values()), allow_unused=True, materialize_grads=True
+            )
+        for k, g in zip(leaves, got):
+            rows[k].append(g)
+    return {k: torch.stack(v) for k, v in rows.items()}

@@ -6,8 +6,9 @@ One file per layer family, each registering its rules in the tables of
 scatter for Embedding, ``sum_t g_t * x_hat_t`` for LayerNorm (Goodfellow,
 "Efficient per-example gradient computations", 2015), ``sum_t g_t * n(x_t)``
 for RMSNorm. Importing this package registers them all; rules for optional
-packages' layer types (Hugging Face's ``Conv1D`` and RMSNorm classes, in
-``hf.py``) are registered by :func:`register_optional_rules`.
+packages' layer types (Hugging Face's ``Conv1D`` and RMSNorm classes, and
+its mixture-of-experts containers, hooked whole, in ``hf.py``) are
+registered by :func:`register_optional_rules`.
 """
 
 import sys
@@ -19,6 +20,7 @@ from gradsketch.attribution._layers._registry import (
     GRAD_SAMPLERS,
     LAYER_FACTORS,
     ROW_SPARSE_SAMPLERS,
+    WHOLE_MODULES,
     GradSampler,
     HookComputationError,
     LayerFactors,
@@ -26,6 +28,7 @@ from gradsketch.attribution._layers._registry import (
     register_grad_sampler,
     register_layer_factors,
     register_row_sparse_sampler,
+    register_whole_module,
 )
 
 
@@ -34,8 +37,8 @@ def register_optional_rules(model: nn.Module) -> None:
 
     Hugging Face layer types are only importable with transformers, and a
     model holding them has imported it: the rules load then, never at
-    gradsketch's import. The model's RMSNorm classes are registered by
-    :func:`gradsketch.attribution._layers.hf.register_model_types`.
+    gradsketch's import. The model's RMSNorm and experts classes are registered
+    by :func:`gradsketch.attribution._layers.hf.register_model_types`.
     """
     if "transformers" in sys.modules:
         from gradsketch.attribution._layers import hf
@@ -48,6 +51,7 @@ __all__ = [
     "GRAD_SAMPLERS",
     "LAYER_FACTORS",
     "ROW_SPARSE_SAMPLERS",
+    "WHOLE_MODULES",
     "GradSampler",
     "HookComputationError",
     "LayerFactors",
@@ -55,6 +59,7 @@ __all__ = [
     "register_grad_sampler",
     "register_layer_factors",
     "register_row_sparse_sampler",
+    "register_whole_module",
     "conv",
     "embedding",
     "linear",

@@ -32,6 +32,12 @@ GRAD_SAMPLERS: dict[type[nn.Module], GradSampler] = {}
 LAYER_FACTORS: dict[type[nn.Module], LayerFactors] = {}
 #: Row-sparse per-example gradients (embeddings), sketched without densifying.
 ROW_SPARSE_SAMPLERS: dict[type[nn.Module], RowSparseSampler] = {}
+#: Modules hooked as a whole, their children never on their own: the experts of
+#: a mixture-of-experts layer, whose children each see a data-dependent subset
+#: of the tokens (gathered by the router), so only the container sees every
+#: example's rows. Their parameters' per-example gradients come from
+#: ``torch.func`` (or a loop over the examples) on the container's inputs.
+WHOLE_MODULES: set[type[nn.Module]] = set()
 
 
 class HookComputationError(GradsketchError, RuntimeError):
@@ -81,3 +87,26 @@ def register_row_sparse_sampler(
 ) -> Callable[[RowSparseSampler], RowSparseSampler]:
     """Decorator: ``fn(module, inputs, grad_output)`` gives row-sparse per-example gradients."""
     return _register(ROW_SPARSE_SAMPLERS, module_types)
+
+
+def register_whole_module(*module_types: type[nn.Module]) -> None:
+    """Hook modules of these types as a whole (see :data:`WHOLE_MODULES`).
+
+    Use it for a mixture-of-experts container of your own whose experts are
+    called on the tokens the router picked: hooks on the experts would see
+    rows they cannot attribute to examples (a gathered subset of the tokens
+    is only told apart from a batch by its size).
+
+    Example:
+        >>> import torch
+        >>> class MyExperts(torch.nn.ModuleList):
+        ...     def forward(self, x, expert_index): ...
+        >>> register_whole_module(MyExperts)
+        >>> MyExperts in WHOLE_MODULES
+        True
+        >>> WHOLE_MODULES.discard(MyExperts)
+    """
+    for t in module_types:
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(f"`module_types` must be nn.Module subclasses, got {t!r}.")
+    WHOLE_MODULES.update(module_types)

@@ -74,10 +74,30 @@ class AbstractGradientComputer(ABC):
         return projector.project(self.compute_per_sample_grad(batch), model_id=model_id)
 
 
-def _is_vmap_trace_failure(exc: RuntimeError) -> bool:
-    """Whether ``exc`` is vmap refusing the model's code (not an error in the inputs)."""
-    text = str(exc)
-    return text.startswith("vmap") or "data-dependent" in text or "Batching rule" in text
+def _is_vmap_trace_failure(exc: BaseException) -> bool:
+    """Whether an error raised while ``vmap`` traced the model should hand it to the hooks.
+
+    Any :class:`Exception` does: ``vmap`` refuses models in many ways
+    (data-dependent control flow, ``autograd.Function`` without
+    ``setup_context`` as BLOOM's fused GELU, kernels without a batching
+    rule, ``.item()``), and not all of them say "vmap". An error in the
+    inputs themselves then surfaces from the hooks, which run the model as
+    it is. Interrupts and exits (not :class:`Exception`) are never caught.
+
+    Example:
+        >>> _is_vmap_trace_failure(RuntimeError("must override the setup_context staticmethod"))
+        True
+        >>> _is_vmap_trace_failure(KeyboardInterrupt())
+        False
+    """
+    return isinstance(exc, Exception)
+
+
+def _first_line(exc: BaseException) -> str:
+    """``"RuntimeError: <first line, at most 200 characters>"``."""
+    text = str(exc).strip()
+    line = text.splitlines()[0][:200] if text else ""
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 def resolve_grad_wrt(names: Sequence[str], grad_wrt: Iterable[str] | None) -> list[str] | None:
@@ -118,11 +138,13 @@ class FunctionalGradientComputer(AbstractGradientComputer):
 
     Some models cannot be traced by ``vmap``: Hugging Face transformers
     decide how to build the attention mask from its values (data-dependent
-    control flow). Then, on the first batch, the computation moves to a
-    :class:`~gradsketch.attribution.HookGradientComputer` on the same model
-    (same per-example gradients, exactly), and the reason is logged; when
-    the task has no batched output for hooks, :class:`VmapTraceError` says
-    what to do instead.
+    control flow), BLOOM's GELU is an ``autograd.Function`` that functorch
+    cannot transform, mixture-of-experts layers pick their tokens by value.
+    Whatever ``vmap`` raises on the first batch, the computation then moves
+    to a :class:`~gradsketch.attribution.HookGradientComputer` on the same
+    model (same per-example gradients, exactly), and the reason is logged
+    once; when the task has no batched output for hooks,
+    :class:`VmapTraceError` says what to do instead.
 
     Args:
         model: the model (put it in eval mode for deterministic outputs).
@@ -196,10 +218,10 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         fn = self._per_sample_fn(len(batch))
         try:
             return fn(self.func_weights, self.func_buffers, *batch)
-        except RuntimeError as exc:
+        except BaseException as exc:
             if not _is_vmap_trace_failure(exc):
                 raise
-            reason = str(exc).strip().splitlines()[0][:200]
+            reason = _first_line(exc)
         return self._route_to_hooks(reason).compute_per_sample_grad(batch)
 
     def project(self, batch: Sequence[Tensor], projector: Any, model_id: int | None) -> Tensor:
@@ -219,9 +241,10 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         except ValueError:
             raise VmapTraceError(
                 f"torch.func.vmap cannot trace {model_type} ({reason}), so "
-                "FunctionalGradientComputer cannot give its per-example gradients; Hugging Face "
-                "models build their attention masks with data-dependent control flow. Use "
-                "HookGradientComputer (TRAKer(..., gradient_computer=HookGradientComputer)); "
+                "FunctionalGradientComputer cannot give its per-example gradients (Hugging Face "
+                "models build their attention masks with data-dependent control flow, among "
+                "other things vmap refuses). Use HookGradientComputer "
+                "(TRAKer(..., gradient_computer=HookGradientComputer)); "
                 f"it needs a batched output for the task {type(self.modelout_fn).__name__}: "
                 "give it a method `get_batch_output(model, *batch) -> [B]` or register one "
                 "with @register_batch_output."
@@ -233,7 +256,7 @@ class FunctionalGradientComputer(AbstractGradientComputer):
             model_type,
             reason,
         )
-        self.hooks = HookGradientComputer(
+        hooks = HookGradientComputer(
             self.model,
             self.modelout_fn,
             self.grad_dim,
@@ -241,7 +264,10 @@ class FunctionalGradientComputer(AbstractGradientComputer):
             self.device,
             grad_wrt=self.grad_wrt,
         )
-        return self.hooks
+        # Its errors then point elsewhere than back to this computer.
+        hooks.vmap_failure = reason
+        self.hooks = hooks
+        return hooks
 
     def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
         """``[batch, 1]`` out-to-loss terms from the task."""

@@ -1,4 +1,4 @@
-"""The factored layers of a model, and one hooked pass capturing their inputs and output grads.
+"""The factored layers of a model, and one hooked pass capturing their inputs and output gradients.
 
 For every module with a layer-factor rule (:func:`register_layer_factors`:
 Linear, Conv2d, Hugging Face ``Conv1D``) :func:`capture_layers` runs one
@@ -7,20 +7,47 @@ per layer, the inputs ``a [B, T, d_in]`` and output gradients
 ``g [B, T, d_out]`` whose products ``sum_t g_t a_tᵀ`` are the per-example
 weight gradients. K-FAC / EK-FAC fit their factors from them and the
 Kronecker featurizer stores ``vec(sum_t g_t a_tᵀ)``.
+
+A layer's rows are split by example as the layer hooks split them (see
+:mod:`gradsketch.attribution._layers._rows`): the batch on dim 0, or the
+batch flattened with one of its lengths (OPT's ``fc1`` / ``fc2`` see
+``[B * T, d]``), which is read back as ``[B, T, d]``. Layers inside a
+mixture-of-experts container (a module of
+:data:`~gradsketch.attribution._layers.WHOLE_MODULES`) see the tokens the
+router picked, a data-dependent subset that no shape assigns to examples:
+the container's inputs and output gradients are captured instead, and the
+container runs again on each example's rows alone, where the layer's rows
+are that example's. Their ``a`` and ``g`` are ``[B, R, d]`` with ``R`` the
+most rows any example routed to the layer in the batch, zero rows padding
+the others (zero rows add nothing to ``sum_t g_t a_tᵀ``; they count in the
+mean over tokens of ``A``, as padded tokens do).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from gradsketch.attribution._layers import LAYER_FACTORS, register_optional_rules
+from gradsketch.attribution._layers import (
+    LAYER_FACTORS,
+    WHOLE_MODULES,
+    HookComputationError,
+    register_optional_rules,
+)
+from gradsketch.attribution._layers._rows import (
+    RowLayout,
+    batch_lengths,
+    by_example,
+    leaf_rows,
+    unflatten,
+)
 
 __all__ = ["FactoredLayer", "capture_layers", "find_layers"]
 
@@ -29,7 +56,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class FactoredLayer:
-    """A factored layer: its module, parameters and (projected) gradient shape."""
+    """A factored layer: its module, parameters and (projected) gradient shape.
+
+    ``container`` names the mixture-of-experts container the layer sits in
+    (its rows are a routed subset of the tokens), or is ``None``.
+    """
 
     name: str
     module: nn.Module
@@ -39,6 +70,7 @@ class FactoredLayer:
     k_in: int  # stored input side (d_in without projection)
     k_out: int
     offset: int = 0
+    container: str | None = None
 
     @property
     def width(self) -> int:
@@ -57,14 +89,27 @@ def _layer_dims(module: nn.Module) -> tuple[int, int]:
     return int(weight.shape[0]), int(weight.shape[1])  # Conv1D: [d_in, d_out]
 
 
+def _containers(model: nn.Module) -> dict[str, str]:
+    """Module name -> the outermost :data:`WHOLE_MODULES` container strictly above it."""
+    inside: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if type(module) not in WHOLE_MODULES or name in inside:
+            continue
+        for sub, _ in module.named_modules():
+            if sub:
+                inside.setdefault(f"{name}.{sub}" if name else sub, name)
+    return inside
+
+
 def find_layers(
     model: nn.Module,
     grad_wrt: Sequence[str] | None,
     projection: tuple[int, int] | None,
 ) -> list[FactoredLayer]:
     """The modules with a layer-factor rule whose weight is differentiated, in model order."""
-    register_optional_rules(model)  # Hugging Face's Conv1D, once transformers is loaded
+    register_optional_rules(model)  # Hugging Face's Conv1D and experts, once transformers is loaded
     wanted = None if grad_wrt is None else set(grad_wrt)
+    inside = _containers(model)
     layers: list[FactoredLayer] = []
     offset = 0
     for name, module in model.named_modules():
@@ -82,7 +127,16 @@ def find_layers(
         d_in, d_out = _layer_dims(module)
         d_in += int(bias)
         k_in, k_out = (d_in, d_out) if projection is None else projection
-        layer = FactoredLayer(name, module, bias, d_in, d_out, min(k_in, d_in), min(k_out, d_out))
+        layer = FactoredLayer(
+            name,
+            module,
+            bias,
+            d_in,
+            d_out,
+            min(k_in, d_in),
+            min(k_out, d_out),
+            container=inside.get(name),
+        )
         layer.offset = offset
         offset += layer.width
         layers.append(layer)
@@ -94,6 +148,63 @@ def find_layers(
             "@register_layer_factors, or use bayesian_influence."
         )
     return layers
+
+
+# -- one hooked pass ---------------------------------------------------------------
+@dataclass
+class _Seen:
+    """One call of a hooked module: inputs, rows, output edges and (later) output gradients."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rows: dict[int, int]
+    outputs: list[Tensor] = field(default_factory=list)
+    edges: list[GradientEdge] = field(default_factory=list)
+    grads: list[Tensor | None] = field(default_factory=list)
+    sampled: list[Tensor | None] = field(default_factory=list)
+
+
+class _Router:
+    """Routes module outputs through a node of their own and records the calls."""
+
+    def __init__(self) -> None:
+        self.dummy: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def route(self, output: Any, seen: _Seen, *, separate: bool) -> Any:
+        def one(t: Any) -> Any:
+            if not (isinstance(t, Tensor) and t.is_floating_point()):
+                return t
+            routed = t
+            if separate or not t.requires_grad:
+                # A zero that requires grad gives a frozen output a gradient edge
+                # and each of several outputs a node of its own.
+                key = (t.dtype, t.device)
+                if key not in self.dummy:
+                    self.dummy[key] = torch.zeros(
+                        (), dtype=t.dtype, device=t.device, requires_grad=True
+                    )
+                routed = t + self.dummy[key]
+            # The edge is taken now, before a caller's in-place op changes the value.
+            seen.outputs.append(t.detach())
+            seen.edges.append(get_gradient_edge(routed))
+            return routed
+
+        return tree_map(one, output)
+
+
+def _unmapped_error(model: nn.Module, name: str, shape: tuple[int, ...], layout: RowLayout) -> str:
+    from gradsketch.attribution._hook_computer import model_family
+
+    return (
+        f"layer {name!r} of {model_family(model)} returned shape {shape} for a batch of "
+        f"{layout.batch_size}: its rows are neither the batch (dim 0) nor the batch flattened "
+        f"with one of its lengths {sorted(layout.lengths)}, so they cannot be assigned to "
+        "examples (a data-dependent subset of the tokens, as the experts of a mixture of "
+        "experts see, or a computation shared by every example). Leave its parameters out of "
+        "`grad_wrt`; if it is an expert, register its container type with "
+        "gradsketch.attribution._layers.register_whole_module; or use method='trak' with "
+        "HookGradientComputer, which hands such modules to the module that encloses them."
+    )
 
 
 def capture_layers(
@@ -113,36 +224,48 @@ def capture_layers(
         ``{layer name: (a [B, T, d_in], g [B, T, d_out], g_sampled or None)}``
         (inputs detached; a layer called twice has its calls' positions
         concatenated) and the root module's (detached) output.
-    """
-    calls: dict[str, list[tuple[tuple[Any, ...], Any, Tensor]]] = {x.name: [] for x in layers}
-    root: list[Any] = []
-    dummy: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
-    def make_hook(layer: FactoredLayer) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            if not isinstance(output, Tensor):
+    Raises:
+        HookComputationError: a layer's rows cannot be assigned to examples
+            (the message names the model, the layer and what to do instead).
+    """
+    batch_size = int(batch[0].shape[0])
+    layout = RowLayout(batch_size, batch_lengths(batch, batch_size))
+    direct = [x for x in layers if x.container is None]
+    groups: dict[str, list[FactoredLayer]] = {}
+    for x in layers:
+        if x.container is not None:
+            groups.setdefault(x.container, []).append(x)
+    seen: dict[str, list[_Seen]] = {name: [] for name in [x.name for x in direct] + list(groups)}
+    router = _Router()
+    root: list[Any] = []
+
+    def make_hook(name: str, single: bool) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+            if single and not isinstance(out, Tensor):
                 raise TypeError(
-                    f"layer {layer.name!r} ({type(module).__name__}) returned "
-                    f"{type(output).__name__}; factored layers must return one tensor."
+                    f"layer {name!r} ({type(module).__name__}) returned "
+                    f"{type(out).__name__}; factored layers must return one tensor."
                 )
-            routed = output
-            if not output.requires_grad:
-                # Frozen weights and inputs so far: a zero that requires grad
-                # gives the output a gradient edge.
-                key = (output.dtype, output.device)
-                if key not in dummy:
-                    dummy[key] = torch.zeros(
-                        (), dtype=output.dtype, device=output.device, requires_grad=True
-                    )
-                routed = output + dummy[key]
-            args_d = tuple(t.detach() if isinstance(t, Tensor) else t for t in args)
-            # The edge is taken now, before a caller's in-place op changes the value.
-            calls[layer.name].append((args_d, get_gradient_edge(routed), output.detach()))
-            return routed if routed is not output else None
+            rows = layout.call_rows((args, kwargs), out)
+            if rows is None:
+                raise HookComputationError(_unmapped_error(model, name, _shape(out), layout))
+            call = _Seen(_detach(args), _detach(kwargs), rows)
+            floating = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+            routed = router.route(out, call, separate=len(floating) > 1)
+            seen[name].append(call)
+            return routed
 
         return hook
 
-    handles = [x.module.register_forward_hook(make_hook(x)) for x in layers]
+    modules = dict(model.named_modules())
+    handles = [
+        x.module.register_forward_hook(make_hook(x.name, True), with_kwargs=True) for x in direct
+    ]
+    handles += [
+        modules[name].register_forward_hook(make_hook(name, False), with_kwargs=True)
+        for name in groups
+    ]
     handles.append(
         model.register_forward_hook(
             lambda m, args, out: root.append(
@@ -153,12 +276,12 @@ def capture_layers(
     try:
         with torch.enable_grad():
             outputs = batch_output(model, *batch)
-            flat = [(x.name, i) for x in layers for i in range(len(calls[x.name]))]
-            edges = [calls[n][i][1] for n, i in flat]
+            calls = [c for name in seen for c in seen[name]]
+            edges = [e for c in calls for e in c.edges]
             grads = torch.autograd.grad(
                 outputs.sum(), edges, allow_unused=True, retain_graph=sampled_loss is not None
             )
-            sampled: Sequence[Tensor | None] = [None] * len(flat)
+            sampled: Sequence[Tensor | None] = [None] * len(edges)
             if sampled_loss is not None:
                 if len(root) != 1:
                     raise RuntimeError(
@@ -169,31 +292,218 @@ def capture_layers(
     finally:
         for h in handles:
             h.remove()
-    by_call = dict(zip(flat, grads))
-    by_call_sampled = dict(zip(flat, sampled))
+    it = iter(zip(grads, sampled))
+    for c in calls:
+        for _ in c.edges:
+            g, gs = next(it)
+            c.grads.append(g)
+            c.sampled.append(gs)
+        c.edges.clear()
     result: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
-    for layer in layers:
-        rule = LAYER_FACTORS[type(layer.module)]
-        parts_a, parts_g, parts_s = [], [], []
-        for i, (args, _, out) in enumerate(calls[layer.name]):
-            g = by_call[(layer.name, i)]
-            a3, g3 = rule(layer.module, args, torch.zeros_like(out) if g is None else g)
-            parts_a.append(a3.detach())
-            parts_g.append(g3.detach())
-            if sampled_loss is not None:
-                gs = by_call_sampled[(layer.name, i)]
-                _, gs3 = rule(layer.module, args, torch.zeros_like(out) if gs is None else gs)
-                parts_s.append(gs3.detach())
-        if not parts_a:
-            raise RuntimeError(
-                f"layer {layer.name!r} was not called in the forward; influence needs every "
-                "factored layer to run. Pass grad_wrt without its parameters."
-            )
-        result[layer.name] = (
-            torch.cat(parts_a, 1),
-            torch.cat(parts_g, 1),
-            torch.cat(parts_s, 1) if parts_s else None,
+    with_sampled = sampled_loss is not None
+    for layer in direct:
+        result[layer.name] = _direct_parts(layer, seen[layer.name], batch_size, with_sampled)
+    for name, inner in groups.items():
+        result.update(
+            _container_parts(modules[name], name, inner, seen[name], batch_size, with_sampled)
         )
     if len(root) != 1:
         return result, None
     return result, (root[0].detach() if isinstance(root[0], Tensor) else root[0])
+
+
+def _direct_parts(
+    layer: FactoredLayer, calls: Sequence[_Seen], batch_size: int, with_sampled: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(a, g, g_sampled)`` of a layer hooked on its own, its calls' positions concatenated."""
+    if not calls:
+        raise RuntimeError(
+            f"layer {layer.name!r} was not called in the forward; influence needs every "
+            "factored layer to run. Pass grad_wrt without its parameters."
+        )
+    rule = LAYER_FACTORS[type(layer.module)]
+    parts_a, parts_g, parts_s = [], [], []
+    for call in calls:
+        args = tuple(unflatten(t, batch_size, call.rows) for t in call.args)
+
+        def grad_of(g: Tensor | None, call: _Seen = call) -> Tensor:
+            full = torch.zeros_like(call.outputs[0]) if g is None else g
+            return unflatten(full, batch_size, call.rows)
+
+        a3, g3 = rule(layer.module, args, grad_of(call.grads[0]))
+        parts_a.append(a3.detach())
+        parts_g.append(g3.detach())
+        if with_sampled:
+            parts_s.append(rule(layer.module, args, grad_of(call.sampled[0]))[1].detach())
+    return (
+        torch.cat(parts_a, 1),
+        torch.cat(parts_g, 1),
+        torch.cat(parts_s, 1) if parts_s else None,
+    )
+
+
+def _container_parts(
+    container: nn.Module,
+    container_name: str,
+    layers: Sequence[FactoredLayer],
+    calls: Sequence[_Seen],
+    batch_size: int,
+    with_sampled: bool,
+) -> dict[str, tuple[Tensor, Tensor, Tensor | None]]:
+    """``(a, g, g_sampled)`` of the layers inside a mixture-of-experts container.
+
+    The container runs again on each example's rows (its inputs as captured,
+    sliced by example), with hooks on its factored layers; one backward of
+    ``<container(x_b), g_b>`` gives the layers' output gradients for that
+    example alone. Rows are padded with zeros to the most any example has.
+    """
+    per_example: dict[str, list[list[tuple[Tensor, Tensor, Tensor | None]]]] = {
+        x.name: [[] for _ in range(batch_size)] for x in layers
+    }
+    for call in calls:
+        leaves, spec = tree_flatten((call.args, call.kwargs))
+        split = [leaf_rows(t, call.rows) for t in leaves]
+        views = [t if r is None else by_example(t, batch_size, r) for t, r in zip(leaves, split)]
+        outs = _by_example_grads(call.grads, call, batch_size)
+        outs_s = _by_example_grads(call.sampled, call, batch_size)
+        for b in range(batch_size):
+            inputs = [v[b] if r is not None else v for v, r in zip(views, split)]
+            args, kwargs = tree_unflatten(inputs, spec)
+            found = _rerun(
+                container,
+                layers,
+                args,
+                kwargs,
+                [g[b] for g in outs],
+                [g[b] for g in outs_s] if with_sampled else None,
+            )
+            for name, parts in found.items():
+                per_example[name][b].extend(parts)
+    return {x.name: _padded(per_example[x.name], x, with_sampled, container_name) for x in layers}
+
+
+def _by_example_grads(grads: Sequence[Tensor | None], call: _Seen, batch_size: int) -> list[Tensor]:
+    """A call's output gradients as ``[B, rows, ...]`` (zeros where an output was unused)."""
+    return [
+        by_example(torch.zeros_like(t) if g is None else g, batch_size, call.rows[t.shape[0]])
+        for g, t in zip(grads, call.outputs)
+    ]
+
+
+def _rerun(
+    container: nn.Module,
+    layers: Sequence[FactoredLayer],
+    args: Any,
+    kwargs: Any,
+    grads: Sequence[Tensor],
+    sampled: Sequence[Tensor] | None,
+) -> dict[str, list[tuple[Tensor, Tensor, Tensor | None]]]:
+    """The container on one example's rows; each inner layer call's ``(a, g, g_sampled)``."""
+    router = _Router()
+    seen: dict[str, list[_Seen]] = {x.name: [] for x in layers}
+
+    def make_hook(name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
+            call = _Seen(_detach(a), {}, {})
+            seen[name].append(call)
+            return router.route(out, call, separate=False)
+
+        return hook
+
+    handles = [x.module.register_forward_hook(make_hook(x.name)) for x in layers]
+    try:
+        with torch.enable_grad():
+            out = container(*args, **kwargs)
+            floating = [
+                t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.is_floating_point()
+            ]
+            edges = [c.edges[0] for name in seen for c in seen[name]]
+            if not edges:
+                return {}
+            got = torch.autograd.grad(
+                _contract(floating, grads),
+                edges,
+                allow_unused=True,
+                retain_graph=sampled is not None,
+            )
+            got_s: Sequence[Tensor | None] = [None] * len(edges)
+            if sampled is not None:
+                got_s = torch.autograd.grad(_contract(floating, sampled), edges, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    found: dict[str, list[tuple[Tensor, Tensor, Tensor | None]]] = {}
+    it = iter(zip(got, got_s))
+    for x in layers:
+        rule = LAYER_FACTORS[type(x.module)]
+        for call in seen[x.name]:
+            g, gs = next(it)
+            # One example's rows of a routed subset: a batch of one with those rows.
+            a1 = tuple(t.unsqueeze(0) if isinstance(t, Tensor) else t for t in call.args)
+
+            def one(g: Tensor | None, call: _Seen = call) -> Tensor:
+                return (torch.zeros_like(call.outputs[0]) if g is None else g).unsqueeze(0)
+
+            a3, g3 = rule(x.module, a1, one(g))
+            gs3 = rule(x.module, a1, one(gs))[1] if sampled is not None else None
+            found.setdefault(x.name, []).append(
+                (a3[0].detach(), g3[0].detach(), None if gs3 is None else gs3[0].detach())
+            )
+    return found
+
+
+def _contract(outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> Tensor:
+    """``sum_i <outputs_i, grads_i>``: its gradient at any earlier value is the chain rule's."""
+    total = outputs[0].new_zeros(())
+    for o, g in zip(outputs, grads):
+        total = total + (o * g).sum()
+    return total
+
+
+def _padded(
+    rows: Sequence[Sequence[tuple[Tensor, Tensor, Tensor | None]]],
+    layer: FactoredLayer,
+    with_sampled: bool,
+    container: str,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Per-example row lists -> ``[B, R, d]`` tensors, zero rows after each example's own."""
+    d_in = layer.d_in - int(layer.bias)
+    ref = next((parts[0][0] for parts in rows if parts), None)
+    if ref is None:
+        logger.debug("influence: layer %r of %r saw no token in this batch", layer.name, container)
+        weight = layer.module.weight
+        assert isinstance(weight, Tensor)
+        empty = weight.new_zeros(len(rows), 0, d_in), weight.new_zeros(len(rows), 0, layer.d_out)
+        return empty[0], empty[1], (empty[1] if with_sampled else None)
+
+    def joined(parts: Sequence[tuple[Tensor, Tensor, Tensor | None]], i: int) -> Tensor | None:
+        pieces = [p[i] for p in parts]
+        if not pieces or any(t is None for t in pieces):
+            return None
+        return torch.cat([t for t in pieces if t is not None], 0)
+
+    cat = [tuple(joined(parts, i) for i in range(3)) for parts in rows]
+    most = max(c[0].shape[0] for c in cat if c[0] is not None)
+
+    def stack(i: int, width: int, like: Tensor) -> Tensor:
+        out = like.new_zeros(len(rows), most, width)
+        for b, c in enumerate(cat):
+            t = c[i]
+            if t is not None:
+                out[b, : t.shape[0]] = t
+        return out
+
+    g_like = next(c[1] for c in cat if c[1] is not None)
+    a = stack(0, d_in, ref)
+    g = stack(1, layer.d_out, g_like)
+    gs = stack(2, layer.d_out, g_like) if with_sampled else None
+    return a, g, gs
+
+
+def _detach(value: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+def _shape(out: Any) -> tuple[int, ...]:
+    first = next((t for t in tree_flatten(out)[0] if isinstance(t, Tensor)), None)
+    return () if first is None else tuple(first.shape)

@@ -12,7 +12,9 @@ Two registries keyed by task class, read by
   the LM demo. TRAK's summed log-odds with a mean ``Q`` (see
   :mod:`gradsketch.attribution._lm`) is exact only when the tokens' ``1 - p_t``
   agree; curvature-weighted scores should not inherit that approximation.
-  Tasks without an entry (classification: margin, ``Q = 1 - p_y``, exact for
+  ``"seq2seq_lm"``'s TRAK output is already the targets' summed
+  log-likelihood with ``Q = 1``, and influence uses it as it is. Tasks
+  without an entry (classification: margin, ``Q = 1 - p_y``, exact for
   cross-entropy) keep their TRAK output.
 * :data:`SAMPLED_LOSSES` gives a task's training loss with its labels
   replaced by labels drawn from the model's own predictive distribution (one
@@ -45,6 +47,7 @@ from gradsketch._hash import hash_indices
 from gradsketch.attribution._lm import (
     IGNORE_INDEX,
     LanguageModelingModelOutput,
+    Seq2SeqLMModelOutput,
     SequenceClassificationModelOutput,
     _call_model,
     _upcast_half,
@@ -194,3 +197,24 @@ def language_modeling_log_likelihood(
     logp = torch.log_softmax(z, dim=-1)
     picked = logp.gather(-1, target.masked_fill(~valid, 0).long().unsqueeze(-1)).squeeze(-1)
     return (picked * valid.to(picked.dtype)).sum(1)
+
+
+@register_sampled_loss(Seq2SeqLMModelOutput)
+def seq2seq_sampled_loss(task: Any, output: Any, batch: Sequence[Tensor], draw: Draw) -> Tensor:
+    """``[B]`` summed cross-entropy of the decoder's logits against tokens drawn at every target.
+
+    The decoder read the true targets (teacher forcing, as in training);
+    only the labels its logits are scored against are drawn.
+    """
+    z = _upcast_half(_logits(output))
+    valid = batch[2] != IGNORE_INDEX
+    if len(batch) > 4:
+        valid = valid & (batch[4] != 0)
+    nll = F.cross_entropy(z.transpose(1, 2), draw(z), reduction="none")
+    return (nll * valid.to(nll.dtype)).sum(1)
+
+
+@register_influence_output(Seq2SeqLMModelOutput, out_to_loss=_ones_out_to_loss)
+def seq2seq_log_likelihood(model: nn.Module, *batch: Tensor) -> Tensor:
+    """``[B]`` summed log-likelihood ``Σ_t log p(y_t | x, y_<t)`` of the target tokens."""
+    return Seq2SeqLMModelOutput.get_batch_output(model, *batch)

@@ -27,6 +27,11 @@ exchangeable. Because ``f`` is a sum over tokens, a query's feature is the
 sum of its tokens' features, and per-token scores (``per_token=True`` in
 :meth:`TRAKer.start_scoring_checkpoint`) add up over the tokens to the
 query's score.
+
+**Sequence-to-sequence LM** (``"seq2seq_lm"``: T5, BART, ...). The output is
+the summed log-likelihood of the target tokens, ``f = Σ_t log p(y_t | x,
+y_<t)`` over ``labels != -100`` (the decoder's logits at ``t`` predict
+``labels[:, t]``, no shift), and the training loss is ``-f``, so ``Q = 1``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from gradsketch.attribution._modelout import (
     AbstractModelOutput,
     TextClassificationModelOutput,
     _one_minus_p,
+    model_logits,
     register_loss_grad_from_output,
     register_task,
 )
@@ -92,19 +98,29 @@ def _accepted(model: nn.Module, key: str) -> bool:
 def _call_model(
     model: nn.Module,
     params: tuple[dict[str, Tensor], dict[str, Tensor]] | None,
-    kwargs: dict[str, Tensor],
+    kwargs: Mapping[str, Tensor | None],
 ) -> Tensor:
-    """Logits of ``model(**kwargs)``, without a KV cache, through ``functional_call`` if given."""
+    """Logits of ``model(**kwargs)``, without a KV cache, through ``functional_call`` if given.
+
+    ``None`` values are left out (the model's defaults apply).
+    """
     kw: dict[str, Any] = {
-        k: v for k, v in kwargs.items() if k == "input_ids" or _accepted(model, k)
+        k: v
+        for k, v in kwargs.items()
+        if v is not None and (k == "input_ids" or _accepted(model, k))
     }
-    if "use_cache" in _forward_params(type(_wrapped(model)))[0]:
+    target = _wrapped(model)
+    names, var_kw = _forward_params(type(target))
+    # A KV cache holds the batch's keys: a module run again on one example (the
+    # hooks' per-example fallback) would append to it. Models that take
+    # `use_cache` through **kwargs (SwitchTransformers) get it too.
+    if "use_cache" in names or (var_kw and hasattr(getattr(target, "config", None), "use_cache")):
         kw["use_cache"] = False
     if params is None:
         out = model(**kw)
     else:
         out = torch.func.functional_call(model, params, args=(), kwargs=kw)
-    return out.logits if hasattr(out, "logits") else out
+    return model_logits(out)
 
 
 def _get(batch: Mapping[str, Any], key: str) -> Tensor | None:
@@ -247,6 +263,11 @@ class LanguageModelingModelOutput(AbstractModelOutput):
         return ids, mask, labels
 
     @staticmethod
+    def per_token_length(batch: Sequence[Tensor]) -> int:
+        """Tokens per example in per-token rows: the sequence length."""
+        return int(batch[0].shape[1])
+
+    @staticmethod
     def per_token_batch(batch: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """``B * T`` copies of a canonical batch, copy ``(b, t)`` keeping only label ``t``.
 
@@ -323,8 +344,205 @@ def language_modeling_loss_grad(
     task: LanguageModelingModelOutput, output: Any, batch: Sequence[Tensor]
 ) -> Tensor:
     """Out-to-loss terms from the logits of the hooked forward."""
-    logits = output.logits if hasattr(output, "logits") else output
-    return task.out_to_loss_from_logits(logits, batch[2])
+    return task.out_to_loss_from_logits(model_logits(output), batch[2])
+
+
+# -- sequence-to-sequence language modeling ------------------------------------------
+def target_log_likelihood(logits: Tensor, labels: Tensor, selected: Tensor | None = None) -> Tensor:
+    """``[B, T]`` log-probabilities ``log p(y_t)`` of the labels (no shift), 0 where ignored.
+
+    Args:
+        logits: ``[B, T, V]`` decoder logits; ``logits[:, t]`` predicts ``labels[:, t]``.
+        labels: ``[B, T]`` token ids, ``-100`` where not predicted.
+        selected: ``[B, T]`` optional 0/1 mask of the positions to keep (per-token rows).
+
+    Example:
+        >>> target_log_likelihood(torch.zeros(1, 2, 4), torch.tensor([[3, -100]]))
+        tensor([[-1.3863,  0.0000]])
+    """
+    valid = labels != IGNORE_INDEX
+    if selected is not None:
+        valid = valid & (selected != 0)
+    logp = torch.log_softmax(_upcast_half(logits), dim=-1)
+    picked = logp.gather(-1, labels.masked_fill(~valid, 0).long().unsqueeze(-1)).squeeze(-1)
+    return picked.masked_fill(~valid, 0.0)
+
+
+def _decoder_inputs(model: nn.Module, labels: Tensor) -> dict[str, Tensor]:
+    """The decoder's inputs from the labels: the model's own right shift (start token, pad).
+
+    Hugging Face encoder-decoders define ``prepare_decoder_input_ids_from_labels``;
+    a model without it gets ``labels=`` and shifts them itself.
+    """
+    prepare = getattr(_wrapped(model), "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return {"decoder_input_ids": prepare(labels=labels)}
+    return {"labels": labels}
+
+
+@register_task("seq2seq_lm")
+class Seq2SeqLMModelOutput(AbstractModelOutput):
+    """Encoder-decoder LM output: the summed log-likelihood of the target tokens; ``Q = 1``.
+
+    ``f = Σ_t log p(y_t | x, y_<t)`` over the labels that are not ``-100``
+    (module docs). Batches: a dict with ``input_ids`` and ``labels`` and
+    optionally ``attention_mask`` and ``decoder_attention_mask``, or a tuple
+    ``(input_ids, attention_mask, labels[, decoder_attention_mask])``; sources
+    ``[B, S]``, targets ``[B, T]``. A missing ``attention_mask`` is all ones;
+    a missing ``decoder_attention_mask`` is all ones too, which is what T5
+    and BART assume without one (causal attention over the targets). The
+    canonical tuple is ``(input_ids, attention_mask, labels,
+    decoder_attention_mask)``, plus a fifth entry ``target_mask`` ``[B, T]``
+    in per-token rows (:meth:`per_token_batch`), which selects the positions
+    that enter ``f`` while the decoder still reads every label. The decoder's
+    inputs are the labels shifted right by the model
+    (``prepare_decoder_input_ids_from_labels``); the model is called as
+    ``model(input_ids=..., attention_mask=..., decoder_input_ids=...,
+    decoder_attention_mask=...)`` and must return ``[B, T, V]`` logits or an
+    object with ``.logits``.
+
+    Example:
+        >>> batch = Seq2SeqLMModelOutput.as_batch(
+        ...     {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[8, -100]])})
+        >>> [tuple(t.shape) for t in batch]
+        [(1, 3), (1, 3), (1, 2), (1, 2)]
+    """
+
+    #: Columns a ``datasets.Dataset`` may provide (``input_ids`` and ``labels`` required).
+    columns = ("input_ids", "attention_mask", "labels", "decoder_attention_mask")
+    #: Columns a dataset must have.
+    required_columns = ("input_ids", "labels")
+
+    @staticmethod
+    def as_batch(batch: Mapping[str, Any] | Sequence[Any]) -> tuple[Tensor, ...]:
+        """The canonical ``(input_ids, attention_mask, labels, decoder_attention_mask)``."""
+        extra: list[Tensor] = []
+        if isinstance(batch, Mapping):
+            ids = _require_ids(batch, "seq2seq_lm")
+            labels = _get(batch, "labels")
+            if labels is None:
+                raise BatchFormatError(
+                    f"`batch` for seq2seq_lm has no 'labels' (the target token ids); it has keys "
+                    f"{sorted(batch)}. Tokenize the targets with text_target=... ."
+                )
+            mask, dmask = _get(batch, "attention_mask"), _get(batch, "decoder_attention_mask")
+        else:
+            items = list(batch)
+            if not 3 <= len(items) <= 5:
+                raise BatchFormatError(
+                    f"`batch` for seq2seq_lm has {len(items)} entries; expected (input_ids, "
+                    "attention_mask, labels) or (input_ids, attention_mask, labels, "
+                    "decoder_attention_mask), or a dict with those keys."
+                )
+            ids, mask, labels = (torch.as_tensor(t) for t in items[:3])
+            dmask = None if len(items) < 4 else torch.as_tensor(items[3])
+            extra = [torch.as_tensor(t) for t in items[4:]]
+        if ids.dim() != 2 or labels.dim() != 2 or labels.shape[0] != ids.shape[0]:
+            raise BatchFormatError(
+                f"`input_ids` must be [batch, source_len] and `labels` [batch, target_len], got "
+                f"shapes {tuple(ids.shape)} and {tuple(labels.shape)}."
+            )
+        mask = torch.ones_like(ids) if mask is None else mask
+        dmask = torch.ones_like(labels) if dmask is None else dmask
+        for name, t, like in (
+            ("attention_mask", mask, ids),
+            ("decoder_attention_mask", dmask, labels),
+            *(("target_mask", t, labels) for t in extra),
+        ):
+            if tuple(t.shape) != tuple(like.shape):
+                raise BatchFormatError(
+                    f"`{name}` has shape {tuple(t.shape)} but must match {tuple(like.shape)}."
+                )
+        return (ids, mask, labels, dmask, *extra)
+
+    @staticmethod
+    def per_token_length(batch: Sequence[Tensor]) -> int:
+        """Tokens per example in per-token rows: the target length."""
+        return int(batch[2].shape[1])
+
+    @staticmethod
+    def per_token_batch(batch: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """``B * T`` copies of a canonical batch, copy ``(b, t)`` selecting target token ``t``.
+
+        Every copy keeps the whole target (the decoder reads it) and adds a
+        ``target_mask`` with a single one at ``t``: the copy's output is
+        ``log p(y_t)`` of example ``b``, so its gradient is that token's.
+
+        Example:
+            >>> ids, labels = torch.tensor([[4, 5]]), torch.tensor([[6, 7, -100]])
+            >>> rows = Seq2SeqLMModelOutput.per_token_batch(
+            ...     (ids, torch.ones_like(ids), labels, torch.ones_like(labels)))
+            >>> rows[4]
+            tensor([[1, 0, 0],
+                    [0, 1, 0],
+                    [0, 0, 1]])
+        """
+        ids, mask, labels, dmask = batch[:4]
+        b, t = labels.shape
+        eye = torch.eye(t, dtype=labels.dtype, device=labels.device)
+        if len(batch) > 4:
+            eye = batch[4].unsqueeze(1) * eye
+        else:
+            eye = eye.expand(b, t, t)
+        return (
+            ids.repeat_interleave(t, dim=0),
+            mask.repeat_interleave(t, dim=0),
+            labels.repeat_interleave(t, dim=0),
+            dmask.repeat_interleave(t, dim=0),
+            eye.reshape(b * t, t),
+        )
+
+    @staticmethod
+    def _log_likelihoods(
+        model: nn.Module,
+        params: tuple[dict[str, Tensor], dict[str, Tensor]] | None,
+        batch: Sequence[Tensor],
+    ) -> Tensor:
+        ids, mask, labels, dmask = batch[:4]
+        kwargs: dict[str, Tensor | None] = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "decoder_attention_mask": dmask,
+            **_decoder_inputs(model, labels),
+        }
+        logits = _call_model(model, params, kwargs)
+        return target_log_likelihood(logits, labels, batch[4] if len(batch) > 4 else None)
+
+    @staticmethod
+    def get_output(
+        model: nn.Module,
+        weights: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        *example: Any,
+    ) -> Tensor:
+        """``Σ_t log p(y_t)`` for one canonical example (no batch axis)."""
+        batch = tuple(t.unsqueeze(0) for t in example)
+        return Seq2SeqLMModelOutput._log_likelihoods(model, (weights, buffers), batch).sum()
+
+    @staticmethod
+    def get_batch_output(model: nn.Module, *batch: Tensor) -> Tensor:
+        """``[B]`` outputs of one batched forward (used by layer hooks)."""
+        return Seq2SeqLMModelOutput._log_likelihoods(model, None, batch).sum(1)
+
+    def get_out_to_loss_grad(
+        self,
+        model: nn.Module,
+        weights: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        batch: Iterable[Tensor],
+    ) -> Tensor:
+        """``[B, 1]`` ones: the training loss is ``-f``."""
+        return _seq2seq_ones(tuple(batch))
+
+
+def _seq2seq_ones(batch: Sequence[Tensor]) -> Tensor:
+    return torch.ones(batch[0].shape[0], 1, dtype=torch.float32, device=batch[0].device)
+
+
+@register_loss_grad_from_output(Seq2SeqLMModelOutput)
+def seq2seq_loss_grad(task: Seq2SeqLMModelOutput, output: Any, batch: Sequence[Tensor]) -> Tensor:
+    """``[B, 1]`` ones (``Q`` does not depend on the model's output)."""
+    return _seq2seq_ones(batch)
 
 
 # -- sequence classification ------------------------------------------------------
@@ -431,5 +649,4 @@ def sequence_classification_loss_grad(
     task: SequenceClassificationModelOutput, output: Any, batch: Sequence[Tensor]
 ) -> Tensor:
     """``1 - p_y`` from the logits of the hooked forward."""
-    logits = output.logits if hasattr(output, "logits") else output
-    return _one_minus_p(logits, batch[-1], task.loss_temperature)
+    return _one_minus_p(model_logits(output), batch[-1], task.loss_temperature)

@@ -18,7 +18,22 @@ from torch.utils.data import DataLoader
 from gradsketch.attribution._lm import IGNORE_INDEX, BatchFormatError
 
 #: Right-padding value of each known column (``labels`` are ignored there).
-PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "token_type_ids": 0, "labels": IGNORE_INDEX}
+PAD_VALUES = {
+    "input_ids": 0,
+    "attention_mask": 0,
+    "token_type_ids": 0,
+    "decoder_attention_mask": 0,
+    "labels": IGNORE_INDEX,
+}
+
+
+def _dict_tasks() -> list[str]:
+    """Registered task names whose class converts dict batches (has ``as_batch``)."""
+    from gradsketch.attribution._modelout import TASK_TO_MODELOUT
+
+    return sorted(
+        n for n, cls in TASK_TO_MODELOUT.items() if callable(getattr(cls, "as_batch", None))
+    )
 
 
 def as_task_batch(task: Any, batch: Any) -> tuple[Tensor, ...]:
@@ -34,7 +49,7 @@ def as_task_batch(task: Any, batch: Any) -> tuple[Tensor, ...]:
         raise BatchFormatError(
             f"`batch` is a mapping with keys {sorted(batch)}, but task "
             f"{type(task).__name__} takes positional tuples; pass a tuple, or use a task "
-            "that reads dicts ('language_modeling', 'text_classification')."
+            f"that reads dicts ({', '.join(repr(n) for n in _dict_tasks())})."
         )
     return tuple(batch)
 
@@ -104,10 +119,12 @@ def as_loader(data: Any, task: Any, batch_size: int) -> Iterable[Any]:
             "`columns` attribute); pass a DataLoader of its tuple batches instead."
         )
     present = [c for c in wanted if c in data.column_names]
-    if "input_ids" in wanted and "input_ids" not in present:
+    needed = [c for c in getattr(task, "required_columns", ("input_ids",)) if c in wanted]
+    missing = [c for c in needed if c not in present]
+    if missing:
         raise BatchFormatError(
             f"the dataset has columns {data.column_names} but task {type(task).__name__} needs "
-            f"'input_ids' (and reads {list(wanted)}); tokenize it first."
+            f"{', '.join(repr(c) for c in missing)} (and reads {list(wanted)}); tokenize it first."
         )
     view = data.select_columns(present).with_format(None)
     return DataLoader(view, batch_size=batch_size, shuffle=False, collate_fn=collate_rows)

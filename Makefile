@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # downloads gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo demo-lm test test-avx2 test-slow test-bench lint bench bench-setup clean
+.PHONY: demo demo-lm test test-avx2 test-slow test-matrix test-bench lint bench bench-setup clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test-avx2: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
+
+# Attribution on every Hugging Face family (tests/attribution/test_families.py);
+# the default run keeps a representative few.
+test-matrix: $(VENV)/.installed
+	$(PY) -m pytest -q -m matrix
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -1074,9 +1074,7 @@ def _fallback_grads(call: _Call, batch_size: int) -> dict[str, Tensor]:
                     "ignore", message="There is a performance drop", category=UserWarning
                 )
                 result = per_example(params, inputs, grads)
-        except Exception as exc:  # any failure to trace: loop instead
-            if unit.vmap_ok:
-                raise
+        except Exception as exc:  # any failure to trace (on any batch): loop instead
             unit.vmap_ok = False
             logger.info(
                 "HookGradientComputer: torch.func.vmap cannot trace %r (%s: %s); its "

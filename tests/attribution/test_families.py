@@ -174,16 +174,30 @@ def test_count_sketch_features_equal_projected_float64_grads(family):
             hooks.remove_hooks()
 
 
-@pytest.mark.parametrize("name", ["vit", "switch"])
-def test_factorized_features_cover_the_patch_conv_and_the_experts(name):
-    """ViT's patch Conv2d sits in a module with parameters of its own (cls token, positions);
-    Switch's experts are hooked as one container: both project exactly as the dense map."""
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vit",
+        "opt",
+        "t5",
+        pytest.param("switch", marks=pytest.mark.matrix),
+        pytest.param("mixtral", marks=pytest.mark.matrix),
+    ],
+)
+def test_factorized_features_equal_the_projected_float64_grads(name):
+    """Kronecker-factored projection through the hooks equals the dense map of the float64 grads.
+
+    ViT's patch Conv2d sits in a module with parameters of its own (cls token,
+    positions) and is factorized; OPT's MLP sees [B * T, d]; T5's attention
+    adopted the position bias; Switch's experts are hooked as one container and
+    their factorized layers are projected from their per-example gradients.
+    """
     model, task, batch, reference = _reference(name)
     projector = FactorizedProjector.from_model(model, k_in=4, k_out=3, seed=5, rest_proj_dim=16)
     layers = {layer.name for layer in projector.layers}
     if name == "vit":
         assert "vit.embeddings.patch_embeddings.projection" in layers
-    else:
+    if name == "switch":
         assert any(".experts.expert_" in n for n in layers)
     with HookGradientComputer(model, task) as gc:
         fast = gc.project(batch, projector, model_id=0)

@@ -89,7 +89,7 @@ def _is_rms_norm_type(module: nn.Module) -> bool:
 
 def _embed_scaled(module: nn.Module, grad_output: Tensor) -> Tensor:
     """``g * embed_scale``: the gradient at the unscaled lookup (scale in the weight dtype)."""
-    scale = module.embed_scale
+    scale: Any = getattr(module, "embed_scale")  # noqa: B009 - a buffer or a float
     if isinstance(scale, Tensor):
         weight = module.weight
         assert isinstance(weight, Tensor)

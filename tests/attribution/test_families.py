@@ -564,3 +564,39 @@ def test_factorized_layer_of_another_type_is_refused():
         ),
     ):
         gc.project((torch.zeros(1, 3), torch.tensor([0])), projector, model_id=0)
+
+
+@pytest.mark.parametrize(
+    ("method", "dtype", "rtol"), [("trak", torch.float32, 1e-4), ("ekfac", torch.float64, 1e-6)]
+)
+def test_seq2seq_per_token_scores_sum_to_the_whole_targets(tmp_path, method, dtype, rtol):
+    """TRAKer counts a seq2seq target's tokens on the decoder side (per_token_length), and
+    f = Σ_t f_t. EK-FAC's damped inverse amplifies float32 rounding of the token features
+    (2.6e-4 of the largest score measured), so it is checked in float64, where the sum is
+    exact up to the float32 scores' own rounding (6.5e-8)."""
+    family = BY_NAME["bart"]
+    model = family.build(dtype)
+    train, queries = family.batch(6, seed=1, dtype=dtype), family.batch(2, seed=2, dtype=dtype)
+    traker = TRAKer(
+        model,
+        "seq2seq_lm",
+        6,
+        save_dir=tmp_path,
+        device="cpu",
+        proj_dim=32,
+        method=method,
+        lambda_reg="auto",
+        dtype=dtype,
+        progress=False,
+    )
+    traker.load_checkpoint(model.state_dict(), model_id=0)
+    traker.featurize(train, num_samples=6)
+    traker.finalize_features()
+    traker.start_scoring_checkpoint(
+        "q", model.state_dict(), model_id=0, num_targets=2, per_token=True
+    )
+    traker.score(queries, num_samples=2)
+    whole = np.asarray(traker.finalize_scores("q"))
+    tokens = traker.finalize_scores("q", per_token=True)
+    assert tokens.shape == (6, 2, queries[2].shape[1])
+    np.testing.assert_allclose(tokens.sum(-1), whole, rtol=rtol, atol=rtol * np.abs(whole).max())

@@ -290,7 +290,7 @@ def test_scoring_errors_and_allow_skip(tmp_path):
             {"task": "regression"},
             UnknownTaskError,
             r"known tasks are \['image_classification', 'language_modeling', "
-            r"'text_classification'\]",
+            r"'seq2seq_lm', 'text_classification'\]",
             id="task",
         ),
         pytest.param({"saver": object()}, ValueError, "`saver`=.* is not supported", id="saver"),

@@ -37,11 +37,13 @@ from gradsketch.attribution._layers import (
     register_grad_sampler,
     register_layer_factors,
     register_row_sparse_sampler,
+    register_whole_module,
 )
 from gradsketch.attribution._lds import LDSGroundTruth, lds_ground_truth, linear_datamodeling_score
 from gradsketch.attribution._lm import (
     BatchFormatError,
     LanguageModelingModelOutput,
+    Seq2SeqLMModelOutput,
     SequenceClassificationModelOutput,
 )
 from gradsketch.attribution._lm_params import select_parameters
@@ -95,6 +97,7 @@ __all__ = [
     "register_grad_sampler",
     "register_layer_factors",
     "register_row_sparse_sampler",
+    "register_whole_module",
     "register_batch_output",
     "register_loss_grad_from_output",
     "LOSS_GRAD_FROM_OUTPUT",
@@ -104,6 +107,7 @@ __all__ = [
     "TextClassificationModelOutput",
     "SequenceClassificationModelOutput",
     "LanguageModelingModelOutput",
+    "Seq2SeqLMModelOutput",
     "select_parameters",
     "TASK_TO_MODELOUT",
     "register_task",

@@ -409,7 +409,7 @@ class KFACPreconditioner(Preconditioner):
             g = g if g_sampled is None else g_sampled
             if weight is not None:
                 g = g * weight.to(g.device, g.dtype).reshape(-1, 1, 1)
-            if mask is not None and mask.shape == a.shape[:2]:
+            if mask is not None and mask.shape == a.shape[:2] and not bool(mask.all()):
                 # Padded positions leave A's mean: a row's curvature is its batch's.
                 keep = mask.to(a.device)
                 f.update(a[keep].unsqueeze(0), g[keep].unsqueeze(0))

@@ -78,9 +78,10 @@ def _whole_parameters(mask: Any) -> bool:
 
 
 def _atomic_save(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """``np.savez`` to a temporary file, then rename: a kill never leaves a torn file."""
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)  # type: ignore[arg-type]
+    """``np.savez`` to a hidden temporary file, then rename: a kill never leaves a torn file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]
     os.replace(tmp, path)
 
 
@@ -632,7 +633,9 @@ class TRAKer:
         return self.save_dir / layout.checkpoint_dir(model_id) / f"accumulated.{rank}.npz"
 
     def _accumulated_files(self, model_id: int) -> list[Path]:
-        return sorted((self.save_dir / layout.checkpoint_dir(model_id)).glob("accumulated.*.npz"))
+        folder = self.save_dir / layout.checkpoint_dir(model_id)
+        # Exactly accumulated.<rank>.npz: never another rank's file being written.
+        return sorted(p for p in folder.glob("accumulated.*.npz") if p.name.split(".")[1].isdigit())
 
     def _read_accumulated(self, model_id: int) -> tuple[Preconditioner, np.ndarray, np.ndarray]:
         """The accumulated preconditioner and covered rows of this rank, and every rank's.
@@ -1174,7 +1177,9 @@ class TRAKer:
         rows: dict[str, np.ndarray] = {}
         if self._exp_per_token:
             # f = Σ_t f_t: the target's feature is the sum of its tokens' features.
-            size, length = (int(s) for s in batch[0].shape[:2])
+            size = int(batch[0].shape[0])
+            count = getattr(self.task, "per_token_length", None)
+            length = int(count(batch)) if callable(count) else int(batch[0].shape[1])
             # B targets give B * T per-token rows; a few targets at a time keep
             # each pass at most max(B, T) rows.
             group = max(1, size // length)

@@ -20,10 +20,12 @@ Methods: gradsketch TRAK (``lambda_reg="auto"``, k=512); gradsketch
 and EK-FAC in the factorized-projected space ``k_in = k_out = 16``; both
 curvatures); gradsketch ``bayesian_influence`` (SGLD draws, query observable
 the margin); Kronfluence identity / K-FAC / EK-FAC (its defaults: sampled
-true Fisher, damping 0.1 x mean eigenvalue, measurement the margin, train
-loss the summed cross-entropy). Kronfluence's scores are ``∇f_qᵀ H⁻¹ ∇L_i``,
-the effect on the query of *removing* example i, so they are negated to
-compare with the others' "positive = helps the query". dattri 0.3.0's CPU
+true Fisher, damping ``ScoreArguments().damping_factor`` = 1e-8, not its
+0.1 x mean-eigenvalue heuristic, which ``damping_factor=None`` selects;
+measurement the margin, train loss the summed cross-entropy). Kronfluence's
+scores are ``∇f_qᵀ H⁻¹ ∇L_i``, the effect on the query of *removing*
+example i, so they are negated to compare with the others' "positive =
+helps the query". dattri 0.3.0's CPU
 attributors (:func:`dattri_rows`: influence functions explicit / CG / LiSSA
 / DataInf / Arnoldi / EK-FAC, TRAK, TracIn) on the same checkpoints, targets
 and margin, signs aligned the same way; skipped with a note without dattri
@@ -45,10 +47,12 @@ task="language_modeling")`` identity / K-FAC / EK-FAC (full, projected
 32x32, without the tied ``lm_head``, curvatures ``"loss"`` and
 ``"sampled"``); ``bayesian_influence`` (loss the chunk's summed token loss,
 query observable its log-likelihood); Kronfluence identity / K-FAC / EK-FAC
-through ``bench_lm._kronfluence_scores`` (Conv1D converted to Linear,
-measurement the summed loss, so no sign change). Lines carry the 1-minute
+through :func:`kronfluence_pairwise` with ``bench_lm``'s task (Conv1D
+converted to Linear, measurement the summed loss, so no sign change; its
+default damping 1e-8). Lines carry the 1-minute
 load average: on a shared machine the times are only comparable within one
-run.
+run. ``bench_influence_defaults.py`` reuses these protocols (and three more)
+for the per-layer methods' damping x curvature grid.
 """
 
 from __future__ import annotations
@@ -82,52 +86,71 @@ def build(seed: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
 
 
-def train(x: torch.Tensor, y: torch.Tensor, seed: int) -> nn.Module:
+def train(x: torch.Tensor, y: torch.Tensor, seed: int, builder: Any = build) -> nn.Module:
+    """``builder(seed)`` trained by the digits demo's recipe (SGD, 20 epochs) on ``(x, y)``."""
     from gradsketch.demos._digits import train_model
 
-    return train_model(build(seed), x, y, seed=seed)
+    return train_model(builder(seed), x, y, seed=seed)
 
 
-def data():
+def data(n_train: int = N_TRAIN, n_targets: int = N_TARGETS):
     from gradsketch.demos._digits import load_digits_split
 
     split = load_digits_split(seed=0)
-    x, y = split.x_train[:N_TRAIN], split.y_train[:N_TRAIN]
-    return x, y, split.x_test[:N_TARGETS], split.y_test[:N_TARGETS]
+    x, y = split.x_train[:n_train], split.y_train[:n_train]
+    return x, y, split.x_test[:n_targets], split.y_test[:n_targets]
 
 
-def ground_truth(x, y, xt, yt, lds_models: int):
+def ground_truth(x, y, xt, yt, lds_models: int, builder: Any = build):
+    """``(masks, margins)`` of ``lds_models`` models retrained on random halves (seed 10,000)."""
     from gradsketch.attribution import lds_ground_truth
     from gradsketch.demos._digits import margins
 
     def train_fn(idx: np.ndarray, seed: int) -> nn.Module:
         t = torch.from_numpy(idx)
-        return train(x[t], y[t], seed)
+        return train(x[t], y[t], seed, builder)
 
     def eval_fn(model: nn.Module) -> torch.Tensor:
         with torch.no_grad():
             return margins(model, xt, yt)
 
-    truth = lds_ground_truth(train_fn, eval_fn, N_TRAIN, lds_models, seed=10_000, progress=False)
+    truth = lds_ground_truth(train_fn, eval_fn, len(x), lds_models, seed=10_000, progress=False)
     return truth.subset_masks, truth.target_outputs
 
 
 # -- gradsketch ------------------------------------------------------------------------
+def _rows(batch) -> int:
+    return int(batch[0].shape[0])
+
+
+def featurize_all(attributor: Any, checkpoints, train_batches) -> None:
+    """Featurize each checkpoint (state dicts, model-id order) on ``train_batches``; finalize."""
+    for model_id, ckpt in enumerate(checkpoints):
+        attributor.load_checkpoint(ckpt, model_id=model_id)
+        for batch in train_batches:
+            attributor.featurize(batch, num_samples=_rows(batch))
+    attributor.finalize_features()
+
+
+def score_targets(attributor: Any, checkpoints, query_batches, exp: str = "lds") -> None:
+    """Store the target features of experiment ``exp`` on every checkpoint."""
+    num_targets = sum(_rows(b) for b in query_batches)
+    for model_id, ckpt in enumerate(checkpoints):
+        attributor.start_scoring_checkpoint(exp, ckpt, model_id=model_id, num_targets=num_targets)
+        for batch in query_batches:
+            attributor.score(batch, num_samples=_rows(batch))
+
+
 def featurize_and_score(attributor: Any, checkpoints, x, y, xt, yt) -> np.ndarray:
     """TRAKer's flow on the protocol (TRAKer and InfluenceComputer alike): every
     checkpoint featurized in batches of 250, then the targets scored on each."""
     batch = 250
-    for model_id, ckpt in enumerate(checkpoints):
-        attributor.load_checkpoint(ckpt, model_id=model_id)
-        for start in range(0, N_TRAIN, batch):
-            attributor.featurize(
-                (x[start : start + batch], y[start : start + batch]),
-                num_samples=min(batch, N_TRAIN - start),
-            )
-    attributor.finalize_features()
-    for model_id, ckpt in enumerate(checkpoints):
-        attributor.start_scoring_checkpoint("lds", ckpt, model_id=model_id, num_targets=N_TARGETS)
-        attributor.score((xt, yt), num_samples=N_TARGETS)
+    featurize_all(
+        attributor,
+        checkpoints,
+        [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)],
+    )
+    score_targets(attributor, checkpoints, [(xt, yt)])
     return np.asarray(attributor.finalize_scores("lds"))
 
 
@@ -137,7 +160,7 @@ def run_traker(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray
     traker = TRAKer(
         build(0),
         "image_classification",
-        N_TRAIN,
+        len(x),
         save_dir=tempfile.mkdtemp(dir=tmp),
         device="cpu",
         use_half_precision=False,
@@ -155,7 +178,7 @@ def run_influence(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndar
     ic = InfluenceComputer(
         build(0),
         "image_classification",
-        N_TRAIN,
+        len(x),
         tempfile.mkdtemp(dir=tmp),
         progress=False,
         **kwargs,
@@ -167,12 +190,16 @@ def _ce(model: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
 
 
-def _margin(model: nn.Module, batch) -> torch.Tensor:
-    """TRAK's margin ``z_y - logsumexp_{j != y} z_j`` per example (differentiable)."""
-    logits = model(batch[0])
-    labels = batch[1].reshape(-1, 1)
+def margin_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """TRAK's margin ``z_y - logsumexp_{j != y} z_j`` per row (differentiable)."""
+    labels = labels.reshape(-1, 1)
     correct = logits.gather(1, labels).squeeze(1)
     return correct - logits.scatter(1, labels, float("-inf")).logsumexp(1)
+
+
+def _margin(model: nn.Module, batch) -> torch.Tensor:
+    """TRAK's margin of a digits batch ``(inputs, labels)``."""
+    return margin_of(model(batch[0]), batch[1])
 
 
 def run_bif(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
@@ -192,62 +219,165 @@ def run_bif(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
 
 
 # -- Kronfluence -------------------------------------------------------------------------
-def run_kronfluence(checkpoints, x, y, xt, yt, tmp: str, strategy: str) -> np.ndarray:
-    from kronfluence.analyzer import Analyzer, prepare_model
-    from kronfluence.arguments import FactorArguments, ScoreArguments
-    from kronfluence.task import Task
-    from torch.utils.data import TensorDataset
+#: Kronfluence 1.0.1's own default damping (``ScoreArguments().damping_factor``);
+#: ``None`` selects its heuristic, 0.1 x each module's mean eigenvalue.
+KRONFLUENCE_DEFAULT_DAMPING = 1e-8
 
-    class DigitsTask(Task):
+
+def kronfluence_classifier_task(forward: Any) -> Any:
+    """A Kronfluence ``Task`` for a classifier: ``forward(model, batch) -> (logits, labels)``.
+
+    Training loss: the batch's summed cross-entropy, under labels drawn from
+    the model's own predictions when Kronfluence asks for a sample (its true
+    Fisher); measurement: the summed margin (:func:`margin_of`).
+    """
+    from kronfluence.task import Task
+
+    class ClassifierTask(Task):
         def compute_train_loss(self, batch, model, sample=False):
-            inputs, labels = batch
-            logits = model(inputs)
+            logits, labels = forward(model, batch)
             if sample:
                 with torch.no_grad():
-                    labels = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten()
+                    probs = torch.softmax(logits.detach(), -1)
+                    labels = torch.multinomial(probs, 1).flatten()
             return F.cross_entropy(logits, labels, reduction="sum")
 
         def compute_measurement(self, batch, model):
-            inputs, labels = batch
-            return _margin(model, (inputs, labels)).sum()
+            return margin_of(*forward(model, batch)).sum()
 
-    total = np.zeros((N_TRAIN, N_TARGETS))
-    train_ds, query_ds = TensorDataset(x, y), TensorDataset(xt, yt)
-    for i, ckpt in enumerate(checkpoints):
-        model = build(0)
-        model.load_state_dict(ckpt)
-        model.eval()
-        task = DigitsTask()
-        model = prepare_model(model, task)
-        analyzer = Analyzer(
-            f"ckpt{i}",
-            model,
-            task,
-            cpu=True,
-            disable_tqdm=True,
-            output_dir=tmp,
-            log_level=logging.ERROR,
-        )
-        analyzer.fit_all_factors(
-            "factors",
-            train_ds,
-            per_device_batch_size=250,
-            factor_args=FactorArguments(strategy=strategy),
-            overwrite_output_dir=True,
-        )
+    return ClassifierTask()
+
+
+def _digits_forward(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    return model(batch[0]), batch[1]
+
+
+def kronfluence_pairwise(
+    model: nn.Module,
+    task: Any,
+    train_ds: Any,
+    query_ds: Any,
+    workdir: str,
+    *,
+    strategy: str,
+    dampings: tuple[float | None, ...] = (KRONFLUENCE_DEFAULT_DAMPING,),
+    train_batch: int = 250,
+    query_batch: int | None = None,
+    seed: int = 0,
+) -> dict[float | None, np.ndarray]:
+    """Kronfluence's ``[n_train, n_query]`` pairwise scores of one model, per damping factor.
+
+    The factors of ``strategy`` are fitted once (torch's generator seeded
+    with ``seed`` for the sampled labels of its true Fisher), then scored at
+    each ``damping_factor`` in ``dampings`` (``None``: its heuristic). Scores
+    are Kronfluence's own sign, ``∇f_qᵀ H⁻¹ ∇L_i``; ``model`` is prepared
+    (wrapped) in place.
+    """
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.utils.dataset import DataLoaderKwargs
+
+    model = prepare_model(model.eval(), task)
+    analyzer = Analyzer(
+        "bench",
+        model,
+        task,
+        cpu=True,
+        disable_tqdm=True,
+        output_dir=workdir,
+        log_level=logging.ERROR,
+    )
+    analyzer.set_dataloader_kwargs(DataLoaderKwargs(num_workers=0))
+    torch.manual_seed(seed)
+    analyzer.fit_all_factors(
+        "factors",
+        train_ds,
+        per_device_batch_size=train_batch,
+        factor_args=FactorArguments(strategy=strategy),
+        overwrite_output_dir=True,
+    )
+    out: dict[float | None, np.ndarray] = {}
+    for i, damping in enumerate(dampings):
         analyzer.compute_pairwise_scores(
-            "scores",
+            f"scores{i}",
             "factors",
             query_ds,
             train_ds,
-            per_device_query_batch_size=N_TARGETS,
-            per_device_train_batch_size=250,
-            score_args=ScoreArguments(),
+            per_device_query_batch_size=query_batch or len(query_ds),
+            per_device_train_batch_size=train_batch,
+            score_args=ScoreArguments(damping_factor=damping),
             overwrite_output_dir=True,
         )
-        scores = analyzer.load_pairwise_scores("scores")["all_modules"]  # [queries, train]
-        total += -scores.T.double().numpy()
-    return total / len(checkpoints)
+        scores = analyzer.load_pairwise_scores(f"scores{i}")["all_modules"]  # [queries, train]
+        out[damping] = scores.T.double().numpy()
+    return out
+
+
+def kronfluence_ensemble(
+    models: list[nn.Module],
+    task: Any,
+    train_ds: Any,
+    query_ds: Any,
+    tmp: str,
+    *,
+    strategy: str,
+    dampings: tuple[float | None, ...],
+    sign: float = 1.0,
+    prepare: Any = copy.deepcopy,
+    **kwargs: Any,
+) -> dict[float | None, np.ndarray]:
+    """``sign`` x the mean over ``models`` of :func:`kronfluence_pairwise`, per damping.
+
+    ``prepare(model)`` gives the copy Kronfluence wraps (the models stay as they are).
+    """
+    total = {d: np.zeros((len(train_ds), len(query_ds))) for d in dampings}
+    for i, model in enumerate(models):
+        workdir = str(Path(tempfile.mkdtemp(dir=tmp)) / f"kf{i}")
+        scores = kronfluence_pairwise(
+            prepare(model),
+            task,
+            train_ds,
+            query_ds,
+            workdir,
+            strategy=strategy,
+            dampings=dampings,
+            **kwargs,
+        )
+        for d in dampings:
+            total[d] += sign * scores[d] / len(models)
+    return total
+
+
+def digits_kronfluence(
+    models, x, y, xt, yt, tmp: str, strategy: str, dampings: tuple[float | None, ...]
+) -> dict[float | None, np.ndarray]:
+    """Kronfluence's ``strategy`` on a digits protocol (any architecture), per damping.
+
+    Its scores are the effect of *removing* a training row on the query's
+    margin, so they are negated ("positive = helps").
+    """
+    from torch.utils.data import TensorDataset
+
+    return kronfluence_ensemble(
+        models,
+        kronfluence_classifier_task(_digits_forward),
+        TensorDataset(x, y),
+        TensorDataset(xt, yt),
+        tmp,
+        strategy=strategy,
+        dampings=dampings,
+        sign=-1.0,
+    )
+
+
+def run_kronfluence(checkpoints, x, y, xt, yt, tmp: str, strategy: str) -> np.ndarray:
+    """Kronfluence's ``strategy`` at its default damping, averaged over the MLP's checkpoints."""
+    models = []
+    for ckpt in checkpoints:
+        models.append(build(0))
+        models[-1].load_state_dict(ckpt)
+    damping = KRONFLUENCE_DEFAULT_DAMPING
+    return digits_kronfluence(models, x, y, xt, yt, tmp, strategy, (damping,))[damping]
 
 
 # -- dattri ------------------------------------------------------------------------------
@@ -553,7 +683,7 @@ def run_lm_influence(models, train_ids, query_ids, s: Any, tmp: str, **kwargs: A
         projector = FactorizedProjector.from_model(
             model, k_in=projection[0], k_out=projection[1], seed=s.seed
         )
-    n, m, bs = int(train_ids.shape[0]), int(query_ids.shape[0]), 64
+    n, bs = int(train_ids.shape[0]), 64
     traker = TRAKer(
         copy.deepcopy(model),  # it loads every checkpoint: keep models[0] intact
         "language_modeling",
@@ -567,16 +697,15 @@ def run_lm_influence(models, train_ids, query_ids, s: Any, tmp: str, **kwargs: A
         progress=False,
         **kwargs,
     )
-    for model_id, member in enumerate(models):
-        traker.load_checkpoint(member.state_dict(), model_id=model_id)
-        for start in range(0, n, bs):
-            batch = _lm_rows(train_ids[start : start + bs])
-            traker.featurize(batch, num_samples=int(batch[0].shape[0]))
-    traker.finalize_features()
-    for model_id, member in enumerate(models):
-        traker.start_scoring_checkpoint("lm", member.state_dict(), model_id=model_id, num_targets=m)
-        traker.score(_lm_rows(query_ids), num_samples=m)
+    states = [member.state_dict() for member in models]
+    featurize_all(traker, states, lm_batches(train_ids, bs))
+    score_targets(traker, states, [_lm_rows(query_ids)], "lm")
     return np.asarray(traker.finalize_scores("lm"))
+
+
+def lm_batches(ids: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, ...]]:
+    """``language_modeling`` batches of ``batch_size`` chunks."""
+    return [_lm_rows(ids[i : i + batch_size]) for i in range(0, int(ids.shape[0]), batch_size)]
 
 
 def _lm_loss(model: nn.Module, batch) -> torch.Tensor:
@@ -606,20 +735,34 @@ def run_lm_bif(models, train_ids, query_ids, s: Any, tmp: str, **kwargs: Any) ->
     return scores.float().numpy()
 
 
-def run_lm_kronfluence(models, train_ids, query_ids, s: Any, tmp: str, strategy: str):
-    """Kronfluence's ``strategy`` (its defaults; Conv1D made Linear) averaged over checkpoints.
+def lm_kronfluence(
+    models, train_ids, query_ids, tmp: str, strategy: str, dampings: tuple[float | None, ...]
+) -> dict[float | None, np.ndarray]:
+    """Kronfluence's ``strategy`` on the LM (Conv1D made Linear), per damping.
 
-    ``bench_lm._kronfluence_scores`` measures the query's summed loss and
-    trains on the summed loss (sampled labels for its true Fisher), so a
-    positive score raises the query's log-likelihood: no sign change.
+    The measurement is the query's summed loss and the training loss the
+    summed loss (sampled labels for its true Fisher, ``bench_lm``'s task),
+    so a positive score raises the query's log-likelihood: no sign change.
     """
-    from bench_lm import _kronfluence_scores
+    from bench_lm import _kronfluence_task, _Rows, conv1d_to_linear
 
-    total = np.zeros((int(train_ids.shape[0]), int(query_ids.shape[0])))
-    for i, model in enumerate(models):
-        workdir = str(Path(tempfile.mkdtemp(dir=tmp)) / f"kf{i}")
-        total += _kronfluence_scores(model, train_ids, query_ids, strategy, workdir, 32)
-    return total / len(models)
+    return kronfluence_ensemble(
+        models,
+        _kronfluence_task(),
+        _Rows(train_ids),
+        _Rows(query_ids),
+        tmp,
+        strategy=strategy,
+        dampings=dampings,
+        prepare=lambda model: conv1d_to_linear(copy.deepcopy(model)),
+        train_batch=32,
+    )
+
+
+def run_lm_kronfluence(models, train_ids, query_ids, s: Any, tmp: str, strategy: str):
+    """:func:`lm_kronfluence` at Kronfluence's default damping, averaged over checkpoints."""
+    damping = KRONFLUENCE_DEFAULT_DAMPING
+    return lm_kronfluence(models, train_ids, query_ids, tmp, strategy, (damping,))[damping]
 
 
 def run_lm_dattri(models, train_ids, query_ids, s: Any, tmp: str, method: str) -> np.ndarray:

@@ -24,8 +24,8 @@ from gradsketch.attribution import (  # noqa: E402
     PRECONDITIONERS,
     FeatureBatch,
     Preconditioner,
-    TRAKer,
     TrainRows,
+    TRAKer,
     register_preconditioner,
 )
 from gradsketch.masked import ParamMask  # noqa: E402
@@ -238,7 +238,8 @@ def test_a_registered_preconditioner_runs_the_whole_flow(tmp_path, diagonal):
 def test_registering_refuses_bad_classes_and_taken_names(diagonal):
     with pytest.raises(ValueError, match="is registered already"):
         register_preconditioner("test-diagonal")(type("Other", (diagonal,), {}))
-    with pytest.raises(ValueError, match="not a subclass of gradsketch.attribution.Preconditioner"):
+    not_subclass = r"not a subclass of gradsketch\.attribution\.Preconditioner"
+    with pytest.raises(ValueError, match=not_subclass):
         register_preconditioner("x")(int)
     bad = type("Bad", (diagonal,), {"features": "pixels"})
     with pytest.raises(ValueError, match=r"Bad.features is 'pixels'; allowed: \['projected'"):

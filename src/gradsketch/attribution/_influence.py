@@ -70,8 +70,9 @@ factors of :class:`gradsketch.sketch.FactorizedProjector` (scaled by
 else: the stored gradients are ``P_out G P_inᵀ`` (``k_out * k_in`` numbers)
 and the factors ``P_in A P_inᵀ``, ``P_out S P_outᵀ`` are ``k x k`` (LoGra:
 Choe et al., "What is your data worth to GPT?", 2024). Damping ``"auto"`` is
-a tenth of the mean eigenvalue of each layer's curvature (Kronfluence's
-default heuristic; Grosse et al. 2023).
+a tenth of the mean eigenvalue of each layer's curvature (the heuristic
+Kronfluence applies with ``damping_factor=None``, whose default is 1e-8;
+Grosse et al. 2023).
 
 Only the factored layers enter the scores (as in Kronfluence); embeddings and
 norms are left out.

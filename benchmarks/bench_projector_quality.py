@@ -56,9 +56,10 @@ warm-up, and ``timing_repeats`` says so).
 One JSON line per model x projector x k: ``model``, ``projector``, ``k``,
 ``features``, ``pearson_mean`` / ``_min`` / ``_max`` over the seeds,
 ``pearson_query_mean`` (the per-query correlations across training rows,
-averaged), ``score_pearson_*``, ``seconds``, the training losses, ``cpu``.
+averaged), ``score_pearson_*``, ``seconds`` and ``cpu_seconds``, the
+training losses, the load average and ``cpu``.
 
-    python benchmarks/bench_projector_quality.py            # ~5 minutes, 1 thread
+    python benchmarks/bench_projector_quality.py            # ~3 minutes, 1 thread
     python benchmarks/bench_projector_quality.py --quick    # smoke run, < 1 minute
 """
 
@@ -387,7 +388,7 @@ def measure_model(arch: str, s: Settings, corpus: Any, emit_row: Callable[[dict]
         for name in slow:
             seconds |= interleaved_times({name: featurize(timing[name])}, repeats=1, warmup=0)
         del timing
-        log(f"{arch}: k={k} timed " + ", ".join(f"{n} {t[0]:.2f} s" for n, t in seconds.items()))
+        log(f"{arch}: k={k} timed " + ", ".join(f"{p} {t[0]:.2f} s" for p, t in seconds.items()))
         for name in names:
             stats: dict[str, list[float]] = {"ip": [], "query": [], "score": []}
             features = 0

@@ -42,6 +42,13 @@ class SettingsMismatchError(GradsketchError, ValueError):
     """Stored results were made with other settings than the ones requested."""
 
 
+class StoreIntegrityError(GradsketchError, RuntimeError):
+    """Stored data or a stored record is missing, damaged or fails its checksum.
+
+    The message names the file (and the rows, for row data) and how to recover.
+    """
+
+
 def package_versions(packages: Iterable[str] = DEFAULT_PACKAGES) -> dict[str, str | None]:
     """Installed version of each package (``None`` when it is not installed)."""
     versions: dict[str, str | None] = {}
@@ -157,9 +164,25 @@ def write_record(path: str | Path, record: Mapping[str, Any]) -> None:
     tmp.replace(target)
 
 
-def read_record(path: str | Path) -> dict[str, Any]:
-    """Read a record written by :func:`write_record`."""
-    data = json.loads(Path(path).read_text())
+def read_record(path: str | Path, *, fix: str | None = None) -> dict[str, Any]:
+    """Read a record written by :func:`write_record`.
+
+    Args:
+        path: the JSON file.
+        fix: how to recover when the file is damaged (shown in the message).
+
+    Raises:
+        StoreIntegrityError: the file is not valid JSON (truncated or garbled
+            outside gradsketch, which writes records atomically).
+    """
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StoreIntegrityError(
+            f"the record `{path}` is damaged (not valid JSON: {exc}). gradsketch writes records "
+            "atomically, so it was truncated or changed outside gradsketch. Fix: "
+            + (fix or "delete the directory that holds it and rerun to recompute its contents.")
+        ) from exc
     if not isinstance(data, dict):
         raise SettingsMismatchError(
             f"`{path}` does not hold a settings record (a JSON object), got "

@@ -25,9 +25,21 @@ Rules that make runs resumable:
   most the queued rows, unflagged. Every read (:meth:`RowStore.array`,
   :meth:`RowStore.done_rows`, ...) first waits for the queue
   (:meth:`RowStore.flush`), and a failed background write is raised there.
-* **Several writers.** Processes may write disjoint rows concurrently when
-  they split the work on chunk boundaries (``chunk_rows``): two writers never
-  touch the same chunk file, of the data or of the flags.
+* **One writer at a time.** Every write (data and flags of a batch, array
+  creation, deletion) holds an advisory file lock, ``path/.write.lock``
+  (:class:`WriteLock`), so processes writing rows of the same chunk take
+  turns instead of overwriting each other's rows with a stale copy of the
+  chunk: any split of the rows between processes loses nothing. Processes
+  that split the work on chunk boundaries (``chunk_rows``) never wait on
+  each other for long.
+* **Checked data.** Every array is created with :func:`array_options`: a
+  crc32c checksum on every chunk (zarr v3's ``Crc32cCodec``) and, for float
+  arrays, a NaN fill value that cannot pass for data. :meth:`RowStore.damaged_rows`
+  finds rows flagged done whose chunk is missing, fails its checksum, cannot
+  be decoded, or reads NaN; :meth:`RowStore.unflag` marks them for
+  recomputation. Arrays written by gradsketch before checksums (no
+  ``crc32c`` codec) still open and are checked for missing and undecodable
+  chunks.
 
 Example:
     >>> import tempfile, numpy as np
@@ -46,18 +58,24 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import logging
 import shutil
+import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import filelock
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec
 
 from gradsketch._settings import (
     SettingsMismatchError,
+    StoreIntegrityError,
     read_record,
     require_same_settings,
     settings_record,
@@ -81,7 +99,92 @@ WRITE_QUEUE = 4
 #: Queued writes are merged into one while their data stay under this size.
 MERGE_MAX_BYTES = 64 << 20
 
-__all__ = ["SETTINGS_FILE", "RowStore", "SettingsMismatchError", "default_chunk_rows"]
+#: File name of the advisory lock held while writing (see :class:`WriteLock`).
+LOCK_FILE = ".write.lock"
+
+__all__ = [
+    "LOCK_FILE",
+    "SETTINGS_FILE",
+    "RowStore",
+    "SettingsMismatchError",
+    "StoreIntegrityError",
+    "WriteLock",
+    "array_options",
+    "default_chunk_rows",
+]
+
+
+def array_options(dtype: Any, fill_value: float | None = None) -> dict[str, Any]:
+    """Keyword arguments for every zarr array gradsketch creates.
+
+    A crc32c checksum after each chunk (zarr v3's ``Crc32cCodec``: a torn,
+    truncated or bit-flipped chunk fails to read instead of passing as
+    data), no compression (gradients barely compress; writes stay at memcpy
+    speed), and a fill value that cannot pass for data: NaN for floats, so a
+    chunk that is missing reads NaN, not zeros.
+
+    Args:
+        dtype: the array's numpy dtype.
+        fill_value: overrides the fill value (``None``: NaN for floats, else 0).
+
+    Example:
+        >>> opts = array_options("float32")
+        >>> opts["fill_value"], [type(c).__name__ for c in opts["compressors"]]
+        (nan, ['Crc32cCodec'])
+    """
+    if fill_value is None:
+        fill_value = float("nan") if np.dtype(dtype).kind in "fc" else 0
+    return {"compressors": (Crc32cCodec(),), "fill_value": fill_value}
+
+
+#: One in-process lock per lock file: threads of one process take turns on it.
+_THREAD_LOCKS: dict[str, threading.RLock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+class WriteLock:
+    """An advisory lock on a file, exclusive across processes and across threads.
+
+    ``filelock`` (``flock`` on POSIX) excludes other processes; a re-entrant
+    thread lock per lock file excludes other threads of this process (several
+    stores opened on one directory in one process share it). Held only while
+    writing; a process killed while holding it releases it (the OS drops
+    ``flock`` locks with the process).
+
+    Example:
+        >>> import tempfile, os
+        >>> lock = WriteLock(os.path.join(tempfile.mkdtemp(), ".write.lock"))
+        >>> with lock.held():
+        ...     with lock.held():  # re-entrant within a thread
+        ...         pass
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        key = str(self.path.resolve())
+        with _THREAD_LOCKS_GUARD:
+            self._thread = _THREAD_LOCKS.setdefault(key, threading.RLock())
+        # One FileLock object per file in this process (is_singleton), shared
+        # across threads (thread_local=False): the thread lock above orders them.
+        self._file = filelock.FileLock(key, thread_local=False, is_singleton=True)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the lock for the ``with`` block (waits for other holders)."""
+        with self._thread, self._file:
+            yield
+
+
+def _chunk_file(root: Path, name: str, arr: zarr.Array, chunk: int) -> Path | None:
+    """Path of row chunk ``chunk`` of a row-chunked array (``None``: not one file per row chunk)."""
+    if any(c != s for c, s in zip(arr.chunks[1:], arr.shape[1:], strict=True)):
+        return None
+    encoding = arr.metadata.to_dict().get("chunk_key_encoding", {})
+    if not isinstance(encoding, dict) or encoding.get("name") != "default":
+        return None
+    sep = encoding.get("configuration", {}).get("separator", "/")
+    key = sep.join(["c", str(chunk), *("0" * (arr.ndim - 1))])
+    return root / name / Path(*key.split("/"))
 
 
 def default_chunk_rows(row_shape: tuple[int, ...], dtype: Any) -> int:
@@ -177,17 +280,31 @@ class RowStore:
     ) -> None:
         self.path = Path(path)
         self.what = what
+        if self.path.exists() and not self.path.is_dir():
+            raise NotADirectoryError(
+                f"the {what} path `{self.path}` is a file, not a directory; pass the path of a "
+                "directory (it is created if missing), or move the file away."
+            )
         self.path.mkdir(parents=True, exist_ok=True)
+        self.lock = WriteLock(self.path / LOCK_FILE)
         record = settings_record(settings, packages=packages)
         settings_path = self.path / SETTINGS_FILE
-        if settings_path.exists():
-            stored = read_record(settings_path)
-            require_same_settings(stored, record, where=f"{what} at `{self.path}`")
-            self.settings = stored
-        else:
-            write_record(settings_path, record)
-            self.settings = record
-        self.root = zarr.open_group(str(self.path), mode="a")
+        with self.lock.held():
+            if settings_path.exists():
+                stored = read_record(
+                    settings_path,
+                    fix=(
+                        "if you know the settings it was written with are the ones you pass now, "
+                        "delete that file and rerun (it is written again); otherwise delete the "
+                        f"directory `{self.path}` and recompute."
+                    ),
+                )
+                require_same_settings(stored, record, where=f"{what} at `{self.path}`")
+                self.settings = stored
+            else:
+                write_record(settings_path, record)
+                self.settings = record
+            self.root = self._open_group()
         # Opened arrays, by name: a lookup through the group re-reads metadata
         # from disk (~1.5 ms), and an array's shape never changes once created.
         self._arrays: dict[str, zarr.Array] = {}
@@ -264,7 +381,14 @@ class RowStore:
                 f"`name`={name!r} is not in the {self.what} at `{self.path}`; it holds "
                 f"{self._entries()}. Create it with require_array(...) first."
             )
-        node = self.root[name]
+        try:
+            node = self.root[name]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
+            raise StoreIntegrityError(
+                f"array {name!r} of the {self.what} at `{self.path}` has a damaged record "
+                f"`{self.path / name / 'zarr.json'}` ({exc!r}). Fix: delete the directory "
+                f"`{self.path / name}` and rerun; its rows are recomputed."
+            ) from exc
         if not isinstance(node, zarr.Array):
             raise KeyError(f"`name`={name!r} in `{self.path}` is a group, not an array.")
         self._arrays[name] = node
@@ -281,7 +405,7 @@ class RowStore:
         dtype: Any,
         *,
         chunk_rows: int | None = None,
-        fill_value: float = 0,
+        fill_value: float | None = None,
     ) -> zarr.Array:
         """Open the array ``name``, creating it if absent.
 
@@ -290,7 +414,8 @@ class RowStore:
             shape: the array's shape; rows are the first axis.
             dtype: numpy dtype.
             chunk_rows: rows per chunk (default: about 1 MiB per chunk).
-            fill_value: value of never-written entries.
+            fill_value: value of never-written entries (default: NaN for
+                floats, 0 otherwise; see :func:`array_options`).
 
         Raises:
             SettingsMismatchError: an array of that name exists with another
@@ -299,29 +424,24 @@ class RowStore:
         self.flush()
         shape = tuple(int(s) for s in shape)
         dtype = np.dtype(dtype)
-        if name in self.root:
-            arr = self._array(name)
-            if tuple(arr.shape) != shape or np.dtype(arr.dtype) != dtype:
-                raise SettingsMismatchError(
-                    f"array {name!r} in the {self.what} at `{self.path}` has shape "
-                    f"{tuple(arr.shape)} and dtype {arr.dtype}, but shape {shape} and dtype "
-                    f"{dtype} were requested. Use another directory or delete the array."
-                )
-            return arr
-        rows = chunk_rows or default_chunk_rows(shape[1:], dtype)
-        chunks = (max(1, min(rows, max(shape[0], 1))), *shape[1:])
-        parent, _, leaf = name.rpartition("/")
-        group = self.root.require_group(parent) if parent else self.root
-        # Floating-point gradients barely compress; skipping the codec keeps
-        # row writes at memcpy speed.
-        created = group.create_array(
-            leaf,
-            shape=shape,
-            dtype=dtype,
-            chunks=chunks,
-            compressors=None,
-            fill_value=fill_value,
-        )
+        with self.lock.held():
+            # Under the lock: another process may have created it meanwhile.
+            if name in self.root:
+                arr = self._array(name)
+                if tuple(arr.shape) != shape or np.dtype(arr.dtype) != dtype:
+                    raise SettingsMismatchError(
+                        f"array {name!r} in the {self.what} at `{self.path}` has shape "
+                        f"{tuple(arr.shape)} and dtype {arr.dtype}, but shape {shape} and dtype "
+                        f"{dtype} were requested. Use another directory or delete the array."
+                    )
+                return arr
+            rows = chunk_rows or default_chunk_rows(shape[1:], dtype)
+            chunks = (max(1, min(rows, max(shape[0], 1))), *shape[1:])
+            parent, _, leaf = name.rpartition("/")
+            group = self.root.require_group(parent) if parent else self.root
+            created = group.create_array(
+                leaf, shape=shape, dtype=dtype, chunks=chunks, **array_options(dtype, fill_value)
+            )
         self._arrays[name] = created
         return created
 
@@ -332,9 +452,20 @@ class RowStore:
         # Forget cached arrays at or below ``name``.
         for key in [k for k in self._arrays if k == name or k.startswith(f"{name}/")]:
             del self._arrays[key]
-        if target.exists():
-            shutil.rmtree(target)
-            self.root = zarr.open_group(str(self.path), mode="a")
+        with self.lock.held():
+            if target.exists():
+                shutil.rmtree(target)
+                self.root = self._open_group()
+
+    def _open_group(self) -> zarr.Group:
+        try:
+            return zarr.open_group(str(self.path), mode="a")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise StoreIntegrityError(
+                f"the {self.what} at `{self.path}` has a damaged zarr record "
+                f"`{self.path / 'zarr.json'}` ({exc}). Fix: delete that file and rerun (it is "
+                "written again; the arrays are kept)."
+            ) from exc
 
     # -- done flags ----------------------------------------------------------
     def require_done(self, name: str, n_rows: int, *, chunk_rows: int | None = None) -> None:
@@ -347,7 +478,63 @@ class RowStore:
 
     def done_rows(self, name: str) -> np.ndarray:
         """Boolean ``[n_rows]``: which rows are complete."""
-        return np.asarray(self.array(name)[:], dtype=bool)
+        flags = self.array(name)
+        try:
+            return np.asarray(flags[:], dtype=bool)
+        except ValueError as exc:
+            raise StoreIntegrityError(
+                f"the done flags {name!r} of the {self.what} at `{self.path}` are damaged "
+                f"({exc}). Fix: delete the directory `{self.path / name}` and rerun; every row "
+                "it flagged is recomputed."
+            ) from exc
+
+    def damaged_rows(self, names: Sequence[str], done: str) -> dict[str, np.ndarray]:
+        """Rows flagged in ``done`` whose data in an array of ``names`` is not intact.
+
+        A row is damaged when its chunk file is missing, fails its checksum or
+        cannot be decoded (truncated, garbled), or, in a float array whose
+        fill value is NaN, when it holds a NaN (never-written entries read NaN;
+        callers store finite data only). Reads one row chunk at a time.
+
+        Returns:
+            ``{array_name: sorted row indices}`` for each array with damaged rows.
+        """
+        flags = self.done_rows(done)
+        found: dict[str, np.ndarray] = {}
+        for name in names:
+            arr = self.array(name)
+            n, step = int(arr.shape[0]), max(1, int(arr.chunks[0]))
+            fill = arr.fill_value
+            nan_fill = arr.dtype.kind == "f" and fill is not None and bool(np.isnan(fill))
+            bad = np.zeros(n, dtype=bool)
+            for chunk, i0 in enumerate(range(0, n, step)):
+                i1 = min(n, i0 + step)
+                wanted = flags[i0:i1]
+                if not wanted.any():
+                    continue
+                chunk_path = _chunk_file(self.path, name, arr, chunk)
+                if chunk_path is not None and not chunk_path.is_file():
+                    bad[i0:i1] = wanted
+                    continue
+                try:
+                    block = np.asarray(arr[i0:i1])
+                except (ValueError, OSError, EOFError):
+                    bad[i0:i1] = wanted
+                    continue
+                if nan_fill:
+                    holes = np.isnan(block.reshape(i1 - i0, -1)).any(axis=1)
+                    bad[i0:i1] |= wanted & holes
+            if bad.any():
+                found[name] = np.nonzero(bad)[0]
+        return found
+
+    def unflag(self, name: str, rows: np.ndarray) -> None:
+        """Clear the done flags ``name`` of ``rows`` (so that a rerun recomputes them)."""
+        self.flush()
+        idx = np.unique(np.asarray(rows, dtype=np.int64).reshape(-1))
+        if idx.size:
+            with self.lock.held():
+                self._array(name).oindex[idx] = np.zeros(idx.size, dtype=np.uint8)
 
     def write_rows(
         self,
@@ -380,6 +567,16 @@ class RowStore:
         names = list(data)
         if not names:
             return
+        with self.lock.held():
+            self._write_rows(rows, data, names, done)
+
+    def _write_rows(
+        self,
+        rows: slice | np.ndarray | range,
+        data: Mapping[str, Any],
+        names: list[str],
+        done: str | None,
+    ) -> None:
         n = self._array(names[0]).shape[0]
         sel = _rows_selection(rows, n)
         order: np.ndarray | None = None

@@ -21,7 +21,7 @@ from gradsketch._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from gradsketch._distributed import DistributedMismatchError
-    from gradsketch._settings import SettingsMismatchError
+    from gradsketch._settings import SettingsMismatchError, StoreIntegrityError
     from gradsketch.attribution import (
         BatchFormatError,
         HookComputationError,
@@ -49,6 +49,7 @@ __all__ = [
     "FactorizedLayoutError",
     "TritonUnavailableError",
     "SettingsMismatchError",
+    "StoreIntegrityError",
     "DistributedMismatchError",
     "ModelIDException",
     "MemoryBudgetError",
@@ -86,6 +87,7 @@ __getattr__ = lazy_getattr(
         "FactorizedLayoutError": "gradsketch.sketch",
         "TritonUnavailableError": "gradsketch.sketch._backend",
         "SettingsMismatchError": "gradsketch._settings",
+        "StoreIntegrityError": "gradsketch._settings",
         "DistributedMismatchError": "gradsketch._distributed",
         "ModelIDException": "gradsketch.attribution",
         "MemoryBudgetError": "gradsketch.attribution",

@@ -35,6 +35,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from gradsketch._checks import check_number, positive_int
+from gradsketch._store import array_options
 from gradsketch.attribution._distributed import (
     ColumnWindow,
     all_gather_columns,
@@ -143,17 +144,16 @@ def _check_shapes(ckpts: Sequence[CheckpointGrads]) -> tuple[int, int, int]:
 def create_score_array(path: str | Path, n: int, m: int, chunks: tuple[int, int]) -> Any:
     """A fresh ``[n, m]`` float32 zarr score matrix at ``path`` (replacing one there).
 
-    Uncompressed (scores barely compress) and zero-filled, so tiles not yet
-    written read as 0.
+    Uncompressed (scores barely compress), checksummed, and zero-filled, so
+    tiles not yet written read as 0.
     """
     return zarr.create_array(
         str(path),
         shape=(n, m),
         dtype="float32",
         chunks=chunks,
-        compressors=None,
-        fill_value=0,
         overwrite=True,
+        **array_options("float32", fill_value=0),  # a crc32c checksum per chunk
     )
 
 

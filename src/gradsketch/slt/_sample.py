@@ -60,6 +60,7 @@ from tqdm.auto import tqdm
 
 from gradsketch._processes import check_cores, run_jobs, start_workers, threads_for
 from gradsketch._settings import SettingsMismatchError, settings_diff, settings_record
+from gradsketch._store import array_options
 from gradsketch._writer import BackgroundWriter
 from gradsketch.masked import ParamMask
 from gradsketch.sampling import SGMCMC, Metrics
@@ -303,8 +304,7 @@ class _Arrays:
             dtype=np_dtype,
             chunks=tuple(chunks),
             dimension_names=dims,
-            fill_value=np.nan if floating else 0,
-            compressors=None,
+            **array_options(np_dtype),  # crc32c checksums, NaN fill for floats
             attributes={"_FillValue": _NAN_FILL} if floating else {},
         )
 

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from gradsketch._checks import nonnegative_int, positive_int
 from gradsketch._device import to_device
 from gradsketch._processes import check_cores, run_jobs
+from gradsketch.sampling._divergence import warn_if_diverged
 from gradsketch.sampling._metrics import DOT_FIELDS, NORM_FIELDS
 from gradsketch.sampling._recording import LLCRecordSettings, open_draw_store
 from gradsketch.sampling._sgmcmc import SGMCMC
@@ -534,6 +535,14 @@ def estimate_learning_coeff_with_summary(
     progress.close()
 
     results = _summary(np.stack([traces[c] for c in range(num_chains)]), init_loss, nbeta, online)
+    # A diverged chain (loss blown up, LLC far outside [0, d/2]) warns with the step to try.
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lr = kwargs.get("lr")
+    lr = float(lr) if isinstance(lr, (int, float)) else None
+    warn_if_diverged(
+        results["loss/trace"], init_loss, nbeta=nbeta, numel=numel, lr=lr,
+        lr_name="optimizer_kwargs['lr']", stacklevel=2,
+    )  # fmt: skip
     return _finish(results, callbacks, store)
 
 

@@ -21,6 +21,8 @@ PARENTS = {
     "FactorizedLayoutError": ValueError,
     "TritonUnavailableError": RuntimeError,
     "SettingsMismatchError": ValueError,
+    "StoreIntegrityError": RuntimeError,
+    "NonFiniteFeaturesError": ValueError,
     "DistributedMismatchError": RuntimeError,
     "ModelIDException": RuntimeError,
     "MemoryBudgetError": ValueError,

@@ -32,6 +32,7 @@ from gradsketch.attribution._influence import (
     InfluenceComputer,
     InfluenceSettings,
 )
+from gradsketch.attribution._integrity import NonFiniteFeaturesError
 from gradsketch.attribution._layers import (
     HookComputationError,
     register_grad_sampler,
@@ -117,6 +118,7 @@ __all__ = [
     "LDSGroundTruth",
     # errors
     "ModelIDException",
+    "NonFiniteFeaturesError",
     "WrappedModelError",
     "HookComputationError",
     "MemoryBudgetError",

@@ -15,7 +15,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from gradsketch.attribution._lm import IGNORE_INDEX, BatchFormatError
+from gradsketch.attribution._lm import (
+    IGNORE_INDEX,
+    BatchFormatError,
+    LanguageModelingModelOutput,
+)
 
 #: Right-padding value of each known column (``labels`` are ignored there).
 PAD_VALUES = {
@@ -128,3 +132,69 @@ def as_loader(data: Any, task: Any, batch_size: int) -> Iterable[Any]:
         )
     view = data.select_columns(present).with_format(None)
     return DataLoader(view, batch_size=batch_size, shuffle=False, collate_fn=collate_rows)
+
+
+def _vocab_size(model: Any) -> int | None:
+    """Rows of the model's input embedding (``None`` when it has no HF embedding accessor)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if not callable(getter):
+        return None
+    try:
+        emb = getter()
+    except (NotImplementedError, AttributeError):
+        return None
+    size = getattr(emb, "num_embeddings", None)
+    return int(size) if isinstance(size, int) else None
+
+
+def check_token_batch(task: Any, model: Any, batch: Sequence[Tensor], what: str) -> None:
+    """Refuse token ids outside the vocabulary and rows with no predicted token.
+
+    Checked for the Hugging Face tasks (those with ``as_batch``), on the
+    canonical batch: ``input_ids`` (and ``labels`` other than ``-100``) must lie
+    in ``[0, vocab_size)`` of the model's input embedding; for the language
+    tasks (whose third entry is ``labels``) each row must predict at least one
+    token, else its gradient is zero and its scores silently all zero.
+
+    Raises:
+        BatchFormatError: naming the rows, the largest id and the vocabulary size.
+    """
+    if not callable(getattr(task, "as_batch", None)) or not batch:
+        return
+    vocab = _vocab_size(model)
+    ids = batch[0]
+    columns = [("input_ids", ids)]
+    labels = batch[2] if len(batch) >= 3 and hasattr(task, "per_token_batch") else None
+    if labels is not None:
+        columns.append(("labels", labels))
+    for name, t in columns:
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.numel() == 0:
+            continue
+        valid = t != IGNORE_INDEX if name == "labels" else torch.ones_like(t, dtype=torch.bool)
+        low = valid & (t < 0)
+        high = valid & (t >= vocab) if vocab is not None else torch.zeros_like(low)
+        bad = (low | high).reshape(t.shape[0], -1).any(dim=1)
+        if bool(bad.any()):
+            rows = torch.nonzero(bad).reshape(-1).tolist()
+            values = t[valid]
+            raise BatchFormatError(
+                f"{what}: `{name}` of batch rows {rows[:10]} hold token ids outside "
+                f"[0, {vocab if vocab is not None else 'vocab_size'}): smallest "
+                f"{int(values.min())}, largest {int(values.max())}, but the model's vocabulary "
+                f"has {vocab} tokens. Tokenize with the model's own tokenizer (or resize its "
+                "embeddings), and mark ignored labels with -100."
+            )
+    if labels is None or labels.dim() != 2:
+        return
+    # Causal LMs predict labels[:, 1:] (Hugging Face's shift); seq2seq every label.
+    shifted = isinstance(task, LanguageModelingModelOutput)
+    predicted = labels[:, 1:] if shifted else labels
+    empty = ~(predicted != IGNORE_INDEX).any(dim=1)
+    if bool(empty.any()):
+        rows = torch.nonzero(empty).reshape(-1).tolist()
+        raise BatchFormatError(
+            f"{what}: batch rows {rows[:10]} ({len(rows)} of {labels.shape[0]}) predict no token: "
+            "every label (after the first, which a causal LM never predicts) is -100, so their "
+            "gradient and scores would be all zero. Drop those rows, or keep at least one label "
+            "per row that is not -100."
+        )

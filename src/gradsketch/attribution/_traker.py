@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import filelock
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 from gradsketch._checks import positive_int
 from gradsketch._hash import TensorDigest
 from gradsketch._settings import SettingsMismatchError, read_record, write_record
-from gradsketch._store import RowStore, default_chunk_rows
+from gradsketch._store import RowStore, StoreIntegrityError, default_chunk_rows
 from gradsketch.attribution import _layout as layout
 from gradsketch.attribution._distributed import (
     all_gather_columns,
@@ -40,10 +41,17 @@ from gradsketch.attribution._gradient_computers import (
     FunctionalGradientComputer,
 )
 from gradsketch.attribution._hook_computer import refuse_wrapped
+from gradsketch.attribution._integrity import (
+    check_batch_rows,
+    check_finite_rows,
+    check_weights,
+    damage_report,
+    load_npz,
+)
 from gradsketch.attribution._io import default_block_rows, rows_as_tensor
 from gradsketch.attribution._kronecker_features import CURVATURES, KroneckerFeaturizer
 from gradsketch.attribution._linalg import damped_inverse, resolve_lambda
-from gradsketch.attribution._lm_data import as_loader, as_task_batch
+from gradsketch.attribution._lm_data import as_loader, as_task_batch, check_token_batch
 from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._preconditioners import (
@@ -429,6 +437,11 @@ class TRAKer:
         # An instance to ask what it stores beside the features.
         self._stored_arrays = self._new_preconditioner().stored_arrays
         self.save_dir = Path(save_dir).resolve()
+        if self.save_dir.exists() and not self.save_dir.is_dir():
+            raise NotADirectoryError(
+                f"`save_dir`={str(save_dir)!r} is a file, not a directory; pass the path of a "
+                "directory (it is created if missing)."
+            )
         # Rank 0 writes the settings record; the others then compare with it.
         with rank_zero_first():
             self.store = RowStore(self.save_dir, self.settings, what="TRAK store")
@@ -450,6 +463,7 @@ class TRAKer:
         self._covered: np.ndarray | None = None
         self._covered_any: np.ndarray | None = None
         self._rows_since_save = 0
+        self._ckpt_lock: filelock.BaseFileLock | None = None
         self.scores: Any = None
 
     # -- set-up ----------------------------------------------------------------
@@ -607,7 +621,11 @@ class TRAKer:
 
     def _ckpt_record(self, model_id: int) -> dict[str, Any]:
         path = self.save_dir / layout.checkpoint_record(model_id)
-        return read_record(path) if path.exists() else {}
+        fix = (
+            "delete that file and rerun: load_checkpoint writes it again, the stored rows are "
+            "checked and kept, and finalize_features runs again."
+        )
+        return read_record(path, fix=fix) if path.exists() else {}
 
     def _write_ckpt_record(self, model_id: int, record: Mapping[str, Any]) -> None:
         path = self.save_dir / layout.checkpoint_record(model_id)
@@ -650,20 +668,133 @@ class TRAKer:
         mine = np.zeros(n, dtype=bool)
         every = np.zeros(n, dtype=bool)
         for path in self._accumulated_files(model_id):
-            with np.load(path) as z:
-                written_by = int(z["__world__"])
-                if written_by != world:
-                    raise SettingsMismatchError(
-                        f"model id {model_id} in `{self.save_dir}` has curvature statistics "
-                        f"accumulated by {written_by} process(es), but this run has {world}. "
-                        f"Resume with {written_by}, or pass load_from_save_dir=False to refit."
-                    )
-                covered = z["__covered__"].astype(bool)
-                every |= covered
-                if path == self._accumulated_path(model_id, rank):
-                    mine = covered
-                    precond.load_state_dict({k: z[k] for k in z.files if not k.startswith("__")})
+            z, problem = load_npz(path)
+            if z is None or "__world__" not in z or "__covered__" not in z:
+                # Recomputed: its rows count as not yet in the statistics.
+                self.logger.warning(
+                    "curvature statistics `%s` are damaged (%s); discarding them: featurize "
+                    "adds their rows again.",
+                    path,
+                    problem or "incomplete",
+                )
+                with self.store.lock.held():
+                    path.unlink(missing_ok=True)
+                continue
+            written_by = int(z["__world__"])
+            if written_by != world:
+                raise SettingsMismatchError(
+                    f"model id {model_id} in `{self.save_dir}` has curvature statistics "
+                    f"accumulated by {written_by} process(es), but this run has {world}. "
+                    f"Resume with {written_by}, or pass load_from_save_dir=False to refit."
+                )
+            covered = z["__covered__"].astype(bool)
+            every |= covered
+            if path == self._accumulated_path(model_id, rank):
+                mine = covered
+                precond.load_state_dict({k: v for k, v in z.items() if not k.startswith("__")})
         return precond, mine, every
+
+    # -- one featurizing process per checkpoint, intact rows ------------------------------
+    def _hold_checkpoint(self, model_id: int) -> None:
+        """Accumulating methods: hold ``model_id``'s featurizing lock (one process at a time).
+
+        Their curvature statistics live in one file per rank that a second
+        process would overwrite, so a second process featurizing the same
+        checkpoint waits here until the first moves on (or exits).
+        """
+        self._release_checkpoint()
+        if not self._precond_cls.accumulates:
+            return
+        rank, _ = rank_and_world()
+        folder = self.save_dir / layout.checkpoint_dir(model_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(
+            str(folder / f".featurize.{rank}.lock"), thread_local=False, is_singleton=True
+        )
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            self.logger.warning(
+                "model id %d in `%s` is being featurized by another process; waiting until it "
+                "loads another checkpoint, finalizes or exits (curvature statistics are "
+                "accumulated by one process per checkpoint).",
+                model_id,
+                self.save_dir,
+            )
+            lock.acquire()
+        self._ckpt_lock = lock
+
+    def _release_checkpoint(self) -> None:
+        lock, self._ckpt_lock = self._ckpt_lock, None
+        if lock is not None:
+            lock.release()
+
+    def _row_arrays(self, model_id: int) -> list[str]:
+        """The stored per-row arrays of ``model_id`` (those that exist)."""
+        names = ("grads", "out_to_loss", "features", *self._stored_arrays)
+        arrays = [layout.checkpoint_array(model_id, name) for name in dict.fromkeys(names)]
+        return [a for a in arrays if self.store.has(a)]
+
+    def _damaged(self, done: str, arrays: list[str]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Damaged rows per array and all of them, unflagged in ``done`` for recomputation."""
+        found = self.store.damaged_rows(arrays, done)
+        if not found:
+            return {}, np.zeros(0, dtype=np.int64)
+        rows = np.unique(np.concatenate(list(found.values())))
+        self.store.unflag(done, rows)
+        return found, rows
+
+    def _repair_rows(self, model_id: int) -> None:
+        """Unflag training rows whose stored data are missing or damaged; featurize redoes them."""
+        assert self._done is not None
+        if not self._done.any():
+            return
+        done = layout.checkpoint_array(model_id, "done")
+        found, rows = self._damaged(done, self._row_arrays(model_id))
+        if rows.size:
+            self.logger.warning(
+                "%s",
+                damage_report(
+                    found,
+                    self.save_dir,
+                    f"model id {model_id}",
+                    f"These {rows.size} row(s) were unflagged and are featurized again.",
+                ),
+            )
+            self._done[rows] = False
+
+    def _require_intact_rows(self, model_id: int) -> None:
+        """Refuse (and unflag) training rows of ``model_id`` that are missing or damaged."""
+        done = layout.checkpoint_array(model_id, "done")
+        found, rows = self._damaged(done, self._row_arrays(model_id))
+        if rows.size:
+            raise StoreIntegrityError(
+                damage_report(
+                    found,
+                    self.save_dir,
+                    f"model id {model_id}",
+                    f"They were unflagged: call load_checkpoint(<its state dict>, "
+                    f"model_id={model_id}) and featurize again (only these rows are "
+                    "recomputed), then finalize_features().",
+                )
+            )
+
+    def _require_intact_targets(self, exp_name: str, model_id: int) -> None:
+        """Refuse (and unflag) target rows of ``exp_name`` that are missing or damaged."""
+        target = functools.partial(layout.target_array, exp_name, model_id)
+        arrays = [a for a in (target("grads"), target("token_grads")) if self.store.has(a)]
+        found, rows = self._damaged(target("done"), arrays)
+        if rows.size:
+            raise StoreIntegrityError(
+                damage_report(
+                    found,
+                    self.save_dir,
+                    f"experiment {exp_name!r}, model id {model_id}",
+                    f"They were unflagged: call start_scoring_checkpoint({exp_name!r}, <its state "
+                    f"dict>, model_id={model_id}, ...) and score the targets again (only these "
+                    "rows are recomputed), then finalize_scores().",
+                )
+            )
 
     def _save_accumulated(self) -> None:
         """Write the loaded checkpoint's accumulated state, if rows were added since."""
@@ -684,10 +815,12 @@ class TRAKer:
             SettingsMismatchError: ``model_id`` was featurized from other weights.
         """
         self._save_accumulated()  # the previous checkpoint's, before they are replaced
+        check_weights(checkpoint, model_id)
         sha = checkpoint_fingerprint(checkpoint)
         require_same_across_ranks("(model_id, checkpoint fingerprint)", (int(model_id), sha))
         n, k = self.train_set_size, self.proj_dim
         arr = functools.partial(layout.checkpoint_array, model_id)
+        self._hold_checkpoint(model_id)
         with rank_zero_first() as first:
             record = self._ckpt_record(model_id)
             if record and record.get("checkpoint") != sha:
@@ -719,6 +852,7 @@ class TRAKer:
         # The stored chunking decides the shards (a resumed store keeps its own).
         self._owned = owned_mask(n, int(grads.chunks[0]))
         self._done = self.store.done_rows(arr("done"))
+        self._repair_rows(model_id)
         self._precond, self._covered, self._covered_any = None, None, None
         if self._precond_cls.accumulates:
             self._precond, self._covered, self._covered_any = self._read_accumulated(model_id)
@@ -789,6 +923,8 @@ class TRAKer:
             )
         batch = as_task_batch(self.task, batch)
         idx = _resolve_inds(inds, num_samples, self._last_ind, self.train_set_size, "featurize")
+        check_batch_rows(batch, idx, "inds" if num_samples is None else "num_samples", "featurize")
+        check_token_batch(self.task, self.model, batch, "featurize")
         if num_samples is not None:
             self._last_ind += int(num_samples)
         need_rows = ~self._done[idx]
@@ -806,6 +942,8 @@ class TRAKer:
             batch = tuple(t.index_select(0, keep.to(t.device)) for t in batch)
             idx, need_rows, need_acc = idx[todo], need_rows[todo], need_acc[todo]
         phi, q, parts, extra = self._train_rows(batch, idx)
+        # Before anything is accumulated or written: one NaN would poison every score.
+        check_finite_rows({"features": phi, "out_to_loss": q, **extra}, idx, batch, "featurize")
         if need_acc.any():
             mask = self.featurizer.token_mask(batch) if self.layered else None
             self._accumulate(idx, need_acc, phi, q, parts, mask)
@@ -953,6 +1091,7 @@ class TRAKer:
                 "training gradients are what queries are scored against. Pass del_grads=False."
             )
         self._save_accumulated()
+        self._release_checkpoint()
         if not self.layered:
             self.projector.free_memory()
         # Every rank's rows must be on disk before anyone reads the flags.
@@ -987,6 +1126,7 @@ class TRAKer:
             if record.get("finalized"):
                 self.logger.info("model id %d already finalized; skipping", model_id)
                 continue
+            self._require_intact_rows(model_id)
             precond = precond or self._new_preconditioner()
             grads = self.store.array(arr("grads"))
             # Each rank reads its own rows; the preconditioner sums across ranks.
@@ -1042,14 +1182,51 @@ class TRAKer:
     def _load_preconditioner(self, model_id: int, record: Mapping[str, Any]) -> Preconditioner:
         """The finalized preconditioner of ``model_id``, read from the store."""
         keys = record.get("state", ["xtx"] if self.method == "trak" else [])
+        state, problem = self._read_state(model_id, keys)
+        if state is None:
+            if record.get("features"):
+                raise StoreIntegrityError(
+                    f"model id {model_id} in `{self.save_dir}`: its finalized state is damaged "
+                    f"({problem}) and its gradients were deleted (del_grads=True). Fix: "
+                    f"featurize it again with load_from_save_dir=False, then finalize."
+                )
+            # Recomputed from the stored rows (and statistics), as finalize made it.
+            self.logger.warning(
+                "model id %d: finalized state is damaged (%s); finalizing it again.",
+                model_id,
+                problem,
+            )
+            self._write_ckpt_record(model_id, {**record, "finalized": False})
+            self.finalize_features([model_id])
+            record = self._ckpt_record(model_id)
+            keys = record.get("state", keys)
+            state, problem = self._read_state(model_id, keys)
+            if state is None:
+                raise StoreIntegrityError(
+                    f"model id {model_id} in `{self.save_dir}`: its finalized state is still "
+                    f"damaged after finalizing again ({problem})."
+                )
         precond = self._new_preconditioner()
-        precond.load_state_dict(
-            {
-                key: np.asarray(self.store.array(layout.checkpoint_state(model_id, key))[...])
-                for key in keys
-            }
-        )
+        precond.load_state_dict(state)
         return precond
+
+    def _read_state(
+        self, model_id: int, keys: Sequence[str]
+    ) -> tuple[dict[str, np.ndarray] | None, str | None]:
+        """The finalized state arrays, or ``(None, reason)`` when one is missing or damaged."""
+        state = {}
+        for key in keys:
+            name = layout.checkpoint_state(model_id, key)
+            if not self.store.has(name):
+                return None, f"`{self.save_dir / name}` is missing"
+            try:
+                value = np.asarray(self.store.array(name)[...])
+            except (ValueError, OSError, StoreIntegrityError) as exc:
+                return None, f"`{self.save_dir / name}` fails to read: {exc}"
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                return None, f"`{self.save_dir / name}` holds NaN (a chunk is missing)"
+            state[key] = value
+        return state, None
 
     def _form_features(self, model_id: int, xtx: Tensor, rows: range) -> None:
         grads = self.store.array(layout.checkpoint_array(model_id, "grads"))
@@ -1095,9 +1272,11 @@ class TRAKer:
                 or ``per_token``.
         """
         self._save_accumulated()
+        self._release_checkpoint()
         if not exp_name or "/" in exp_name:
             raise ValueError(f"`exp_name` must be a non-empty name without '/', got {exp_name!r}.")
         positive_int("num_targets", num_targets)
+        check_weights(checkpoint, model_id)
         if per_token and not callable(getattr(self.task, "per_token_batch", None)):
             raise ValueError(
                 f"`per_token`=True needs a task with per-token outputs (a `per_token_batch` "
@@ -1162,6 +1341,8 @@ class TRAKer:
         idx = _resolve_inds(
             inds, num_samples, self._last_ind_target, self._exp_num_targets, "score"
         )
+        check_batch_rows(batch, idx, "inds" if num_samples is None else "num_samples", "score")
+        check_token_batch(self.task, self.model, batch, "score")
         if num_samples is not None:
             self._last_ind_target += int(num_samples)
         todo = ~self._exp_done[idx]
@@ -1194,6 +1375,7 @@ class TRAKer:
             rows[name] = tokens.detach().reshape(size, -1).to(self.dtype).cpu().numpy()
         else:
             phi = self._features(batch, self._exp_model_id)
+        check_finite_rows({"target features": phi}, idx, batch, "score")
         rows[arr("grads")] = phi.detach().to(self.dtype).cpu().numpy()
         self.store.write_rows(idx, rows, done=arr("done"), background=True)
         self._exp_done[idx] = True
@@ -1269,6 +1451,8 @@ class TRAKer:
                     continue
                 raise ModelIDException(problem + "; or pass allow_skip=True.")
             arr = functools.partial(layout.checkpoint_array, model_id)
+            self._require_intact_targets(exp_name, model_id)
+            self._require_intact_rows(model_id)
             used.append(model_id)
             targets = self.store.array(target("grads"))
             out_to_loss = self.store.array(arr("out_to_loss"))

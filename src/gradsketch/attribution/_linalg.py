@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -192,6 +193,12 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
         ``[k, k]`` inverse in ``xtx``'s dtype.
     """
     k = xtx.shape[0]
+    if not (math.isfinite(lam) and bool(torch.isfinite(xtx).all())):
+        raise ValueError(
+            f"XᵀX (or λ={lam!r}) holds NaN or inf: some training features are not finite (a NaN "
+            "or inf in an input row, a weight, or a damaged stored chunk); damping cannot fix "
+            "that. Find the rows with `~np.isfinite(features).all(1)` and fix or drop them."
+        )
     if lam == 0:
         live = torch.diagonal(xtx) != 0
         if 0 < int(live.sum()) < k:

@@ -324,10 +324,14 @@ def test_killed_run_resumes_at_the_unfinished_chain(
 
 def test_a_diverging_chain_warns_and_keeps_nan(tmp_path: Path, data: torch.Tensor) -> None:
     def nan_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return per_token_loss(model, ids) * float("nan")
+        # Finite for L(w*) (evaluated under inference mode), NaN on every sampler step.
+        scale = 1.0 if torch.is_inference_mode_enabled() else float("nan")
+        return per_token_loss(model, ids) * scale
 
     kw = {**BASE, "num_draws": 2, "num_chains": 1}
-    with pytest.warns(UserWarning, match=r"Chain failed: chain 0: the loss is NaN"):
+    with pytest.warns(
+        UserWarning, match=r"Chain failed: chain 0: the loss is NaN or infinite at step 0 on rows"
+    ):
         ds = sample(
             tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "s", loss_fn=nan_loss, **kw
         ).dataset
@@ -541,17 +545,17 @@ def test_the_initial_loss_is_computed_once_per_process_for_the_same_inputs(
     head = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
     head["transformer.h.0.attn.c_attn.weight"][:, :4] = True
     full = sample(model, data, {"d": data}, output_path=tmp_path / "full", **BASE)
-    assert calls == [0, 1]
+    assert calls == [0]  # every chain takes chain 0's L(w*) (same batches)
     restricted = sample(
         model, data, {"d": data}, param_masks=head, output_path=tmp_path / "head", **BASE
     )
-    assert calls == [0, 1]
+    assert calls == [0]
     np.testing.assert_array_equal(
         restricted.dataset["init_loss"].values, full.dataset["init_loss"].values
     )
     sample(tiny_gpt2(dropout=0.2), data, {"d": data}, output_path=tmp_path / "p", **BASE)
-    assert calls == [0, 1] * 2
+    assert calls == [0] * 2
     sample(model, data.flip(0), {"d": data}, output_path=tmp_path / "data", **BASE)
-    assert calls == [0, 1] * 3
+    assert calls == [0] * 3
     sample(model, data, {"d": data}, output_path=tmp_path / "seed", init_seed=7, **BASE)
-    assert calls == [0, 1] * 4
+    assert calls == [0] * 4

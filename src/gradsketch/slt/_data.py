@@ -24,9 +24,12 @@ __all__ = [
     "NonFiniteLossError",
     "Observable",
     "as_token_tensor",
+    "check_finite_weights",
+    "check_token_range",
     "obs_id",
     "per_token_loss",
     "token_digest",
+    "vocab_size",
 ]
 
 #: ``(model, input_ids [batch, seq]) -> per-token loss [batch, seq - 1]``.
@@ -82,6 +85,71 @@ def as_token_tensor(dataset: Any, *, name: str = "dataset") -> torch.Tensor:
             f"{ids.shape[1]}."
         )
     return ids.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """Rows of the model's input embedding (token ids it takes), or None when unknown.
+
+    Example:
+        >>> vocab_size(torch.nn.Sequential(torch.nn.Embedding(5, 3)))
+        5
+    """
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if embedding is None:
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if isinstance(embedding, nn.Embedding):
+        return int(embedding.num_embeddings)
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
+def check_token_range(ids: torch.Tensor, vocab: int, *, name: str = "dataset") -> None:
+    """Refuse token ids outside ``[0, vocab)`` (the embedding would fail on them).
+
+    Example:
+        >>> check_token_range(torch.tensor([[0, 7]]), 5)
+        Traceback (most recent call last):
+        ...
+        ValueError: `dataset` holds token id 7 (row 0), but the model's vocabulary has 5 ids ...
+    """
+    if ids.numel() == 0:
+        return
+    high, low = int(ids.max()), int(ids.min())
+    if high < vocab and low >= 0:
+        return
+    bad = high if high >= vocab else low
+    row = int((ids == bad).any(dim=1).nonzero()[0, 0])
+    raise ValueError(
+        f"`{name}` holds token id {bad} (row {row}), but the model's vocabulary has {vocab} ids "
+        f"(0..{vocab - 1}); tokenize with the model's own tokenizer, or resize its embeddings "
+        "(model.resize_token_embeddings) to cover the ids."
+    )
+
+
+def check_finite_weights(model: nn.Module) -> None:
+    """Refuse a model with a NaN or infinite parameter, naming it (every loss would be too).
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 1)
+        >>> with torch.no_grad():
+        ...     layer.bias.fill_(float("inf"))
+        Parameter containing:
+        tensor([inf], requires_grad=True)
+        >>> check_finite_weights(layer)
+        Traceback (most recent call last):
+        ...
+        gradsketch.slt._data.NonFiniteLossError: `model` parameter 'bias' holds 1 NaN ...
+    """
+    for pname, param in model.named_parameters():
+        finite = torch.isfinite(param.detach())
+        if not bool(finite.all()):
+            count = int((~finite).sum())
+            raise NonFiniteLossError(
+                f"`model` parameter {pname!r} holds {count} NaN or infinite values of "
+                f"{param.numel()}; every loss of this model is non-finite. Reload the trained "
+                "weights (the checkpoint or the training run that wrote them is broken)."
+            )
 
 
 def token_digest(ids: torch.Tensor) -> str:

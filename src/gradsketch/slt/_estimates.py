@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradsketch.sampling._divergence import warn_if_diverged
 from gradsketch.slt._data import LossFn, obs_id
-from gradsketch.slt._sample import sample
+from gradsketch.slt._sample import NUMEL_ATTR, sample
 
 __all__ = [
     "bif",
@@ -82,6 +83,11 @@ def compute_llc(samples: Any) -> Any:
         standard error of ``llc_mean`` across chains (``std(ddof=1) /
         sqrt(chains)``, NaN for one chain).
 
+    A chain whose loss grows by orders of magnitude, or an LLC far outside
+    ``[0, d/2]`` (``d`` the sampled weights), warns
+    :class:`~gradsketch.sampling._divergence.ChainDivergenceWarning` with the
+    step size to try.
+
     Example:
         >>> import xarray as xr
         >>> ds = xr.Dataset({
@@ -100,6 +106,17 @@ def compute_llc(samples: Any) -> Any:
     micro = np.asarray(ds["sampling_loss_micro"].values)
     trace = micro.astype(np.float64).mean(axis=(2, 3))  # [chain, step]
     per_chain = n_beta * (trace.mean(axis=1) - init_mean)
+    # A diverged chain (or an LLC far outside [0, d/2]) warns with the step size to try.
+    numel = ds.attrs.get(NUMEL_ATTR, ds.attrs.get("metrics_numel"))
+    lr = ds.attrs["metadata"]["config"]["sampler"].get("lr")
+    warn_if_diverged(
+        trace,
+        init_mean,
+        nbeta=n_beta,
+        numel=int(numel) if isinstance(numel, (int, float)) else None,
+        lr=float(lr) if isinstance(lr, (int, float)) else None,
+        stacklevel=2,
+    )
     chains = per_chain.shape[0]
     sem = float(per_chain.std(ddof=1) / np.sqrt(chains)) if chains > 1 else float("nan")
     trace_da = xr.DataArray(trace.astype(micro.dtype), dims=("chain", "step"))

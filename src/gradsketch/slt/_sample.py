@@ -39,22 +39,26 @@ thread, which alone writes the store, in the same order (data, then flag).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import inspect
 import logging
+import os
 import pickle
+import shutil
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import zarr
+from filelock import FileLock, Timeout
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -70,8 +74,11 @@ from gradsketch.slt._data import (
     NonFiniteLossError,
     Observable,
     as_token_tensor,
+    check_finite_weights,
+    check_token_range,
     per_token_loss,
     token_digest,
+    vocab_size,
 )
 from gradsketch.slt._restrictions import to_param_mask
 from gradsketch.slt._train_forward import dropout_stream, train_copy, uses_global_generator
@@ -108,6 +115,16 @@ _NAN_FILL = "AAAAAAAA+H8="
 _FORMAT = "gradsketch.slt.sample/1"
 #: Root attribute holding the settings record of a gradsketch sample store.
 SETTINGS_ATTR = "gradsketch_settings"
+#: Root attribute: the number of sampled weights ``d`` (the LLC lies in ``[0, d/2]``).
+NUMEL_ATTR = "gradsketch_numel"
+
+
+def lock_path(path: Path) -> Path:
+    """The advisory lock file of the store at ``path``, held by the one process writing it.
+
+    Hidden beside the store: zarr warns of any foreign file inside one.
+    """
+    return path.with_name(f".{path.name}.lock")
 
 
 class OutputPathMismatchError(SettingsMismatchError, RuntimeError):
@@ -353,13 +370,58 @@ class _ChainWriter:
         self._writer.close()
 
 
+#: Top-level arrays and groups of a sample store (the prefixes end in ``_``).
+_LAYOUT_NAMES = ("init_loss", "sampling_loss", "sampling_loss_micro", "sampling_input_ids_micro")
+_LAYOUT_PREFIXES = ("loss_", "input_ids_", "metrics_", "sketch_")
+
+
+def _half_created(path: Path) -> bool:
+    """True for a store :meth:`_Run._layout` began and never finished (nothing sampled yet).
+
+    The layout writes the settings record last and every chain after it, so
+    a store without the record whose entries are all the layout's own
+    (arrays, the ``progress`` group, zarr's metadata and its ``.partial``
+    temporaries) holds nothing that cannot be made again: a kill, or a full
+    disk, while it was being created.
+    """
+    for entry in path.iterdir():
+        name = entry.name
+        if name == "zarr.json" or name.endswith(".partial"):
+            continue
+        ours = name in _LAYOUT_NAMES or name == "progress" or name.startswith(_LAYOUT_PREFIXES)
+        if not (ours and entry.is_dir()):
+            return False
+    return True
+
+
+def _clear_half_created(path: Path) -> None:
+    """Remove a half-created store's entries (only those :func:`_half_created` accepted)."""
+    logger.warning(
+        "sample(): %s was created by an interrupted run before any sample was written; "
+        "creating it again",
+        path,
+    )
+    for entry in path.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def _check_existing(path: Path, record: dict[str, Any], sampler: dict[str, Any]) -> str:
-    """``"new"``, ``"resume"`` or ``"done"`` for an existing ``output_path``; refuse mismatches."""
+    """``"new"``, ``"resume"`` or ``"done"`` for an existing ``output_path``; refuse mismatches.
+
+    A store half-created by an interrupted run (:func:`_half_created`) is
+    cleared and made again (``"new"``).
+    """
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return "new"
     try:
         attrs: dict[str, Any] = dict(zarr.open_group(str(path), mode="r").attrs)
     except Exception as exc:
+        if _half_created(path):
+            _clear_half_created(path)
+            return "new"
         raise OutputPathMismatchError(
             f"`output_path`={str(path)!r} exists but is not a zarr store ({exc!r}); pass "
             "another path or delete it."
@@ -368,7 +430,8 @@ def _check_existing(path: Path, record: dict[str, Any], sampler: dict[str, Any])
         diffs = settings_diff(attrs[SETTINGS_ATTR], record)
         if diffs:
             raise OutputPathMismatchError(
-                f"`output_path`={str(path)!r} holds samples made with other settings:\n  "
+                f"`output_path`={str(path)!r} has a different sampler config (samples made with "
+                "other settings):\n  "
                 + "\n  ".join(diffs)
                 + "\nPass another output_path for the new settings, delete the old samples, "
                 "or rerun with the stored settings."
@@ -376,6 +439,9 @@ def _check_existing(path: Path, record: dict[str, Any], sampler: dict[str, Any])
         return "done" if attrs.get("completed") == 1 else "resume"
     # Written by devinterp: reuse it when complete and made with the same sampler settings.
     stored = attrs.get("metadata", {}).get("config", {}).get("sampler")
+    if stored is None and _half_created(path):
+        _clear_half_created(path)
+        return "new"
     if stored is None:
         raise OutputPathMismatchError(
             f"`output_path`={str(path)!r} is a zarr store but holds no samples (no "
@@ -383,13 +449,56 @@ def _check_existing(path: Path, record: dict[str, Any], sampler: dict[str, Any])
         )
     diffs = settings_diff(stored, sampler)
     if diffs or attrs.get("completed") != 1:
-        state = "is incomplete" if not diffs else "was made with other sampler settings"
+        state = "is incomplete" if not diffs else "has a different sampler config"
         raise OutputPathMismatchError(
-            f"`output_path`={str(path)!r} holds devinterp samples that {state}:\n  "
+            f"`output_path`={str(path)!r} holds devinterp samples; the store {state}:\n  "
             + "\n  ".join(diffs or ["completed: stored <missing>, requested 1"])
             + "\nPass another output_path or delete it."
         )
     return "done"
+
+
+@contextlib.contextmanager
+def _store_lock(path: Path) -> Iterator[None]:
+    """Hold ``path``'s advisory lock: one process writes a store at a time.
+
+    A second process asking for a store another one is writing waits for
+    it (logging that it waits, and on which lock), then finds it complete
+    and reuses it, or resumes it where the other stopped. The lock is an
+    ``flock`` on :func:`lock_path` beside the store, released by the
+    operating system when its holder dies, so a killed run leaves none held.
+    """
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            f"`output_path`={str(path)!r} is a file, not a directory; pass a directory path "
+            "for the zarr store (it is created) or move the file away."
+        )
+    lock: FileLock | None = FileLock(str(lock_path(path)))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        assert lock is not None
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.warning(
+                "sample(): another process is writing %s; waiting for it to finish (lock %s)",
+                path,
+                lock_path(path),
+            )
+            lock.acquire()
+    except OSError as exc:
+        if not (path.is_dir() and not os.access(path.parent, os.W_OK)):
+            raise OSError(
+                f"`output_path`={str(path)!r} cannot be locked for writing ({exc}); pass a "
+                "writable directory."
+            ) from exc
+        # A read-only store can only be read (a complete one is reused; else writing fails).
+        lock = None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _open_tree(path: Path) -> Any:
@@ -618,6 +727,12 @@ def sample(
         raise ValueError(
             f"`observables` names map to repeated identifiers {ids_seen}; rename them."
         )
+    vocab = vocab_size(model)
+    if vocab is not None:
+        check_token_range(data, vocab, name="dataset")
+        for o in obs_list:
+            check_token_range(o.input_ids, vocab, name=f"observables[{o.name!r}]")
+    check_finite_weights(model)
     cores = check_cores(cores)
     mask = to_param_mask(model, param_masks)
     if mask.numel == 0:
@@ -667,26 +782,27 @@ def sample(
         path = Path(tempfile.mkdtemp()) / "samples.zarr"
     else:
         path = Path(output_path)
-    state = _check_existing(path, record, settings.metadata())
-    if state == "done":
-        logger.info("sample(): reusing the completed samples at %s", path)
-        return _open_tree(path)
-    torch_device = torch.device(
-        device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    _Run(
-        model=model,
-        data=data,
-        observables=obs_list,
-        settings=settings,
-        mask=mask,
-        loss_fn=loss,
-        device=torch_device,
-        path=path,
-        record=record,
-        sketch_dim=sketch_dim,
-        cores=cores,
-    ).run()
+    with _store_lock(path):
+        state = _check_existing(path, record, settings.metadata())
+        if state == "done":
+            logger.info("sample(): reusing the completed samples at %s", path)
+            return _open_tree(path)
+        torch_device = torch.device(
+            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        _Run(
+            model=model,
+            data=data,
+            observables=obs_list,
+            settings=settings,
+            mask=mask,
+            loss_fn=loss,
+            device=torch_device,
+            path=path,
+            record=record,
+            sketch_dim=sketch_dim,
+            cores=cores,
+        ).run()
     return _open_tree(path)
 
 
@@ -901,6 +1017,7 @@ class _Run:
             },
             SETTINGS_ATTR: settings_record(self.record),
         }
+        attrs[NUMEL_ATTR] = self.mask.numel
         if s.save_metrics:
             attrs["metrics_numel"] = self.mask.numel
         if SETTINGS_ATTR not in root.attrs:
@@ -967,13 +1084,23 @@ class _Run:
             native_library(),
         )
 
+    def _shared_init(self) -> bool:
+        """Whether every chain takes one L(w*): same weights (no init noise), same batches."""
+        return self.s.match_sampling_input_ids_across_chains and not self.s.init_noise
+
     @torch.inference_mode()
     def _init_loss(self, work: nn.Module, chain: int, cache: dict[int, np.ndarray]) -> np.ndarray:
+        """L(w*) per position for ``chain`` (``[token_pos]``), refused when not finite.
+
+        With :meth:`_shared_init` it is chain 0's (its dropout stream), whichever
+        chain asks: a resumed run gives the uninterrupted run's bits.
+        """
         s = self.s
-        shared = s.match_sampling_input_ids_across_chains and not s.init_noise
-        if shared and cache:
-            # Same weights, same batches: the same L(w*) (up to dropout's draws).
-            return next(iter(cache.values()))
+        if self._shared_init():
+            if cache:
+                # Same weights, same batches: the same L(w*) (up to dropout's draws).
+                return next(iter(cache.values()))
+            chain = 0
         gen = self._generator(chain)
         self._reset(work)
         if s.init_noise:
@@ -985,6 +1112,15 @@ class _Run:
         work.train()
         with dropout_stream(gen):
             losses = self._forward_rows(work, self.data[rows], check=True)
+        bad = ~torch.isfinite(losses).all(dim=1)
+        if bool(bad.any()):
+            where = sorted(set(rows[bad].tolist()))
+            raise NonFiniteLossError(
+                f"the initial loss L(w*) is NaN or infinite on {len(where)} sequences of "
+                f"`dataset` (rows {where[:10]}{' ...' if len(where) > 10 else ''}) before any "
+                "sampling step: the model's weights or `loss_fn` give a non-finite loss there; "
+                "check the weights and loss_fn on these rows, or drop them from the data."
+            )
         value = losses.double().mean(dim=0).float().numpy()
         cache[chain] = value
         return value
@@ -1052,8 +1188,17 @@ class _Run:
                         micro_loss[step, j * bs : (j + 1) * bs] = loss.detach().cpu().numpy()
                     assert acc is not None
                     if not bool(torch.isfinite(acc).all()):
+                        bad = ~np.isfinite(micro_loss[step]).all(axis=1)
+                        where = sorted(set(rows.numpy()[bad].tolist()))
+                        cause = (
+                            "at the model's own weights: check them and `loss_fn` on these rows"
+                            if step == 0
+                            else f"after {step} steps: the chain diverged; lower `lr` (try "
+                            f"lr={s.lr / 10:.2g}) or raise `localization`"
+                        )
                         raise NonFiniteLossError(
-                            f"chain {chain}: the loss is NaN or infinite at step {step}"
+                            f"chain {chain}: the loss is NaN or infinite at step {step} on rows "
+                            f"{where[:10]} of `dataset`, {cause}"
                         )
                     step_fn(noise_generator=noise_gen)
                     if s.save_metrics:
@@ -1074,7 +1219,7 @@ class _Run:
                         self._tick()
         except NonFiniteLossError as exc:
             # As devinterp: a failed chain warns (in the caller's process) and keeps NaN.
-            failure = f"Chain failed: {exc}; lower `lr` or raise `localization`."
+            failure = f"Chain failed: {exc}; its remaining draws are NaN."
         out: dict[str, np.ndarray] = {
             "sampling_loss": draw_loss[None],
             "sampling_loss_micro": micro_loss[None],
@@ -1117,12 +1262,20 @@ class _Run:
                 init_done = np.asarray(_array(root, "progress/init_done")[:], dtype=bool)
                 cache: dict[int, np.ndarray] = {}
                 known = self._init_key(threads)
+                shared = self._shared_init()
+                if shared and init_done.any():
+                    # Resuming: the stored L(w*), never one of another chain's dropout stream.
+                    first = int(np.flatnonzero(init_done)[0])
+                    stored = np.asarray(_array(root, "init_loss")[first], dtype=np.float32)
+                    if np.isfinite(stored).all():
+                        cache[first] = stored
                 for chain in range(s.num_chains):
                     if not init_done[chain]:
-                        value = _INIT_LOSSES.get((*known, chain))
+                        key = (*known, 0 if shared else chain)
+                        value = _INIT_LOSSES.get(key)
                         if value is None:
                             value = self._init_loss(self.work(), chain, cache)
-                            _INIT_LOSSES[(*known, chain)] = value.copy()
+                            _INIT_LOSSES[key] = value.copy()
                         writer.write(chain, {"init_loss": value}, "progress/init_done")
                 with tqdm(total=len(todo) * s.num_steps, desc="sampling", disable=None) as bar:
                     in_process = not parallel or self.threaded

@@ -24,6 +24,7 @@ from gradsketch.sampling import (
     register_preconditioner,
 )
 from gradsketch.sampling import _reduce as reduce_module
+from gradsketch.sampling import _sgmcmc as sgmcmc_module
 from gradsketch.sampling import _workspace as workspace_module
 from gradsketch.sketch import CountSketch
 from gradsketch.sketch import _countsketch as countsketch_module
@@ -257,7 +258,7 @@ def test_matches_float64_reference(method, kwargs, ref_extra, tile):
         comps = ref.step(g2)
         for a, b in zip(ours_model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-        got, want = opt.get_metrics(), Reference.metrics(comps)
+        got, want = opt.get_metrics(dtype=torch.float64), Reference.metrics(comps)
         for name, value in want.items():
             assert float(getattr(got, name)) == pytest.approx(value, rel=1e-10, abs=1e-14), name
         masks = ref_extra.get("masks")
@@ -353,7 +354,7 @@ def test_changed_hyperparameters_between_steps_are_recorded():
         set_grads(ref_model, step)
         opt.step(noise_generator=g1)
         comps = ref.step(g2)
-        got, want = opt.get_metrics(), Reference.metrics(comps)
+        got, want = opt.get_metrics(dtype=torch.float64), Reference.metrics(comps)
         for name, value in want.items():
             assert float(getattr(got, name)) == pytest.approx(value, rel=1e-10, abs=1e-14), name
         for q in QUANTITIES:
@@ -410,7 +411,9 @@ def test_parameter_groups_share_one_sketch_in_order():
             for g, lr in zip(grads, [1e-3, 1e-3, 2e-3, 2e-3])
         )
     )
-    assert float(opt.get_metrics().unscaled_grad) == pytest.approx(exact, rel=1e-10)
+    assert float(opt.get_metrics(dtype=torch.float64).unscaled_grad) == pytest.approx(
+        exact, rel=1e-10
+    )
 
 
 def test_get_sketches_is_a_float32_cpu_copy():
@@ -666,9 +669,14 @@ FACTORY_SIGNATURES = {
         "nbeta: 'float' = 1.0, bounding_box_size: 'float | None' = None, "
         "save_metrics: 'bool' = False, sketch_dim: 'int | None' = None, "
         "sketch_seed: 'int' = 0, localization: 'float' = 0.0, "
-        "weight_decay: 'float' = 0.0) -> 'SGMCMC'"
+        "weight_decay: 'float' = 0.0, devinterp_compat: 'bool' = False) -> 'SGMCMC'"
     ),
 }
+_SGNHT_DOC = sgmcmc_module._SGNHT_DOC
+assert _SGNHT_DOC.startswith(
+    "SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHooverThermostat`).\n\n"
+    "        ``devinterp_compat=True`` takes devinterp 2.0.1's ``SGMCMC.sgnht`` step"
+)
 FACTORY_DOCS = {
     "sgld": (
         "SGLD with localization (Lau et al. 2023): identity preconditioner.\n\n"
@@ -679,7 +687,7 @@ FACTORY_DOCS = {
     "adam_sgld": (
         "Adam-preconditioned SGLD with adaptive drift (see :class:`AdamPreconditioner`)."
     ),
-    "sgnht": ("SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHooverThermostat`)."),
+    "sgnht": _SGNHT_DOC,
 }
 
 
@@ -868,7 +876,7 @@ def test_gradients_read_in_place_equal_the_copied_workspace(layout, monkeypatch)
                 if i == 1:  # the second sampler always copies
                     mp.setattr(SGMCMC, "_direct_grads", staticmethod(lambda params: False))
                 opt.step(noise_generator=gens[i])
-            results.append((opt.get_metrics(), opt.get_sketches()))
+            results.append((opt.get_metrics(dtype=torch.float64), opt.get_sketches()))
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(a, b)
         (m0, s0), (m1, s1) = results

@@ -71,7 +71,7 @@ def run(num_seeds: int, width: int, k: int) -> None:
         opt.step(noise_generator=torch.Generator().manual_seed(11))
         buf = opt.get_sketches().as_dict()
         if exact is None:
-            exact = opt.get_metrics()
+            exact = opt.get_metrics(dtype=torch.float64)
         for a, b in PAIRS:
             sketches[(a, b)].append(float(buf[a].double() @ buf[b].double()))
     for a, b in PAIRS:

@@ -35,7 +35,7 @@ from gradsketch.sampling._preconditioners import (
     register_preconditioner,
 )
 from gradsketch.sampling._recording import LLCRecordSettings, SettingsMismatchError, open_draw_store
-from gradsketch.sampling._sgmcmc import SGLD, SGMCMC
+from gradsketch.sampling._sgmcmc import SGLD, SGMCMC, DevinterpSGNHTNoise
 from gradsketch.sampling._truth import (
     deep_linear_learning_coefficient,
     normal_crossing_learning_coefficient,
@@ -56,6 +56,7 @@ __all__ = [
     "RMSpropPreconditioner",
     "AdamPreconditioner",
     "NoseHooverThermostat",
+    "DevinterpSGNHTNoise",
     "register_preconditioner",
     # local learning coefficient
     "estimate_learning_coeff_with_summary",

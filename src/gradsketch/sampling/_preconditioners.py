@@ -214,7 +214,7 @@ class NoseHooverThermostat(Preconditioner):
     dynamics = "nose_hoover"
 
     def __init__(self, diffusion_factor: float = 0.01) -> None:
-        _check_positive("diffusion_factor", diffusion_factor)
+        _check_positive("diffusion_factor", diffusion_factor, allow_zero=True)
         self.diffusion_factor = float(diffusion_factor)
 
     def coefficients(

@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SGLD",
     "SGMCMC",
+    "DevinterpSGNHTNoise",
     "PRECONDITIONERS",
     "AdamPreconditioner",
     "IdentityPreconditioner",
@@ -234,9 +235,11 @@ class SGMCMC(Optimizer):
     # ------------------------------------------------------------------ setup
     def _init_group(self, group: dict[str, Any]) -> None:
         params: list[torch.Tensor] = list(group["params"])
-        group["preconditioner"] = resolve_preconditioner(
-            group["preconditioner"], group.pop("preconditioner_kwargs", {}) or {}
-        )
+        options = dict(group.pop("preconditioner_kwargs", {}) or {})
+        if group["preconditioner"] == "rmsprop" and "add_grad_correction" in options:
+            # devinterp's rmsprop_sgld passes this to its preconditioner; only False works.
+            _refuse_grad_correction(options.pop("add_grad_correction"))
+        group["preconditioner"] = resolve_preconditioner(group["preconditioner"], options)
         centers = self._resolve_prior(group, params)
         masks = self._resolve_mask(group.get("mask"), params)
         group["masks"] = masks
@@ -396,7 +399,7 @@ class SGMCMC(Optimizer):
                 gram += g_gram
             numel += g_numel
         if gram is not None:
-            self._last_metrics = Metrics.from_gram(gram, numel)
+            self._last_metrics = Metrics.from_gram(gram, numel, dtype=torch.float64)
         return loss
 
     def _step_group(
@@ -466,13 +469,22 @@ class SGMCMC(Optimizer):
         return _workspace.direct_grads(params)
 
     # ---------------------------------------------------------------- results
-    def get_metrics(self) -> Metrics:
-        """Metrics of the last step (CPU, float64); RuntimeError without ``save_metrics``."""
+    def get_metrics(self, *, dtype: torch.dtype = torch.float32) -> Metrics:
+        """A copy of the last step's metrics; RuntimeError without ``save_metrics``.
+
+        Args:
+            dtype: dtype of the fields. The default, float32 ``[1]`` CPU
+                tensors, is devinterp 2.0's; each value is accumulated in
+                float64 (one Gram matrix of the components) and rounded once.
+                ``torch.float64`` returns the unrounded values.
+        """
         if not self.save_metrics:
-            raise RuntimeError("Metrics not enabled. Pass save_metrics=True to the sampler.")
+            raise RuntimeError(
+                "Metrics not enabled. Set save_metrics=True (pass it to the sampler or factory)."
+            )
         if self._last_metrics is None:
-            return Metrics()
-        return self._last_metrics
+            return Metrics().astype(dtype)
+        return self._last_metrics.astype(dtype)
 
     def get_sketches(self) -> SketchBuffer:
         """Float32 CPU copy of the last step's sketches; RuntimeError without ``sketch_dim``."""
@@ -519,6 +531,61 @@ class SGMCMC(Optimizer):
         return next(iter(self.param_groups[0]["params"])).device
 
 
+class DevinterpSGNHTNoise(Preconditioner):
+    """devinterp 2.0.1's ``SGMCMC.sgnht`` step, kept to reproduce its numbers (not SGNHT).
+
+    Langevin dynamics with the noise scaled by ``sqrt(2 a)``::
+
+        w <- w - (eps / 2)(nbeta grad L + prior) + sqrt(eps) sqrt(2 a) xi
+
+    ``sqrt(2 a)`` is rounded to float32, as devinterp computes it, and at
+    every step each parameter draws one ``torch.randn_like(param)`` from the
+    global generator and drops it, as devinterp does (its
+    ``state.get("momentum", torch.randn_like(param))`` evaluates the default
+    at each call), so a script seeded with ``torch.manual_seed`` sees the
+    same global stream.
+    Why this is not SGNHT: see :meth:`SGMCMC.sgnht`. Built by
+    ``SGMCMC.sgnht(..., devinterp_compat=True)``.
+
+    Args:
+        diffusion_factor: ``a``; 0 injects no noise.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        >>> opt = SGMCMC.sgnht([w], lr=0.01, diffusion_factor=0.0, devinterp_compat=True)
+        >>> w.grad = torch.ones(2, dtype=torch.float64)
+        >>> opt.step()
+        >>> w.detach()  # w - (eps / 2) grad, no noise
+        tensor([-0.0050, -0.0050], dtype=torch.float64)
+    """
+
+    def __init__(self, diffusion_factor: float = 0.01) -> None:
+        _check_positive("diffusion_factor", diffusion_factor, allow_zero=True)
+        self.diffusion_factor = float(diffusion_factor)
+        # devinterp: torch.sqrt(torch.tensor(2.0 * diffusion_factor)), a float32 scalar.
+        self.noise_coef = float(torch.tensor(2.0 * self.diffusion_factor).sqrt())
+
+    def coefficients(
+        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
+    ) -> PreconditionerCoefs:
+        """``(1, 1, sqrt(2 a), 1)``, after the global draw devinterp makes and drops."""
+        torch.randn_like(param)
+        return PreconditionerCoefs(noise_coef=self.noise_coef)
+
+    def __repr__(self) -> str:
+        return f"DevinterpSGNHTNoise(diffusion_factor={self.diffusion_factor})"
+
+
+def _refuse_grad_correction(add_grad_correction: object) -> None:
+    """NotImplementedError for ``add_grad_correction=True`` (devinterp's text leads it)."""
+    if add_grad_correction:
+        raise NotImplementedError(
+            "Gradient correction not yet implemented for RMSprop: `add_grad_correction="
+            f"{add_grad_correction!r}` asks for the Gamma(theta) term of pSGLD, which neither "
+            "gradsketch nor devinterp implements; leave it False."
+        )
+
+
 def _advise(noise_level: float, nbeta: float) -> None:
     # Advice, not an error: logging keeps test runs with `-W error` quiet.
     if noise_level != 1.0:
@@ -549,7 +616,35 @@ _STEP = ("lr", "noise_level", "weight_decay", "localization", "nbeta")
 _REST = ("bounding_box_size", "mask", "save_metrics", "sketch_dim", "sketch_seed")
 
 #: Factory keywords that neither the sampler nor a preconditioner takes.
-_EXTRA_KEYWORDS: dict[str, tuple[str, Any]] = {"add_grad_correction": ("bool", False)}
+_EXTRA_KEYWORDS: dict[str, tuple[str, Any]] = {
+    "add_grad_correction": ("bool", False),
+    "devinterp_compat": ("bool", False),
+}
+
+_SGNHT_DOC = """SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHooverThermostat`).
+
+        ``devinterp_compat=True`` takes devinterp 2.0.1's ``SGMCMC.sgnht`` step
+        instead (:class:`DevinterpSGNHTNoise`), which is not SGNHT. Derivation:
+        Ding et al.'s Algorithm 1 with step ``h``, momentum ``p``, thermostat
+        ``xi`` and diffusion ``A`` is ``p <- p - xi p h - grad U h + sqrt(2 A h) N``,
+        ``w <- w + p h``, ``xi <- xi + (|p|^2 / n - 1) h``. With ``v = p h``,
+        ``eps = h^2``, ``alpha = xi h`` and ``a = A h`` (the SGHMC units of
+        Chen et al. 2014) this is ``v <- v - alpha v - eps grad U + sqrt(2 a eps) N``,
+        ``w <- w + v``, ``alpha <- alpha + |v|^2 / n - eps``, started at
+        ``v = sqrt(eps) N`` and ``alpha = a``: our step, with
+        ``grad U = nbeta grad L + prior`` and ``a = diffusion_factor``.
+        devinterp's ``NHTPreconditioning`` returns the coefficients
+        ``(1, 1, sqrt(2 a), 1)`` and a ``grad_correction = -xi v`` that
+        ``SGMCMC.step`` never reads; its momentum is drawn once with
+        ``torch.randn_like`` and never moves, and its thermostat is updated
+        but never used. Its step is ``w <- w - (eps/2) grad U + sqrt(eps)
+        sqrt(2 a) N``: Langevin dynamics whose stationary law is
+        ``exp(-U / (2 a))`` (the posterior at temperature ``2 a``, i.e. ``nbeta``
+        times ``1 / (2 a)`` = 50 at the default ``a``), with no momentum and no
+        thermostat. So the default keeps the SGNHT step, and the switch is
+        there to reproduce devinterp's numbers (README, "Compatibility").
+        ``diffusion_factor=0`` is allowed in both (no injected noise).
+        """
 
 #: The factories ``SGMCMC.<name>``, in the order of :attr:`SGMCMC.METHODS`.
 _PRESETS: dict[str, _Preset] = {
@@ -583,8 +678,9 @@ _PRESETS: dict[str, _Preset] = {
             "sketch_seed",
             "localization",
             "weight_decay",
+            "devinterp_compat",
         ),
-        "SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHooverThermostat`).",
+        _SGNHT_DOC,
         fixed={"noise_level": 1.0},
     ),
 }
@@ -627,16 +723,15 @@ def _preset_arguments(
     bound.apply_defaults()
     values = dict(bound.arguments)
     del values[next(iter(signature.parameters))]  # cls / self
-    if values.pop("add_grad_correction", False):
-        raise NotImplementedError(
-            "`add_grad_correction=True` (the Gamma(theta) term of pSGLD) is not implemented; "
-            "leave it False, as devinterp does."
-        )
+    devinterp_compat = bool(values.pop("devinterp_compat", False))
+    _refuse_grad_correction(values.pop("add_grad_correction", False))
     options = inspect.signature(PRECONDITIONERS[preset.preconditioner]).parameters
     values.update(preset.fixed)
     _advise(values["noise_level"], values["nbeta"])
     values["preconditioner"] = preset.preconditioner
     values["preconditioner_kwargs"] = {n: values.pop(n) for n in options if n in values}
+    if devinterp_compat:
+        values["preconditioner"] = DevinterpSGNHTNoise(**values.pop("preconditioner_kwargs"))
     return values
 
 

@@ -23,6 +23,7 @@ from gradsketch.attribution._fisher import (
 from gradsketch.attribution._gradient_computers import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
+    IterativeGradientComputer,
     VmapTraceError,
 )
 from gradsketch.attribution._hook_computer import HookGradientComputer, WrappedModelError
@@ -53,6 +54,7 @@ from gradsketch.attribution._modelout import (
     TASK_TO_MODELOUT,
     AbstractModelOutput,
     ImageClassificationModelOutput,
+    IterativeImageClassificationModelOutput,
     TextClassificationModelOutput,
     UnknownTaskError,
     register_batch_output,
@@ -94,6 +96,7 @@ __all__ = [
     # per-example gradients
     "AbstractGradientComputer",
     "FunctionalGradientComputer",
+    "IterativeGradientComputer",
     "HookGradientComputer",
     "register_grad_sampler",
     "register_layer_factors",
@@ -105,6 +108,7 @@ __all__ = [
     # model outputs
     "AbstractModelOutput",
     "ImageClassificationModelOutput",
+    "IterativeImageClassificationModelOutput",
     "TextClassificationModelOutput",
     "SequenceClassificationModelOutput",
     "LanguageModelingModelOutput",

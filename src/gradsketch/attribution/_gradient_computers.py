@@ -274,3 +274,99 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         return self.modelout_fn.get_out_to_loss_grad(
             self.model, self.func_weights, self.func_buffers, batch
         )
+
+
+class IterativeGradientComputer(AbstractGradientComputer):
+    """Per-example gradients with one ``torch.autograd.grad`` call per example (trak's path).
+
+    trak's non-functorch computer: the task's :meth:`get_output` runs once on
+    the whole batch (``weights`` and ``buffers`` are passed as ``None``) and
+    returns ``[batch]`` outputs; each example's output is then differentiated
+    alone. Slower than :class:`FunctionalGradientComputer` (``batch``
+    backward passes) but it needs neither ``vmap`` nor layer hooks, so any
+    model autograd can differentiate works. Use it with the task
+    ``"iterative_image_classification"`` or any task whose ``get_output``
+    takes a batch.
+
+    Differences from trak 0.3.2, both deliberate: ``grad_wrt`` is honoured
+    (trak warns and differentiates every parameter, which then does not fit
+    a projector built for the selection), and gradients keep the parameters'
+    dtype (trak stores them in float32).
+
+    Args:
+        model: the model.
+        task: a model output whose ``get_output(model, None, None, *batch)``
+            returns ``[batch]`` outputs.
+        grad_dim: number of gradient coordinates (informative).
+        dtype: dtype of stored features.
+        device: where gradients are computed.
+        grad_wrt: names of the parameters to differentiate (``None``: all).
+
+    Example:
+        >>> from gradsketch.attribution import TASK_TO_MODELOUT
+        >>> model = torch.nn.Linear(4, 3)
+        >>> task = TASK_TO_MODELOUT["iterative_image_classification"]()
+        >>> gc = IterativeGradientComputer(model, task, 15, torch.float32, "cpu")
+        >>> gc.compute_per_sample_grad((torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))).shape
+        torch.Size([5, 15])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: AbstractModelOutput,
+        grad_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        grad_wrt: Iterable[str] | None = None,
+    ) -> None:
+        super().__init__(model, task, grad_dim, dtype, device)
+        names = [name for name, _ in model.named_parameters()]
+        self.grad_wrt: list[str] | None = resolve_grad_wrt(names, grad_wrt)
+        self.load_model_params(model)
+
+    def load_model_params(self, model: nn.Module) -> None:
+        """Take the model and the parameters to differentiate (in model order)."""
+        self.model = model
+        params = dict(model.named_parameters())
+        keep = self.grad_wrt if self.grad_wrt is not None else list(params)
+        self.model_params: dict[str, Tensor] = {n: params[n] for n in keep}
+
+    def _grads(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
+        """``{name: [batch, *shape]}``, one backward pass per example."""
+        with torch.enable_grad():
+            outputs = self.modelout_fn.get_output(self.model, None, None, *batch)  # type: ignore[arg-type]
+            if outputs.dim() != 1:
+                raise ValueError(
+                    f"`task` {type(self.modelout_fn).__name__}.get_output returned shape "
+                    f"{tuple(outputs.shape)}; IterativeGradientComputer needs one output per "
+                    "example, [batch]. Use a batched task such as "
+                    "'iterative_image_classification', or FunctionalGradientComputer."
+                )
+            names, params = list(self.model_params), list(self.model_params.values())
+            out = {n: p.new_zeros(outputs.shape[0], *p.shape) for n, p in zip(names, params)}
+            for i in range(outputs.shape[0]):
+                grads = torch.autograd.grad(
+                    outputs[i], params, retain_graph=i + 1 < outputs.shape[0], allow_unused=True
+                )
+                for n, g in zip(names, grads):
+                    if g is not None:  # a parameter this output does not use: zero gradient
+                        out[n][i] = g
+        return out
+
+    def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> Tensor:  # type: ignore[override]
+        """``[batch, grad_dim]``: each example's gradient flattened, parameters in model order.
+
+        trak's shape; :meth:`project` hands the projector the per-parameter
+        blocks instead, so that a projector's mask applies.
+        """
+        grads = self._grads(batch)
+        return torch.cat([g.flatten(1) for g in grads.values()], dim=1)
+
+    def project(self, batch: Sequence[Tensor], projector: Any, model_id: int | None) -> Tensor:
+        """``[batch, proj_dim]`` projected gradients."""
+        return projector.project(self._grads(batch), model_id=model_id)  # type: ignore[no-any-return]
+
+    def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
+        """``[batch, 1]`` out-to-loss terms from the task."""
+        return self.modelout_fn.get_out_to_loss_grad(self.model, None, None, batch)  # type: ignore[arg-type]

@@ -197,10 +197,80 @@ class TextClassificationModelOutput(AbstractModelOutput):
         return _one_minus_p(logits, labels, self.loss_temperature)
 
 
+class IterativeImageClassificationModelOutput(AbstractModelOutput):
+    """Margins of a whole batch of ``(images, labels)``: trak's task for the iterative computer.
+
+    The same margin and ``Q`` as :class:`ImageClassificationModelOutput`,
+    but :meth:`get_output` takes a batch and returns ``[batch]`` margins, as
+    :class:`~gradsketch.attribution.IterativeGradientComputer` needs (it
+    passes ``weights = buffers = None`` and the model is called as it is).
+    With weights it calls the model through ``functional_call``, and given
+    one example (a 0-d label, as ``vmap`` hands it) it returns a scalar, so
+    the other gradient computers take this task too.
+
+    Args:
+        temperature: softmax temperature T of the out-to-loss term.
+
+    Example:
+        >>> model = torch.nn.Linear(3, 4)
+        >>> task = IterativeImageClassificationModelOutput()
+        >>> task.get_output(model, None, None, torch.ones(2, 3), torch.tensor([0, 1])).shape
+        torch.Size([2])
+    """
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        self.loss_temperature = float(temperature)
+
+    @staticmethod
+    def _forward(
+        model: nn.Module,
+        weights: dict[str, Tensor] | None,
+        buffers: dict[str, Tensor] | None,
+        images: Tensor,
+    ) -> Tensor:
+        if weights is None:
+            return model_logits(model(images))
+        params = (weights, buffers or {})
+        return model_logits(torch.func.functional_call(model, params, (images,)))
+
+    @staticmethod
+    def get_output(  # type: ignore[override]
+        model: nn.Module,
+        weights: dict[str, Tensor] | None,
+        buffers: dict[str, Tensor] | None,
+        *batch: Any,
+    ) -> Tensor:
+        """``[batch]`` margins (a scalar for one example with a 0-d label)."""
+        images, labels = batch
+        single = labels.dim() == 0
+        if single:
+            images, labels = images.unsqueeze(0), labels.reshape(1)
+        f = IterativeImageClassificationModelOutput._forward
+        margins = _margins(f(model, weights, buffers, images), labels)
+        return margins[0] if single else margins
+
+    def get_out_to_loss_grad(  # type: ignore[override]
+        self,
+        model: nn.Module,
+        weights: dict[str, Tensor] | None,
+        buffers: dict[str, Tensor] | None,
+        batch: Iterable[Tensor],
+    ) -> Tensor:
+        """``[batch, 1]``: ``1 - p_y``."""
+        images, labels = batch
+        with torch.no_grad():
+            logits = self._forward(model, weights, buffers, images)
+        return _one_minus_p(logits, labels, self.loss_temperature)
+
+
 #: Task name -> model output class (TRAK's ``TASK_TO_MODELOUT``).
 TASK_TO_MODELOUT: dict[str, type[AbstractModelOutput]] = {
     "image_classification": ImageClassificationModelOutput,
     "text_classification": TextClassificationModelOutput,
+    "iterative_image_classification": IterativeImageClassificationModelOutput,
 }
 
 
@@ -269,7 +339,7 @@ def _margins(logits: Tensor, labels: Tensor) -> Tensor:
     return correct - logits.masked_fill(is_label, float("-inf")).logsumexp(-1)
 
 
-@register_batch_output(ImageClassificationModelOutput)
+@register_batch_output(ImageClassificationModelOutput, IterativeImageClassificationModelOutput)
 def image_classification_batch_output(model: nn.Module, images: Tensor, labels: Tensor) -> Tensor:
     """Margins of a batch, the batched twin of ``ImageClassificationModelOutput.get_output``."""
     return _margins(model_logits(model(images)), labels)
@@ -315,7 +385,9 @@ def register_loss_grad_from_output(
     return decorator
 
 
-@register_loss_grad_from_output(ImageClassificationModelOutput)
+@register_loss_grad_from_output(
+    ImageClassificationModelOutput, IterativeImageClassificationModelOutput
+)
 def image_classification_loss_grad(
     task: ImageClassificationModelOutput, logits: Any, batch: Sequence[Tensor]
 ) -> Tensor:

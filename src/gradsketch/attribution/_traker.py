@@ -93,8 +93,9 @@ def _atomic_save(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
-class ModelIDException(GradsketchError, RuntimeError):
-    """A checkpoint (model id) is missing, incomplete or inconsistent (TRAK's name)."""
+class ModelIDException(GradsketchError, RuntimeError, AssertionError):
+    """A checkpoint (model id) is missing, incomplete or inconsistent (TRAK's name; also an
+    AssertionError, which trak 0.3.2 raises and its users catch)."""
 
 
 @dataclass

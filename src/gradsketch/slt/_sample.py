@@ -710,10 +710,16 @@ def sample(
             "lower batch_size or give more data (batches drop the last partial one)."
         )
     context_length = data.shape[1] - 1
+    # Token ids the embedding cannot take fail here, named, not as torch's IndexError.
+    vocab = vocab_size(model)
+    if vocab is not None:
+        check_token_range(data, vocab, name="dataset")
     obs_list: list[Observable] = []
     for name, spec in observables.items():
         obs_data, bpd = spec if isinstance(spec, tuple) else (spec, batches_per_draw)
         ids = as_token_tensor(obs_data, name=f"observables[{name!r}]")
+        if vocab is not None:
+            check_token_range(ids, vocab, name=f"observables[{name!r}]")
         if ids.shape[1] != data.shape[1]:
             raise ValueError(
                 f"observable {name!r} has sequences of {ids.shape[1]} tokens but `dataset` has "
@@ -727,11 +733,6 @@ def sample(
         raise ValueError(
             f"`observables` names map to repeated identifiers {ids_seen}; rename them."
         )
-    vocab = vocab_size(model)
-    if vocab is not None:
-        check_token_range(data, vocab, name="dataset")
-        for o in obs_list:
-            check_token_range(o.input_ids, vocab, name=f"observables[{o.name!r}]")
     check_finite_weights(model)
     cores = check_cores(cores)
     mask = to_param_mask(model, param_masks)

@@ -1,0 +1,279 @@
+"""Faults of ``gradsketch.slt.sample`` stores: resume, half-created stores, one writer, bad input.
+
+Each case either gives the bits of an uninterrupted run or raises (warns) a
+message naming the problem. The slow cases kill real processes; the fast
+ones fake the interruption by clearing a complete store's progress flags,
+which is what a kill between two writes leaves (data first, flag last).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from gradsketch.sampling._divergence import ChainDivergenceWarning
+from gradsketch.slt import NonFiniteLossError, OutputPathMismatchError, compute_llc, llc, sample
+from gradsketch.slt import _sample as sample_module
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("xarray")
+
+VOCAB = 64
+KW: dict[str, Any] = dict(
+    lr=1e-4,
+    n_beta=20.0,
+    localization=100.0,
+    num_chains=4,
+    num_draws=3,
+    batch_size=4,
+    batches_per_draw=1,
+    num_init_loss_batches=2,
+)
+
+
+def tiny_gpt2(dropout: float = 0.1) -> torch.nn.Module:
+    """2 layers, width 16, dropout on: every chain's L(w*) depends on its dropout stream."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=16,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def token_data() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (16, 9), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def data() -> torch.Tensor:
+    return token_data()
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory, data: torch.Tensor) -> Path:
+    path = tmp_path_factory.mktemp("faults") / "whole.zarr"
+    sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    return path
+
+
+def _values(path: Path) -> dict[str, np.ndarray]:
+    root = zarr.open_group(str(path), mode="r")
+    return {name: np.asarray(node[...]) for name, node in root.arrays()}
+
+
+def _assert_same(path: Path, reference: Path) -> None:
+    got, want = _values(path), _values(reference)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("init", "chains"),
+    [(True, [1, 2, 3]), (False, [1, 2, 3]), (True, [3]), (True, [0, 1, 2, 3])],
+    ids=["init-and-chains-1-3", "chains-1-3", "chain-3", "all"],
+)
+def test_resume_after_cleared_flags_is_bit_identical(
+    tmp_path: Path,
+    data: torch.Tensor,
+    whole: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    init: bool,
+    chains: list[int],
+) -> None:
+    """A kill between chain 0's and the last chain's L(w*) write: the rerun, in a fresh
+    process (no L(w*) cached), must not take chains 1.. from their own dropout streams."""
+    path = tmp_path / "cut.zarr"
+    shutil.copytree(whole, path)
+    progress = zarr.open_group(str(path / "progress"), mode="a")
+    for flag in ("init_done", "chain_done") if init else ("chain_done",):
+        array = progress[flag]
+        assert isinstance(array, zarr.Array)
+        for chain in chains:
+            array[chain] = 0
+    zarr.open_group(str(path), mode="a").attrs.update({"completed": 0})
+    monkeypatch.setattr(sample_module, "_INIT_LOSSES", {})
+    resumed = sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    _assert_same(path, whole)
+    reference = compute_llc(sample(tiny_gpt2(), data, {"d": data}, output_path=whole, **KW))
+    assert float(compute_llc(resumed).llc_mean) == float(reference.llc_mean)
+
+
+def test_a_half_created_store_is_completed(
+    tmp_path: Path, data: torch.Tensor, whole: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed (or out of disk) in the layout, before the settings record: made again."""
+    original = sample_module._Arrays.create
+
+    def killed(self: Any, name: str, *args: Any) -> None:
+        if name == "chain_done":  # the last array, before the settings record
+            raise KeyboardInterrupt
+        original(self, name, *args)
+
+    path = tmp_path / "half.zarr"
+    monkeypatch.setattr(sample_module._Arrays, "create", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    monkeypatch.undo()
+    assert sample_module.SETTINGS_ATTR not in zarr.open_group(str(path), mode="r").attrs
+    sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    _assert_same(path, whole)
+
+
+def test_a_store_with_only_a_torn_root_is_completed(
+    tmp_path: Path, data: torch.Tensor, whole: Path
+) -> None:
+    path = tmp_path / "torn.zarr"
+    (path / "init_loss").mkdir(parents=True)
+    (path / "zarr.json").write_text('{"zarr_format": 3, "node_ty')
+    (path / "zarr.json.0f1e.partial").write_text("{")
+    sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    _assert_same(path, whole)
+
+
+def test_a_foreign_store_is_still_refused(tmp_path: Path, data: torch.Tensor) -> None:
+    path = tmp_path / "foreign.zarr"
+    zarr.open_group(str(path), mode="a").create_array("weights", shape=(2,), dtype="f4")
+    with pytest.raises(OutputPathMismatchError, match=r"holds no samples"):
+        sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    assert (path / "weights").is_dir()
+
+
+def test_a_second_writer_waits_for_the_first(
+    tmp_path: Path, data: torch.Tensor, whole: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lock is held by someone else: sample() waits (saying so), then writes all."""
+    from filelock import FileLock
+
+    path = tmp_path / "locked.zarr"
+    held = FileLock(str(sample_module.lock_path(path)))
+    held.acquire()
+    done = threading.Event()
+
+    def run() -> None:
+        sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+        done.set()
+
+    with caplog.at_level(logging.WARNING, logger="gradsketch.slt._sample"):
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while "waiting for it to finish" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "another process is writing" in caplog.text
+        assert not done.is_set() and not path.exists()
+        held.release()
+        thread.join(timeout=120)
+    assert done.is_set()
+    _assert_same(path, whole)
+
+
+def test_an_output_path_that_is_a_file_is_refused(tmp_path: Path, data: torch.Tensor) -> None:
+    path = tmp_path / "file.zarr"
+    path.write_text("not a store")
+    with pytest.raises(NotADirectoryError, match=r"`output_path`=.*file.zarr.* is a file"):
+        sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+
+
+@pytest.mark.parametrize("where", ["dataset", "observable", "negative"])
+def test_token_ids_outside_the_vocabulary_are_refused(
+    tmp_path: Path, data: torch.Tensor, where: str
+) -> None:
+    bad = data.clone()
+    bad[5, 2] = VOCAB + 3 if where != "negative" else -1
+    train, probe = (data, bad) if where == "observable" else (bad, data)
+    name = "observables\\['d'\\]" if where == "observable" else "dataset"
+    value = VOCAB + 3 if where != "negative" else -1
+    with pytest.raises(
+        ValueError, match=rf"`{name}` holds token id {value} \(row 5\), but the model's vocabulary "
+        rf"has {VOCAB} ids \(0..{VOCAB - 1}\); tokenize"
+    ):  # fmt: skip
+        sample(tiny_gpt2(), train, {"d": probe}, output_path=tmp_path / "s", **KW)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_non_finite_weight_is_refused_by_name(tmp_path: Path, data: torch.Tensor) -> None:
+    model = tiny_gpt2()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("inf")
+    with pytest.raises(
+        NonFiniteLossError, match=r"parameter 'transformer.h.1.mlp.c_fc.weight' holds 1 NaN"
+    ):
+        sample(model, data, {"d": data}, output_path=tmp_path / "s", **KW)
+
+
+def test_a_non_finite_initial_loss_names_the_rows(tmp_path: Path, data: torch.Tensor) -> None:
+    from gradsketch.slt import per_token_loss
+
+    def nan_on_row_zero(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        loss = per_token_loss(model, ids)
+        hit = (ids == data[0]).all(dim=1)
+        return torch.where(hit[:, None], torch.full_like(loss, float("nan")), loss)
+
+    kw = {**KW, "num_init_loss_batches": 4}  # every row of the data
+    with pytest.raises(NonFiniteLossError, match=r"L\(w\*\) is NaN or infinite on 1 sequences "):
+        sample(
+            tiny_gpt2(),
+            data,
+            {"d": data},
+            output_path=tmp_path / "s",
+            loss_fn=nan_on_row_zero,
+            **kw,
+        )
+    with pytest.raises(NonFiniteLossError, match=r"\(rows \[0\]\) before any sampling step"):
+        sample(
+            tiny_gpt2(),
+            data,
+            {"d": data},
+            output_path=tmp_path / "s",
+            loss_fn=nan_on_row_zero,
+            **kw,
+        )
+
+
+def test_a_diverging_chain_warns_with_the_step_to_try(tmp_path: Path, data: torch.Tensor) -> None:
+    """lr=1e3 blows the loss up (or to NaN): the estimate warns, naming lr/10."""
+    kw = {**KW, "lr": 1e3, "num_chains": 1, "num_draws": 6}
+    with pytest.warns((ChainDivergenceWarning, UserWarning)) as record:
+        llc(tiny_gpt2(dropout=0.0), data, {"d": data}, output_path=tmp_path / "s", **kw)
+    text = "\n".join(str(w.message) for w in record)
+    assert "diverged" in text, text
+    assert "try `lr`=1e+02" in text or "try lr=1e+02" in text, text
+
+
+@pytest.mark.slow
+def test_two_processes_on_one_store_lose_nothing(tmp_path: Path, whole: Path) -> None:
+    """Two identical jobs at once on one path: one waits, both return the whole store."""
+    path = tmp_path / "two.zarr"
+    job = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_faults_slt import KW, tiny_gpt2, token_data\n"
+        "from gradsketch.slt import sample\n"
+        f"sample(tiny_gpt2(), token_data(), {{'d': token_data()}}, output_path={str(path)!r}, **KW)"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", job], stderr=subprocess.PIPE) for _ in range(2)
+    ]
+    logs = [p.communicate(timeout=600)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    _assert_same(path, whole)

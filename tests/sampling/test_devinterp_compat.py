@@ -430,3 +430,30 @@ def test_bench_metrics_methods_match_devinterp():
             assert (got.dtype, got.shape) == (want.dtype, want.shape), f
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert ours_all.numel == dev_all.numel == 6
+
+
+def test_sampler_config_refusal_has_devinterps_phrase(tmp_path):
+    """Users grep devinterp's "has a different sampler config"; both refusals say it, with
+    every differing field and both values."""
+    import zarr
+
+    from gradsketch.slt import OutputPathMismatchError
+    from gradsketch.slt import _sample as sample_module
+
+    ours = zarr.open_group(str(tmp_path / "ours"), mode="w")
+    ours.attrs[sample_module.SETTINGS_ATTR] = {"lr": 0.1}
+    with pytest.raises(
+        OutputPathMismatchError,
+        match=r"has a different sampler config \(samples made with other settings\):\n"
+        r"  lr: stored 0\.1, requested 0\.2",
+    ):
+        sample_module._check_existing(tmp_path / "ours", {"lr": 0.2}, {})
+    theirs = zarr.open_group(str(tmp_path / "theirs"), mode="w")
+    theirs.attrs["metadata"] = {"config": {"sampler": {"n_beta": 1.0}}}
+    theirs.attrs["completed"] = 1
+    with pytest.raises(
+        OutputPathMismatchError,
+        match=r"holds devinterp samples; the store has a different sampler config:\n"
+        r"  n_beta: stored 1\.0, requested 2\.0",
+    ):
+        sample_module._check_existing(tmp_path / "theirs", {}, {"n_beta": 2.0})

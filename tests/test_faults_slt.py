@@ -215,7 +215,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(
 def test_a_non_finite_weight_is_refused_by_name(tmp_path: Path, data: torch.Tensor) -> None:
     model = tiny_gpt2()
     with torch.no_grad():
-        model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("inf")
+        model.get_parameter("transformer.h.1.mlp.c_fc.weight")[0, 0] = float("inf")
     with pytest.raises(
         NonFiniteLossError, match=r"parameter 'transformer.h.1.mlp.c_fc.weight' holds 1 NaN"
     ):

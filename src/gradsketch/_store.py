@@ -175,6 +175,17 @@ class WriteLock:
             yield
 
 
+def _json_ok(path: Path) -> bool:
+    """Whether ``path`` is absent or holds valid JSON (zarr metadata)."""
+    if not path.is_file():
+        return True
+    try:
+        json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return True
+
+
 def _chunk_file(root: Path, name: str, arr: zarr.Array, chunk: int) -> Path | None:
     """Path of row chunk ``chunk`` of a row-chunked array (``None``: not one file per row chunk)."""
     if any(c != s for c, s in zip(arr.chunks[1:], arr.shape[1:], strict=True)):
@@ -365,7 +376,29 @@ class RowStore:
     def has(self, name: str) -> bool:
         """Whether an array (or group) called ``name`` exists."""
         self.flush()
-        return name in self.root
+        return self._contains(name)
+
+    def _contains(self, name: str) -> bool:
+        try:
+            return name in self.root
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise self._damaged_metadata(name, exc) from exc
+
+    def _damaged_metadata(self, name: str, exc: BaseException) -> StoreIntegrityError:
+        # zarr reads the metadata of every node on the way to ``name``.
+        damaged = [
+            p
+            for p in (self.path / name).parents
+            if p.is_relative_to(self.path) and not _json_ok(p / "zarr.json")
+        ]
+        where = damaged[0] if damaged else self.path / name
+        if not _json_ok(self.path / name / "zarr.json"):
+            where = self.path / name
+        return StoreIntegrityError(
+            f"the {self.what} at `{self.path}` has a damaged zarr record `{where / 'zarr.json'}` "
+            f"({exc!r}). Fix: delete the directory `{where}` and rerun; what it held is "
+            "recomputed."
+        )
 
     def array(self, name: str) -> zarr.Array:
         """The existing array ``name`` (after any background writes are on disk)."""
@@ -376,7 +409,7 @@ class RowStore:
         cached = self._arrays.get(name)
         if cached is not None:
             return cached
-        if name not in self.root:
+        if not self._contains(name):
             raise KeyError(
                 f"`name`={name!r} is not in the {self.what} at `{self.path}`; it holds "
                 f"{self._entries()}. Create it with require_array(...) first."
@@ -384,11 +417,7 @@ class RowStore:
         try:
             node = self.root[name]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as exc:
-            raise StoreIntegrityError(
-                f"array {name!r} of the {self.what} at `{self.path}` has a damaged record "
-                f"`{self.path / name / 'zarr.json'}` ({exc!r}). Fix: delete the directory "
-                f"`{self.path / name}` and rerun; its rows are recomputed."
-            ) from exc
+            raise self._damaged_metadata(name, exc) from exc
         if not isinstance(node, zarr.Array):
             raise KeyError(f"`name`={name!r} in `{self.path}` is a group, not an array.")
         self._arrays[name] = node
@@ -426,7 +455,7 @@ class RowStore:
         dtype = np.dtype(dtype)
         with self.lock.held():
             # Under the lock: another process may have created it meanwhile.
-            if name in self.root:
+            if self._contains(name):
                 arr = self._array(name)
                 if tuple(arr.shape) != shape or np.dtype(arr.dtype) != dtype:
                     raise SettingsMismatchError(

@@ -79,7 +79,10 @@ def check_batch_rows(batch: Sequence[Tensor], idx: np.ndarray, given: str, what:
 def check_finite_rows(
     values: Mapping[str, Tensor | None], idx: np.ndarray, batch: Sequence[Tensor], what: str
 ) -> None:
-    """Refuse a batch whose computed rows hold NaN or inf, naming the rows and the likely cause.
+    """Refuse a batch whose computed rows are not finite, naming the rows and the likely cause.
+
+    A row is refused when it holds NaN or inf, or when its squared norm
+    overflows (it would make XᵀX or the curvature statistics inf).
 
     Args:
         values: ``{name: [B, ...] tensor}`` computed for the batch's rows ``idx``
@@ -96,7 +99,9 @@ def check_finite_rows(
     for name, t in values.items():
         if t is None or t.numel() == 0 or not t.is_floating_point():
             continue
-        rows = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)
+        # A row whose squared norm overflows poisons XᵀX / the curvature sums as
+        # surely as a NaN: refuse both (NaN and inf entries make the sum non-finite).
+        rows = ~torch.isfinite(t.detach().reshape(t.shape[0], -1).square().sum(dim=1))
         if bool(rows.any()):
             bad |= rows.cpu().numpy()[: idx.size]
             names.append(name)
@@ -119,8 +124,8 @@ def check_finite_rows(
             "float32"
         )
     raise NonFiniteFeaturesError(
-        f"{what}: {', '.join(names)} of rows {_rows_text(where)} are NaN or inf; nothing of "
-        f"this batch was stored. Likely cause: {cause}."
+        f"{what}: {', '.join(names)} of rows {_rows_text(where)} are NaN or inf (or so large "
+        f"that their squares overflow); nothing of this batch was stored. Likely cause: {cause}."
     )
 
 

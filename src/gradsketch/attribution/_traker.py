@@ -732,8 +732,11 @@ class TRAKer:
 
     def _row_arrays(self, model_id: int) -> list[str]:
         """The stored per-row arrays of ``model_id`` (those that exist)."""
-        names = ("grads", "out_to_loss", "features", *self._stored_arrays)
-        arrays = [layout.checkpoint_array(model_id, name) for name in dict.fromkeys(names)]
+        names = dict.fromkeys(("grads", "out_to_loss", "features", *self._stored_arrays))
+        if self.store.has(layout.checkpoint_array(model_id, "grads")):
+            # With dense rows stored, NaN rank-one rows mark the rows kept dense.
+            names.pop("rank_one", None)
+        arrays = [layout.checkpoint_array(model_id, name) for name in names]
         return [a for a in arrays if self.store.has(a)]
 
     def _damaged(self, done: str, arrays: list[str]) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -944,7 +947,10 @@ class TRAKer:
             idx, need_rows, need_acc = idx[todo], need_rows[todo], need_acc[todo]
         phi, q, parts, extra = self._train_rows(batch, idx)
         # Before anything is accumulated or written: one NaN would poison every score.
-        check_finite_rows({"features": phi, "out_to_loss": q, **extra}, idx, batch, "featurize")
+        checked = {"features": phi, "out_to_loss": q, **extra}
+        if phi is not None:
+            checked.pop("rank_one", None)  # NaN rows there mark rows kept dense
+        check_finite_rows(checked, idx, batch, "featurize")
         if need_acc.any():
             mask = self.featurizer.token_mask(batch) if self.layered else None
             self._accumulate(idx, need_acc, phi, q, parts, mask)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import json
+import logging
+import os
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,7 +280,10 @@ def test_fresh_build_into_an_empty_cache_loads_and_agrees(monkeypatch, tmp_path)
     status, kernels = _native._load()
     assert status.available and status.reason == "compiled", status
     assert status.path is not None and status.path.startswith(str(tmp_path))
-    assert [p.name for p in (tmp_path / "native").iterdir()] == [status.path.split("/")[-1]]
+    name = status.path.split("/")[-1]
+    files = sorted(p.name for p in (tmp_path / "native").iterdir())
+    assert files == [name, f"{name}.json", f"{name}.lock"]  # library, its record, its lock
+    assert _native._check_cached(tmp_path / "native" / name) is None
     assert ctypes.CDLL(status.path).gs_abi_version() == _native.ABI_VERSION
     again, _ = _native._load()
     assert again.reason == "cached" and again.path == status.path
@@ -305,3 +312,132 @@ def test_native_status_is_reported():
     assert isinstance(status.available, bool) and status.reason
     assert _native.available(torch.device("cpu")) == status.available
     assert not _native.available(torch.device("meta"))
+
+
+# ------------------------------------------------------------------ a corrupt cache
+# A real build takes 10-20 s on two shared cores: these tests "build" by copying the
+# library this session already loaded (with its record), which is what _build leaves.
+
+
+@pytest.fixture
+def fake_builds(monkeypatch, tmp_path):
+    """A fresh cache under ``tmp_path`` whose builds copy the loaded library; the build count."""
+    monkeypatch.delenv("GRADSKETCH_NATIVE", raising=False)
+    monkeypatch.setenv("GRADSKETCH_CACHE", str(tmp_path))
+    built = []
+
+    def copy_build(compiler, target):
+        data = Path(str(_native.native_status().path)).read_bytes()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _native._sidecar(target).write_text(json.dumps(_native._record(data)))
+        staged = Path(f"{target}.staged")  # renamed into place, as _build does
+        staged.write_bytes(data)
+        os.replace(staged, target)
+        built.append(target)
+
+    monkeypatch.setattr(_native, "_build", copy_build)
+    first, kernels = _native._load()
+    assert first.available and first.reason == "compiled" and kernels is not None
+    assert built == [Path(str(first.path))]
+    return built
+
+
+def _corrupt(path, how):
+    """Replace the library (by rename: this process has the old one mapped) with a bad one."""
+    if how in ("no-record", "torn-record"):
+        _corrupt_in_place(path, how)
+        return
+    staged = Path(f"{path}.staged")
+    staged.write_bytes(Path(path).read_bytes())
+    _corrupt_in_place(staged, how)
+    os.replace(staged, path)
+
+
+def _corrupt_in_place(path, how):
+    data = Path(path).read_bytes()
+    if how == "truncated":
+        Path(path).write_bytes(data[: len(data) // 3])
+    elif how == "empty":
+        Path(path).write_bytes(b"")
+    elif how == "garbled":
+        middle = len(data) // 2
+        Path(path).write_bytes(data[:middle] + bytes(b ^ 0x5A for b in data[middle:]))
+    elif how == "bit-flip":
+        middle = len(data) // 2
+        Path(path).write_bytes(data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1 :])
+    elif how == "other-elf":
+        other = Path(torch.__file__).parent / "lib" / "libshm.so"
+        Path(path).write_bytes(other.read_bytes())
+    elif how == "no-record":
+        _native._sidecar(Path(path)).unlink()
+    elif how == "torn-record":
+        _native._sidecar(Path(path)).write_text('{"size": 12')
+    else:
+        raise AssertionError(how)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "how", ["truncated", "empty", "garbled", "bit-flip", "other-elf", "no-record", "torn-record"]
+)
+def test_a_corrupt_cached_library_is_rebuilt_before_it_is_mapped(fake_builds, how, caplog):
+    """Checked before ``ctypes.CDLL``: a truncated file mapped would SIGBUS the process."""
+    target = fake_builds[0]
+    if how == "other-elf" and not (Path(torch.__file__).parent / "lib" / "libshm.so").exists():
+        pytest.skip("no libshm.so beside torch to stand in for another library")
+    _corrupt(target, how)
+    assert _native._check_cached(target) is not None
+    with caplog.at_level(logging.WARNING, logger=_native.__name__):
+        status, kernels = _native._load()
+    assert status.available and status.reason == "compiled", status
+    assert kernels is not None and len(fake_builds) == 2
+    assert f"the cached {target} failed its check" in caplog.text
+    assert _native._check_cached(target) is None
+    again, _ = _native._load()
+    assert again.reason == "cached" and len(fake_builds) == 2
+
+
+@needs_native
+def test_another_library_with_a_matching_record_is_not_an_attribute_error(
+    fake_builds, caplog, monkeypatch, tmp_path
+):
+    """Both the library and its record replaced: the missing kernel is reported, not raised."""
+    other = Path(torch.__file__).parent / "lib" / "libshm.so"
+    if not other.exists():
+        pytest.skip("no libshm.so beside torch to stand in for another library")
+    # A cache path this process has not mapped yet (dlopen reuses a loaded path's handle).
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("GRADSKETCH_CACHE", str(fresh))
+    target = fresh / "native" / fake_builds[0].name
+    target.parent.mkdir(parents=True)
+    target.write_bytes(other.read_bytes())
+    _native._sidecar(target).write_text(json.dumps(_native._record(other.read_bytes())))
+    with caplog.at_level(logging.WARNING, logger=_native.__name__):
+        status, kernels = _native._load()
+    # Rebuilt on disk; this process may still hold the other library under the same name.
+    assert fake_builds[1:] == [target] and _native._check_cached(target) is None
+    assert target.read_bytes() == fake_builds[0].read_bytes()
+    assert "rebuilding" in caplog.text and "gs_abi_version" in caplog.text
+    assert status.available or ("lacks a kernel" in status.reason and kernels is None), status
+
+
+def test_falling_back_to_torch_warns_once_with_the_reason(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("GRADSKETCH_NATIVE", raising=False)
+    monkeypatch.setenv("GRADSKETCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(_native, "_state", None)
+    with caplog.at_level(logging.INFO, logger=_native.__name__):
+        assert _native.library() is None and not _native.available(torch.device("cpu"))
+        assert _native.native_status().available is False
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, caplog.text
+    assert "using torch's scatter" in warnings[0].getMessage()
+    assert _native.native_status().reason in warnings[0].getMessage()
+
+
+def test_turning_the_kernels_off_is_logged_at_info(monkeypatch, caplog):
+    monkeypatch.setenv("GRADSKETCH_NATIVE", "0")
+    monkeypatch.setattr(_native, "_state", None)
+    with caplog.at_level(logging.INFO, logger=_native.__name__):
+        assert _native.library() is None
+    assert [r.levelno for r in caplog.records] == [logging.INFO]

@@ -18,7 +18,16 @@ the compiler and the CPU. Its OpenMP regions run on the libgomp torch has
 already loaded, so they share torch's threads. Where that cannot be
 guaranteed (not Linux, torch built without OpenMP, no compiler, a second
 OpenMP runtime), or with ``GRADSKETCH_NATIVE=0``, every caller uses torch's
-scatter instead: same results up to the order of float additions.
+scatter instead: same results up to the order of float additions, with one
+WARNING-level log line saying why (INFO when turned off on purpose).
+
+A cached library cannot take the process down: it is built under a
+temporary name and renamed into place, its size, SHA-256 and interface
+version are recorded in a sidecar (``<library>.json``) written the same way,
+and the bytes are checked against the record before ``ctypes`` maps them (a
+truncated file mapped would end the process with SIGBUS). A library that
+fails the check, or lacks a kernel, is rebuilt; builds and checks hold a
+file lock beside the library, so concurrent processes build once.
 
 Example:
     >>> import torch
@@ -33,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -46,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +196,47 @@ def _march() -> str:
     return os.environ.get("GRADSKETCH_NATIVE_MARCH", "").strip() or "native"
 
 
+def _sidecar(target: Path) -> Path:
+    """The record of ``target``'s size, SHA-256 and interface version."""
+    return target.with_name(target.name + ".json")
+
+
+def _record(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "abi": ABI_VERSION}
+
+
+def _check_cached(target: Path) -> str | None:
+    """None when ``target`` matches its sidecar record; else what is wrong with it.
+
+    Reads the bytes rather than mapping them: a truncated or garbled file is
+    found here, before ``ctypes.CDLL`` could fault on it.
+    """
+    side = _sidecar(target)
+    try:
+        record = json.loads(side.read_text())
+    except (OSError, ValueError) as err:
+        return f"its record {side.name} is missing or unreadable ({type(err).__name__})"
+    try:
+        data = target.read_bytes()
+    except OSError as err:
+        return f"it cannot be read ({err})"
+    if not data.startswith(b"\x7fELF"):
+        return "it is not an ELF shared library"
+    if record != _record(data):
+        return (
+            f"its {len(data)} bytes do not match the record ({record.get('size')} bytes, "
+            f"SHA-256 {str(record.get('sha256'))[:12]}..., ABI {record.get('abi')})"
+        )
+    return None
+
+
 def _build(compiler: str, target: Path) -> None:
-    """Compile the sources into ``target`` atomically (a concurrent build cannot tear it)."""
+    """Compile the sources into ``target`` atomically (a concurrent build cannot tear it).
+
+    The library is written under a temporary name, its sidecar record next,
+    then both are renamed into place (record first: a library without its
+    matching record is rebuilt, never loaded).
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     base = [compiler, *FLAGS]
     tail = ["-I", str(SOURCE_DIR), str(SOURCE_DIR / SOURCES[0])]
@@ -203,6 +253,9 @@ def _build(compiler: str, target: Path) -> None:
             cmd = [*base, *arch, *tail, "-o", str(built)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
             if proc.returncode == 0:
+                record = Path(tmp) / "record.json"
+                record.write_text(json.dumps(_record(built.read_bytes())))
+                os.replace(record, _sidecar(target))
                 os.replace(built, target)
                 return
             errors.append(f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}")
@@ -229,13 +282,47 @@ def _load() -> tuple[NativeStatus, dict[tuple[str, str], Any] | None]:
         f"{compiler}|{version}|{FLAGS}|{X86_FLAGS}|{_march()}|{_cpu_signature()}|{sys.platform}".encode()
     )
     target = _cache_root() / "native" / f"gs_kernels-{digest.hexdigest()[:20]}.so"
-    how = "cached"
-    if not target.exists():
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target.with_name(target.name + ".lock")), timeout=900):
+            how = _ensure_built(compiler, target)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        return NativeStatus(False, f"compiling the native kernels failed: {err}"), None
+    status, kernels = _bind(target, how)
+    if kernels is None and how == "cached" and status.reason.startswith(str(target)):
+        # Checked bytes that still lack a kernel (another library with a record to match):
+        # build afresh once.
+        logger.warning("gradsketch native kernels: rebuilding %s (%s)", target, status.reason)
         try:
-            _build(compiler, target)
+            with FileLock(str(target.with_name(target.name + ".lock")), timeout=900):
+                _sidecar(target).unlink(missing_ok=True)
+                how = _ensure_built(compiler, target)
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             return NativeStatus(False, f"compiling the native kernels failed: {err}"), None
-        how = "compiled"
+        status, kernels = _bind(target, how)
+    return status, kernels
+
+
+def _ensure_built(compiler: str, target: Path) -> str:
+    """``"cached"`` when ``target`` passes :func:`_check_cached`, else build it: ``"compiled"``."""
+    problem = _check_cached(target) if target.exists() else "absent"
+    if problem is None:
+        return "cached"
+    if target.exists():
+        logger.warning(
+            "gradsketch native kernels: the cached %s failed its check (%s); rebuilding it",
+            target,
+            problem,
+        )
+    _build(compiler, target)
+    problem = _check_cached(target)
+    if problem is not None:
+        raise RuntimeError(f"the library just built at {target} fails its check: {problem}")
+    return "compiled"
+
+
+def _bind(target: Path, how: str) -> tuple[NativeStatus, dict[tuple[str, str], Any] | None]:
+    """Load the checked ``target`` and bind its kernels; say why not when it cannot."""
     before = _openmp_runtimes()
     try:
         lib = ctypes.CDLL(str(target))
@@ -244,15 +331,18 @@ def _load() -> tuple[NativeStatus, dict[tuple[str, str], Any] | None]:
     after = _openmp_runtimes()
     if len(after) > max(1, len(before)):
         return NativeStatus(False, f"a second OpenMP runtime was loaded: {sorted(after)}"), None
-    if lib.gs_abi_version() != ABI_VERSION:
-        return NativeStatus(False, f"{target} has another interface version"), None
     kernels: dict[tuple[str, str], Any] = {_LIBRARY: lib}
-    for value in _VALUE.values():
-        for index in _INDEX.values():
-            fn = getattr(lib, f"gs_reduce_{value}_{index}")
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
-            kernels[value, index] = fn
+    try:
+        if lib.gs_abi_version() != ABI_VERSION:
+            return NativeStatus(False, f"{target} has another interface version"), None
+        for value in _VALUE.values():
+            for index in _INDEX.values():
+                fn = getattr(lib, f"gs_reduce_{value}_{index}")
+                fn.argtypes = _ARGTYPES
+                fn.restype = ctypes.c_int
+                kernels[value, index] = fn
+    except AttributeError as err:
+        return NativeStatus(False, f"{target} lacks a kernel ({err}); delete it to rebuild"), None
     logger.info("gradsketch native kernels %s: %s", how, target)
     return NativeStatus(True, how, str(target)), kernels
 
@@ -263,8 +353,16 @@ def _kernels() -> dict[tuple[str, str], Any] | None:
         with _lock:
             if _state is None:
                 _state = _load()
-                if not _state[0].available:
-                    logger.info("gradsketch native kernels unavailable: %s", _state[0].reason)
+                status = _state[0]
+                if not status.available:
+                    # Once per process: WARNING unless turned off on purpose.
+                    on_purpose = status.reason.startswith("disabled by GRADSKETCH_NATIVE")
+                    logger.log(
+                        logging.INFO if on_purpose else logging.WARNING,
+                        "gradsketch native kernels unavailable, using torch's scatter "
+                        "(same results, slower): %s",
+                        status.reason,
+                    )
     return _state[1]
 
 

@@ -289,8 +289,8 @@ def test_scoring_errors_and_allow_skip(tmp_path):
         pytest.param(
             {"task": "regression"},
             UnknownTaskError,
-            r"known tasks are \['image_classification', 'language_modeling', "
-            r"'seq2seq_lm', 'text_classification'\]",
+            r"known tasks are \['image_classification', 'iterative_image_classification', "
+            r"'language_modeling', 'seq2seq_lm', 'text_classification'\]",
             id="task",
         ),
         pytest.param({"saver": object()}, ValueError, "`saver`=.* is not supported", id="saver"),

@@ -147,7 +147,8 @@ def load_npz(path: Path) -> tuple[dict[str, np.ndarray] | None, str | None]:
     if not path.is_file():
         return None, "missing"
     try:
-        with np.load(path, allow_pickle=False) as z:
+        # Our own handle: closed even when np.load fails on a damaged file.
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
             return {k: np.array(z[k]) for k in z.files}, None
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as exc:
         return None, f"{type(exc).__name__}: {exc}"

@@ -58,11 +58,11 @@ __getattr__ = lazy_getattr(
 def main() -> None:
     """Console-script entry point (``gradsketch = "gradsketch.cli:main"``)."""
     try:
-        from gradsketch.cli._app import app
+        from gradsketch.cli._app import run
     except ModuleNotFoundError as error:
         if error.name != "typer":
             raise
         raise SystemExit(
             "The gradsketch command line needs typer: pip install 'gradsketch[cli]'."
         ) from error
-    app()
+    run()

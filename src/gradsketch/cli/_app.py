@@ -1,7 +1,10 @@
 """The typer app behind ``gradsketch demo | sketch-demo | attribute | llc | factorize | bench``.
 
 Each command imports its capability only when run, so ``gradsketch --help``
-is instant and a broken optional piece cannot break the others.
+is instant and a broken optional piece cannot break the others. :func:`run`
+(the console script) prints the message alone of an error gradsketch raised
+on purpose, and exits with status 1; ``gradsketch --debug ...`` shows the
+traceback too.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import typer
+
+from gradsketch.cli._paths import check_folder
 
 app = typer.Typer(
     add_completion=False,
@@ -20,8 +26,75 @@ app = typer.Typer(
     help="gradsketch: compressed gradients for attribution, sampling and factorization.",
 )
 
-_OUT = typer.Option("gradsketch_out", "--out", "-o", help="Output folder (created).")
+#: Set by ``--debug``: errors show their traceback.
+_DEBUG = {"on": False}
+#: The package's source folder: errors raised from files below it carry our messages.
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def _out_folder(value: Path) -> Path:
+    """``--out``: a folder or a path where one can be created (not a file)."""
+    try:
+        return check_folder(value)
+    except NotADirectoryError as err:
+        raise typer.BadParameter(str(err), param_hint="--out") from err
+
+
+_OUT = typer.Option(
+    "gradsketch_out", "--out", "-o", help="Output folder (created).", callback=_out_folder
+)
 _CONFIG = typer.Argument(..., exists=True, dir_okay=False, help="A Python config file.")
+
+
+@app.callback()
+def _options(
+    debug: bool = typer.Option(
+        False, "--debug", help="Show the full traceback of an error, not its message alone."
+    ),
+) -> None:
+    """gradsketch: compressed gradients for attribution, sampling and factorization."""
+    if debug:  # run() takes --debug from anywhere on the line before the app parses it
+        _DEBUG["on"] = True
+
+
+def _ours(error: BaseException) -> bool:
+    """Whether ``error`` is one gradsketch raised on purpose, with a message for the user.
+
+    Every :class:`~gradsketch.errors.GradsketchError`; a ``ValueError`` or
+    ``TypeError`` raised from gradsketch's own code (its argument checks); and
+    file-system errors, whose message names the path.
+    """
+    from gradsketch.errors import GradsketchError
+
+    if isinstance(error, (GradsketchError, OSError)):
+        return True
+    if not isinstance(error, (ValueError, TypeError)):
+        return False
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(
+        _PACKAGE
+    )
+
+
+def run(args: Sequence[str] | None = None) -> None:
+    """Run the app (the ``gradsketch`` script): our errors print their message alone.
+
+    Exit status 1 with ``Error: <message>`` on stderr; ``--debug`` re-raises
+    for the full traceback. Anything else (a bug) keeps its traceback.
+    """
+    given = list(sys.argv[1:] if args is None else args)
+    # Anywhere on the line, not only before the command.
+    _DEBUG["on"] = "--debug" in given
+    try:
+        app(args=[a for a in given if a != "--debug"], prog_name="gradsketch")
+    except Exception as error:
+        if _DEBUG["on"] or not _ours(error):
+            raise
+        typer.echo(f"Error: {error}", err=True)
+        typer.echo("(gradsketch --debug ... shows the traceback)", err=True)
+        raise SystemExit(1) from None
 
 
 def _step_size(lr: str) -> float | str:
@@ -52,7 +125,9 @@ def _setup_logging(verbose: bool) -> None:
 
 @app.command()
 def demo(
-    out: Path = typer.Option("demo_out", "--out", "-o", help="Output folder (created)."),
+    out: Path = typer.Option(
+        "demo_out", "--out", "-o", help="Output folder (created).", callback=_out_folder
+    ),
     quick: bool = typer.Option(False, help="Smaller sizes, for a smoke test."),
     lm: bool = typer.Option(
         False, "--lm", help="The language-model job: GPT-2 on the stdlib's sources, HTML report."
@@ -76,7 +151,7 @@ def demo(
 @app.command("sketch-demo")
 def sketch_demo(
     out: Path = _OUT,
-    dim: int = typer.Option(1 << 14, help="Input dimension d."),
+    dim: int = typer.Option(1 << 14, min=1, help="Input dimension d (a positive int)."),
 ) -> None:
     """Inner-product error against sketch size k for every sketch kind (table, PNG, JSON)."""
     from gradsketch.demos._sketch import format_sketch_table, run_sketch_demo

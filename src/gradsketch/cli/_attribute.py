@@ -71,6 +71,7 @@ from gradsketch.attribution import (
     FunctionalGradientComputer,
     HookGradientComputer,
 )
+from gradsketch.cli._paths import check_folder, output_folder
 from gradsketch.demos._attribution import to_numpy
 from gradsketch.errors import ConfigError
 
@@ -281,12 +282,13 @@ def attribute_command(
         ...
         gradsketch.errors.ConfigFileError: `config_path` must be an existing .py file, ...
     """
+    out = check_folder(out_dir)
+    check_folder(out / "trak_store", name="save_dir")
     config = read_config(load_config(config_path))
     from gradsketch.attribution import TRAKer
 
     settings: AttributeSettings = config["settings"]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(out)
     timings: dict[str, float] = {}
     start = time.perf_counter()
 

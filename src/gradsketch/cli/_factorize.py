@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gradsketch._config import load_config
+from gradsketch.cli._paths import check_folder
 from gradsketch.errors import ConfigError
 from gradsketch.factorize import FactorizationReport, apply_factorization
 
@@ -83,7 +84,7 @@ def factorize_command(
         (16, ['factorization_report.json', 'factorized_state_dict.pt'])
     """
     config_path = Path(config_path)
-    out = Path(out_dir)
+    out = check_folder(out_dir)  # before the factorization's cost
     config = vars(load_config(config_path, template="examples/factorize_config.py"))
     model = _model_from(config, config_path)
     settings = {k: config[k] for k in CONFIG_SETTINGS if k in config}

@@ -24,6 +24,7 @@ from typing import Any
 from gradsketch._config import load_config
 from gradsketch._distributed import is_distributed, rank
 from gradsketch._json import jsonable
+from gradsketch.cli._paths import check_folder
 from gradsketch.errors import ConfigError
 from gradsketch.sampling import (
     estimate_learning_coeff_distributed,
@@ -99,8 +100,8 @@ def llc_command(config_path: str | os.PathLike[str], out_dir: str | os.PathLike[
     Returns:
         Path of the summary JSON. Its ``llc/mean`` is also printed by the CLI.
     """
+    out = check_folder(out_dir)  # before the sampling's cost
     config = load_llc_config(config_path)
-    out = Path(out_dir)
     if is_distributed():
         # Under torchrun the chains spread over ranks; every rank gets the same
         # summary and rank 0 alone writes the files.

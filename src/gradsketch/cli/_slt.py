@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradsketch.cli._paths import output_folder
+
 __all__ = ["run_llc_command", "load_model", "load_tokens"]
 
 SUMMARY_FILE = "llc_summary.json"
@@ -169,8 +171,7 @@ def run_llc_command(
     from gradsketch.slt._sample import sample
 
     start = time.perf_counter()
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_folder(out)
     lm = load_model(model)
     ids, how = load_tokens(
         dataset, model, context_length=context_length, max_sequences=max_sequences

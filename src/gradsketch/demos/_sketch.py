@@ -83,7 +83,17 @@ def run_sketch_demo(
     """
     from gradsketch._plotting import new_figure, save_figure
 
+    for name, value in (("dim", dim), ("num_pairs", num_pairs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive int, got {value!r}; e.g. {name}=1024.")
+    bad = [k for k in sizes if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+    if not sizes or bad:
+        raise ValueError(f"`sizes` must be positive ints, got {sizes!r}; e.g. sizes=(64, 128).")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(
+            f"`out_dir`={str(out)!r} is a file, not a folder; pass a folder path (it is created)."
+        )
     out.mkdir(parents=True, exist_ok=True)
     x, y = correlated_pairs(num_pairs, dim, rho=rho, seed=seed)
     errors: dict[str, dict[int, float]] = {name: {} for name in DEMO_KINDS}

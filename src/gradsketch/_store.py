@@ -369,7 +369,7 @@ class RowStore:
             merge=_merge_jobs,
             name=f"gradsketch-store-{id(self):x}",
         )
-        atexit.register(_flush_at_exit, weakref.ref(self))
+        _at_exit(_flush_at_exit, weakref.ref(self))
         return self._writer
 
     # -- arrays -------------------------------------------------------------
@@ -640,6 +640,25 @@ class RowStore:
 
     def __repr__(self) -> str:
         return f"RowStore({str(self.path)!r}, what={self.what!r})"
+
+
+def _at_exit(fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` at interpreter exit, before thread pools shut down.
+
+    zarr writes chunk files through an executor, and Python shuts executors
+    down (``threading._register_atexit``) before ``atexit`` handlers run: a
+    flush from a plain ``atexit`` handler would fail and lose the queued rows.
+    Handlers registered the same way run newest first, so ours runs while
+    zarr's executor still takes work.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(fn, *args)
+            return
+    except RuntimeError:  # registered during shutdown
+        pass
+    atexit.register(fn, *args)
 
 
 def _flush_at_exit(ref: weakref.ref[RowStore]) -> None:

@@ -117,6 +117,27 @@ def test_a_writer_waits_for_another_process_holding_the_lock(tmp_path):
     assert store.done_rows("x.done")[:2].all()
 
 
+def test_background_writes_queued_at_exit_reach_the_disk(tmp_path):
+    """Python stops executors (zarr's file I/O) before atexit handlers; the flush runs first."""
+    code = (
+        "import sys, numpy as np\n"
+        "from gradsketch._store import RowStore\n"
+        "s = RowStore(sys.argv[1], {'n': 64})\n"
+        "s.require_array('x', (64, 50), 'float32', chunk_rows=4)\n"
+        "s.require_done('x.done', 64, chunk_rows=4)\n"
+        "for r in range(0, 64, 4):\n"
+        "    v = {'x': np.ones((4, 50))}\n"
+        "    s.write_rows(slice(r, r + 4), v, done='x.done', background=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "failed" not in out.stderr, out.stderr
+    store = RowStore(tmp_path, {"n": 64})
+    assert store.done_rows("x.done").all()
+    assert np.array_equal(store.array("x")[:], np.ones((64, 50)))
+
+
 def test_the_write_lock_is_reentrant_in_a_thread(tmp_path):
     lock = WriteLock(tmp_path / "l")
     with lock.held(), lock.held():

@@ -226,7 +226,7 @@ def test_a_registered_preconditioner_runs_the_whole_flow(tmp_path, diagonal):
     traker.score((x[:2], y[:2]), num_samples=2)
     scores = traker.finalize_scores("q")
     assert sorted(traker._precond.seen.tolist()) == list(range(12))
-    train = torch.as_tensor(np.asarray(traker.store.array("checkpoints/0/grads")[:])).double()
+    train = torch.as_tensor(np.asarray(traker.stored_features(0)[:])).double()
     q = torch.as_tensor(np.asarray(traker.store.array("checkpoints/0/out_to_loss")[:])).double()
     targets = torch.as_tensor(np.asarray(traker.store.array("experiments/q/0/grads")[:])).double()
     second = (train**2).mean(0)
@@ -285,19 +285,13 @@ def test_resuming_accumulated_state_with_another_world_size_is_refused(tmp_path)
         second.load_checkpoint(model.state_dict(), model_id=0)
 
 
-@pytest.mark.parametrize("curvature", ["loss", "sampled"])
-def test_ekfac_rank_one_rows_equal_the_dense_rotation(tmp_path, curvature):
-    """An MLP's layers see one position per example: EK-FAC's eigenvalues from the
-    rank-one rows, (Q_Sᵀg)² ⊗ (Q_Aᵀa)², equal the rotation of the dense rows (the path
-    taken when a layer sees several positions, forced here by NaN rank-one rows)."""
+def _mlp_ekfac(save_dir, curvature, **kw):
     model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
-    x = torch.randn(20, 5, generator=torch.Generator().manual_seed(0))
-    y = torch.arange(20) % 3
     traker = TRAKer(
         model,
         "image_classification",
         20,
-        save_dir=tmp_path,
+        save_dir=save_dir,
         device="cpu",
         method="ekfac",
         lambda_reg="auto",
@@ -305,14 +299,53 @@ def test_ekfac_rank_one_rows_equal_the_dense_rotation(tmp_path, curvature):
         dtype=torch.float64,
         progress=False,
         chunk_rows=8,
+        **kw,
     )
+    return model, traker
+
+
+def _ekfac_run(traker, model, x, y, *, dense_after=None):
+    """Featurize (dense rows from row ``dense_after`` on, when given), finalize, score."""
     traker.load_checkpoint(model.state_dict(), model_id=0)
-    traker.featurize((x, y), num_samples=20)
+    if dense_after is None:
+        traker.featurize((x, y), num_samples=20)
+    else:
+        traker.featurize((x[:dense_after], y[:dense_after]), num_samples=dense_after)
+        traker._require_dense(0)  # what a batch whose layers see several positions does
+        traker.featurize((x[dense_after:], y[dense_after:]), num_samples=20 - dense_after)
     traker.finalize_features()
-    compact = [v for _, _, v in traker.preconditioner(0).eigen]
-    traker.store.array("checkpoints/0/rank_one")[:] = np.nan
-    traker._write_ckpt_record(0, {**traker._ckpt_record(0), "finalized": False})
-    traker.finalize_features()
-    dense = [v for _, _, v in traker.preconditioner(0).eigen]
-    for c, d in zip(compact, dense):
+    traker.start_scoring_checkpoint("q", model.state_dict(), model_id=0, num_targets=4)
+    traker.score((x[:4], y[:4]), num_samples=4)
+    return traker.finalize_scores("q")
+
+
+@pytest.mark.parametrize("curvature", ["loss", "sampled"])
+def test_ekfac_rank_one_rows_equal_the_dense_rotation(tmp_path, curvature):
+    """An MLP's layers see one position per example: the store keeps each layer's
+    [a, g], EK-FAC's eigenvalues are (Q_Sᵀg)² ⊗ (Q_Aᵀa)² and scores expand g aᵀ as
+    they read. That equals the dense rows and their rotation (the path taken when a
+    layer sees several positions, forced here: dense rows from row 0, then NaN
+    rank-one rows), and a store that turns dense half-way (rows 0-8 filled in)."""
+    x = torch.randn(20, 5, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(20) % 3
+    model, compact = _mlp_ekfac(tmp_path / "compact", curvature)
+    scores = _ekfac_run(compact, model, x, y)
+    assert not compact.store.has("checkpoints/0/grads")
+    eig = [v for _, _, v in compact.preconditioner(0).eigen]
+
+    _, dense = _mlp_ekfac(tmp_path / "dense", curvature)
+    _ekfac_run(dense, model, x, y, dense_after=0)
+    dense.store.array("checkpoints/0/rank_one")[:] = np.nan
+    dense._write_ckpt_record(0, {**dense._ckpt_record(0), "finalized": False})
+    dense.finalize_features()
+    for c, d in zip(eig, [v for _, _, v in dense.preconditioner(0).eigen]):
         torch.testing.assert_close(c, d, rtol=1e-10, atol=1e-14)
+    rescored = dense.finalize_scores("q")
+    torch.testing.assert_close(
+        torch.as_tensor(rescored), torch.as_tensor(scores), rtol=1e-9, atol=0
+    )
+
+    _, mixed = _mlp_ekfac(tmp_path / "mixed", curvature)
+    half = _ekfac_run(mixed, model, x, y, dense_after=9)
+    assert mixed.store.has("checkpoints/0/grads")
+    torch.testing.assert_close(torch.as_tensor(half), torch.as_tensor(scores), rtol=1e-9, atol=0)

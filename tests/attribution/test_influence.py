@@ -174,7 +174,7 @@ def test_scores_in_float64_before_rounding(tmp_path, method):
     ref = _reference_scores(model, x, y, xq, yq, method, "auto")
     targets = torch.as_tensor(np.asarray(ic.store.array("experiments/q/0/grads")[:]))
     pre = ic.preconditioner(0).solve(targets)
-    train = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/grads")[:]))
+    train = torch.as_tensor(np.asarray(ic.stored_features(0)[:]))
     q = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/out_to_loss")[:]))
     torch.testing.assert_close(q * (train @ pre.T), ref, rtol=RTOL, atol=ATOL)
 
@@ -427,7 +427,7 @@ def _scores_of(model, x, y, xq, yq, method, path, grad_wrt=None):
     ic.start_scoring_checkpoint("q", state, model_id=0, num_targets=xq.shape[0])
     ic.score((xq, yq), num_samples=xq.shape[0])
     targets = torch.as_tensor(np.asarray(ic.store.array("experiments/q/0/grads")[:]))
-    train = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/grads")[:]))
+    train = torch.as_tensor(np.asarray(ic.stored_features(0)[:]))
     q = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/out_to_loss")[:]))
     return q * (train @ ic.preconditioner(0).solve(targets).T)
 

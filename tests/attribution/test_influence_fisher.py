@@ -165,7 +165,7 @@ def test_sampled_ekfac_corrects_with_sampled_label_gradients(tmp_path):
         rows.append(
             [torch.cat([m.weight.grad, m.bias.grad[:, None]], 1).reshape(-1) for m in model[::2]]
         )
-    stored = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/fisher_grads")[:]))
+    stored = torch.as_tensor(np.asarray(ic.stored_features(0, "fisher_grads")[:]))
     want = torch.stack([torch.cat(r) for r in rows])
     torch.testing.assert_close(stored, want, rtol=1e-12, atol=1e-14)
     for layer, (q_a, q_s, values) in enumerate(ic.preconditioner(0).eigen):

@@ -209,7 +209,7 @@ def test_gpt2_scores_equal_dense_float64_inverse(tmp_path, method, damping, curv
     np.testing.assert_allclose(
         scores, ref.numpy(), rtol=1e-5, atol=1e-5 * float(ref.abs().max())
     )  # the returned scores are float32
-    train_rows = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/grads")[:]))
+    train_rows = torch.as_tensor(np.asarray(ic.stored_features(0)[:]))
     targets = torch.as_tensor(np.asarray(ic.store.array("experiments/q/0/grads")[:]))
     q = torch.as_tensor(np.asarray(ic.store.array("checkpoints/0/out_to_loss")[:]))
     assert torch.equal(q, torch.ones_like(q))  # the loss is minus the log-likelihood

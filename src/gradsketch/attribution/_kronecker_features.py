@@ -53,7 +53,7 @@ from gradsketch.attribution._modelout import (
 )
 from gradsketch.sketch import FactorizedLayer, FactorizedProjector
 
-__all__ = ["CURVATURES", "KroneckerFeaturizer"]
+__all__ = ["CURVATURES", "KroneckerFeaturizer", "RankOneRows"]
 
 #: Whose second moment the curvature is: empirical Fisher, output Gram, true Fisher.
 CURVATURES = ("loss", "output", "sampled")
@@ -195,10 +195,15 @@ class KroneckerFeaturizer:
             q = self.task.get_out_to_loss_grad(self.model, weights, buffers, batch)
         return q.detach().reshape(-1).to(torch.float64)
 
+    @property
+    def _rank_one_g(self) -> int:
+        """Output-gradient vectors per layer in a ``rank_one`` row (2 with sampled labels)."""
+        return 2 if self.curvature == "sampled" else 1
+
     def row_width(self, name: str) -> int:
         """Numbers per row of the stored array ``name`` (features or an extra array)."""
         if name == "rank_one":
-            return sum(x.k_in + x.k_out for x in self.layers)
+            return sum(x.k_in + self._rank_one_g * x.k_out for x in self.layers)
         if name in ("grads", "fisher_grads"):
             return self.feature_dim
         raise ValueError(
@@ -209,23 +214,75 @@ class KroneckerFeaturizer:
         """``[B, row_width(name)]`` rows of the extra array ``name`` from a batch's parts.
 
         ``"fisher_grads"``: the features under sampled labels. ``"rank_one"``:
-        each layer's ``[a, g]`` (``g`` under sampled labels when there are)
-        where every layer sees one position per example, so that
-        ``G = g aᵀ`` is kept in ``k_in + k_out`` numbers instead of
-        ``k_out k_in``; NaN rows where a layer sees several positions.
+        each layer's ``[a, g]`` (and ``g`` under sampled labels, with
+        ``curvature="sampled"``) where every layer sees one position per
+        example, so that ``G = g aᵀ`` is kept in ``k_in + k_out`` numbers
+        instead of ``k_out k_in``; NaN rows where a layer sees several
+        positions (then the dense rows are stored).
         """
         if name == "fisher_grads":
             return self.features([(a, gs) for a, _, gs in parts if gs is not None])
         if name != "rank_one":
             raise ValueError(f"no extra per-row array {name!r}.")
-        if any(a.shape[1] != 1 for a, _, _ in parts):
+        if not self.rank_one(parts):
             b = parts[0][0].shape[0]
             like = parts[0][0]
             return like.new_full((b, self.row_width(name)), float("nan"))
         pieces = []
         for a, g, gs in parts:
-            pieces += [a[:, 0], (g if gs is None else gs)[:, 0]]
+            pieces += [a[:, 0], g[:, 0]]
+            if self._rank_one_g == 2:
+                pieces.append((g if gs is None else gs)[:, 0])
         return torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def rank_one(parts: LayerParts) -> bool:
+        """Whether every layer of a batch saw one position per example (``G = g aᵀ``)."""
+        return all(a.shape[1] == 1 for a, _, _ in parts)
+
+    def split_rank_one(self, rows: Tensor) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+        """Per layer ``(a [B, k_in], g [B, k_out], g_sampled | None)`` of ``rank_one`` rows."""
+        out = []
+        offset = 0
+        for x in self.layers:
+            a = rows[:, offset : offset + x.k_in]
+            offset += x.k_in
+            g = rows[:, offset : offset + x.k_out]
+            offset += x.k_out
+            gs = None
+            if self._rank_one_g == 2:
+                gs = rows[:, offset : offset + x.k_out]
+                offset += x.k_out
+            out.append((a, g, gs))
+        return out
+
+    def expand_rank_one(
+        self,
+        rows: Tensor,
+        *,
+        sampled: bool = False,
+        bases: Sequence[tuple[Tensor, Tensor]] | None = None,
+    ) -> Tensor:
+        """``[B, feature_dim]`` dense features of finite ``rank_one`` rows.
+
+        Each layer's ``vec(g aᵀ)`` (``sampled``: ``g`` under sampled labels), as
+        :meth:`features` lays them out. With ``bases`` (per layer
+        ``(Q_A, Q_S)``) the rows are expanded in that basis,
+        ``vec(Q_Sᵀ g (Q_Aᵀ a)ᵀ)``: a rank-one gradient stays rank one when
+        rotated, so the rotation costs ``k_in² + k_out²`` per row, not
+        ``k_out k_in (k_in + k_out)``.
+        """
+        out = rows.new_empty((rows.shape[0], self.feature_dim))
+        offset = 0
+        for i, (x, (a, g, gs)) in enumerate(zip(self.layers, self.split_rank_one(rows))):
+            g = gs if sampled and gs is not None else g
+            if bases is not None:
+                q_a, q_s = bases[i]
+                a, g = a @ q_a.to(a.dtype), g @ q_s.to(g.dtype)
+            block = out[:, offset : offset + x.width].view(rows.shape[0], x.k_out, x.k_in)
+            torch.mul(g.unsqueeze(2), a.unsqueeze(1), out=block)
+            offset += x.width
+        return out
 
     def token_mask(self, batch: Sequence[Any]) -> Tensor | None:
         """``[B, T]`` bool: the batch's real (not padded) positions, for tasks with a padding mask.
@@ -249,3 +306,59 @@ class KroneckerFeaturizer:
         """``[B, feature_dim]``: each layer's ``vec(sum_t g_t a_tᵀ)``, in layer order."""
         blocks = [torch.bmm(g.transpose(1, 2), a).reshape(a.shape[0], -1) for a, g in parts]
         return torch.cat(blocks, dim=1)
+
+
+class RankOneRows:
+    """The dense ``[n, feature_dim]`` rows of a ``rank_one`` array, expanded as they are read.
+
+    Where every layer sees one position per example, the store keeps each
+    layer's ``[a, g]`` only (``k_in + k_out`` numbers instead of
+    ``k_out k_in``); readers that want the dense features (finalizing,
+    scoring) slice this view like the array it stands for: ``shape``,
+    ``dtype`` and step-1 row slices, each expanded in memory.
+
+    Args:
+        rank_one: the stored ``[n, row_width("rank_one")]`` array.
+        featurizer: the featurizer that wrote it (its layers and layout).
+        sampled: expand the gradients under sampled labels (``fisher_grads``).
+        bases: per layer ``(Q_A, Q_S)``: expand in those eigenbases (see
+            :meth:`KroneckerFeaturizer.expand_rank_one`).
+    """
+
+    def __init__(
+        self,
+        rank_one: Any,
+        featurizer: KroneckerFeaturizer,
+        *,
+        sampled: bool = False,
+        bases: Sequence[tuple[Tensor, Tensor]] | None = None,
+    ) -> None:
+        self.rank_one = rank_one
+        self.featurizer = featurizer
+        self.sampled = sampled
+        self.bases = bases
+        self.dtype = np.dtype(rank_one.dtype)
+        self.chunks = (int(rank_one.chunks[0]), featurizer.feature_dim)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(n, feature_dim)``."""
+        return (int(self.rank_one.shape[0]), self.featurizer.feature_dim)
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"RankOneRows supports step-1 row slices only, got {key!r}.")
+        rows = torch.from_numpy(np.ascontiguousarray(np.asarray(self.rank_one[key])))
+        if not bool(torch.isfinite(rows).all()):
+            bad = np.nonzero(~torch.isfinite(rows).all(1).numpy())[0]
+            start = key.indices(self.shape[0])[0]
+            raise ValueError(
+                f"stored rank-one rows {(bad[:5] + start).tolist()} are not finite, so their "
+                "dense features cannot be formed; featurize them again (delete the "
+                "checkpoint's store folder or use a new model_id)."
+            )
+        return self.featurizer.expand_rank_one(rows, sampled=self.sampled, bases=self.bases).numpy()
+
+    def rotated(self, bases: Sequence[tuple[Tensor, Tensor]]) -> RankOneRows:
+        """The same rows in per-layer eigenbases ``(Q_A, Q_S)``: rows ``vec(Q_Sᵀ G Q_A)``."""
+        return RankOneRows(self.rank_one, self.featurizer, sampled=self.sampled, bases=bases)

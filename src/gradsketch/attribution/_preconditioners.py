@@ -68,7 +68,8 @@ from torch import Tensor
 
 from gradsketch.attribution._distributed import RowWindow, all_reduce_sum_
 from gradsketch.attribution._io import iter_row_blocks, rows_as_tensor
-from gradsketch.attribution._kfac import KroneckerEigen, KroneckerFactors
+from gradsketch.attribution._kfac import KroneckerEigen, KroneckerFactors, resolve_damping
+from gradsketch.attribution._kronecker_features import RankOneRows
 from gradsketch.attribution._layer_capture import FactoredLayer
 from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
 from gradsketch.attribution._scores import CheckpointGrads
@@ -115,7 +116,9 @@ class FeatureBatch:
 
     Attributes:
         rows: ``[B]`` training-row indices.
-        features: ``[B, k]`` the stored features.
+        features: ``[B, k]`` the stored features (``None`` for the built-in
+            per-layer methods, which read ``layers`` and where the store keeps
+            rank-one rows instead of ``[B, k]``).
         out_to_loss: ``[B]`` Q.
         layers: per factored layer ``(a [B, T, k_in], g [B, T, k_out], g_sampled | None)``
             (``"layers"`` features only, else ``None``).
@@ -124,7 +127,7 @@ class FeatureBatch:
     """
 
     rows: np.ndarray
-    features: Tensor
+    features: Tensor | None
     out_to_loss: Tensor
     layers: Sequence[tuple[Tensor, Tensor, Tensor | None]] | None = None
     token_mask: Tensor | None = None
@@ -449,6 +452,39 @@ class KFACPreconditioner(Preconditioner):
             )
         return out.to(targets.dtype)
 
+    def solve_rotated(self, targets: Tensor) -> Tensor:
+        """``Λ⁻¹ vec(Q_Sᵀ T Q_A)`` per layer: :meth:`solve` without rotating back.
+
+        Scores are then taken against training rows in the same bases
+        (``<Rx, Λ⁻¹ R t> = <x, R ᵀ Λ⁻¹ R t>``), which rank-one rows give
+        cheaply; computed in the targets' dtype (float64 for float64 stores).
+        """
+        if self.eigen is None:
+            raise RuntimeError(f"the {self.name} preconditioner is not finalized.")
+        out = torch.empty_like(targets)
+        for i, block in _blocks(self.spec.layers, targets):
+            q_a, q_s, values = self.eigen[i]
+            basis = KroneckerEigen(q_a=q_a, alpha=q_a.new_empty(0), q_s=q_s, s=q_s.new_empty(0))
+            layer = self.spec.layers[i]
+            damped = values + resolve_damping(self.spec.damping, values)
+            out[:, layer.offset : layer.offset + layer.width] = basis.rotate_rows(
+                block
+            ) / damped.to(targets.dtype)
+        return out
+
+    def checkpoint_grads(self, train: Any, targets: Any, out_to_loss: Any) -> CheckpointGrads:
+        if isinstance(train, RankOneRows) and self.eigen is not None:
+            # Rank-one rows rotate cheaply: score in the eigenbasis, skip rotating back.
+            bases = [(q_a, q_s) for q_a, q_s, _ in self.eigen]
+            return CheckpointGrads(
+                train.rotated(bases),
+                targets,
+                out_to_loss,
+                solve=self.solve_rotated,
+                q_per_checkpoint=self.q_per_checkpoint,
+            )
+        return super().checkpoint_grads(train, targets, out_to_loss)
+
     def state_dict(self) -> dict[str, np.ndarray]:
         state: dict[str, np.ndarray] = {}
         if self.eigen is not None:
@@ -515,11 +551,15 @@ class EKFACPreconditioner(KFACPreconditioner):
         for start, stop, x, q in train.blocks("rank_one" if compact else dense, dtype=work):
             w = q.to(work).reshape(-1, 1)
             if compact and bool(torch.isfinite(x).all()):
+                # Per layer [a, g] (and g under sampled labels): see KroneckerFeaturizer.
                 offset = 0
                 for i, layer in enumerate(layers):
                     a = x[:, offset : offset + layer.k_in]
-                    g = x[:, offset + layer.k_in : offset + layer.k_in + layer.k_out]
-                    offset += layer.k_in + layer.k_out
+                    offset += layer.k_in
+                    if self.spec.curvature == "sampled":
+                        offset += layer.k_out
+                    g = x[:, offset : offset + layer.k_out]
+                    offset += layer.k_out
                     sums[i] += eigens[i].rank_one_squares(a, g * w if weighted else g)
                 continue
             if compact:  # a layer saw several positions: rotate the dense rows

@@ -49,7 +49,11 @@ from gradsketch.attribution._integrity import (
     load_npz,
 )
 from gradsketch.attribution._io import default_block_rows, rows_as_tensor
-from gradsketch.attribution._kronecker_features import CURVATURES, KroneckerFeaturizer
+from gradsketch.attribution._kronecker_features import (
+    CURVATURES,
+    KroneckerFeaturizer,
+    RankOneRows,
+)
 from gradsketch.attribution._linalg import damped_inverse, resolve_lambda
 from gradsketch.attribution._lm_data import as_loader, as_task_batch, check_token_batch
 from gradsketch.attribution._lm_params import select_parameters
@@ -57,6 +61,7 @@ from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._preconditioners import (
     FeatureBatch,
     GramPreconditioner,
+    KFACPreconditioner,
     Preconditioner,
     PreconditionerSpec,
     TrainRows,
@@ -79,6 +84,9 @@ from gradsketch.sketch import (
     NoOpProjector,
 )
 
+#: Per-layer rows kept dense only where a layer sees several positions per example.
+_DENSE_ROWS = ("grads", "fisher_grads")
+
 
 def _whole_parameters(mask: Any) -> bool:
     """Whether a ParamMask selects whole parameters only (names, not entries)."""
@@ -94,8 +102,10 @@ def _atomic_save(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
 
 
 class ModelIDException(GradsketchError, RuntimeError, AssertionError):
-    """A checkpoint (model id) is missing, incomplete or inconsistent (TRAK's name; also an
-    AssertionError, which trak 0.3.2 raises and its users catch)."""
+    """A checkpoint (model id) is missing, incomplete or inconsistent.
+
+    TRAK's name; also an AssertionError, which trak 0.3.2 raises and its users catch.
+    """
 
 
 @dataclass
@@ -437,6 +447,9 @@ class TRAKer:
         )
         # An instance to ask what it stores beside the features.
         self._stored_arrays = self._new_preconditioner().stored_arrays
+        if self.layered and "rank_one" not in self._stored_arrays:
+            # Rows whose layers each see one position keep [a, g], not vec(g aᵀ).
+            self._stored_arrays = (*self._stored_arrays, "rank_one")
         self.save_dir = Path(save_dir).resolve()
         if self.save_dir.exists() and not self.save_dir.is_dir():
             raise NotADirectoryError(
@@ -836,13 +849,17 @@ class TRAKer:
             if not record:
                 record = {"checkpoint": sha, "finalized": False}
                 self._write_ckpt_record(model_id, record)
-            grads = self.store.require_array(
-                arr("grads"), (n, k), self._np_dtype, chunk_rows=self._chunk_rows
-            )
-            self.store.require_array(
+            if not self.layered:
+                self.store.require_array(
+                    arr("grads"), (n, k), self._np_dtype, chunk_rows=self._chunk_rows
+                )
+            # Per-layer methods create the dense rows when a batch needs them.
+            rows_q = self.store.require_array(
                 arr("out_to_loss"), (n, 1), self._q_dtype, chunk_rows=self._chunk_rows
             )
             for extra in self._stored_arrays:
+                if extra in _DENSE_ROWS:
+                    continue
                 width = self.featurizer.row_width(extra)
                 self.store.require_array(
                     arr(extra), (n, width), self._np_dtype, chunk_rows=self._chunk_rows
@@ -854,9 +871,10 @@ class TRAKer:
                     path.unlink()
                 self._write_ckpt_record(model_id, {"checkpoint": sha, "finalized": False})
         # The stored chunking decides the shards (a resumed store keeps its own).
-        self._owned = owned_mask(n, int(grads.chunks[0]))
+        self._owned = owned_mask(n, int(rows_q.chunks[0]))
         self._done = self.store.done_rows(arr("done"))
         self._repair_rows(model_id)
+        self._dense = not self.layered or self.store.has(arr("grads"))
         self._precond, self._covered, self._covered_any = None, None, None
         if self._precond_cls.accumulates:
             self._precond, self._covered, self._covered_any = self._read_accumulated(model_id)
@@ -889,18 +907,60 @@ class TRAKer:
 
     def _train_rows(
         self, batch: Sequence[Tensor], idx: np.ndarray
-    ) -> tuple[Tensor, Tensor, Any, dict[str, Tensor]]:
-        """Features, Q, per-layer parts (or None) and extra stored rows of training rows."""
+    ) -> tuple[Tensor | None, Tensor, Any, dict[str, Tensor]]:
+        """Features (``None`` where rank-one rows stand for them), Q, per-layer parts
+        (or None) and extra stored rows of training rows."""
         if not self.layered:
-            phi = self._features(batch, int(self.ckpt_loaded or 0))
-            return phi, self.gradient_computer.compute_loss_grad(batch), None, {}
+            projected = self._features(batch, int(self.ckpt_loaded or 0))
+            return projected, self.gradient_computer.compute_loss_grad(batch), None, {}
         sampled = self.settings.curvature == "sampled" and (
             self._precond_cls.accumulates or bool(self._stored_arrays)
         )
         parts, q = self.featurizer.layer_parts(batch, idx if sampled else None)
-        phi = self.featurizer.features([(a, g) for a, g, _ in parts])
-        extra = {name: self.featurizer.extra_rows(name, parts) for name in self._stored_arrays}
+        # Rank-one rows ([a, g] per layer) stand for the dense ones until a batch
+        # whose layers see several positions makes the store keep dense rows.
+        compact = not self._dense and self.featurizer.rank_one(parts)
+        phi = None if compact else self.featurizer.features([(a, g) for a, g, _ in parts])
+        extra = {
+            name: self.featurizer.extra_rows(name, parts)
+            for name in self._stored_arrays
+            if not (compact and name in _DENSE_ROWS)
+        }
         return phi, q, parts, extra
+
+    def _require_dense(self, model_id: int) -> None:
+        """Create the dense per-layer rows of ``model_id``, filled for its stored rows."""
+        arr = functools.partial(layout.checkpoint_array, model_id)
+        n, k = self.train_set_size, self.proj_dim
+        self.store.flush()
+        done = self.store.done_rows(arr("done"))
+        compact = self.store.array(arr("rank_one"))
+        for name in (x for x in ("grads", *self._stored_arrays) if x in _DENSE_ROWS):
+            dense = self.store.require_array(
+                arr(name), (n, k), self._np_dtype, chunk_rows=self._chunk_rows
+            )
+            for start in range(0, n, self._chunk_rows):
+                rows = np.nonzero(done[start : start + self._chunk_rows])[0] + start
+                if rows.size:
+                    x = torch.from_numpy(np.asarray(compact.oindex[rows]))
+                    x = self.featurizer.expand_rank_one(x, sampled=name == "fisher_grads")
+                    dense.oindex[rows] = x.numpy()
+        self._dense = True
+
+    def stored_features(self, model_id: int, name: str = "grads") -> Any:
+        """The stored ``[n, k]`` training features of checkpoint ``model_id``, as an array.
+
+        Per-layer methods keep each layer's ``[a, g]`` where every layer sees one
+        position per example; the returned view then expands ``vec(g aᵀ)`` as
+        row slices are read (``view[i:j]``, a numpy array). ``name="fisher_grads"``:
+        the features under sampled labels (``curvature="sampled"``).
+        """
+        arr = functools.partial(layout.checkpoint_array, model_id)
+        if not self.layered or self.store.has(arr(name)):
+            return self.store.array(arr(name))
+        return RankOneRows(
+            self.store.array(arr("rank_one")), self.featurizer, sampled=name == "fisher_grads"
+        )
 
     # -- featurizing ------------------------------------------------------------
     def featurize(
@@ -958,14 +1018,18 @@ class TRAKer:
             return
         rows = np.nonzero(need_rows)[0]
         if rows.size < idx.size:
-            keep_rows = torch.as_tensor(rows, device=phi.device)
-            phi, q = phi[keep_rows], q[keep_rows.to(q.device)]
+            keep_rows = torch.as_tensor(rows, device=q.device)
+            phi = None if phi is None else phi[keep_rows.to(phi.device)]
+            q = q[keep_rows]
             extra = {name: x[keep_rows] for name, x in extra.items()}
         arr = functools.partial(layout.checkpoint_array, self.ckpt_loaded)
         arrays = {
-            arr("grads"): phi.detach().to(self.dtype).cpu().numpy(),
             arr("out_to_loss"): q.detach().cpu().numpy().astype(self._q_dtype).reshape(-1, 1),
         }
+        if phi is not None:
+            if not self._dense:
+                self._require_dense(self.ckpt_loaded)
+            arrays[arr("grads")] = phi.detach().to(self.dtype).cpu().numpy()
         for name, x in extra.items():
             arrays[arr(name)] = x.detach().to(self.dtype).cpu().numpy()
         self.store.write_rows(
@@ -980,7 +1044,7 @@ class TRAKer:
         self,
         idx: np.ndarray,
         need: np.ndarray,
-        phi: Tensor,
+        phi: Tensor | None,
         q: Tensor,
         parts: Any,
         token_mask: Tensor | None,
@@ -988,7 +1052,10 @@ class TRAKer:
         """Hand the rows ``need`` of a batch to the accumulating preconditioner."""
         assert self._precond is not None and self._covered is not None
         assert self._covered_any is not None
-        sel = torch.as_tensor(np.nonzero(need)[0], device=phi.device)
+        sel = torch.as_tensor(np.nonzero(need)[0], device=q.device)
+        if phi is None and not isinstance(self._precond, KFACPreconditioner):
+            # K-FAC's statistics come from the layers' parts; a user's may read features.
+            phi = self.featurizer.features([(a, g) for a, g, _ in parts])
 
         every = bool(need.all())
 
@@ -1002,7 +1069,7 @@ class TRAKer:
         self._precond.accumulate(
             FeatureBatch(
                 rows=idx[need],
-                features=pick(phi),
+                features=None if phi is None else pick(phi),
                 out_to_loss=pick(q),
                 layers=layers,
                 token_mask=None if token_mask is None else pick(token_mask),
@@ -1135,14 +1202,14 @@ class TRAKer:
                 continue
             self._require_intact_rows(model_id)
             precond = precond or self._new_preconditioner()
-            grads = self.store.array(arr("grads"))
+            rows_q = self.store.array(arr("out_to_loss"))
             # Each rank reads its own rows; the preconditioner sums across ranks.
-            mine = chunk_shard(self.train_set_size, int(grads.chunks[0]))
+            mine = chunk_shard(self.train_set_size, int(rows_q.chunks[0]))
             if world == 1:
                 mine = range(self.train_set_size)
             names = ("grads", *self._stored_arrays)
             train = TrainRows(
-                {name: self.store.array(arr(name)) for name in names},
+                {name: self.stored_features(model_id, name) for name in names},
                 self.store.array(arr("out_to_loss")),
                 mine,
                 size=self.train_set_size,
@@ -1473,7 +1540,7 @@ class TRAKer:
                 continue
             precond = self._load_preconditioner(model_id, record)
             ckpts.append(
-                precond.checkpoint_grads(self.store.array(arr("grads")), targets, out_to_loss)
+                precond.checkpoint_grads(self.stored_features(model_id), targets, out_to_loss)
             )
         if not ckpts:
             raise ModelIDException(

@@ -190,6 +190,8 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     traker.load_checkpoint(model.state_dict(), model_id=0)
     print("loaded", flush=True)
+    while args.go and not Path(args.go).exists():
+        time.sleep(0.001)
     for rows in batches:
         traker.featurize(_rows(train, rows), inds=rows)
     traker.store.flush()
@@ -215,6 +217,8 @@ def _spawn(save_dir: Path, model: str, method: str, batches: list[np.ndarray], *
     ]
     if kw.get("out"):
         cmd += ["--finish", "--out", str(kw["out"])]
+    if kw.get("go"):
+        cmd += ["--go", str(kw["go"])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.Popen(
         cmd,
@@ -292,11 +296,14 @@ def two_writers_case(model: str, method: str, split: str) -> Callable[[], bool]:
         first, second = _split(split)
         with tempfile.TemporaryDirectory() as d:
             store = Path(d) / "store"
-            a = _spawn(store, model, method, first)
+            go = Path(d) / "go"
+            a = _spawn(store, model, method, first, go=go)
             # EK-FAC sums its statistics in featurize order: start the second once
             # the first holds the checkpoint, so the order matches the reference.
             _wait_line(a, "loaded")
-            b = _spawn(store, model, method, second)
+            b = _spawn(store, model, method, second, go=go)
+            _wait_line(b, "ready")
+            go.touch()  # both featurize at once (EK-FAC's second waits for the first)
             _run(a), _run(b)
             m, train, targets, task = MODELS[model]()
             scores = finish(_traker(m, task, store, method), m, targets)
@@ -316,13 +323,17 @@ def rowstore_case(every: int, chunk: int) -> Callable[[], bool]:
         with tempfile.TemporaryDirectory() as d:
             src, path = str(HERE.parent / "src"), str(Path(d) / "s")
             code = f"""
-import sys, numpy as np
+import pathlib, sys, time, numpy as np
 sys.path.insert(0, {src!r})
 from gradsketch._store import RowStore
 s = RowStore({path!r}, {{'n': 96}})
 s.require_array('x', (96, 5), 'float32', chunk_rows={chunk})
 s.require_done('x.done', 96, chunk_rows={chunk})
 me = int(sys.argv[1])
+# Start together, so that the writes overlap (without the lock, rows are lost).
+pathlib.Path({d!r}, f"ready{{me}}").touch()
+while not all(pathlib.Path({d!r}, f"ready{{i}}").exists() for i in (0, 1)):
+    time.sleep(0.001)
 for r in [r for r in range(96) if (r // {every}) % 2 == me]:
     values = np.full((1, 5), r + 0.5, 'float32')
     s.write_rows(np.array([r]), {{'x': values}}, done='x.done', background=r % 3 == 0)
@@ -802,6 +813,7 @@ def main() -> None:
     parser.add_argument("--batches", help=argparse.SUPPRESS)
     parser.add_argument("--finish", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--go", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)

@@ -257,6 +257,20 @@ def test_non_finite_gram_is_refused_not_warned_about(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("split", ["rr1", "rr2", "rr16", "by-chunk", "same-job"])
+@pytest.mark.parametrize("method", ["trak", "ekfac"])
+def test_two_processes_featurizing_one_checkpoint_lose_nothing(method, split):
+    """Round-robin by 1, 2, 16 rows, by chunk, or the same job: scores equal one writer's."""
+    assert faults.two_writers_case("mlp", method, split)()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("every", "chunk"), [(1, 4), (2, 8), (16, 4), (7, 5)])
+def test_two_rowstore_writers_on_interleaved_rows_lose_nothing(every, chunk):
+    assert faults.rowstore_case(every, chunk)()
+
+
+@pytest.mark.slow
 def test_every_fault_case_passes():
     """The runner's whole table (several minutes): every case passes or is skipped with a reason."""
     table = faults.run_cases(faults.cases(), verbose=False)

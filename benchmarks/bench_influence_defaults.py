@@ -42,8 +42,8 @@ default), 1e-3 and 1e-2; ``m x λ̄`` for m in {0.01, 0.1, 1, 10, 100}, where
 ``λ̄`` is 0.1 x the mean eigenvalue of the protocol's EK-FAC empirical
 Fisher over all layers (the value ``"auto"`` would take if the model were
 one layer; the same absolute numbers for every row of a protocol); and
-``"auto"`` at fractions {0.001, 0.01, 0.1, 1, 10} of each layer's own mean
-eigenvalue (0.1 is the library's ``"auto"``; the others set the library's
+``"auto"`` at fractions {0.001, 0.01, 0.1, 0.3, 1, 10} of each layer's own mean
+eigenvalue (0.3 is the library's ``"auto"``, chosen by this grid; the others set the library's
 fraction for the duration of the solve, :func:`auto_fraction`). Baselines:
 ``identity`` and TRAK (k = 512, ``lambda_reg="auto"``). Reference:
 Kronfluence 1.0.1 EK-FAC with its defaults (sampled true Fisher) fitted
@@ -96,8 +96,8 @@ class Grid:
     absolute: tuple[float, ...] = (1e-8, 1e-3, 1e-2)
     #: Multiples of the protocol's pooled "auto" value λ̄ (4 decades around it).
     pooled_multiples: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0, 100.0)
-    #: Fractions of each layer's mean eigenvalue (0.1 is the library's "auto").
-    fractions: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0)
+    #: Fractions of each layer's mean eigenvalue (0.3 is the library's "auto").
+    fractions: tuple[float, ...] = (0.001, 0.01, 0.1, 0.3, 1.0, 10.0)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Grid:
@@ -113,7 +113,7 @@ class Grid:
 
 
 #: ``--quick``: one sample seed and one damping of each kind.
-QUICK_GRID = Grid(seeds=(0,), absolute=(1e-8,), pooled_multiples=(1.0,), fractions=(0.1,))
+QUICK_GRID = Grid(seeds=(0,), absolute=(1e-8,), pooled_multiples=(1.0,), fractions=(0.3,))
 #: Kronfluence's damping_factor: its default, and None for its heuristic.
 KRONFLUENCE_DAMPINGS = (bi.KRONFLUENCE_DEFAULT_DAMPING, None)
 #: Retrained models per protocol (``--lds-models`` sets them all).
@@ -439,7 +439,7 @@ def protocol_sizes(name: str, quick: bool, lds_models: int | None, checkpoints: 
 def auto_fraction(fraction: float | None) -> Iterator[None]:
     """Per-layer methods' ``lambda_reg="auto"`` at ``fraction`` x each layer's mean eigenvalue.
 
-    Sets the library's fraction (``AUTO_DAMPING_FRACTION``, 0.1) as read by
+    Sets the library's fraction (``LAYER_AUTO_DAMPING_FRACTION``, 0.3) as read by
     the per-layer solve, and restores it; ``None`` leaves it alone. TRAK's
     own ``"auto"`` is untouched.
     """
@@ -448,12 +448,12 @@ def auto_fraction(fraction: float | None) -> Iterator[None]:
     if fraction is None:
         yield
         return
-    before = _kfac.AUTO_DAMPING_FRACTION
-    _kfac.AUTO_DAMPING_FRACTION = float(fraction)
+    before = _kfac.LAYER_AUTO_DAMPING_FRACTION
+    _kfac.LAYER_AUTO_DAMPING_FRACTION = float(fraction)
     try:
         yield
     finally:
-        _kfac.AUTO_DAMPING_FRACTION = before
+        _kfac.LAYER_AUTO_DAMPING_FRACTION = before
 
 
 def open_traker(p: Protocol, save_dir: str, **kwargs: Any) -> Any:
@@ -638,12 +638,19 @@ def _damping_key(row: dict[str, Any]) -> tuple[int, float]:
     return 0, row["damping"]
 
 
+def _kfac_default_fraction() -> float:
+    from gradsketch.attribution import _kfac
+
+    return _kfac.LAYER_AUTO_DAMPING_FRACTION
+
+
 def _damping_label(row: dict[str, Any]) -> str:
     if "pooled_multiple" in row:
         return f"{row['pooled_multiple']:g} λ̄ = {row['damping']:.2g}"
     if "fraction" in row:
         label = f'`"auto"` at {row["fraction"]:g}'
-        return label + (" (the default)" if row["fraction"] == 0.1 else "")
+        default = row["fraction"] == _kfac_default_fraction()
+        return label + (" (the default)" if default else "")
     return f"{row['damping']:g}"
 
 

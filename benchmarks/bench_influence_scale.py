@@ -12,7 +12,8 @@ that its peak resident memory is its own:
   the eigenvalue correction from the stored rows), score, finalize_scores;
 * Kronfluence: ``fit_all_factors`` (``strategy="ekfac"``, empirical Fisher) and
   ``compute_pairwise_scores`` with ``damping_factor=None`` (its heuristic, a tenth
-  of the mean eigenvalue per module, as gradsketch's ``"auto"``), GPT-2's
+  of the mean eigenvalue per module; gradsketch's ``"auto"`` is run at the same
+  fraction, 0.1, instead of its default 0.3), GPT-2's
   ``Conv1D`` converted to ``nn.Linear`` (Kronfluence does not track ``Conv1D``).
 
 Both differentiate the summed next-token loss of each sequence (gradsketch's
@@ -68,9 +69,11 @@ def gradsketch_worker(shape: list[int], out: str, projection: list[int] | None) 
     import logging
     import time
 
-    from gradsketch.attribution import TRAKer
+    from gradsketch.attribution import TRAKer, _kfac
 
     setup_torch()
+    # Kronfluence's heuristic damping: 0.1 x each module's mean eigenvalue.
+    _kfac.LAYER_AUTO_DAMPING_FRACTION = 0.1
     model, train, queries = _data(tuple(shape))
     start = time.perf_counter()
     traker = TRAKer(

@@ -42,7 +42,7 @@ def test_rescoring_a_store_matches_a_fresh_traker_at_that_damping(logreg, tmp_pa
     traker, auto = bd.fit(logreg, a, lambda_reg="auto", **EKFAC)
     _, fresh = bd.fit(logreg, b, lambda_reg=1e-3, **EKFAC)
     np.testing.assert_allclose(bd.rescore(logreg, a, 1e-3, None, **EKFAC), fresh, rtol=1e-6)
-    np.testing.assert_allclose(bd.rescore(logreg, a, "auto", 0.1, **EKFAC), auto, rtol=1e-6)
+    np.testing.assert_allclose(bd.rescore(logreg, a, "auto", 0.3, **EKFAC), auto, rtol=1e-6)
     # One layer: "auto" at fraction f is f x its mean eigenvalue, i.e. 10 f x λ̄.
     pooled = bd.pooled_auto(traker, 1)
     np.testing.assert_allclose(
@@ -51,7 +51,7 @@ def test_rescoring_a_store_matches_a_fresh_traker_at_that_damping(logreg, tmp_pa
         rtol=1e-6,
     )
     assert not np.allclose(bd.rescore(logreg, a, "auto", 1.0, **EKFAC), auto, rtol=1e-3)
-    assert _kfac.AUTO_DAMPING_FRACTION == 0.1  # restored
+    assert _kfac.LAYER_AUTO_DAMPING_FRACTION == 0.3  # restored
 
 
 def test_run_protocol_emits_one_line_per_setting_and_tables_read_them(
@@ -71,7 +71,7 @@ def test_run_protocol_emits_one_line_per_setting_and_tables_read_them(
     }
     table = bd.tables(lines)
     assert "**digits-logreg**" in table and "| damping | K-FAC loss |" in table
-    assert '`"auto"` at 0.1 (the default)' in table and "- trak" in table
+    assert '`"auto"` at 0.3 (the default)' in table and "- trak" in table
     assert "**ranking over 1 protocols**" in table
     # --summary reads several runs; a setting measured twice appears once.
     (tmp_path / "run.jsonl").write_text(out)

@@ -14,7 +14,8 @@ sys.path.insert(0, str(BENCH))
 
 @pytest.mark.bench
 def test_quick_shape_scores_equal_kronfluence(capsys):
-    """Same maths, same damping heuristic (a tenth of each layer's mean eigenvalue), the
+    """Same maths, same damping heuristic (a tenth of each layer's mean eigenvalue, set on
+    gradsketch's side), the
     empirical Fisher on both sides: the score matrices agree up to float32 rounding, so
     their correlation is 1 to many digits; 0.9999 leaves room for summation order only."""
     pytest.importorskip("kronfluence")

@@ -349,3 +349,26 @@ def test_ekfac_rank_one_rows_equal_the_dense_rotation(tmp_path, curvature):
     half = _ekfac_run(mixed, model, x, y, dense_after=9)
     assert mixed.store.has("checkpoints/0/grads")
     torch.testing.assert_close(torch.as_tensor(half), torch.as_tensor(scores), rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("method", "default"), [("trak", 0.0), ("identity", 0.0), ("kfac", "auto"), ("ekfac", "auto")]
+)
+def test_lambda_reg_default_follows_the_method(tmp_path, method, default):
+    """TRAK keeps trak's 0; the curvature methods default to the per-layer "auto" that
+    led the five-protocol LDS grid (benchmarks/RESULTS.md), at 0.3 of each layer's mean
+    eigenvalue."""
+    from gradsketch.attribution import _kfac
+
+    traker = TRAKer(
+        torch.nn.Linear(4, 3),
+        "image_classification",
+        8,
+        save_dir=tmp_path,
+        device="cpu",
+        proj_dim=4,
+        method=method,
+        progress=False,
+    )
+    assert traker.lambda_reg == default
+    assert _kfac.resolve_damping("auto", torch.tensor([1.0, 3.0])) == pytest.approx(0.6)

@@ -163,9 +163,9 @@ def test_bias_is_an_input_fixed_at_one():
     torch.testing.assert_close(v[..., :-1], _per_example_grads(a, g).reshape(N, D_OUT, D_IN))
 
 
-def test_auto_damping_is_a_tenth_of_the_mean_eigenvalue():
+def test_auto_damping_is_three_tenths_of_the_mean_eigenvalue():
     lam = torch.tensor([1.0, 2.0, 3.0, 6.0])
-    assert resolve_damping("auto", lam) == pytest.approx(0.3)
+    assert resolve_damping("auto", lam) == pytest.approx(0.9)
     assert resolve_damping(0.5, lam) == 0.5
 
 

@@ -101,7 +101,7 @@ def test_ekfac_across_ranks_equals_one_process(runs):
     boundary and added once across ranks instead of in one pass: the sums agree to
     ~n 2^-52 relative, far inside float32's 2^-24 rounding of the stored rows and of the
     scores. The eigendecomposition can amplify that by the conditioning of the factors
-    (damped by λ = 'auto', a tenth of the mean eigenvalue: at most ~11x), so a 1e-5
+    (damped by λ = 'auto', 0.3 of the mean eigenvalue: at most ~4x), so a 1e-5
     relative tolerance on the scores is loose for the rounding and tight for any row
     counted twice or missed (a change of 1/n = 1e-2 in a factor)."""
     got, want = runs["ranks"][0]["scores_ekfac"], runs["ref"]["scores_ekfac"]

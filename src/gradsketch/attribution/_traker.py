@@ -265,7 +265,9 @@ class TRAKer:
             :class:`~gradsketch.masked.ParamMask`. ``None``: all parameters,
             or only the trainable ones when some are frozen (a ``peft`` LoRA
             model's adapters). Recorded, as names, in the store's settings.
-        lambda_reg: ridge damping λ >= 0, or ``"auto"``.
+        lambda_reg: ridge damping λ >= 0, or ``"auto"``; ``None`` (default):
+            0 for ``"trak"`` (trak's default) and ``"identity"``, ``"auto"``
+            for ``"kfac"``, ``"ekfac"`` and registered per-layer methods.
         memory_budget: bytes of working memory for finalize steps (``None``:
             unbounded).
         mask: optional :class:`gradsketch.masked.ParamMask` for the default
@@ -280,7 +282,7 @@ class TRAKer:
             (default: XᵀX of the projected gradients), ``"identity"``,
             ``"kfac"``, ``"ekfac"`` (per-layer Kronecker curvature of every
             Linear / Conv2d / ``Conv1D`` layer; ``lambda_reg`` is the damping,
-            ``"auto"`` a tenth of each layer's mean eigenvalue), or one
+            ``"auto"`` 0.3 of each layer's mean eigenvalue), or one
             registered with :func:`register_preconditioner`. Every method
             takes every input form, ``grad_wrt``, ``per_token``, :meth:`topk`,
             ``memory_budget`` and ``torch.distributed`` sharding.
@@ -342,7 +344,7 @@ class TRAKer:
         proj_max_batch_size: int = 32,
         projector_seed: int = 0,
         grad_wrt: Iterable[str] | None = None,
-        lambda_reg: float | str = 0.0,
+        lambda_reg: float | str | None = None,
         *,
         memory_budget: int | None = None,
         mask: MaskLike | None = None,
@@ -388,11 +390,13 @@ class TRAKer:
             device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         )
         self.dtype = self._resolve_dtype(dtype, use_half_precision)
+        if lambda_reg is None:  # TRAK's 0; the per-layer methods' evidence-chosen "auto"
+            lambda_reg = "auto" if self.layered and method != "identity" else 0.0
         self.lambda_reg = check_lambda(lambda_reg)
         if self.layered and method != "identity" and self.lambda_reg == 0:
             self.logger.warning(
                 "TRAKer(method=%r, lambda_reg=0): no damping, so directions of near-zero "
-                "curvature dominate the scores; pass lambda_reg='auto' (a tenth of each layer's "
+                "curvature dominate the scores; pass lambda_reg='auto' (0.3 of each layer's "
                 "mean eigenvalue) or a positive number.",
                 method,
             )
@@ -908,8 +912,10 @@ class TRAKer:
     def _train_rows(
         self, batch: Sequence[Tensor], idx: np.ndarray
     ) -> tuple[Tensor | None, Tensor, Any, dict[str, Tensor]]:
-        """Features (``None`` where rank-one rows stand for them), Q, per-layer parts
-        (or None) and extra stored rows of training rows."""
+        """Features, Q, per-layer parts (or None) and extra stored rows of training rows.
+
+        Features are ``None`` where rank-one rows stand for them.
+        """
         if not self.layered:
             projected = self._features(batch, int(self.ckpt_loaded or 0))
             return projected, self.gradient_computer.compute_loss_grad(batch), None, {}

@@ -1,0 +1,821 @@
+"""Exact metagradients of query outputs with respect to every training example's weight.
+
+Training is a function of per-example data weights ``w``: step ``t`` takes the
+gradient of ``L_t(θ, w) = (1 / |B_t|) Σ_{i ∈ B_t} w_i ℓ_i(θ)`` over its batch
+``B_t``, and the optimizer maps it to the next parameters. For a query output
+``f_q(θ_T)`` the metagradient ``∂f_q / ∂w_i`` at ``w = 1`` says how the query
+moves when example ``i`` is up- or down-weighted *in this very run* (same
+initialization, same batch order). Removing example ``i`` changes ``f_q`` by
+about ``-∂f_q / ∂w_i`` (MAGIC: Ilyas & Engstrom, "MAGIC: Near-Optimal Data
+Attribution for Deep Learning", 2025; reverse-mode through training:
+Maclaurin et al., "Gradient-based Hyperparameter Optimization through
+Reversible Learning", ICML 2015).
+
+:class:`ReplayAttributor` trains with its own functional optimizer (SGD with
+momentum and weight decay, Adam, AdamW; a learning rate per step), keeps a
+checkpoint every ``k ≈ √T`` steps, and then runs backwards through the steps:
+each segment between checkpoints is recomputed forward, and each step is
+reversed with the optimizer's own adjoint rules and one double backward
+through the weighted loss (``torch.func.vjp`` of ``torch.func.grad``). A block
+of ``m`` queries is carried through one reverse pass as ``[m, ...]``
+cotangents (``vmap`` over the step's VJP), so the recomputation and the
+step's linearization are shared by the block.
+
+Memory: ``(⌈T/k⌉ + k) · S`` for checkpoints and one segment's states, plus
+``m · S`` for the adjoints and ``m · n_train`` scores, plus one step's
+activations (times ``m + 2`` for the batched double backward), where
+``S = P · (1 + s) · bytes`` for ``P`` parameters and ``s`` optimizer state
+tensors per parameter (SGD 0, SGD with momentum 1, Adam / AdamW 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from gradsketch._checks import check_int, check_number, positive_int
+from gradsketch._settings import read_record
+from gradsketch._store import RowStore
+from gradsketch.attribution._lm import IGNORE_INDEX, LanguageModelingModelOutput, _call_model
+from gradsketch.attribution._lm_data import as_loader, as_task_batch, is_hf_dataset
+from gradsketch.attribution._modelout import (
+    AbstractModelOutput,
+    ImageClassificationModelOutput,
+    IterativeImageClassificationModelOutput,
+    TextClassificationModelOutput,
+    resolve_task,
+)
+from gradsketch.attribution._scores import MemoryBudgetError
+from gradsketch.attribution._topk import TopK, TopKCollector
+
+#: Optimizers the replay can reverse, and how many state tensors each keeps per parameter.
+REPLAY_OPTIMIZERS: dict[str, str] = {
+    "sgd": "SGD with optional momentum (dampening 0) and L2 weight decay (torch.optim.SGD)",
+    "adam": "Adam with bias correction and L2 weight decay (torch.optim.Adam)",
+    "adamw": "Adam with decoupled weight decay (torch.optim.AdamW)",
+}
+
+#: ``loss(model, params, buffers, *example) -> scalar``: one example's training loss.
+ExampleLoss = Callable[..., Tensor]
+
+#: Per-example training loss of each task class (checked along the MRO).
+TRAINING_LOSSES: dict[type[AbstractModelOutput], ExampleLoss] = {}
+
+
+def register_training_loss(
+    *task_types: type[AbstractModelOutput],
+) -> Callable[[ExampleLoss], ExampleLoss]:
+    """Decorator: the per-example training loss the replay uses for a task class.
+
+    The function takes ``(model, params, buffers, *example)`` for ONE example
+    (no batch axis; it is vmapped) and returns a scalar loss.
+    """
+    for t in task_types:
+        if not (isinstance(t, type) and issubclass(t, AbstractModelOutput)):
+            raise TypeError(f"`task_types` must be AbstractModelOutput subclasses, got {t!r}.")
+
+    def decorator(fn: ExampleLoss) -> ExampleLoss:
+        for t in task_types:
+            TRAINING_LOSSES[t] = fn
+        return fn
+
+    return decorator
+
+
+@register_training_loss(
+    ImageClassificationModelOutput,
+    IterativeImageClassificationModelOutput,
+    TextClassificationModelOutput,
+)
+def classification_loss(
+    model: nn.Module, params: Any, buffers: Any, *example: Tensor, task: Any = None
+) -> Tensor:
+    """Cross-entropy of one example, ``softplus(-margin) = -log p_y`` (the margin is TRAK's f)."""
+    out = (task or ImageClassificationModelOutput()).get_output(model, params, buffers, *example)
+    return torch.nn.functional.softplus(-out)
+
+
+@register_training_loss(LanguageModelingModelOutput)
+def language_modeling_loss(
+    model: nn.Module, params: Any, buffers: Any, *example: Tensor, task: Any = None
+) -> Tensor:
+    """Mean next-token cross-entropy of one ``(input_ids, attention_mask, labels)`` example."""
+    ids, mask, labels = example
+    logits = _call_model(
+        model,
+        (params, buffers),
+        {"input_ids": ids.unsqueeze(0), "attention_mask": mask.unsqueeze(0)},
+    )[0, :-1]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    target = labels[1:]
+    valid = target != IGNORE_INDEX
+    logp = logits.log_softmax(-1).gather(-1, target.masked_fill(~valid, 0).long().unsqueeze(-1))
+    count = valid.sum().clamp(min=1).to(logp.dtype)
+    return -(logp.squeeze(-1) * valid.to(logp.dtype)).sum() / count
+
+
+def _resolve_loss(task: AbstractModelOutput, loss_fn: ExampleLoss | None) -> ExampleLoss:
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise TypeError(
+                f"`loss_fn` must be callable as loss_fn(model, params, buffers, *example) -> "
+                f"scalar, got {type(loss_fn).__name__}."
+            )
+        return loss_fn
+    for cls in type(task).__mro__:
+        if cls in TRAINING_LOSSES:
+            return functools.partial(TRAINING_LOSSES[cls], task=task)
+    known = ", ".join(sorted(c.__name__ for c in TRAINING_LOSSES))
+    raise ValueError(
+        f"`task` of type {type(task).__name__} has no registered training loss (known: {known}). "
+        "Pass `loss_fn(model, params, buffers, *example) -> scalar`, or register one with "
+        "@register_training_loss(YourTask)."
+    )
+
+
+# -- settings -----------------------------------------------------------------------------
+@dataclass
+class ReplaySettings:
+    """How the replayable run trains (saved beside stored scores; reruns must match).
+
+    Attributes:
+        optimizer: one of :data:`REPLAY_OPTIMIZERS`.
+        lr: learning rate, a list of one rate per step, or a callable
+            ``step -> rate`` (expanded to the list at construction).
+        num_steps: optimizer steps ``T`` (ignored when an explicit order is given:
+            its length is used).
+        batch_size: examples per step; each epoch is a fresh permutation cut into
+            batches (the last one of an epoch may be smaller).
+        seed: seed of the batch order (``torch.Generator``).
+        momentum: SGD momentum (dampening 0, no Nesterov).
+        weight_decay: L2 for ``sgd`` / ``adam``, decoupled for ``adamw``.
+        betas: Adam's ``(β1, β2)``.
+        eps: Adam's ε (added to the bias-corrected ``√v̂``, as torch does).
+        checkpoint_every: steps between kept checkpoints (``None``: ``⌈√T⌉``).
+    """
+
+    optimizer: str = "sgd"
+    lr: Any = 0.1
+    num_steps: int = 100
+    batch_size: int = 32
+    seed: int = 0
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    checkpoint_every: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in REPLAY_OPTIMIZERS:
+            raise ValueError(
+                f"`optimizer`={self.optimizer!r} cannot be replayed; choose one of "
+                f"{sorted(REPLAY_OPTIMIZERS)}."
+            )
+        positive_int("num_steps", self.num_steps)
+        positive_int("batch_size", self.batch_size)
+        check_int("seed", self.seed)
+        check_int("checkpoint_every", self.checkpoint_every, low=1, optional=True)
+        if callable(self.lr):
+            schedule = self.lr
+            self.lr = [float(schedule(t)) for t in range(self.num_steps)]
+        if isinstance(self.lr, (list, tuple)):
+            self.lr = [float(check_number("lr", v, low=0.0)) for v in self.lr]
+            if not self.lr:
+                raise ValueError("`lr` is an empty list; give one learning rate per step.")
+        else:
+            self.lr = float(check_number("lr", self.lr, low=0.0))
+        check_number("momentum", self.momentum, low=0.0)
+        check_number("weight_decay", self.weight_decay, low=0.0)
+        check_number("eps", self.eps, low=0.0, strict=True)
+        betas = tuple(float(b) for b in self.betas)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"`betas` must be two numbers in [0, 1), got {self.betas!r}.")
+        self.betas = (betas[0], betas[1])
+        if self.momentum >= 1.0:
+            raise ValueError(f"`momentum` must be in [0, 1), got {self.momentum!r}.")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step``."""
+        if isinstance(self.lr, list):
+            if step >= len(self.lr):
+                raise ValueError(
+                    f"`lr` lists {len(self.lr)} rates but step {step} was asked for; give one "
+                    "rate per step (or a callable)."
+                )
+            return float(self.lr[step])
+        return float(self.lr)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Optimizer state tensors kept per parameter."""
+        if self.optimizer == "sgd":
+            return ("momentum_buffer",) if self.momentum > 0 else ()
+        return ("exp_avg", "exp_avg_sq")
+
+
+def batch_order(n_train: int, batch_size: int, num_steps: int, *, seed: int) -> list[Tensor]:
+    """Batches of training-row indices: epochs of permutations cut into ``batch_size`` pieces.
+
+    Example:
+        >>> [b.tolist() for b in batch_order(5, 2, 4, seed=0)][:3]  # doctest: +SKIP
+        [[4, 1], [2, 0], [3]]
+    """
+    gen = torch.Generator().manual_seed(int(seed))
+    order: list[Tensor] = []
+    while len(order) < num_steps:
+        perm = torch.randperm(n_train, generator=gen)
+        order.extend(perm.split(batch_size))
+    return order[:num_steps]
+
+
+# -- data ----------------------------------------------------------------------------------
+def _materialize(data: Any, task: AbstractModelOutput) -> tuple[Tensor, ...]:
+    """The whole training set as the task's canonical tuple of ``[n, ...]`` tensors."""
+    if is_hf_dataset(data):
+        data = as_loader(data, task, batch_size=max(1, len(data)))
+    if isinstance(data, Mapping):
+        return as_task_batch(task, data)
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, Tensor) for t in data):
+        first = data[0].shape[0] if data[0].dim() else None
+        if first is not None and all(t.dim() and t.shape[0] == first for t in data):
+            return as_task_batch(task, tuple(data))
+    if not isinstance(data, Iterable):
+        raise TypeError(
+            f"`train_data` must be a tuple of [n, ...] tensors, a dict batch, a datasets.Dataset "
+            f"or an iterable of batches, got {type(data).__name__}."
+        )
+    batches = [as_task_batch(task, b) for b in data]
+    if not batches:
+        raise ValueError("`train_data` holds no batches; give at least one example.")
+    columns = []
+    for j in range(len(batches[0])):
+        parts = [b[j] for b in batches]
+        if parts[0].dim() == 2 and len({p.shape[1] for p in parts}) > 1:
+            raise ValueError(
+                f"`train_data` batches have column {j} of different lengths "
+                f"{sorted({p.shape[1] for p in parts})}; pad every batch to one length (or pass "
+                "a datasets.Dataset, which is padded as one batch)."
+            )
+        columns.append(torch.cat(parts))
+    return tuple(columns)
+
+
+def _rows(data: tuple[Tensor, ...], idx: Tensor) -> tuple[Tensor, ...]:
+    return tuple(t[idx] for t in data)
+
+
+def _fingerprint(tensors: Iterable[Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# -- the functional optimizer and its reverse rules ---------------------------------------
+Params = dict[str, Tensor]
+
+
+def _opt_step(
+    s: ReplaySettings, step: int, theta: Params, state: dict[str, Params], grad: Params
+) -> tuple[Params, dict[str, Params]]:
+    """One optimizer step, written as torch's single-tensor paths (float ops in the same order)."""
+    lr, wd = s.lr_at(step), s.weight_decay
+    new_theta: Params = {}
+    new_state: dict[str, Params] = {k: {} for k in s.state_names}
+    for name, p in theta.items():
+        g = grad[name]
+        if s.optimizer == "sgd":
+            d = g.add(p, alpha=wd) if wd else g
+            if s.momentum > 0:
+                buf = state["momentum_buffer"][name] * s.momentum + d if step > 0 else d
+                new_state["momentum_buffer"][name] = buf
+                d = buf
+            new_theta[name] = p.add(d, alpha=-lr)
+            continue
+        b1, b2 = s.betas
+        if s.optimizer == "adamw":
+            p = p * (1 - lr * wd)
+            d = g
+        else:
+            d = g.add(p, alpha=wd) if wd else g
+        m = state["exp_avg"][name].lerp(d, 1 - b1)
+        v = state["exp_avg_sq"][name] * b2 + d * d * (1 - b2)
+        c1, c2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
+        denom = v.sqrt() / math.sqrt(c2) + s.eps
+        new_theta[name] = p - (lr / c1) * m / denom
+        new_state["exp_avg"][name], new_state["exp_avg_sq"][name] = m, v
+    return new_theta, new_state
+
+
+def _reverse_step(
+    s: ReplaySettings,
+    step: int,
+    theta: Params,
+    state: dict[str, Params],
+    grad: Params,
+    bar_theta: Params,
+    bar_state: dict[str, Params],
+) -> tuple[Params, Params, dict[str, Params]]:
+    """Adjoints through one step, for ``[m, ...]`` cotangent blocks.
+
+    Given the pre-step parameters and state, the step's gradient, and the
+    adjoints of the step's outputs (``bar_theta`` of θ_{t+1}, ``bar_state`` of
+    the state after the step), returns ``(d̄, θ̄_direct, statē_before)``: the
+    adjoint ``d̄`` of the loss gradient (to be pulled back through the double
+    backward by the caller, which adds ``H d̄`` to θ̄ and ``∂g/∂w ᵀ d̄`` to w̄),
+    the part of θ̄_t that does not pass through the gradient, and the state's
+    adjoint before the step.
+    """
+    lr, wd = s.lr_at(step), s.weight_decay
+    bar_g: Params = {}
+    bar_p: Params = {}
+    before: dict[str, Params] = {k: {} for k in s.state_names}
+    for name, p in theta.items():
+        tb = bar_theta[name]
+        g = grad[name]
+        if s.optimizer == "sgd":
+            # θ' = θ - lr·b,  b = μ·b_prev + g + wd·θ  (b = g + wd·θ without momentum)
+            bar_b = -lr * tb
+            if s.momentum > 0:
+                bar_b = bar_b + bar_state["momentum_buffer"][name]
+                before["momentum_buffer"][name] = s.momentum * bar_b
+            bar_g[name] = bar_b
+            bar_p[name] = tb + wd * bar_b if wd else tb
+            continue
+        b1, b2 = s.betas
+        decay = 1 - lr * wd if s.optimizer == "adamw" else 1.0
+        d = g if s.optimizer == "adamw" or not wd else g.add(p, alpha=wd)
+        m = state["exp_avg"][name].lerp(d, 1 - b1)
+        v = state["exp_avg_sq"][name] * b2 + d * d * (1 - b2)
+        c1, c2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
+        root = v.sqrt() / math.sqrt(c2)
+        denom = root + s.eps
+        # u = (m / c1) / (√(v / c2) + ε);  θ' = decay·θ - lr·u
+        du_dm = 1.0 / (c1 * denom)
+        # ∂u/∂v = -(m / c1) / denom² · 1 / (2 √(v c2)); zero where v = 0 (then m = 0 too).
+        safe = torch.where(v > 0, v, torch.ones_like(v))
+        du_dv = torch.where(
+            v > 0, -(m / c1) / (denom * denom) / (2 * torch.sqrt(safe * c2)), torch.zeros_like(v)
+        )
+        bar_m = bar_state["exp_avg"][name] - lr * tb * du_dm
+        bar_v = bar_state["exp_avg_sq"][name] - lr * tb * du_dv
+        bar_d = (1 - b1) * bar_m + (2 * (1 - b2)) * d * bar_v
+        before["exp_avg"][name] = b1 * bar_m
+        before["exp_avg_sq"][name] = b2 * bar_v
+        bar_g[name] = bar_d
+        direct = decay * tb if decay != 1.0 else tb
+        bar_p[name] = direct + wd * bar_d if (wd and s.optimizer == "adam") else direct
+    return bar_g, bar_p, before
+
+
+# -- the replayable run -------------------------------------------------------------------
+@dataclass
+class MemoryEstimate:
+    """Bytes a reverse pass needs (see the module docstring for the formula).
+
+    Attributes:
+        checkpoints: kept checkpoints, ``⌈T/k⌉ · S``.
+        segment: one segment's recomputed states, ``k · S``.
+        adjoints: the ``[m, ...]`` adjoints of parameters and state, ``m · S``.
+        scores: the ``[m, n_train]`` metagradients.
+        activations: one step's saved activations for the batched double
+            backward (measured on the first batch, times ``m + 2``).
+    """
+
+    checkpoints: int
+    segment: int
+    adjoints: int
+    scores: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        """The sum of the parts."""
+        return self.checkpoints + self.segment + self.adjoints + self.scores + self.activations
+
+
+class ReplayAttributor:
+    """Train a replayable run, then score queries by exact metagradients (MAGIC).
+
+    Scores are ``[n_train, m]``: entry ``(i, j)`` is ``∂f_j(θ_T) / ∂w_i`` at
+    ``w = 1``, the derivative of query ``j``'s output (the task's, e.g. the
+    classification margin) with respect to training example ``i``'s weight in
+    the loss. Positive: up-weighting ``i`` raises the output (a proponent);
+    leaving ``i`` out changes the output by about ``-scores[i, j]``.
+
+    Args:
+        model: the model; its current parameters are the run's initialization
+            (they are not changed; :meth:`load_final` loads the trained ones).
+        task: a task name or :class:`AbstractModelOutput` (the query output, and
+            the training loss through :data:`TRAINING_LOSSES`).
+        train_data: the training set: a tuple of ``[n, ...]`` tensors, a dict
+            batch, a ``datasets.Dataset``, or an iterable of batches.
+        settings: a :class:`ReplaySettings` (or pass its fields as keywords).
+        order: explicit batches of training-row indices, one per step (overrides
+            ``seed`` and ``num_steps``).
+        loss_fn: ``(model, params, buffers, *example) -> scalar`` training loss
+            of one example (default: the task's registered loss).
+        save_dir: where scores are stored (resumable; other settings refused).
+        memory_budget: bytes a reverse pass may use; query blocks are sized to
+            fit and :class:`MemoryBudgetError` is raised when none does.
+        progress: show tqdm bars.
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = torch.nn.Linear(4, 3).double()
+        >>> x, y = torch.randn(12, 4, dtype=torch.float64), torch.arange(12) % 3
+        >>> replay = ReplayAttributor(model, "image_classification", (x, y),
+        ...                           num_steps=6, batch_size=4, lr=0.5, progress=False)
+        >>> replay.train()
+        >>> replay.score((x[:2], y[:2])).shape
+        torch.Size([12, 2])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: str | AbstractModelOutput,
+        train_data: Any,
+        settings: ReplaySettings | None = None,
+        *,
+        order: Sequence[Any] | None = None,
+        loss_fn: ExampleLoss | None = None,
+        save_dir: str | Path | None = None,
+        memory_budget: int | None = None,
+        progress: bool = True,
+        **settings_kwargs: Any,
+    ) -> None:
+        if settings is not None and settings_kwargs:
+            raise TypeError(
+                f"pass either `settings` or settings keywords, not both (got "
+                f"{sorted(settings_kwargs)} with settings)."
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
+        self.model = model
+        self.task = resolve_task(task)
+        self.loss = _resolve_loss(self.task, loss_fn)
+        self.data = _materialize(train_data, self.task)
+        self.n_train = int(self.data[0].shape[0])
+        if order is not None:
+            batches = [torch.as_tensor(b, dtype=torch.long).reshape(-1) for b in order]
+            if not batches or any(b.numel() == 0 for b in batches):
+                raise ValueError("`order` must be a non-empty list of non-empty index batches.")
+            flat = torch.cat(batches)
+            if int(flat.min()) < 0 or int(flat.max()) >= self.n_train:
+                raise ValueError(
+                    f"`order` holds indices in [{int(flat.min())}, {int(flat.max())}] but the "
+                    f"training set has {self.n_train} rows; indices must lie in [0, n_train)."
+                )
+            settings_kwargs["num_steps"] = len(batches)
+        if settings is None:
+            settings = ReplaySettings(**settings_kwargs)
+        elif order is not None and settings.num_steps != len(order):
+            settings = dataclasses.replace(settings, num_steps=len(order))
+        self.settings = settings
+        self.order = (
+            batches
+            if order is not None
+            else batch_order(
+                self.n_train, settings.batch_size, settings.num_steps, seed=settings.seed
+            )
+        )
+        if isinstance(settings.lr, list) and len(settings.lr) < settings.num_steps:
+            raise ValueError(
+                f"`lr` lists {len(settings.lr)} rates for {settings.num_steps} steps; give one "
+                "per step."
+            )
+        steps = settings.num_steps
+        self.every = settings.checkpoint_every or max(1, math.ceil(math.sqrt(steps)))
+        self.params0: Params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if not self.params0:
+            raise ValueError("`model` has no parameters; there is nothing to train or replay.")
+        ref = next(iter(self.params0.values()))
+        self._dtype, self._device = ref.dtype, ref.device
+        self.buffers: Params = {n: b.detach() for n, b in model.named_buffers()}
+        self.save_dir = None if save_dir is None else Path(save_dir)
+        check_int("memory_budget", memory_budget, low=1, optional=True)
+        self.memory_budget = memory_budget
+        self.progress = progress
+        self.checkpoints: dict[int, tuple[Params, dict[str, Params]]] = {}
+        self.final: Params | None = None
+        self.timings: dict[str, float] = {}
+        self._scores: dict[str, Tensor] = {}
+        self._activation_bytes: int | None = None
+
+    # -- forward -----------------------------------------------------------------------
+    def _batch_loss(self, params: Params, weights: Tensor, batch: tuple[Tensor, ...]) -> Tensor:
+        def one(*example: Tensor) -> Tensor:
+            return self.loss(self.model, params, self.buffers, *example)
+
+        losses = torch.func.vmap(one)(*batch)
+        return (weights.to(losses.dtype) * losses).sum() / batch[0].shape[0]
+
+    def _grad(self, params: Params, weights: Tensor, batch: tuple[Tensor, ...]) -> Params:
+        return torch.func.grad(self._batch_loss)(params, weights, batch)
+
+    def _init_state(self) -> dict[str, Params]:
+        return {
+            k: {n: torch.zeros_like(p) for n, p in self.params0.items()}
+            for k in self.settings.state_names
+        }
+
+    def _forward(
+        self,
+        start: int,
+        stop: int,
+        theta: Params,
+        state: dict[str, Params],
+        weights: Tensor | None,
+        keep: Callable[[int, Params, dict[str, Params]], None] | None = None,
+    ) -> tuple[Params, dict[str, Params]]:
+        for t in range(start, stop):
+            if keep is not None:
+                keep(t, theta, state)
+            idx = self.order[t]
+            if weights is None:
+                w = torch.ones(idx.numel(), dtype=self._dtype, device=self._device)
+            else:
+                w = weights[idx].to(dtype=self._dtype, device=self._device)
+            grad = self._grad(theta, w, _rows(self.data, idx))
+            theta, state = _opt_step(self.settings, t, theta, state, grad)
+        return theta, state
+
+    def train(self) -> None:
+        """Train the run, keeping a checkpoint every ``checkpoint_every`` steps."""
+        t0 = time.perf_counter()
+        self.checkpoints.clear()
+
+        def keep(t: int, theta: Params, state: dict[str, Params]) -> None:
+            if t % self.every == 0:
+                self.checkpoints[t] = (theta, state)
+
+        with torch.no_grad():
+            self.final, _ = self._forward(
+                0, self.settings.num_steps, dict(self.params0), self._init_state(), None, keep
+            )
+        self.timings["train"] = time.perf_counter() - t0
+
+    def retrain(self, weights: Tensor | None = None) -> Params:
+        """Final parameters of the same run with per-example ``weights`` ``[n_train]``.
+
+        With ``weights`` zero on left-out rows this is MAGIC's leave-out model:
+        same initialization, same batch order, only those rows' losses removed.
+        """
+        if weights is not None:
+            weights = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
+            if weights.numel() != self.n_train:
+                raise ValueError(
+                    f"`weights` has {weights.numel()} entries but the training set has "
+                    f"{self.n_train} rows; give one weight per training row."
+                )
+        with torch.no_grad():
+            theta, _ = self._forward(
+                0, self.settings.num_steps, dict(self.params0), self._init_state(), weights
+            )
+        return theta
+
+    def load_final(self) -> nn.Module:
+        """Copy the trained parameters into ``model`` (and return it)."""
+        final = self._require_trained()
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(final[n])
+        return self.model
+
+    def outputs(self, queries: Any, params: Params | None = None) -> Tensor:
+        """``[m]`` query outputs ``f_j`` under ``params`` (default: the trained run's)."""
+        theta = self._require_trained() if params is None else params
+        batch = _materialize(queries, self.task)
+
+        def one(*example: Tensor) -> Tensor:
+            return self.task.get_output(self.model, theta, self.buffers, *example)
+
+        with torch.no_grad():
+            return torch.func.vmap(one)(*batch)
+
+    def _require_trained(self) -> Params:
+        if self.final is None:
+            raise RuntimeError("the run is not trained yet; call `train()` before scoring.")
+        return self.final
+
+    # -- memory -----------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """``S``: bytes of the parameters plus the optimizer's state."""
+        per = sum(p.numel() * p.element_size() for p in self.params0.values())
+        return per * (1 + len(self.settings.state_names))
+
+    def _measure_activations(self) -> int:
+        if self._activation_bytes is None:
+            total = 0
+
+            def pack(t: Tensor) -> Tensor:
+                nonlocal total
+                total += t.numel() * t.element_size()
+                return t
+
+            idx = self.order[0]
+            params = {n: p.detach().requires_grad_(True) for n, p in self.params0.items()}
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                ones = torch.ones(idx.numel(), dtype=self._dtype, device=self._device)
+                loss = self._batch_loss(params, ones, _rows(self.data, idx))
+                torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            self._activation_bytes = total
+        return self._activation_bytes
+
+    def memory_estimate(self, num_queries: int) -> MemoryEstimate:
+        """Bytes a reverse pass over ``num_queries`` queries needs (module docstring's formula)."""
+        positive_int("num_queries", num_queries)
+        s = self.state_bytes()
+        steps = self.settings.num_steps
+        item = next(iter(self.params0.values())).element_size()
+        return MemoryEstimate(
+            checkpoints=math.ceil(steps / self.every) * s,
+            segment=min(self.every, steps) * s,
+            adjoints=num_queries * s,
+            scores=num_queries * self.n_train * item,
+            activations=(num_queries + 2) * self._measure_activations(),
+        )
+
+    def _block_size(self, num_queries: int, block: int | None) -> int:
+        if block is not None:
+            positive_int("query_block", block)
+            size = min(block, num_queries)
+        else:
+            size = num_queries
+        if self.memory_budget is None:
+            return size
+        while size >= 1 and self.memory_estimate(size).total > self.memory_budget:
+            size //= 2
+        if size < 1:
+            need = self.memory_estimate(1)
+            raise MemoryBudgetError(
+                f"`memory_budget`={self.memory_budget} bytes is too small for even one query: "
+                f"the replay needs {need.total} bytes ({need}). Raise the budget, or keep fewer "
+                f"checkpoints (checkpoint_every={self.every} of {self.settings.num_steps} steps; "
+                "about √T minimizes checkpoints plus segment)."
+            )
+        return size
+
+    # -- reverse ----------------------------------------------------------------------
+    def _query_grads(self, batch: tuple[Tensor, ...], theta: Params) -> Params:
+        def out(params: Params, *example: Tensor) -> Tensor:
+            return self.task.get_output(self.model, params, self.buffers, *example)
+
+        in_dims = (None,) + (0,) * len(batch)
+        return torch.func.vmap(torch.func.grad(out), in_dims=in_dims)(theta, *batch)
+
+    def metagradients(self, queries: Any, *, query_block: int | None = None) -> Tensor:
+        """``[n_train, m]`` exact metagradients ``∂f_j(θ_T) / ∂w_i`` at ``w = 1``.
+
+        Args:
+            queries: the query examples, in any form ``train_data`` takes.
+            query_block: queries carried through one reverse pass (default:
+                all, or as many as fit ``memory_budget``).
+        """
+        self._require_trained()
+        batch = _materialize(queries, self.task)
+        m = int(batch[0].shape[0])
+        size = self._block_size(m, query_block)
+        blocks = [self._reverse(tuple(t[j : j + size] for t in batch)) for j in range(0, m, size)]
+        return torch.cat(blocks, dim=1)
+
+    def _segment(self, start: int, stop: int) -> list[tuple[Params, dict[str, Params]]]:
+        """The pre-step states of steps ``start..stop-1``, recomputed from the checkpoint."""
+        saved: list[tuple[Params, dict[str, Params]]] = []
+        theta, state = self.checkpoints[start]
+        with torch.no_grad():
+            self._forward(start, stop, theta, state, None, lambda t, p, o: saved.append((p, o)))
+        return saved
+
+    def _reverse(self, batch: tuple[Tensor, ...]) -> Tensor:
+        s = self.settings
+        final = self._require_trained()
+        bar_theta = self._query_grads(batch, final)
+        m = int(batch[0].shape[0])
+        ref = next(iter(final.values()))
+        bar_state = {
+            k: {
+                n: torch.zeros((m, *p.shape), dtype=p.dtype, device=p.device)
+                for n, p in final.items()
+            }
+            for k in s.state_names
+        }
+        bar_w = torch.zeros(m, self.n_train, dtype=ref.dtype, device=ref.device)
+        starts = sorted(self.checkpoints, reverse=True)
+        bar = tqdm(total=s.num_steps, desc="replay (reverse)", disable=not self.progress)
+        for start in starts:
+            stop = min(start + self.every, s.num_steps)
+            saved = self._segment(start, stop)
+            for t in range(stop - 1, start - 1, -1):
+                theta, state = saved[t - start]
+                idx = self.order[t]
+                rows = _rows(self.data, idx)
+                ones = torch.ones(idx.numel(), dtype=ref.dtype, device=ref.device)
+                pulled = torch.func.vjp(functools.partial(self._grad, batch=rows), theta, ones)
+                grad, vjp = pulled[0], pulled[1]
+                bar_g, direct, bar_state = _reverse_step(
+                    s,
+                    t,
+                    theta,
+                    state,
+                    {n: g.detach() for n, g in grad.items()},
+                    bar_theta,
+                    bar_state,
+                )
+                hess, w_part = torch.func.vmap(vjp)(bar_g)
+                bar_theta = {n: direct[n] + hess[n] for n in direct}
+                bar_w.index_add_(1, idx.to(ref.device), w_part)
+                bar.update(1)
+        bar.close()
+        return bar_w.T.contiguous()
+
+    # -- scores in a store ------------------------------------------------------------
+    def _record(self, batch: tuple[Tensor, ...]) -> dict[str, Any]:
+        """Everything that fixes the scores: settings, data, order, initialization, queries."""
+        return {
+            **dataclasses.asdict(self.settings),
+            "method": "replay",
+            "task": type(self.task).__name__,
+            "n_train": self.n_train,
+            "checkpoint_every": self.every,
+            "train_data": _fingerprint(self.data),
+            "order": _fingerprint(self.order),
+            "init": _fingerprint(self.params0.values()),
+            "queries": _fingerprint(batch),
+            "num_queries": int(batch[0].shape[0]),
+        }
+
+    def score(
+        self, queries: Any, *, exp_name: str = "default", query_block: int | None = None
+    ) -> Tensor:
+        """Metagradient scores ``[n_train, m]`` of ``queries``, kept as ``exp_name``.
+
+        With ``save_dir`` the scores go to a row store (one row per query,
+        written block by block): a rerun with the same run and queries reads
+        the finished queries back and computes only the rest, and a rerun with
+        other settings, data, order, initialization or queries is refused
+        (:class:`~gradsketch.errors.SettingsMismatchError`, both values shown).
+        """
+        batch = _materialize(queries, self.task)
+        m = int(batch[0].shape[0])
+        if self.save_dir is None:
+            self._scores[exp_name] = self.metagradients(batch, query_block=query_block)
+            return self._scores[exp_name]
+        store = RowStore(self.save_dir / exp_name, self._record(batch), what="replay scores")
+        store.require_array("scores", (m, self.n_train), np.float64)
+        store.require_done("scores.done", m)
+        todo = np.flatnonzero(~store.done_rows("scores.done"))
+        if todo.size:
+            size = self._block_size(int(todo.size), query_block)
+            for j in range(0, todo.size, size):
+                rows = todo[j : j + size]
+                sel = torch.as_tensor(rows)
+                block = self.metagradients(tuple(t[sel] for t in batch), query_block=size)
+                store.write_rows(
+                    rows, {"scores": block.T.double().cpu().numpy()}, done="scores.done"
+                )
+        scores = torch.from_numpy(np.asarray(store.array("scores")[:])).T.contiguous()
+        self._scores[exp_name] = scores
+        return scores
+
+    def finalize_scores(self, exp_name: str = "default") -> Tensor:
+        """The ``[n_train, m]`` scores of ``exp_name`` (from this session or the store)."""
+        if exp_name in self._scores:
+            return self._scores[exp_name]
+        if self.save_dir is not None and (self.save_dir / exp_name / "scores.done").exists():
+            path = self.save_dir / exp_name
+            store = RowStore(path, read_record(path / "settings.json"), what="replay scores")
+            done = store.done_rows("scores.done")
+            if not done.all():
+                raise RuntimeError(
+                    f"the replay scores `{path}` are incomplete ({int(done.sum())} of {done.size} "
+                    "queries); call `score(queries, exp_name=...)` again to finish them."
+                )
+            return torch.from_numpy(np.asarray(store.array("scores")[:])).T.contiguous()
+        raise KeyError(
+            f"`exp_name`={exp_name!r} has no scores; call `score(queries, exp_name={exp_name!r})` "
+            "first."
+        )
+
+    def topk(self, k: int, exp_name: str = "default") -> TopK:
+        """The ``k`` strongest proponents and opponents of each query."""
+        scores = self.finalize_scores(exp_name)
+        collector = TopKCollector(scores.shape[0], scores.shape[1], k)
+        collector[0 : scores.shape[0], 0 : scores.shape[1]] = scores.cpu().numpy()
+        return collector.result()

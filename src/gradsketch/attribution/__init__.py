@@ -69,6 +69,15 @@ from gradsketch.attribution._preconditioners import (
     TrainRows,
     register_preconditioner,
 )
+from gradsketch.attribution._replay import (
+    REPLAY_OPTIMIZERS,
+    TRAINING_LOSSES,
+    MemoryEstimate,
+    ReplayAttributor,
+    ReplaySettings,
+    batch_order,
+    register_training_loss,
+)
 from gradsketch.attribution._score_computers import (
     AbstractScoreComputer,
     BasicScoreComputer,
@@ -116,6 +125,14 @@ __all__ = [
     "select_parameters",
     "TASK_TO_MODELOUT",
     "register_task",
+    # metagradients through training (MAGIC): replay a run, reverse its optimizer
+    "ReplayAttributor",
+    "ReplaySettings",
+    "MemoryEstimate",
+    "REPLAY_OPTIMIZERS",
+    "TRAINING_LOSSES",
+    "register_training_loss",
+    "batch_order",
     # evaluation
     "linear_datamodeling_score",
     "lds_ground_truth",

@@ -117,6 +117,7 @@ def test_a_writer_waits_for_another_process_holding_the_lock(tmp_path):
     assert store.done_rows("x.done")[:2].all()
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_background_writes_queued_at_exit_reach_the_disk(tmp_path):
     """Python stops executors (zarr's file I/O) before atexit handlers; the flush runs first."""
     code = (
@@ -171,12 +172,17 @@ def test_deleted_rows_after_featurizing_are_refused_at_finalize_then_recomputed(
     [
         "mlp/trak/flip grads (finished)",
         "mlp/trak/garble state (finished)",
-        "mlp/trak/truncate targets (finished)",
-        "mlp/trak/delete out_to_loss (featurized)",
-        "mlp/ekfac/empty rank_one (finished)",
         "mlp/ekfac/truncate accumulated.npz",
         "mlp/trak/truncate checkpoint.json",
-        "mlp/trak/garble done (featurized)",
+        *(
+            pytest.param(name, marks=pytest.mark.slow)
+            for name in (
+                "mlp/trak/truncate targets (finished)",
+                "mlp/trak/delete out_to_loss (featurized)",
+                "mlp/ekfac/empty rank_one (finished)",
+                "mlp/trak/garble done (featurized)",
+            )
+        ),
     ],
 )
 def test_fault_cases_recover_bit_identically(name):
@@ -271,8 +277,14 @@ def test_two_rowstore_writers_on_interleaved_rows_lose_nothing(every, chunk):
 
 
 @pytest.mark.slow
-def test_every_fault_case_passes():
-    """The runner's whole table (several minutes): every case passes or is skipped with a reason."""
-    table = faults.run_cases(faults.cases(), verbose=False)
+@pytest.mark.parametrize(("method", "seed"), [("trak", 0), ("ekfac", 1)])
+def test_a_run_killed_at_a_random_moment_resumes_bit_identically(method, seed):
+    assert faults.kill_case("mlp", method, seed)()
+
+
+@pytest.mark.slow
+def test_every_in_process_fault_case_passes():
+    """The runner's in-process table (minutes): every damage kind on both models, bad inputs."""
+    table = faults.run_cases(faults.cases(quick=True), verbose=False)
     assert sum(row[0] for row in table.values()) >= 150
     assert all(row[2] == 0 for row in table.values()), table

@@ -791,19 +791,28 @@ def sample(
         torch_device = torch.device(
             device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        _Run(
-            model=model,
-            data=data,
-            observables=obs_list,
-            settings=settings,
-            mask=mask,
-            loss_fn=loss,
-            device=torch_device,
-            path=path,
-            record=record,
-            sketch_dim=sketch_dim,
-            cores=cores,
-        ).run()
+        try:
+            _Run(
+                model=model,
+                data=data,
+                observables=obs_list,
+                settings=settings,
+                mask=mask,
+                loss_fn=loss,
+                device=torch_device,
+                path=path,
+                record=record,
+                sketch_dim=sketch_dim,
+                cores=cores,
+            ).run()
+        except OSError as exc:
+            # A full disk, a quota, a lost mount: say which store, and that a rerun resumes it.
+            raise OSError(
+                exc.errno,
+                f"writing the sample store {path} failed ({exc.strerror or exc}); free space "
+                "(or fix the cause) and rerun with the same arguments: finished chains are "
+                "kept and the run resumes",
+            ) from exc
     return _open_tree(path)
 
 

@@ -358,3 +358,23 @@ FAMILIES: list[Family] = [
     _family("switch", _switch, "SwitchTransformersForConditionalGeneration", "seq2seq"),
 ]
 BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def _falcon_grouped() -> Any:
+    """Falcon's new decoder architecture: query_key_value as [kv head][its q heads, k, v]."""
+    return _transformers().FalconConfig(
+        num_hidden_layers=LAYERS,
+        hidden_size=WIDTH,
+        num_attention_heads=HEADS,
+        num_kv_heads=2,
+        new_decoder_architecture=True,
+        **COMMON,
+    )
+
+
+#: The causal language models of the matrix, and layouts only some checkpoints of a
+#: family use (not part of the attribution matrix).
+DECODERS: list[Family] = [f for f in FAMILIES if f.kind == "lm"] + [
+    _family("falcon_grouped", _falcon_grouped, "FalconForCausalLM", "lm"),
+]
+DECODERS_BY_NAME = {f.name: f for f in DECODERS}

@@ -8,9 +8,13 @@ from _slt_helpers import tiny_gpt2, tiny_llama, tiny_neox
 
 from gradsketch.masked import ParamMask
 from gradsketch.slt import (
+    STRUCTURES,
+    HeadParam,
+    Structure,
     create_param_masks,
     param_masks_dict,
     preview_weight_restriction,
+    register_structure,
     to_param_mask,
 )
 
@@ -131,13 +135,42 @@ def test_restriction_errors(restriction: object, error: type, match: str) -> Non
         create_param_masks(tiny_gpt2(), restriction)  # type: ignore[arg-type]
 
 
-def test_models_without_a_known_structure_are_refused() -> None:
+def test_models_without_a_config_are_refused_and_any_model_type_is_read() -> None:
     with pytest.raises(ValueError, match=r"no `config.model_type`"):
         create_param_masks(torch.nn.Linear(2, 2), "l0")
     model = tiny_gpt2()
+    reference = create_param_masks(model, "l1h2")
+    model.config.model_type = "mystery"  # no table: the layout is read from the modules
+    assert create_param_masks(model, "l1h2") == reference
+
+
+def test_a_registered_structure_takes_precedence() -> None:
+    model = tiny_gpt2()
     model.config.model_type = "mystery"
-    with pytest.raises(ValueError, match=r"'mystery', which has no registered structure"):
-        create_param_masks(model, "l0")
+    register_structure(
+        "mystery",
+        Structure(
+            layers="transformer.h",
+            embed=("transformer.wte.weight",),
+            unembed=(),
+            attn=("attn.c_proj.weight",),
+            mlp=("mlp.c_fc.weight",),
+            heads={"attn.c_proj.weight": HeadParam(0)},
+        ),
+    )
+    try:
+        assert param_masks_dict(create_param_masks(model, "l1 attn")) == {
+            "transformer.h.1.attn.c_proj.weight": None
+        }
+        head = create_param_masks(model, "l0h1")["transformer.h.0.attn.c_proj.weight"]
+        assert {r for r, _ in head.nonzero().tolist()} == set(range(8, 16))
+        assert head.sum() == 8 * 32
+    finally:
+        STRUCTURES.pop("mystery")
+    with pytest.raises(TypeError, match=r"must be a gradsketch.slt.Structure"):
+        register_structure("x", {})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`fused`='zip' is not a layout"):
+        HeadParam(0, fused="zip")
 
 
 def test_param_mask_argument_errors() -> None:

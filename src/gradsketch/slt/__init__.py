@@ -33,12 +33,14 @@ from gradsketch.slt._estimates import (
     susceptibilities,
 )
 from gradsketch.slt._restrictions import (
+    PROJECTIONS,
     STRUCTURES,
     HeadParam,
     Structure,
     create_param_masks,
     param_masks_dict,
     preview_weight_restriction,
+    register_projection,
     register_structure,
     to_param_mask,
 )
@@ -82,4 +84,6 @@ __all__ = [
     "HeadParam",
     "STRUCTURES",
     "register_structure",
+    "PROJECTIONS",
+    "register_projection",
 ]

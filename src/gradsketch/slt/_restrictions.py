@@ -5,14 +5,38 @@ devinterp 2.0 does: ``"full"``, ``"l0"`` (layer 0), ``"l0 attn"``,
 ``"l0 mlp"``, ``"l0h1"`` (head 1 of layer 0, entry by entry), ``"l0g0"``
 (grouped-query group 0: the query heads sharing key/value head 0),
 ``"embed"``, ``"unembed"``, a parameter name, or a list of these (their
-union). :func:`create_param_masks` turns it into a
+union); and, for mixture-of-experts models, ``"l0 expert3"`` (expert 3 of
+layer 0's MLP). :func:`create_param_masks` turns it into a
 :class:`~gradsketch.masked.ParamMask`, so the same restriction restricts
 samplers, sketches and attribution alike; :func:`param_masks_dict` gives
 devinterp's ``{name: mask or None}`` form.
 
-Where each part lives in a model family is a :class:`Structure` in
-:data:`STRUCTURES`, keyed by ``config.model_type``; add a family with
-:func:`register_structure`.
+Where each part lives is read from the model itself, for every decoder family
+transformers builds, and through peft wrappers:
+
+- the blocks are the ``nn.ModuleList`` whose every item holds an attention
+  module (a module whose class name contains ``Attention``);
+- ``attn`` is the attention module's parameters, ``mlp`` the rest of the
+  block's; normalisation layers (class name containing ``Norm``) belong to
+  neither, only to ``"l<i>"``;
+- heads are read from the attention's projections, recognised by name
+  (:data:`PROJECTIONS`: ``q_proj``, ``c_attn``, ``query_key_value``, ...), and
+  the head counts from the attention module (``num_heads``, ``head_dim``,
+  ``num_key_value_heads``, ...) or else the config; the output side of a
+  query/key/value projection (rows of a ``Linear``, columns of GPT-2's
+  ``Conv1D``, rows of a LoRA ``B``) and the input side of the output
+  projection (columns, LoRA ``A``'s columns) are split by head, never their
+  biases' shared parts;
+- experts are the items of a module named ``experts`` (a ``ModuleList``, or
+  stacked parameters whose first axis runs over experts);
+- ``embed`` / ``unembed`` are the model's ``get_input_embeddings()`` /
+  ``get_output_embeddings()`` (an output head tied to the input embedding is
+  one parameter, listed under ``embed``).
+
+A projection named otherwise is added with :func:`register_projection`; a
+family laid out some other way entirely is described by a :class:`Structure`
+registered under its ``config.model_type`` with :func:`register_structure`
+(a registered structure takes precedence over what is read from the model).
 """
 
 from __future__ import annotations
@@ -28,15 +52,20 @@ from torch import nn
 from gradsketch.masked import ParamMask
 
 __all__ = [
+    "PROJECTIONS",
     "STRUCTURES",
     "HeadParam",
     "Structure",
     "create_param_masks",
     "param_masks_dict",
     "preview_weight_restriction",
+    "register_projection",
     "register_structure",
     "to_param_mask",
 ]
+
+_ROLES = ("q", "k", "v", "o")
+_LAYOUTS = ("concat", "interleaved", "grouped")
 
 
 @dataclass(frozen=True)
@@ -45,18 +74,37 @@ class HeadParam:
 
     Attributes:
         slice_dim: The axis that runs over heads (for a 1-D bias, axis 0).
-        fused: ``None`` for a separate projection, ``"concat"`` for
-            ``[Q; K; V]`` stacked (GPT-2's ``c_attn``), ``"interleaved"`` for
-            ``[head][q, k, v][head_dim]`` (GPT-NeoX's ``query_key_value``).
+        fused: ``None`` for a separate projection; for a fused query/key/value
+            projection its layout along ``slice_dim``: ``"concat"`` for
+            ``[Q; K; V]`` stacked (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``),
+            ``"interleaved"`` for ``[head][q, k, v][head_dim]`` (GPT-NeoX's and
+            BLOOM's ``query_key_value``), ``"grouped"`` for
+            ``[kv_head][its query heads, k, v][head_dim]`` (Falcon's new
+            decoder architecture).
+        role: For a separate projection, ``"q"``, ``"k"``, ``"v"`` or ``"o"``
+            (key/value projections run over key/value heads); ``None`` tells
+            them apart by size, as devinterp does.
     """
 
     slice_dim: int
     fused: str | None = None
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.fused is not None and self.fused not in _LAYOUTS:
+            raise ValueError(
+                f"`fused`={self.fused!r} is not a layout; use None or one of {list(_LAYOUTS)}."
+            )
+        if self.role is not None and self.role not in _ROLES:
+            raise ValueError(f"`role`={self.role!r} is not a role; use None or one of {_ROLES}.")
 
 
 @dataclass(frozen=True)
 class Structure:
     """Where the parts of one model family live, as parameter-name suffixes.
+
+    Only needed for a family whose layout cannot be read from the model (see
+    the module docstring); register it with :func:`register_structure`.
 
     Attributes:
         layers: Prefix of the transformer blocks (``"transformer.h"``: block
@@ -66,6 +114,9 @@ class Structure:
         attn: Suffixes, inside a block, of the attention parameters.
         mlp: Suffixes, inside a block, of the MLP parameters.
         heads: Block-relative names of the parameters split by head.
+        experts: Block-relative prefixes of the experts' container
+            (``"mlp.experts"``: expert ``e`` is ``mlp.experts.{e}.``, or, for
+            stacked parameters, entry ``e`` of their first axis).
     """
 
     layers: str
@@ -74,19 +125,36 @@ class Structure:
     attn: tuple[str, ...]
     mlp: tuple[str, ...]
     heads: Mapping[str, HeadParam] = field(default_factory=dict)
+    experts: tuple[str, ...] = ()
 
 
-#: Model families by ``config.model_type``; :func:`register_structure` adds one.
+#: Families registered by ``config.model_type`` (:func:`register_structure`); every
+#: other family is read from the model.
 STRUCTURES: dict[str, Structure] = {}
+
+#: Attention projections by the name of their module: a role (``"q"``, ``"k"``,
+#: ``"v"``, ``"o"``) or a fused query/key/value layout (``"concat"``,
+#: ``"interleaved"``); :func:`register_projection` adds one.
+PROJECTIONS: dict[str, str] = {
+    **dict.fromkeys(("q_proj", "query", "q", "wq", "q_lin", "query_proj"), "q"),
+    **dict.fromkeys(("k_proj", "key", "k", "wk", "k_lin", "key_proj"), "k"),
+    **dict.fromkeys(("v_proj", "value", "v", "wv", "v_lin", "value_proj"), "v"),
+    **dict.fromkeys(("o_proj", "out_proj", "dense", "c_proj", "wo", "out_lin"), "o"),
+    **dict.fromkeys(("c_attn", "qkv_proj", "Wqkv", "qkv"), "concat"),
+    "query_key_value": "interleaved",
+}
 
 
 def register_structure(model_type: str, structure: Structure) -> None:
-    """Add (or replace) the :class:`Structure` of a model family.
+    """Describe (or replace) the layout of a model family by hand.
+
+    A registered structure is used for every model of that ``model_type``
+    instead of the layout read from the model.
 
     Example:
-        >>> s = STRUCTURES["gpt2"]
-        >>> register_structure("my_gpt2", s)
-        >>> STRUCTURES.pop("my_gpt2") is s
+        >>> s = Structure("transformer.h", ("wte.weight",), (), ("attn.",), ("mlp.",))
+        >>> register_structure("my_gpt", s)
+        >>> STRUCTURES.pop("my_gpt") is s
         True
     """
     if not isinstance(structure, Structure):
@@ -96,146 +164,408 @@ def register_structure(model_type: str, structure: Structure) -> None:
     STRUCTURES[model_type] = structure
 
 
-def _separate(
-    layers: str,
-    attn: dict[str, int],
-    mlp: Sequence[str],
-    *,
-    embed: str,
-    unembed: Sequence[str] = ("lm_head.weight",),
-    not_heads: Sequence[str] = (),
-) -> Structure:
-    """A family with separate Q/K/V/O projections; ``attn`` maps suffix -> head axis."""
-    return Structure(
-        layers=layers,
-        embed=(embed,),
-        unembed=tuple(unembed),
-        attn=tuple(attn),
-        mlp=tuple(mlp),
-        heads={name: HeadParam(dim) for name, dim in attn.items() if name not in not_heads},
-    )
+def register_projection(name: str, kind: str) -> None:
+    """Recognise attention projection modules named ``name`` as ``kind``.
 
+    ``kind``: ``"q"``, ``"k"``, ``"v"`` (separate query, key, value
+    projections), ``"o"`` (the output projection), or the layout of a fused
+    query/key/value projection, ``"concat"`` or ``"interleaved"`` (see
+    :class:`HeadParam`).
 
-_LLAMA_ATTN = {f"self_attn.{p}_proj.weight": 0 for p in "qkv"} | {"self_attn.o_proj.weight": 1}
-_GATED_MLP = ("mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+    Example:
+        >>> register_projection("my_q", "q")
+        >>> PROJECTIONS.pop("my_q")
+        'q'
+    """
+    allowed = (*_ROLES, "concat", "interleaved")
+    if kind not in allowed:
+        raise ValueError(f"`kind`={kind!r} is not a projection kind; use one of {list(allowed)}.")
+    PROJECTIONS[name] = kind
 
-register_structure(
-    "gpt2",
-    Structure(
-        layers="transformer.h",
-        embed=("transformer.wte.weight",),
-        unembed=("lm_head.weight",),
-        attn=("attn.c_attn.bias", "attn.c_attn.weight", "attn.c_proj.bias", "attn.c_proj.weight"),
-        mlp=("mlp.c_fc.bias", "mlp.c_fc.weight", "mlp.c_proj.bias", "mlp.c_proj.weight"),
-        heads={
-            "attn.c_attn.bias": HeadParam(0, "concat"),
-            "attn.c_attn.weight": HeadParam(1, "concat"),
-            "attn.c_proj.weight": HeadParam(0),
-        },
-    ),
-)
-register_structure(
-    "gpt_neox",
-    Structure(
-        layers="gpt_neox.layers",
-        embed=("gpt_neox.embed_in.weight",),
-        unembed=("embed_out.weight",),
-        attn=(
-            "attention.dense.bias",
-            "attention.dense.weight",
-            "attention.query_key_value.bias",
-            "attention.query_key_value.weight",
-        ),
-        mlp=(
-            "mlp.dense_4h_to_h.bias",
-            "mlp.dense_4h_to_h.weight",
-            "mlp.dense_h_to_4h.bias",
-            "mlp.dense_h_to_4h.weight",
-        ),
-        heads={
-            "attention.dense.weight": HeadParam(1),
-            "attention.query_key_value.bias": HeadParam(0, "interleaved"),
-            "attention.query_key_value.weight": HeadParam(0, "interleaved"),
-        },
-    ),
-)
-for _family in ("llama", "mistral"):
-    register_structure(
-        _family,
-        _separate("model.layers", _LLAMA_ATTN, _GATED_MLP, embed="model.embed_tokens.weight"),
-    )
-register_structure(
-    "qwen2",
-    _separate(
-        "model.layers",
-        _LLAMA_ATTN | {f"self_attn.{p}_proj.bias": 0 for p in "qkv"},
-        _GATED_MLP,
-        embed="model.embed_tokens.weight",
-    ),
-)
-register_structure(
-    "gpt_neo",
-    _separate(
-        "transformer.h",
-        {f"attn.attention.{p}_proj.weight": 0 for p in "qkv"}
-        | {"attn.attention.out_proj.weight": 1, "attn.attention.out_proj.bias": 0},
-        ("mlp.c_fc.bias", "mlp.c_fc.weight", "mlp.c_proj.bias", "mlp.c_proj.weight"),
-        embed="transformer.wte.weight",
-        not_heads=("attn.attention.out_proj.bias",),
-    ),
-)
-register_structure(
-    "phi",
-    _separate(
-        "model.layers",
-        {f"self_attn.{p}_proj.{t}": 0 for p in "qkv" for t in ("weight", "bias")}
-        | {"self_attn.dense.weight": 1, "self_attn.dense.bias": 0},
-        ("mlp.fc1.bias", "mlp.fc1.weight", "mlp.fc2.bias", "mlp.fc2.weight"),
-        embed="model.embed_tokens.weight",
-        unembed=("lm_head.weight", "lm_head.bias"),
-        not_heads=("self_attn.dense.bias",),
-    ),
-)
 
 _HEAD = re.compile(r"l(\d+)\s*h(\d+)$")
 _GROUP = re.compile(r"l(\d+)\s*g(\d+)$")
+_EXPERT = re.compile(r"l(\d+)\s+expert\s*(\d+)$")
 _LAYER = re.compile(r"l(\d+)(?:\s+(attn|mlp))?$")
-_FORMS = "'full', 'l0', 'l0h1', 'l0g0', 'l0 attn', 'l0 mlp', 'embed', 'unembed', a parameter name"
+_FORMS = (
+    "'full', 'l0', 'l0h1', 'l0g0', 'l0 attn', 'l0 mlp', 'l0 expert1', 'embed', 'unembed', "
+    "a parameter name"
+)
+_FIX = (
+    "name its projections with gradsketch.slt.register_projection(name, kind), or describe "
+    "the family with gradsketch.slt.register_structure(model_type, Structure(...)); or build "
+    "the masks with gradsketch.masked.ParamMask.from_patterns(model, include=[...])"
+)
 
 
-def _structure(model: nn.Module) -> Structure:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type is None:
+class _UnresolvedError(ValueError):
+    """The model's layout could not be read for the restriction asked."""
+
+
+# ------------------------------------------------------------------ the layout of a model
+@dataclass(frozen=True)
+class _Shape:
+    """``(n_heads, n_kv, head_dim)`` of one attention module."""
+
+    n_heads: int
+    n_kv: int
+    head_dim: int
+
+
+@dataclass
+class _Block:
+    """One transformer block, by full parameter names."""
+
+    params: list[str]
+    attn: list[str]
+    mlp: list[str]
+    heads: dict[str, HeadParam] | None  # None: projections not recognised
+    why_no_heads: str
+    shape: _Shape | None
+    experts: list[list[tuple[str, int | None]]]  # [expert] -> (name, index on axis 0 or None)
+    why_no_experts: str
+
+
+@dataclass
+class _Layout:
+    """What :func:`_layout` found: the blocks, the embeddings, and where from."""
+
+    blocks: list[_Block]
+    embed: list[str]
+    unembed: list[str]
+    unembed_tied: bool
+    source: str
+
+
+def _first(obj: Any, names: Sequence[str]) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _core(model: nn.Module) -> tuple[str, nn.Module]:
+    """The Hugging Face model inside ``model`` (itself, or under a peft wrapper): path, module."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # only registered structures then
+        return "", model
+    for path, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            return path, module
+    return "", model
+
+
+def _config(model: nn.Module) -> Any:
+    config = getattr(_core(model)[1], "config", None)
+    if getattr(config, "model_type", None) is None:
         raise ValueError(
             f"`model` ({type(model).__name__}) has no `config.model_type`, so its layers and "
             "heads cannot be located; pass a Hugging Face model, or build the masks with "
             "gradsketch.masked.ParamMask.from_patterns(model, include=[...])."
         )
-    if model_type not in STRUCTURES:
-        raise ValueError(
-            f"`model` has model_type {model_type!r}, which has no registered structure; "
-            f"known: {sorted(STRUCTURES)}. Register one with "
-            "gradsketch.slt.register_structure(model_type, Structure(...))."
+    return config
+
+
+def _names_by_id(model: nn.Module) -> dict[int, str]:
+    """Each parameter's name in ``model`` (the first, for one shared by several modules)."""
+    return {id(p): n for n, p in reversed(list(model.named_parameters()))}
+
+
+def _module_params(module: nn.Module, names: Mapping[int, str]) -> list[str]:
+    return [names[id(p)] for p in module.parameters() if id(p) in names]
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return "attention" in type(module).__name__.lower()
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Every ``ModuleList`` whose items each hold an attention module."""
+    found = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if all(any(_is_attention(m) for m in item.modules()) for item in module):
+                found.append((path, module))
+    return found
+
+
+def _shallowest_attention(block: nn.Module) -> list[nn.Module]:
+    """The block's attention modules not inside another one (self-attention first)."""
+    out: list[nn.Module] = []
+    inside: set[int] = set()
+    for _, module in block.named_modules():
+        if id(module) in inside or module is block:
+            continue
+        if _is_attention(module):
+            out.append(module)
+            inside.update(id(m) for m in module.modules())
+    return out
+
+
+def _sides(module: nn.Module, names: Mapping[int, str]) -> tuple[list[tuple[str, int]], ...]:
+    """A projection's ``(name, axis)`` on its output side and on its input side.
+
+    ``nn.Linear`` (``[out, in]``), transformers' ``Conv1D`` (``[in, out]``), and
+    a peft LoRA layer: its base layer, ``B`` (``[out, r]``) on the output side
+    and ``A`` (``[r, in]``) on the input side.
+    """
+    out: list[tuple[str, int]] = []
+    inp: list[tuple[str, int]] = []
+    base = getattr(module, "base_layer", None)
+    if isinstance(base, nn.Module):
+        b_out, b_in = _sides(base, names)
+        out += b_out
+        inp += b_in
+        for side, key in ((out, "lora_B"), (inp, "lora_A")):
+            adapters = getattr(module, key, None)
+            if isinstance(adapters, nn.ModuleDict):
+                for adapter in adapters.values():
+                    w = getattr(adapter, "weight", None)
+                    if isinstance(w, nn.Parameter) and id(w) in names:
+                        side.append((names[id(w)], 0 if key == "lora_B" else 1))
+                    b = getattr(adapter, "bias", None)
+                    if key == "lora_B" and isinstance(b, nn.Parameter) and id(b) in names:
+                        out.append((names[id(b)], 0))
+        return out, inp
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or id(weight) not in names:
+        return out, inp
+    conv1d = not hasattr(module, "out_features") and hasattr(module, "nf")
+    out.append((names[id(weight)], 1 if conv1d else 0))
+    inp.append((names[id(weight)], 0 if conv1d else 1))
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, nn.Parameter) and id(bias) in names:
+        out.append((names[id(bias)], 0))
+    return out, inp
+
+
+def _attention_shape(attention: nn.Module, config: Any) -> _Shape:
+    """Head counts from the attention module's attributes, else from the config."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    n_heads = _first(attention, ("num_heads", "num_attention_heads", "n_head", "n_heads"))
+    n_heads = n_heads or _first(text, ("num_attention_heads", "n_head", "num_heads"))
+    if n_heads is None:
+        raise _UnresolvedError(
+            f"the attention module {type(attention).__name__} and the config give no number "
+            "of heads (num_heads / num_attention_heads)"
         )
-    return STRUCTURES[model_type]
+    head_dim = _first(attention, ("head_dim", "head_size")) or _first(text, ("head_dim",))
+    if head_dim is None:
+        hidden = _first(text, ("hidden_size", "n_embd", "d_model"))
+        if hidden is None:
+            raise _UnresolvedError(
+                "neither the attention module nor the config gives head_dim or hidden_size"
+            )
+        head_dim = hidden // n_heads
+    n_kv = _first(attention, ("num_key_value_heads", "num_kv_heads"))
+    groups = _first(attention, ("num_key_value_groups",))
+    if n_kv is None and groups is not None:
+        n_kv = n_heads // groups
+    n_kv = n_kv or _first(text, ("num_key_value_heads",)) or n_heads
+    return _Shape(n_heads, n_kv, head_dim)
 
 
-def _attention_shape(model: nn.Module) -> tuple[int, int, int]:
-    """``(n_heads, n_kv_heads, head_dim)`` from the model's config."""
-    cfg: Any = model.config
-    n_heads = int(cfg.num_attention_heads)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
-    head_dim = int(cfg.hidden_size) // n_heads
-    return n_heads, n_kv, head_dim
+def _fused_layout(attention: nn.Module, kind: str) -> str:
+    """Falcon's ``query_key_value`` is laid out by its attention module's flags."""
+    if getattr(attention, "new_decoder_architecture", False):
+        return "grouped"
+    if getattr(attention, "multi_query", False):
+        return "concat"
+    return kind
 
 
-def _num_layers(names: Sequence[str], structure: Structure) -> int:
-    count = 0
-    while any(n.startswith(f"{structure.layers}.{count}.") for n in names):
-        count += 1
-    return count
+def _heads(
+    attention: nn.Module, shape: _Shape, names: Mapping[int, str]
+) -> tuple[dict[str, HeadParam] | None, str]:
+    """The head-split parameters of one attention module, or None and why not."""
+    heads: dict[str, HeadParam] = {}
+    roles: dict[str, str] = {}
+    for path, module in attention.named_modules():
+        kind = PROJECTIONS.get(path.rpartition(".")[2])
+        if kind is None or not path or ".base_layer" in path or ".lora_" in path:
+            continue
+        out, inp = _sides(module, names)
+        if not out:
+            continue
+        if kind == "o":
+            roles[path] = kind
+            heads.update({n: HeadParam(axis, role="o") for n, axis in inp})
+            continue
+        fused = _fused_layout(attention, kind) if kind in _LAYOUTS else None
+        roles[path] = fused or kind
+        n_heads, n_kv, hd = shape.n_heads, shape.n_kv, shape.head_dim
+        want = {"q": n_heads * hd, "k": n_kv * hd, "v": n_kv * hd}.get(
+            kind, (n_heads + 2 * n_kv) * hd
+        )
+        for name, axis in out:
+            param = _param_shape(attention, name, names)
+            size = param[0] if len(param) == 1 else param[axis]
+            if size != want:
+                return None, (
+                    f"{path} ({kind}) has {size} outputs where {n_heads} heads, {n_kv} key/value "
+                    f"heads of width {hd} give {want}"
+                )
+            heads[name] = HeadParam(axis, fused=fused, role=None if fused else kind)
+    found = set(roles.values())
+    complete = "o" in found and ({"q", "k", "v"} <= found or found & set(_LAYOUTS))
+    if not complete:
+        return None, (
+            f"the attention module {type(attention).__name__} has projections "
+            f"{ {p: r for p, r in roles.items()} or 'none' } recognised by name "
+            f"(known: {sorted(PROJECTIONS)}); a query, key, value (or fused) and an output "
+            "projection are needed"
+        )
+    return heads, ""
 
 
+def _param_shape(root: nn.Module, name: str, names: Mapping[int, str]) -> tuple[int, ...]:
+    for p in root.parameters():
+        if names.get(id(p)) == name:
+            return tuple(p.shape)
+    raise KeyError(name)
+
+
+def _experts(
+    block_mlp: Sequence[tuple[str, nn.Module]], names: Mapping[int, str], config: Any
+) -> tuple[list[list[tuple[str, int | None]]], str]:
+    """Each expert's parameters (``(name, None)``) or entries (``(name, e)`` on axis 0)."""
+    for path, module in block_mlp:
+        if path.rpartition(".")[2] != "experts":
+            continue
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            items = list(module.values() if isinstance(module, nn.ModuleDict) else module)
+            return [[(n, None) for n in _module_params(m, names)] for m in items], ""
+        text = getattr(config, "get_text_config", lambda: config)()
+        count = _first(module, ("num_experts",)) or _first(
+            text, ("num_local_experts", "num_experts", "n_routed_experts")
+        )
+        stacked = [
+            (names[id(p)], p.shape[0])
+            for p in module.parameters()
+            if id(p) in names and p.dim() >= 2
+        ]
+        if count is None or not stacked or any(rows != count for _, rows in stacked):
+            return [], (
+                f"its `experts` module {type(module).__name__} holds parameters "
+                f"{[(n, rows) for n, rows in stacked]} whose first axis is not the number of "
+                f"experts ({count})"
+            )
+        return [[(n, e) for n, _ in stacked] for e in range(count)], ""
+    return [], "its MLP has no module named `experts` (not a mixture of experts)"
+
+
+def _derive(model: nn.Module, config: Any) -> _Layout:
+    """The layout read from the model's module tree and config (see the module docstring)."""
+    names = _names_by_id(model)
+    stacks = _stacks(model)
+    if not stacks:
+        raise _UnresolvedError(
+            f"no stack of transformer blocks was found in {type(model).__name__} (an "
+            "nn.ModuleList whose every item holds a module with 'Attention' in its class name)"
+        )
+    # Encoder-decoder models: the decoder's blocks, as devinterp.
+    path, stack = next(((p, s) for p, s in stacks if "decoder" in p), stacks[0])
+    blocks = [_block(item, names, config) for item in stack]
+    core = _core(model)[1]
+    embed_module = getattr(core, "get_input_embeddings", lambda: None)()
+    head_module = getattr(core, "get_output_embeddings", lambda: None)()
+    embed = _module_params(embed_module, names) if isinstance(embed_module, nn.Module) else []
+    unembed: list[str] = []
+    tied = False
+    if isinstance(head_module, nn.Module):
+        for p in head_module.parameters():
+            if id(p) in names and names[id(p)] not in embed:
+                unembed.append(names[id(p)])
+            elif id(p) in names:
+                tied = True
+    return _Layout(blocks, embed, unembed, tied, f"read from the model ({path})")
+
+
+def _block(item: nn.Module, names: Mapping[int, str], config: Any) -> _Block:
+    params = _module_params(item, names)
+    attentions = _shallowest_attention(item)
+    norms = {n for m in item.modules() if _is_norm(m) for n in _module_params(m, names)}
+    attention = attentions[0]
+    attn_names = [n for n in _module_params(attention, names) if n not in norms]
+    others = {n for a in attentions for n in _module_params(a, names)}
+    mlp = [n for n in params if n not in others and n not in norms]
+    heads: dict[str, HeadParam] | None = None
+    shape: _Shape | None = None
+    try:
+        shape = _attention_shape(attention, config)
+        heads, why = _heads(attention, shape, names)
+    except _UnresolvedError as exc:
+        why = str(exc)
+    inside = {id(m) for a in attentions for m in a.modules()}
+    mlp_modules = [(p, m) for p, m in item.named_modules() if id(m) not in inside and p]
+    experts, why_experts = _experts(mlp_modules, names, config)
+    return _Block(params, attn_names, mlp, heads, why, shape, experts, why_experts)
+
+
+def _registered(model: nn.Module, structure: Structure, model_type: str) -> _Layout:
+    """The layout a registered :class:`Structure` gives (names relative to the HF model)."""
+    core_path, core = _core(model)
+    prefix = f"{core_path}." if core_path else ""
+    names = list(dict(model.named_parameters()))
+    params = dict(model.named_parameters())
+    blocks: list[_Block] = []
+    while True:
+        start = f"{prefix}{structure.layers}.{len(blocks)}."
+        inside = [n for n in names if n.startswith(start)]
+        if not inside:
+            break
+        rel = {n: n[len(start) :] for n in inside}
+        heads = {n: structure.heads[r] for n, r in rel.items() if r in structure.heads}
+        experts: dict[int, list[tuple[str, int | None]]] = {}
+        for n, r in rel.items():
+            for e_prefix in structure.experts:
+                rest = r[len(e_prefix) + 1 :] if r.startswith(f"{e_prefix}.") else None
+                if rest is None:
+                    continue
+                head, _, tail = rest.partition(".")
+                if head.isdigit() and tail:
+                    experts.setdefault(int(head), []).append((n, None))
+                elif not tail:
+                    for e in range(params[n].shape[0]):
+                        experts.setdefault(e, []).append((n, e))
+        blocks.append(
+            _Block(
+                params=inside,
+                attn=[n for n, r in rel.items() if r.endswith(structure.attn)],
+                mlp=[n for n, r in rel.items() if r.endswith(structure.mlp)],
+                heads=heads or None,
+                why_no_heads="the registered Structure lists no head parameters",
+                shape=_attention_shape(core, core.config) if heads else None,
+                experts=[experts[e] for e in sorted(experts)],
+                why_no_experts="the registered Structure lists no experts",
+            )
+        )
+    embed = [n for n in names if n.endswith(structure.embed)]
+    unembed = [n for n in names if n.endswith(structure.unembed)]
+    return _Layout(blocks, embed, unembed, False, f"registered for model_type {model_type!r}")
+
+
+def _layout(model: nn.Module) -> _Layout:
+    config = _config(model)
+    model_type = str(config.model_type)
+    if model_type in STRUCTURES:
+        return _registered(model, STRUCTURES[model_type], model_type)
+    try:
+        return _derive(model, config)
+    except _UnresolvedError as exc:
+        raise ValueError(
+            f"`model` (model_type {model_type!r}) cannot be restricted by layer: {exc}. To fix "
+            f"it, {_FIX}."
+        ) from None
+
+
+# ------------------------------------------------------------------ masks
 def _check_index(kind: str, index: int, limit: int, restriction: str, what: str) -> None:
     if index >= limit:
         raise ValueError(
@@ -245,27 +575,36 @@ def _check_index(kind: str, index: int, limit: int, restriction: str, what: str)
 
 
 def _axis_mask(
-    size: int, spec: HeadParam, index: int, *, group: bool, shape: tuple[int, int, int]
+    size: int, spec: HeadParam, index: int, *, group: bool, shape: _Shape
 ) -> torch.Tensor:
     """Which of the ``size`` entries along the head axis belong to head (or group) ``index``."""
-    n_heads, n_kv, hd = shape
+    n_heads, n_kv, hd = shape.n_heads, shape.n_kv, shape.head_dim
+    per_group = n_heads // n_kv
     mask = torch.zeros(size, dtype=torch.bool)
-    kv_index = index if group else index * n_kv // n_heads
+    kv_index = index if group else index // per_group
     if spec.fused == "interleaved":
         # [head][q, k, v][head_dim]: a group is a run of whole heads.
         if group:
             mask.view(n_kv, -1)[index] = True
         else:
             mask.view(n_heads, 3, hd)[index] = True
+    elif spec.fused == "grouped":
+        # [kv head][its query heads, k, v][head_dim].
+        blocks = mask.view(n_kv, per_group + 2, hd)
+        if group:
+            blocks[index] = True
+        else:
+            blocks[kv_index, index % per_group] = True
+            blocks[kv_index, per_group:] = True
     elif spec.fused == "concat":
         q_size = n_heads * hd
         q, kv = mask.split([q_size, size - q_size])
         if group:
-            q.view(n_kv, n_heads // n_kv, hd)[index] = True
+            q.view(n_kv, per_group, hd)[index] = True
         else:
             q.view(n_heads, hd)[index] = True
         kv.view(2, n_kv, -1)[:, kv_index] = True
-    elif group or size in (n_kv * hd, n_kv):
+    elif spec.role in ("k", "v") or group or (spec.role is None and size in (n_kv * hd, n_kv)):
         # Key/value projections of grouped-query attention (and every
         # projection, for a group: its query heads are consecutive).
         mask.view(n_kv, -1)[kv_index] = True
@@ -275,26 +614,31 @@ def _axis_mask(
 
 
 def _head_selection(
-    model: nn.Module,
-    structure: Structure,
-    params: Mapping[str, torch.Tensor],
-    layer: int,
-    index: int,
-    *,
-    group: bool,
-) -> dict[str, torch.Tensor]:
-    shape = _attention_shape(model)
-    prefix = f"{structure.layers}.{layer}."
-    out: dict[str, torch.Tensor] = {}
-    for name, p in params.items():
-        spec = structure.heads.get(name[len(prefix) :]) if name.startswith(prefix) else None
-        if spec is None:
-            continue
+    block: _Block, params: Mapping[str, torch.Tensor], index: int, *, group: bool
+) -> dict[str, torch.Tensor | None]:
+    assert block.heads is not None and block.shape is not None
+    out: dict[str, torch.Tensor | None] = {}
+    for name, spec in block.heads.items():
+        p = params[name]
         dim = 0 if p.dim() == 1 else spec.slice_dim
-        axis = _axis_mask(p.shape[dim], spec, index, group=group, shape=shape)
+        axis = _axis_mask(p.shape[dim], spec, index, group=group, shape=block.shape)
         view = [1] * p.dim()
         view[dim] = -1
         out[name] = axis.view(view).expand(p.shape).clone()
+    return out
+
+
+def _expert_selection(
+    block: _Block, params: Mapping[str, torch.Tensor], index: int
+) -> dict[str, torch.Tensor | None]:
+    out: dict[str, torch.Tensor | None] = {}
+    for name, entry in block.experts[index]:
+        if entry is None:
+            out[name] = None
+        else:
+            mask = torch.zeros(params[name].shape, dtype=torch.bool)
+            mask[entry] = True
+            out[name] = mask
     return out
 
 
@@ -305,8 +649,9 @@ def _select(model: nn.Module, restriction: str) -> dict[str, torch.Tensor | None
     if text == "full":
         return dict.fromkeys(params)
     key = text.lower()
-    if key in ("embed", "unembed") or _HEAD.match(key) or _GROUP.match(key) or _LAYER.match(key):
-        structure = _structure(model)
+    forms = (_HEAD, _GROUP, _EXPERT, _LAYER)
+    if key in ("embed", "unembed") or any(f.match(key) for f in forms):
+        layout = _layout(model)
     elif text in params:
         return {text: None}
     else:
@@ -315,36 +660,51 @@ def _select(model: nn.Module, restriction: str) -> dict[str, torch.Tensor | None
             "of them (their union)."
         )
     if key in ("embed", "unembed"):
-        suffixes = structure.embed if key == "embed" else structure.unembed
-        chosen: dict[str, torch.Tensor | None] = {n: None for n in params if n.endswith(suffixes)}
+        chosen = layout.embed if key == "embed" else layout.unembed
         if not chosen:
+            why = (
+                "its output head is tied to the input embedding (one parameter, listed once "
+                "under 'embed'). Use 'embed' instead."
+                if key == "unembed" and layout.unembed_tied
+                else f"the model has no {'input' if key == 'embed' else 'output'} embedding "
+                f"({layout.source}); name the parameters instead."
+            )
             raise ValueError(
                 f"`restriction`={restriction!r} selects no parameter of {type(model).__name__}: "
-                f"none is named {list(suffixes)} (an output head tied to the input embedding "
-                "is one parameter, listed once under 'embed'). Use 'embed' instead."
+                + why
             )
-        return chosen
-    n_layers = _num_layers(list(params), structure)
-    n_heads, n_kv, _ = _attention_shape(model)
-    if m := _HEAD.match(key):
-        layer, head = int(m[1]), int(m[2])
-        _check_index("layer", layer, n_layers, restriction, "layers")
-        _check_index("head", head, n_heads, restriction, "attention heads")
-        return dict(_head_selection(model, structure, params, layer, head, group=False))
-    if m := _GROUP.match(key):
-        layer, grp = int(m[1]), int(m[2])
-        _check_index("layer", layer, n_layers, restriction, "layers")
-        _check_index("group", grp, n_kv, restriction, "key/value head groups")
-        return dict(_head_selection(model, structure, params, layer, grp, group=True))
-    m = _LAYER.match(key)
-    assert m is not None
+        return dict.fromkeys(chosen)
+    n_layers = len(layout.blocks)
+    m = next(match for f in forms if (match := f.match(key)) is not None)
     layer = int(m[1])
     _check_index("layer", layer, n_layers, restriction, "layers")
-    prefix = f"{structure.layers}.{layer}."
+    block = layout.blocks[layer]
+    if m.re is _EXPERT:
+        if not block.experts:
+            raise ValueError(
+                f"`restriction`={restriction!r} asks for an expert, but layer {layer} has none: "
+                f"{block.why_no_experts}; use 'l{layer} mlp' for its whole MLP."
+            )
+        expert = int(m[2])
+        _check_index("expert", expert, len(block.experts), restriction, f"experts in layer {layer}")
+        return _expert_selection(block, params, expert)
+    if m.re in (_HEAD, _GROUP):
+        if block.heads is None or block.shape is None:
+            config = _config(model)
+            raise ValueError(
+                f"`restriction`={restriction!r} needs the heads of layer {layer}, but "
+                f"`model` (model_type {config.model_type!r}) does not show them: "
+                f"{block.why_no_heads}. To fix it, {_FIX}."
+            )
+        index = int(m[2])
+        if m.re is _HEAD:
+            _check_index("head", index, block.shape.n_heads, restriction, "attention heads")
+        else:
+            _check_index("group", index, block.shape.n_kv, restriction, "key/value head groups")
+        return _head_selection(block, params, index, group=m.re is _GROUP)
     if m[2] is None:
-        return {n: None for n in params if n.startswith(prefix)}
-    suffixes = structure.attn if m[2] == "attn" else structure.mlp
-    return {n: None for n in params if n.startswith(prefix) and n.endswith(suffixes)}
+        return dict.fromkeys(block.params)
+    return dict.fromkeys(block.attn if m[2] == "attn" else block.mlp)
 
 
 def create_param_masks(model: nn.Module, restriction: str | list[str]) -> ParamMask:

@@ -464,9 +464,17 @@ class TRAKer:
         with rank_zero_first():
             self.store = RowStore(self.save_dir, self.settings, what="TRAK store")
         positive_int("chunk_rows", chunk_rows, optional=True, fix="pass None for ~1 MiB chunks")
-        self._chunk_rows = chunk_rows or default_chunk_rows(
+        self._dense_chunk_rows = chunk_rows or default_chunk_rows(
             (self.proj_dim,), np.dtype(self._np_dtype)
         )
+        self._chunk_rows = self._dense_chunk_rows
+        if chunk_rows is None and "rank_one" in self._stored_arrays:
+            # Rank-one rows are narrow: ~1 MiB chunks of them, made of whole dense
+            # chunks, so writers splitting rows by chunk never share a dense chunk.
+            narrow = default_chunk_rows(
+                (self.featurizer.row_width("rank_one"),), np.dtype(self._np_dtype)
+            )
+            self._chunk_rows *= max(1, narrow // self._dense_chunk_rows)
         self._owned: np.ndarray | None = None
         self._exp_owned: np.ndarray | None = None
         self.ckpt_loaded: int | None = None
@@ -943,7 +951,7 @@ class TRAKer:
         compact = self.store.array(arr("rank_one"))
         for name in (x for x in ("grads", *self._stored_arrays) if x in _DENSE_ROWS):
             dense = self.store.require_array(
-                arr(name), (n, k), self._np_dtype, chunk_rows=self._chunk_rows
+                arr(name), (n, k), self._np_dtype, chunk_rows=self._dense_chunk_rows
             )
             for start in range(0, n, self._chunk_rows):
                 rows = np.nonzero(done[start : start + self._chunk_rows])[0] + start
@@ -1398,9 +1406,9 @@ class TRAKer:
                 arr("grads"),
                 (num_targets, self.proj_dim),
                 self._np_dtype,
-                chunk_rows=self._chunk_rows,
+                chunk_rows=self._dense_chunk_rows,
             )
-            self.store.require_done(arr("done"), num_targets, chunk_rows=self._chunk_rows)
+            self.store.require_done(arr("done"), num_targets, chunk_rows=self._dense_chunk_rows)
         self._exp_owned = owned_mask(num_targets, int(targets.chunks[0]))
         self._exp_done = self.store.done_rows(arr("done"))
         self._load_weights(checkpoint, model_id)

@@ -35,6 +35,7 @@ import functools
 import hashlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ from gradsketch.attribution._modelout import (
     ImageClassificationModelOutput,
     IterativeImageClassificationModelOutput,
     TextClassificationModelOutput,
+    resolve_batch_output,
     resolve_task,
 )
 from gradsketch.attribution._scores import MemoryBudgetError
@@ -67,26 +69,27 @@ REPLAY_OPTIMIZERS: dict[str, str] = {
     "adamw": "Adam with decoupled weight decay (torch.optim.AdamW)",
 }
 
-#: ``loss(model, params, buffers, *example) -> scalar``: one example's training loss.
-ExampleLoss = Callable[..., Tensor]
+#: ``loss(model, *batch) -> [B]``: per-example training losses of one batched forward.
+#: It calls ``model`` as usual; the replay swaps the run's parameters in.
+BatchLoss = Callable[..., Tensor]
 
 #: Per-example training loss of each task class (checked along the MRO).
-TRAINING_LOSSES: dict[type[AbstractModelOutput], ExampleLoss] = {}
+TRAINING_LOSSES: dict[type[AbstractModelOutput], Callable[..., Tensor]] = {}
 
 
 def register_training_loss(
     *task_types: type[AbstractModelOutput],
-) -> Callable[[ExampleLoss], ExampleLoss]:
-    """Decorator: the per-example training loss the replay uses for a task class.
+) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+    """Decorator: the per-example training losses the replay uses for a task class.
 
-    The function takes ``(model, params, buffers, *example)`` for ONE example
-    (no batch axis; it is vmapped) and returns a scalar loss.
+    The function takes ``(task, model, *batch)`` and returns ``[B]`` losses
+    of one batched forward (``model`` is called as usual).
     """
     for t in task_types:
         if not (isinstance(t, type) and issubclass(t, AbstractModelOutput)):
             raise TypeError(f"`task_types` must be AbstractModelOutput subclasses, got {t!r}.")
 
-    def decorator(fn: ExampleLoss) -> ExampleLoss:
+    def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         for t in task_types:
             TRAINING_LOSSES[t] = fn
         return fn
@@ -99,51 +102,55 @@ def register_training_loss(
     IterativeImageClassificationModelOutput,
     TextClassificationModelOutput,
 )
-def classification_loss(
-    model: nn.Module, params: Any, buffers: Any, *example: Tensor, task: Any = None
-) -> Tensor:
-    """Cross-entropy of one example, ``softplus(-margin) = -log p_y`` (the margin is TRAK's f)."""
-    out = (task or ImageClassificationModelOutput()).get_output(model, params, buffers, *example)
-    return torch.nn.functional.softplus(-out)
+def classification_loss(task: AbstractModelOutput, model: nn.Module, *batch: Tensor) -> Tensor:
+    """``[B]`` cross-entropies ``softplus(-margin) = -log p_y`` (the margin is TRAK's output f)."""
+    return torch.nn.functional.softplus(-resolve_batch_output(task)(model, *batch))
 
 
 @register_training_loss(LanguageModelingModelOutput)
 def language_modeling_loss(
-    model: nn.Module, params: Any, buffers: Any, *example: Tensor, task: Any = None
+    task: AbstractModelOutput, model: nn.Module, ids: Tensor, mask: Tensor, labels: Tensor
 ) -> Tensor:
-    """Mean next-token cross-entropy of one ``(input_ids, attention_mask, labels)`` example."""
-    ids, mask, labels = example
-    logits = _call_model(
-        model,
-        (params, buffers),
-        {"input_ids": ids.unsqueeze(0), "attention_mask": mask.unsqueeze(0)},
-    )[0, :-1]
+    """``[B]`` mean next-token cross-entropies over each example's predicted tokens."""
+    logits = _call_model(model, None, {"input_ids": ids, "attention_mask": mask})[:, :-1]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    target = labels[1:]
+    target = labels[:, 1:]
     valid = target != IGNORE_INDEX
     logp = logits.log_softmax(-1).gather(-1, target.masked_fill(~valid, 0).long().unsqueeze(-1))
-    count = valid.sum().clamp(min=1).to(logp.dtype)
-    return -(logp.squeeze(-1) * valid.to(logp.dtype)).sum() / count
+    count = valid.sum(1).clamp(min=1).to(logp.dtype)
+    return -(logp.squeeze(-1) * valid.to(logp.dtype)).sum(1) / count
 
 
-def _resolve_loss(task: AbstractModelOutput, loss_fn: ExampleLoss | None) -> ExampleLoss:
+def _resolve_loss(task: AbstractModelOutput, loss_fn: BatchLoss | None) -> BatchLoss:
     if loss_fn is not None:
         if not callable(loss_fn):
             raise TypeError(
-                f"`loss_fn` must be callable as loss_fn(model, params, buffers, *example) -> "
-                f"scalar, got {type(loss_fn).__name__}."
+                f"`loss_fn` must be callable as loss_fn(model, *batch) -> [B] per-example "
+                f"losses, got {type(loss_fn).__name__}."
             )
         return loss_fn
     for cls in type(task).__mro__:
         if cls in TRAINING_LOSSES:
-            return functools.partial(TRAINING_LOSSES[cls], task=task)
+            return functools.partial(TRAINING_LOSSES[cls], task)
     known = ", ".join(sorted(c.__name__ for c in TRAINING_LOSSES))
     raise ValueError(
         f"`task` of type {type(task).__name__} has no registered training loss (known: {known}). "
-        "Pass `loss_fn(model, params, buffers, *example) -> scalar`, or register one with "
+        "Pass `loss_fn(model, *batch) -> [B]` per-example losses, or register one with "
         "@register_training_loss(YourTask)."
     )
+
+
+class _Loss(nn.Module):
+    """The model under a batched loss, so ``functional_call`` swaps the run's parameters in."""
+
+    def __init__(self, model: nn.Module, loss: BatchLoss) -> None:
+        super().__init__()
+        self.model = model
+        self.loss = loss
+
+    def forward(self, *batch: Tensor) -> Tensor:
+        return self.loss(self.model, *batch)
 
 
 # -- settings -----------------------------------------------------------------------------
@@ -382,6 +389,27 @@ def _reverse_step(
     return bar_g, bar_p, before
 
 
+_FORWARD_AD_READY = False
+
+
+def _load_forward_ad_rules() -> None:
+    """Load torch's forward-mode decompositions once, quietly.
+
+    The first dual tensor makes torch script its jvp decompositions, which on
+    torch >= 2.9 warns that ``torch.jit.script`` is deprecated: torch's own
+    internals, nothing the caller can act on.
+    """
+    global _FORWARD_AD_READY
+    if _FORWARD_AD_READY:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`torch.jit.script` is deprecated", category=DeprecationWarning
+        )
+        torch.func.jvp(torch.sin, (torch.zeros(()),), (torch.ones(()),))
+    _FORWARD_AD_READY = True
+
+
 # -- the replayable run -------------------------------------------------------------------
 @dataclass
 class MemoryEstimate:
@@ -427,8 +455,8 @@ class ReplayAttributor:
         settings: a :class:`ReplaySettings` (or pass its fields as keywords).
         order: explicit batches of training-row indices, one per step (overrides
             ``seed`` and ``num_steps``).
-        loss_fn: ``(model, params, buffers, *example) -> scalar`` training loss
-            of one example (default: the task's registered loss).
+        loss_fn: ``(model, *batch) -> [B]`` per-example training losses of one
+            batched forward (default: the task's, from :data:`TRAINING_LOSSES`).
         save_dir: where scores are stored (resumable; other settings refused).
         memory_budget: bytes a reverse pass may use; query blocks are sized to
             fit and :class:`MemoryBudgetError` is raised when none does.
@@ -454,7 +482,7 @@ class ReplayAttributor:
         settings: ReplaySettings | None = None,
         *,
         order: Sequence[Any] | None = None,
-        loss_fn: ExampleLoss | None = None,
+        loss_fn: BatchLoss | None = None,
         save_dir: str | Path | None = None,
         memory_budget: int | None = None,
         progress: bool = True,
@@ -469,7 +497,7 @@ class ReplayAttributor:
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
         self.model = model
         self.task = resolve_task(task)
-        self.loss = _resolve_loss(self.task, loss_fn)
+        self._loss_module = _Loss(model, _resolve_loss(self.task, loss_fn))
         self.data = _materialize(train_data, self.task)
         self.n_train = int(self.data[0].shape[0])
         if order is not None:
@@ -519,15 +547,49 @@ class ReplayAttributor:
         self._activation_bytes: int | None = None
 
     # -- forward -----------------------------------------------------------------------
-    def _batch_loss(self, params: Params, weights: Tensor, batch: tuple[Tensor, ...]) -> Tensor:
-        def one(*example: Tensor) -> Tensor:
-            return self.loss(self.model, params, self.buffers, *example)
+    def _losses(
+        self, params: Params, weights: Tensor, batch: tuple[Tensor, ...]
+    ) -> tuple[Tensor, Tensor]:
+        """The weighted batch loss ``Σ w_i ℓ_i / |B|`` and the ``[B]`` losses ``ℓ_i``."""
+        swapped = {f"model.{n}": p for n, p in params.items()}
+        swapped.update({f"model.{n}": b for n, b in self.buffers.items()})
+        losses = torch.func.functional_call(self._loss_module, swapped, batch)
+        return (weights.to(losses.dtype) * losses).sum() / batch[0].shape[0], losses
 
-        losses = torch.func.vmap(one)(*batch)
-        return (weights.to(losses.dtype) * losses).sum() / batch[0].shape[0]
+    def _batch_loss(self, params: Params, weights: Tensor, batch: tuple[Tensor, ...]) -> Tensor:
+        return self._losses(params, weights, batch)[0]
 
     def _grad(self, params: Params, weights: Tensor, batch: tuple[Tensor, ...]) -> Params:
         return torch.func.grad(self._batch_loss)(params, weights, batch)
+
+    def _grad_and_losses(
+        self, params: Params, weights: Tensor, batch: tuple[Tensor, ...]
+    ) -> tuple[Params, Tensor]:
+        out: tuple[Params, Tensor] = torch.func.grad(self._losses, has_aux=True)(
+            params, weights, batch
+        )
+        return out
+
+    def _pullback(
+        self, theta: Params, rows: tuple[Tensor, ...], bar_g: Params
+    ) -> tuple[Params, Tensor]:
+        """``(H d̄, ∂g/∂w ᵀ d̄)`` for a ``[m, ...]`` block ``d̄``, by forward-over-reverse.
+
+        ``g = ∇L`` so ``(∂g/∂θ)ᵀ = H`` is symmetric and ``H d̄`` is a
+        Jacobian-vector product of ``g``; ``∂g/∂w_i ᵀ d̄ = ∇ℓ_i · d̄ / |B|`` is
+        the tangent of the losses ``ℓ_i`` along ``d̄``. One ``jvp`` gives both.
+        """
+        _load_forward_ad_rules()
+        ones = torch.ones(rows[0].shape[0], dtype=self._dtype, device=self._device)
+
+        def tangents(d: Params) -> tuple[Params, Tensor]:
+            fn = functools.partial(self._grad_and_losses, weights=ones, batch=rows)
+            tangent_out = torch.func.jvp(fn, (theta,), (d,))[1]
+            hess, dloss = tangent_out
+            return hess, dloss / rows[0].shape[0]
+
+        out: tuple[Params, Tensor] = torch.func.vmap(tangents)(bar_g)
+        return out
 
     def _init_state(self) -> dict[str, Params]:
         return {
@@ -726,19 +788,16 @@ class ReplayAttributor:
                 theta, state = saved[t - start]
                 idx = self.order[t]
                 rows = _rows(self.data, idx)
-                ones = torch.ones(idx.numel(), dtype=ref.dtype, device=ref.device)
-                pulled = torch.func.vjp(functools.partial(self._grad, batch=rows), theta, ones)
-                grad, vjp = pulled[0], pulled[1]
+                # SGD's reverse rule does not read the gradient; Adam's recomputes m and v.
+                grad = theta
+                if s.optimizer != "sgd":
+                    ones = torch.ones(idx.numel(), dtype=self._dtype, device=self._device)
+                    with torch.no_grad():
+                        grad = self._grad(theta, ones, rows)
                 bar_g, direct, bar_state = _reverse_step(
-                    s,
-                    t,
-                    theta,
-                    state,
-                    {n: g.detach() for n, g in grad.items()},
-                    bar_theta,
-                    bar_state,
+                    s, t, theta, state, grad, bar_theta, bar_state
                 )
-                hess, w_part = torch.func.vmap(vjp)(bar_g)
+                hess, w_part = self._pullback(theta, rows, bar_g)
                 bar_theta = {n: direct[n] + hess[n] for n in direct}
                 bar_w.index_add_(1, idx.to(ref.device), w_part)
                 bar.update(1)

@@ -9,6 +9,7 @@ import pytest
 from _slt_helpers import tiny_gpt2, tiny_llama, token_data
 
 from gradsketch.cli._slt import load_tokens, run_llc_command
+from gradsketch.slt import FewChainsWarning
 
 SMALL = dict(num_chains=2, num_draws=2, batch_size=4, context_length=16, lr=1e-4)
 
@@ -20,13 +21,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_llc_from_text_files(model_dir: Path, tmp_path: Path) -> None:
+def test_llc_from_text_files(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     text = tmp_path / "corpus"
     text.mkdir()
     (text / "a.py").write_text("def f(x):\n    return x + 1\n" * 20)
     (text / "b.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
     out = tmp_path / "out"
-    summary = run_llc_command(model_dir, text, out=out, restriction="l1 attn", **SMALL)
+    with pytest.warns(FewChainsWarning, match=r"rests on 2 chains \(num_chains=2\)"):
+        summary = run_llc_command(model_dir, text, out=out, restriction="l1 attn", **SMALL)
+    # Progress bars on stderr, terminal or not: L(w*), then 2 chains x 2 draws.
+    err = capsys.readouterr().err
+    assert "L(w*)" in err and "sampling" in err and "4/4" in err
     assert summary["tokens_from"] == "bytes"
     assert summary["context_length"] == 16
     assert len(summary["llc_per_chain"]) == 2
@@ -35,7 +42,12 @@ def test_llc_from_text_files(model_dir: Path, tmp_path: Path) -> None:
     assert written["llc_mean"] == pytest.approx(summary["llc_mean"])
     assert (out / "llc_trace.png").stat().st_size > 0
     # A rerun reuses the completed samples: the same estimate.
-    again = run_llc_command(model_dir, text, out=out, restriction="l1 attn", **SMALL)
+    with pytest.warns(FewChainsWarning):
+        again = run_llc_command(
+            model_dir, text, out=out, restriction="l1 attn", progress=False, **SMALL
+        )
+    err = capsys.readouterr().err
+    assert "sampling" not in err and "L(w*)" not in err
     assert again["llc_mean"] == summary["llc_mean"]
 
 
@@ -45,7 +57,10 @@ def test_llc_from_a_saved_dataset(model_dir: Path, tmp_path: Path) -> None:
     datasets.Dataset.from_dict({"input_ids": ids.tolist()}).save_to_disk(str(tmp_path / "ds"))
     tokens, how = load_tokens(tmp_path / "ds", model_dir, context_length=16, max_sequences=12)
     assert how == "datasets.load_from_disk" and tokens.shape == (12, 17)
-    summary = run_llc_command(model_dir, tmp_path / "ds", out=tmp_path / "out", n_beta=5.0, **SMALL)
+    with pytest.warns(FewChainsWarning):
+        summary = run_llc_command(
+            model_dir, tmp_path / "ds", out=tmp_path / "out", n_beta=5.0, **SMALL
+        )
     assert summary["n_beta"] == 5.0 and summary["sequences"] == 16
 
 
@@ -74,7 +89,8 @@ def test_gradsketch_llc_command_takes_a_model_directory(model_dir: Path, tmp_pat
     text.write_text("import os\nprint(os.getcwd())\n" * 40)
     args = ["llc", str(model_dir), "--dataset", str(text), "--out", str(tmp_path / "o")]
     small = ["--num-chains", "2", "--num-draws", "2", "--batch-size", "4"]
-    result = CliRunner().invoke(app, [*args, *small, "--context-length", "16", "--no-verbose"])
+    with pytest.warns(FewChainsWarning):
+        result = CliRunner().invoke(app, [*args, *small, "--context-length", "16", "--no-verbose"])
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "o" / "llc_summary.json").read_text())
     assert len(summary["llc_per_chain"]) == 2
@@ -96,7 +112,8 @@ def test_gradsketch_llc_lr_auto_records_the_calibrated_step(
     base = ["llc", str(model_dir), "--dataset", str(text), "--context-length", "16"]
     small = ["--num-chains", "1", "--num-draws", "2", "--batch-size", "4", "--no-verbose"]
     out = tmp_path / "o"
-    result = CliRunner().invoke(app, [*base, *small, "--lr", "auto", "--out", str(out)])
+    with pytest.warns(FewChainsWarning, match=r"rests on 1 chain \(num_chains=1\)"):
+        result = CliRunner().invoke(app, [*base, *small, "--lr", "auto", "--out", str(out)])
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "llc_summary.json").read_text())
     assert summary["lr"] > 0 and summary["lr"] != 1e-4

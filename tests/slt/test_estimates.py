@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradsketch.slt import compute_bif, compute_llc, compute_susceptibilities
+from gradsketch.slt import FewChainsWarning, compute_bif, compute_llc, compute_susceptibilities
 
 xr = pytest.importorskip("xarray")
 
@@ -43,12 +43,39 @@ def test_llc_is_nbeta_times_the_loss_excess() -> None:
     micro = ds["sampling_loss_micro"].values.astype(np.float64)
     init = ds["init_loss"].values.astype(np.float64).mean()
     per_chain = [10.0 * (micro[c].mean() - init) for c in range(CHAINS)]
-    out = compute_llc(tree)
+    with pytest.warns(FewChainsWarning, match=r"llc_sem rests on 3 chains \(num_chains=3\)"):
+        out = compute_llc(tree)
     np.testing.assert_allclose(out["llc_per_chain"].values, per_chain, rtol=1e-12)
     assert float(out["llc_mean"]) == pytest.approx(np.mean(per_chain), rel=1e-12)
     assert float(out["llc_std"]) == pytest.approx(np.std(per_chain), rel=1e-12)
     assert float(out["llc_sem"]) == pytest.approx(np.std(per_chain, ddof=1) / np.sqrt(3), rel=1e-12)
     assert out["loss_trace"].dims == ("chain", "step")
+
+
+def _constant_store(chains: int) -> Any:
+    return xr.Dataset(
+        {
+            "init_loss": (("chain", "token_pos"), np.ones((chains, 3), np.float32)),
+            "sampling_loss_micro": (
+                ("chain", "step", "batch_sampling", "token_pos"),
+                np.full((chains, 4, 1, 3), 1.5, np.float32),
+            ),
+        },
+        attrs={"metadata": {"config": {"sampler": {"n_beta": 10.0}}}},
+    )
+
+
+def test_fewer_than_four_chains_warn_with_the_fix() -> None:
+    """The standard error of 2 chains has one degree of freedom: comparisons need more."""
+    # filterwarnings=error: four chains pass silently.
+    assert float(compute_llc(_constant_store(4)).llc_sem) == 0.0
+    with pytest.warns(FewChainsWarning, match=r"rests on 1 chain \(num_chains=1\).*>= 4"):
+        assert np.isnan(float(compute_llc(_constant_store(1)).llc_sem))
+    with pytest.warns(
+        FewChainsWarning, match=r"rests on 2 chains.*sample with num_chains >= 4, and 8 or more"
+    ):
+        compute_llc(_constant_store(2))
+    assert issubclass(FewChainsWarning, UserWarning)
 
 
 def _series(tree: Any, keys: list[str], method: str, reduce: str) -> np.ndarray:

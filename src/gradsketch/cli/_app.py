@@ -226,6 +226,7 @@ def llc(
             num_draws=num_draws,
             batch_size=batch_size,
             context_length=context_length,
+            progress=verbose,
         )
         typer.echo(json.dumps(result, indent=2, default=str))
         return

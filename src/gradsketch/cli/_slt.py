@@ -133,6 +133,7 @@ def run_llc_command(
     save_metrics: bool = True,
     seed: int = 100,
     device: str | None = None,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Estimate a local HF model's LLC on a local dataset; write samples, summary and plot.
 
@@ -159,6 +160,8 @@ def run_llc_command(
         save_metrics: Record the sampler's per-step norms.
         seed: ``init_seed`` of :func:`~gradsketch.slt.sample`.
         device: Where to sample (default CUDA when available).
+        progress: tqdm bars on stderr (``lr="auto"``'s pilots, ``L(w*)``, the
+            chains' steps), whether or not stderr is a terminal.
 
     Returns:
         The summary written to ``llc_summary.json``: ``llc_mean``, ``llc_std``,
@@ -201,6 +204,7 @@ def run_llc_command(
         init_seed=seed,
         device=device,
         output_path=out_dir / SAMPLES_DIR,
+        progress=progress,
     )
     est = compute_llc(samples)
     trace = np.asarray(est["loss_trace"].values, dtype=float)

@@ -25,6 +25,7 @@ from gradsketch.slt._bif_draws import (
 )
 from gradsketch.slt._data import LossFn, NonFiniteLossError, per_token_loss
 from gradsketch.slt._estimates import (
+    FewChainsWarning,
     bif,
     compute_bif,
     compute_llc,
@@ -66,6 +67,7 @@ __all__ = [
     # estimates
     "llc",
     "compute_llc",
+    "FewChainsWarning",
     "bif",
     "compute_bif",
     "susceptibilities",

@@ -559,6 +559,7 @@ def sample(
     loss_fn: LossFn | None = None,
     sketch_dim: int | None = None,
     cores: int = 1,
+    progress: bool | None = None,
 ) -> Any:
     """Run SGMCMC chains from ``model``'s weights; record per-token losses of every observable.
 
@@ -638,6 +639,9 @@ def sample(
             of ``cores=1`` run on that many threads, and ``cores`` is not
             part of the settings: a store written with one value is reused
             or resumed with another.
+        progress: tqdm bars on stderr for ``lr="auto"``'s pilots, ``L(w*)`` and
+            the chains' steps: True shows them, False hides them, None (the
+            default) shows them where stderr is a terminal (gradsketch only).
 
     Returns:
         ``xarray.DataTree`` read lazily from the store.
@@ -753,6 +757,7 @@ def sample(
                 settings=settings,
                 output_path=output_path,
                 device=device,
+                progress=progress,
             ),
         )
     record = {
@@ -804,6 +809,7 @@ def sample(
                 record=record,
                 sketch_dim=sketch_dim,
                 cores=cores,
+                progress=progress,
             ).run()
         except OSError as exc:
             # A full disk, a quota, a lost mount: say which store, and that a rerun resumes it.
@@ -835,6 +841,7 @@ def _auto_lr(
     settings: SamplerSettings,
     output_path: str | Path | None,
     device: str | torch.device | None,
+    progress: bool | None = None,
 ) -> float:
     """The step of ``lr="auto"`` (see :func:`sample`) for the validated ``settings``.
 
@@ -861,6 +868,9 @@ def _auto_lr(
         settings.localization,
         settings.batch_size,
         settings.init_seed,
+        # What a fresh process would compute it on, so that no earlier call decides it.
+        str(device),
+        torch.get_num_threads(),
     )
     if cache_key in _AUTO_LR:  # e.g. susceptibilities' restrictions: one calibration for all
         return _AUTO_LR[cache_key]
@@ -872,15 +882,23 @@ def _auto_lr(
         drop_last=True,
         generator=torch.Generator().manual_seed(settings.init_seed),
     )
-    step = calibrated_lr(
-        pilot_model,
-        loader,
-        lambda m, batch: loss(m, batch[0]).mean(),
-        nbeta=settings.n_beta,
-        localization=settings.localization,
-        seed=settings.init_seed,
-        device=device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"),
-    )
+    with tqdm(desc="lr='auto' pilots", unit="step", disable=_hidden(progress)) as bar:
+
+        def evaluate(m: nn.Module, batch: Any) -> torch.Tensor:
+            bar.update()
+            return loss(m, batch[0]).mean()
+
+        step = calibrated_lr(
+            pilot_model,
+            loader,
+            evaluate,
+            nbeta=settings.n_beta,
+            localization=settings.localization,
+            seed=settings.init_seed,
+            device=device
+            if device is not None
+            else ("cuda" if torch.cuda.is_available() else "cpu"),
+        )
     step = float(f"{step:.2g}")
     logger.info("sample(lr='auto'): calibrated step %g", step)
     _AUTO_LR[cache_key] = step
@@ -904,6 +922,7 @@ class _Run:
         record: dict[str, Any],
         sketch_dim: int | None,
         cores: int = 1,
+        progress: bool | None = None,
     ) -> None:
         self.model = model
         self.data = data
@@ -918,6 +937,7 @@ class _Run:
         self.ctx = data.shape[1] - 1
         self.n_batches = data.shape[0] // settings.batch_size
         self.cores = cores
+        self.progress = progress
         # Chains in threads of this process (run() decides): no global seeding then.
         self.threaded = False
         # Per process (dropped when pickled to a worker): the working copies, the step counter.
@@ -1268,6 +1288,12 @@ class _Run:
             if parallel and not self.threaded:
                 _check_picklable(self.loss_fn, self.cores)
                 start_workers(self.cores, threads=threads)  # their imports overlap init_loss
+            bar = tqdm(
+                total=len(todo) * s.num_steps,
+                desc="L(w*)",
+                unit="step",
+                disable=_hidden(self.progress),
+            )
             try:
                 init_done = np.asarray(_array(root, "progress/init_done")[:], dtype=bool)
                 cache: dict[int, np.ndarray] = {}
@@ -1287,29 +1313,35 @@ class _Run:
                             value = self._init_loss(self.work(), chain, cache)
                             _INIT_LOSSES[key] = value.copy()
                         writer.write(chain, {"init_loss": value}, "progress/init_done")
-                with tqdm(total=len(todo) * s.num_steps, desc="sampling", disable=None) as bar:
-                    in_process = not parallel or self.threaded
-                    self._tick = _locked(bar.update) if in_process else None
-                    # Chains are written as they finish (in any order), each one's
-                    # data before its done flag, all from this thread.
-                    for chain, values, failure in run_jobs(
-                        _sample_chain,
-                        todo,
-                        cores=self.cores,
-                        shared=self,
-                        threads=threads,
-                        backend="threads" if self.threaded else "processes",
-                    ):
-                        if failure is not None:
-                            warnings.warn(failure, stacklevel=3)
-                        writer.write(chain, values, "progress/chain_done")
-                        if not in_process:
-                            bar.update(s.num_steps)
+                bar.set_description("sampling")
+                in_process = not parallel or self.threaded
+                self._tick = _locked(bar.update) if in_process else None
+                # Chains are written as they finish (in any order), each one's
+                # data before its done flag, all from this thread.
+                for chain, values, failure in run_jobs(
+                    _sample_chain,
+                    todo,
+                    cores=self.cores,
+                    shared=self,
+                    threads=threads,
+                    backend="threads" if self.threaded else "processes",
+                ):
+                    if failure is not None:
+                        warnings.warn(failure, stacklevel=3)
+                    writer.write(chain, values, "progress/chain_done")
+                    if not in_process:
+                        bar.update(s.num_steps)
             finally:
+                bar.close()
                 self._tick = None
                 self.threaded = False
                 writer.close()
         root.update_attributes({"completed": 1})
+
+
+def _hidden(progress: bool | None) -> bool | None:
+    """The ``disable`` of tqdm for ``progress``: None leaves it to tqdm (off a terminal: hidden)."""
+    return None if progress is None else not progress
 
 
 def _check_picklable(loss_fn: LossFn, cores: int) -> None:

@@ -378,3 +378,24 @@ DECODERS: list[Family] = [f for f in FAMILIES if f.kind == "lm"] + [
     _family("falcon_grouped", _falcon_grouped, "FalconForCausalLM", "lm"),
 ]
 DECODERS_BY_NAME = {f.name: f for f in DECODERS}
+
+
+def _bigcode(multi_query: bool) -> Callable[[], Any]:
+    def build() -> Any:
+        return _transformers().GPTBigCodeConfig(
+            n_layer=LAYERS,
+            n_embd=WIDTH,
+            n_head=HEADS,
+            n_positions=2 * SEQ,
+            multi_query=multi_query,
+            **COMMON,
+        )
+
+    return build
+
+
+DECODERS += [
+    _family("gpt_bigcode", _bigcode(False), "GPTBigCodeForCausalLM", "lm"),
+    _family("gpt_bigcode_mq", _bigcode(True), "GPTBigCodeForCausalLM", "lm"),
+]
+DECODERS_BY_NAME = {f.name: f for f in DECODERS}

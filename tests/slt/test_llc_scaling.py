@@ -18,6 +18,7 @@ def _twice(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow  # ~15 s: two slt.llc runs on a tiny GPT-2
+@pytest.mark.filterwarnings("ignore::gradsketch.slt.FewChainsWarning")  # bit equality
 def test_llc_of_scaled_loss_and_n_beta_is_bit_equal(tmp_path: Path) -> None:
     """The chains see ``(n_beta / 2) (2 grad L)``, the same numbers as ``n_beta grad L``
     (scaling by 2 is exact in binary floating point, the loss is scaled per token before

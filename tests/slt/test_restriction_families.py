@@ -12,6 +12,8 @@ modeling code, not computed by the code under test:
   (``+0``, ``+64``, ``+128``); Phi-3's ``qkv_proj``: rows ``16:32`` of Q, then K
   (``64 + 0:16``) and V (``96 + 0:16``);
 - GPT-NeoX's and BLOOM's ``query_key_value`` ``[head][q, k, v][16]``: rows ``48:96``;
+- GPTBigCode's ``c_attn`` (a ``Linear``): ``[head][q, k, v][16]`` (rows ``48:96``), or
+  with multi-query attention ``[q heads; k; v]`` (rows ``16:32`` and ``64:96``);
 - Falcon, multi-query (the default): ``[q heads; k; v]``, rows ``16:32`` and ``64:96``;
   new decoder architecture with 2 key/value heads, ``[kv][q, q, k, v][16]``: rows
   ``16:32`` and ``32:64``;
@@ -215,6 +217,30 @@ EXPECTED: dict[str, Expected] = {
             "self_attention.dense.weight": (1, [(16, 32)]),
         },
         "transformer.word_embeddings.weight",
+    ),
+    # GPTBigCode's c_attn is a Linear: [head][q, k, v] with multi-head attention,
+    # [q heads; k; v] with multi-query attention (its attention module's `multi_query`).
+    "gpt_bigcode": Expected(
+        "transformer.h",
+        ["attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias"],
+        ["mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"],
+        {
+            "attn.c_attn.weight": (0, [(48, 96)]),
+            "attn.c_attn.bias": (0, [(48, 96)]),
+            "attn.c_proj.weight": (1, [(16, 32)]),
+        },
+        "transformer.wte.weight",
+    ),
+    "gpt_bigcode_mq": Expected(
+        "transformer.h",
+        ["attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias"],
+        ["mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"],
+        {
+            "attn.c_attn.weight": (0, [(16, 32), (64, 96)]),
+            "attn.c_attn.bias": (0, [(16, 32), (64, 96)]),
+            "attn.c_proj.weight": (1, [(16, 32)]),
+        },
+        "transformer.wte.weight",
     ),
     "olmo": _llama_like(MHA_HEAD),
     "stablelm": _llama_like(MHA_HEAD),
@@ -460,7 +486,9 @@ def test_restrictions_equal_devinterps(name: str) -> None:
     table names the head ``embed_out.weight`` (transformers 5 calls it ``lm_head``);
     its OPT table leaves the key bias out of a head while its Qwen2 and Phi tables keep
     it (we keep it everywhere); its Falcon table reads the multi-query
-    ``query_key_value`` with 4 key/value heads and fails.
+    ``query_key_value`` with 4 key/value heads and fails; its GPTBigCode table reads
+    ``c_attn`` as ``[Q; K; V]``, which it is only with multi-query attention (and there
+    it takes 4 key/value heads and fails).
     """
     wr = pytest.importorskip("devinterp.slt.weight_restrictions")
     from devinterp.slt._model_structures import HEAD_STRUCTURES
@@ -473,7 +501,7 @@ def test_restrictions_equal_devinterps(name: str) -> None:
     for form in forms:
         parts = [form] if isinstance(form, str) else form
         heads = any(re.fullmatch(r"l\d+[hg]\d+", p) for p in parts)
-        if name.startswith("falcon") and heads:
+        if name.startswith(("falcon", "gpt_bigcode")) and heads:
             continue
         if form == "unembed" and (not EXPECTED[name].unembed or name == "gpt_neox"):
             continue

@@ -290,7 +290,9 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     found = []
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if all(any(_is_attention(m) for m in item.modules()) for item in module):
+            if all(
+                any(_is_attention(m) for m in item.modules() if m is not item) for item in module
+            ):
                 found.append((path, module))
     return found
 
@@ -363,7 +365,7 @@ def _attention_shape(attention: nn.Module, config: Any) -> _Shape:
                 "neither the attention module nor the config gives head_dim or hidden_size"
             )
         head_dim = hidden // n_heads
-    n_kv = _first(attention, ("num_key_value_heads", "num_kv_heads"))
+    n_kv = _first(attention, ("num_key_value_heads", "num_kv_heads", "kv_heads"))
     groups = _first(attention, ("num_key_value_groups",))
     if n_kv is None and groups is not None:
         n_kv = n_heads // groups
@@ -372,11 +374,17 @@ def _attention_shape(attention: nn.Module, config: Any) -> _Shape:
 
 
 def _fused_layout(attention: nn.Module, kind: str) -> str:
-    """Falcon's ``query_key_value`` is laid out by its attention module's flags."""
+    """A fused projection's layout: the attention module's flags, else its name's.
+
+    Falcon and GPTBigCode say how they split theirs: multi-query attention
+    stacks ``[q heads; k; v]``, multi-head ``[head][q, k, v]``, and Falcon's
+    new architecture groups query heads with their key/value head.
+    """
     if getattr(attention, "new_decoder_architecture", False):
         return "grouped"
-    if getattr(attention, "multi_query", False):
-        return "concat"
+    multi_query = getattr(attention, "multi_query", None)
+    if isinstance(multi_query, bool):
+        return "concat" if multi_query else "interleaved"
     return kind
 
 
@@ -386,6 +394,7 @@ def _heads(
     """The head-split parameters of one attention module, or None and why not."""
     heads: dict[str, HeadParam] = {}
     roles: dict[str, str] = {}
+    shapes = {names[id(p)]: tuple(p.shape) for p in attention.parameters() if id(p) in names}
     for path, module in attention.named_modules():
         kind = PROJECTIONS.get(path.rpartition(".")[2])
         if kind is None or not path or ".base_layer" in path or ".lora_" in path:
@@ -404,7 +413,7 @@ def _heads(
             kind, (n_heads + 2 * n_kv) * hd
         )
         for name, axis in out:
-            param = _param_shape(attention, name, names)
+            param = shapes[name]
             size = param[0] if len(param) == 1 else param[axis]
             if size != want:
                 return None, (
@@ -422,13 +431,6 @@ def _heads(
             "projection are needed"
         )
     return heads, ""
-
-
-def _param_shape(root: nn.Module, name: str, names: Mapping[int, str]) -> tuple[int, ...]:
-    for p in root.parameters():
-        if names.get(id(p)) == name:
-            return tuple(p.shape)
-    raise KeyError(name)
 
 
 def _experts(

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from gradsketch._checks import nonnegative_int, positive_int
+from gradsketch.sampling._divergence import ChainDivergenceWarning
 from gradsketch.sampling._llc import (
     Evaluate,
     _initial_loss,
@@ -214,20 +215,23 @@ def calibrate_step_size(
         kwargs = dict(optimizer_kwargs or {})
         kwargs.update(lr=eps, nbeta=float(nbeta), localization=float(localization))
         try:
-            out = estimate_learning_coeff_with_summary(
-                model,
-                loader,
-                evaluate=evaluate,
-                optimizer_kwargs=kwargs,
-                num_draws=pilot_steps - pilot_steps // 2,
-                num_burnin_steps=pilot_steps // 2,
-                num_chains=1,
-                init_loss=init_loss,
-                seed=seed + pilot,
-                device=device,
-                callbacks=[diag],
-                verbose=False,
-            )
+            with warnings.catch_warnings():
+                # A pilot may diverge: judging that is this loop's job, not a warning's.
+                warnings.simplefilter("ignore", ChainDivergenceWarning)
+                out = estimate_learning_coeff_with_summary(
+                    model,
+                    loader,
+                    evaluate=evaluate,
+                    optimizer_kwargs=kwargs,
+                    num_draws=pilot_steps - pilot_steps // 2,
+                    num_burnin_steps=pilot_steps // 2,
+                    num_chains=1,
+                    init_loss=init_loss,
+                    seed=seed + pilot,
+                    device=device,
+                    callbacks=[diag],
+                    verbose=False,
+                )
         except RuntimeError as err:  # the estimator's non-finite-loss error
             if "non-finite loss" not in str(err):
                 raise
@@ -574,19 +578,22 @@ def estimate_learning_coeff_calibrated(
             lr=boosted_lr if boosted else eps, nbeta=float(nbeta), localization=float(localization)
         )
         try:
-            out = estimate_learning_coeff_with_summary(
-                model,
-                loader,
-                evaluate=evaluate,
-                optimizer_kwargs=opt_kwargs,
-                num_draws=skip + num_draws,
-                num_burnin_steps=0,
-                num_chains=num_chains,
-                init_loss=init_loss,
-                seed=seed,
-                callbacks=[schedule],
-                **kwargs,
-            )
+            with warnings.catch_warnings():
+                # The trace holds the boosted burn-in, which the estimate below skips.
+                warnings.simplefilter("ignore", ChainDivergenceWarning)
+                out = estimate_learning_coeff_with_summary(
+                    model,
+                    loader,
+                    evaluate=evaluate,
+                    optimizer_kwargs=opt_kwargs,
+                    num_draws=skip + num_draws,
+                    num_burnin_steps=0,
+                    num_chains=num_chains,
+                    init_loss=init_loss,
+                    seed=seed,
+                    callbacks=[schedule],
+                    **kwargs,
+                )
         except RuntimeError as err:  # the estimator's non-finite-loss error
             if "non-finite loss" not in str(err) or boost <= 1.0:
                 raise

@@ -102,10 +102,14 @@ def divergence_report(
         above = half is not None and llc > FAR * half
         if above or (grew and (half is None or nbeta * tail > half)):
             bound = "" if half is None else f", far above d/2 = {_fmt(half)}"
+            what = (
+                f"the loss grew from {_fmt(w0 + head)} to {_fmt(w0 + tail)} by the last draws"
+                if grew
+                else f"the mean loss {_fmt(float(row.mean()))} is far above L(w*) = {_fmt(w0)}"
+            )
             lines.append(
-                f"chain {c}: the loss grew from {_fmt(w0 + head)} to {_fmt(w0 + tail)} by the "
-                f"last draws (LLC {_fmt(llc)}{bound}); the chain diverged: {advice} or raise "
-                "`localization`."
+                f"chain {c}: {what} (LLC {_fmt(llc)}{bound}); the chain diverged: {advice} or "
+                "raise `localization`."
             )
         elif half is not None and llc < -FAR * half:
             lines.append(

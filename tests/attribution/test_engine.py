@@ -372,3 +372,67 @@ def test_lambda_reg_default_follows_the_method(tmp_path, method, default):
     )
     assert traker.lambda_reg == default
     assert _kfac.resolve_damping("auto", torch.tensor([1.0, 3.0])) == pytest.approx(0.6)
+
+
+def _lm_rows_run(tmp_path, name, batches, *, dense=False):
+    """EK-FAC on a tiny float64 GPT-2: featurize ``batches`` (rows in order), score 2."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=11,
+        n_positions=8,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = transformers.GPT2LMHeadModel(cfg).double().eval()
+    n = sum(int(b[0].shape[0]) for b in batches)
+    traker = TRAKer(
+        model,
+        "language_modeling",
+        n,
+        save_dir=tmp_path / name,
+        device="cpu",
+        method="ekfac",
+        dtype=torch.float64,
+        progress=False,
+    )
+    traker.load_checkpoint(model.state_dict(), model_id=0)
+    if dense:
+        traker._require_dense(0)  # what a batch wider than factored rows does
+    for b in batches:
+        traker.featurize(b, num_samples=int(b[0].shape[0]))
+    traker.finalize_features()
+    traker.start_scoring_checkpoint("q", model.state_dict(), model_id=0, num_targets=2)
+    traker.score(tuple(t[:2] for t in batches[0]), num_samples=2)
+    return traker, np.asarray(traker.finalize_scores("q"))
+
+
+def test_lm_rows_kept_as_token_factors_equal_dense_rows(tmp_path):
+    """Layers that see T positions keep each position's [a, g] (``token_factors``) where
+    that is narrower than vec(Σ_t g_t a_tᵀ): EK-FAC's correction rotates the factors,
+    (g Q_S)ᵀ (a Q_A), and scores expand them as they read. Same scores (float64, up to
+    summation order) as dense rows from the start, and as a store that starts factored
+    with 3 positions and turns dense at a batch of 5 (its rows rewritten)."""
+    g = torch.Generator().manual_seed(1)
+
+    def batch(rows, length):
+        ids = torch.randint(0, 11, (rows, length), generator=g)
+        return ids, torch.ones_like(ids), ids.clone()
+
+    short = [batch(3, 3), batch(3, 3)]
+    factored, scores = _lm_rows_run(tmp_path, "factored", short)
+    assert factored.store.has("checkpoints/0/token_factors")
+    assert not factored.store.has("checkpoints/0/grads")
+    assert factored._ckpt_record(0)["tokens"] == [3] * len(factored.layers)
+    _, dense = _lm_rows_run(tmp_path, "dense", short, dense=True)
+    np.testing.assert_allclose(scores, dense, rtol=1e-10, atol=1e-12 * np.abs(dense).max())
+
+    longer = [short[0], batch(3, 5)]
+    switched, mixed = _lm_rows_run(tmp_path, "switched", longer)
+    assert switched.store.has("checkpoints/0/grads")
+    _, reference = _lm_rows_run(tmp_path, "reference", longer, dense=True)
+    np.testing.assert_allclose(mixed, reference, rtol=1e-10, atol=1e-12 * np.abs(reference).max())

@@ -53,7 +53,7 @@ from gradsketch.attribution._modelout import (
 )
 from gradsketch.sketch import FactorizedLayer, FactorizedProjector
 
-__all__ = ["CURVATURES", "KroneckerFeaturizer", "RankOneRows"]
+__all__ = ["CURVATURES", "FactoredRows", "KroneckerFeaturizer", "split_factored"]
 
 #: Whose second moment the curvature is: empirical Fisher, output Gram, true Fisher.
 CURVATURES = ("loss", "output", "sampled")
@@ -61,6 +61,35 @@ CURVATURES = ("loss", "output", "sampled")
 SAMPLE_STREAM = 0x5A3F
 
 LayerParts = list[tuple[Tensor, Tensor, Tensor | None]]
+
+
+def split_factored(
+    rows: Tensor,
+    layers: Sequence[FactoredLayer],
+    tokens: Sequence[int] | None,
+    *,
+    sampled: bool,
+) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """Per layer ``(a [B, T, k_in], g [B, T, k_out], g_sampled | None)`` of factored rows.
+
+    The layout of :meth:`KroneckerFeaturizer.factored_rows`; ``tokens``
+    ``None`` reads ``rank_one`` rows (one position per layer).
+    """
+    out = []
+    offset = 0
+    b = rows.shape[0]
+    for i, x in enumerate(layers):
+        t = 1 if tokens is None else int(tokens[i])
+        a = rows[:, offset : offset + t * x.k_in].reshape(b, t, x.k_in)
+        offset += t * x.k_in
+        g = rows[:, offset : offset + t * x.k_out].reshape(b, t, x.k_out)
+        offset += t * x.k_out
+        gs = None
+        if sampled:
+            gs = rows[:, offset : offset + t * x.k_out].reshape(b, t, x.k_out)
+            offset += t * x.k_out
+        out.append((a, g, gs))
+    return out
 
 
 class KroneckerFeaturizer:
@@ -197,18 +226,35 @@ class KroneckerFeaturizer:
 
     @property
     def _rank_one_g(self) -> int:
-        """Output-gradient vectors per layer in a ``rank_one`` row (2 with sampled labels)."""
+        """Output-gradient vectors per layer in a factored row (2 with sampled labels)."""
         return 2 if self.curvature == "sampled" else 1
 
-    def row_width(self, name: str) -> int:
-        """Numbers per row of the stored array ``name`` (features or an extra array)."""
-        if name == "rank_one":
-            return sum(x.k_in + self._rank_one_g * x.k_out for x in self.layers)
+    def row_width(self, name: str, tokens: Sequence[int] | None = None) -> int:
+        """Numbers per row of the stored array ``name`` (features or an extra array).
+
+        ``"rank_one"`` and ``"token_factors"``: each layer's ``tokens[l]``
+        positions of ``[a, g]`` (one position each for ``"rank_one"``).
+        """
+        if name in ("rank_one", "token_factors"):
+            counts = tokens if tokens is not None else [1] * len(self.layers)
+            return sum(
+                t * (x.k_in + self._rank_one_g * x.k_out) for t, x in zip(counts, self.layers)
+            )
         if name in ("grads", "fisher_grads"):
             return self.feature_dim
         raise ValueError(
-            f"per-layer features store 'grads', 'fisher_grads' and 'rank_one', not {name!r}."
+            "per-layer features store 'grads', 'fisher_grads', 'rank_one' and "
+            f"'token_factors', not {name!r}."
         )
+
+    def dense_width(self) -> int:
+        """Numbers per row of the dense rows (both dense arrays with sampled labels)."""
+        return self.feature_dim * self._rank_one_g
+
+    @staticmethod
+    def token_counts(parts: LayerParts) -> list[int]:
+        """Positions per example each layer saw in a batch (``T`` of ``a [B, T, k_in]``)."""
+        return [int(a.shape[1]) for a, _, _ in parts]
 
     def extra_rows(self, name: str, parts: LayerParts) -> Tensor:
         """``[B, row_width(name)]`` rows of the extra array ``name`` from a batch's parts.
@@ -218,7 +264,7 @@ class KroneckerFeaturizer:
         ``curvature="sampled"``) where every layer sees one position per
         example, so that ``G = g aᵀ`` is kept in ``k_in + k_out`` numbers
         instead of ``k_out k_in``; NaN rows where a layer sees several
-        positions (then the dense rows are stored).
+        positions (then :meth:`factored_rows` or the dense rows are stored).
         """
         if name == "fisher_grads":
             return self.features([(a, gs) for a, _, gs in parts if gs is not None])
@@ -228,11 +274,26 @@ class KroneckerFeaturizer:
             b = parts[0][0].shape[0]
             like = parts[0][0]
             return like.new_full((b, self.row_width(name)), float("nan"))
+        return self.factored_rows(parts, [1] * len(parts))
+
+    def factored_rows(self, parts: LayerParts, tokens: Sequence[int]) -> Tensor:
+        """``[B, row_width("token_factors", tokens)]``: each layer's positions of ``[a, g]``.
+
+        ``G = sum_t g_t a_tᵀ`` is kept as its ``T`` factor pairs (``T (k_in +
+        k_out)`` numbers instead of ``k_out k_in``), layer by layer: ``a``
+        ``[T, k_in]``, then ``g`` ``[T, k_out]`` (then ``g`` under sampled
+        labels), positions past a batch's own ``T`` zero (they add nothing).
+        """
+        b = parts[0][0].shape[0]
         pieces = []
-        for a, g, gs in parts:
-            pieces += [a[:, 0], g[:, 0]]
-            if self._rank_one_g == 2:
-                pieces.append((g if gs is None else gs)[:, 0])
+        for (a, g, gs), t in zip(parts, tokens):
+            if a.shape[1] > t:
+                raise ValueError(f"a layer saw {a.shape[1]} positions, more than the {t} stored.")
+            vectors = [a, g] + ([g if gs is None else gs] if self._rank_one_g == 2 else [])
+            for v in vectors:
+                if v.shape[1] < t:
+                    v = torch.cat([v, v.new_zeros(b, t - v.shape[1], v.shape[2])], dim=1)
+                pieces.append(v.reshape(b, -1))
         return torch.cat(pieces, dim=1)
 
     @staticmethod
@@ -240,21 +301,11 @@ class KroneckerFeaturizer:
         """Whether every layer of a batch saw one position per example (``G = g aᵀ``)."""
         return all(a.shape[1] == 1 for a, _, _ in parts)
 
-    def split_rank_one(self, rows: Tensor) -> list[tuple[Tensor, Tensor, Tensor | None]]:
-        """Per layer ``(a [B, k_in], g [B, k_out], g_sampled | None)`` of ``rank_one`` rows."""
-        out = []
-        offset = 0
-        for x in self.layers:
-            a = rows[:, offset : offset + x.k_in]
-            offset += x.k_in
-            g = rows[:, offset : offset + x.k_out]
-            offset += x.k_out
-            gs = None
-            if self._rank_one_g == 2:
-                gs = rows[:, offset : offset + x.k_out]
-                offset += x.k_out
-            out.append((a, g, gs))
-        return out
+    def split_rank_one(
+        self, rows: Tensor, tokens: Sequence[int] | None = None
+    ) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+        """Per layer ``(a [B, T, k_in], g [B, T, k_out], g_sampled | None)`` of factored rows."""
+        return split_factored(rows, self.layers, tokens, sampled=self._rank_one_g == 2)
 
     def expand_rank_one(
         self,
@@ -262,25 +313,29 @@ class KroneckerFeaturizer:
         *,
         sampled: bool = False,
         bases: Sequence[tuple[Tensor, Tensor]] | None = None,
+        tokens: Sequence[int] | None = None,
     ) -> Tensor:
-        """``[B, feature_dim]`` dense features of finite ``rank_one`` rows.
+        """``[B, feature_dim]`` dense features of finite factored rows.
 
-        Each layer's ``vec(g aᵀ)`` (``sampled``: ``g`` under sampled labels), as
-        :meth:`features` lays them out. With ``bases`` (per layer
-        ``(Q_A, Q_S)``) the rows are expanded in that basis,
-        ``vec(Q_Sᵀ g (Q_Aᵀ a)ᵀ)``: a rank-one gradient stays rank one when
-        rotated, so the rotation costs ``k_in² + k_out²`` per row, not
-        ``k_out k_in (k_in + k_out)``.
+        Each layer's ``vec(sum_t g_t a_tᵀ)`` (``sampled``: ``g`` under sampled
+        labels), as :meth:`features` lays them out; ``tokens`` as stored
+        (``None``: the one position of ``rank_one`` rows). With ``bases``
+        (per layer ``(Q_A, Q_S)``) the rows are expanded in that basis,
+        ``vec((g Q_S)ᵀ (a Q_A))``: rotating the factors costs
+        ``T (k_in² + k_out²)`` per row, not ``k_out k_in (k_in + k_out)``.
         """
         out = rows.new_empty((rows.shape[0], self.feature_dim))
         offset = 0
-        for i, (x, (a, g, gs)) in enumerate(zip(self.layers, self.split_rank_one(rows))):
+        for i, (x, (a, g, gs)) in enumerate(zip(self.layers, self.split_rank_one(rows, tokens))):
             g = gs if sampled and gs is not None else g
             if bases is not None:
                 q_a, q_s = bases[i]
                 a, g = a @ q_a.to(a.dtype), g @ q_s.to(g.dtype)
             block = out[:, offset : offset + x.width].view(rows.shape[0], x.k_out, x.k_in)
-            torch.mul(g.unsqueeze(2), a.unsqueeze(1), out=block)
+            if a.shape[1] == 1:
+                torch.mul(g.transpose(1, 2), a, out=block)
+            else:
+                block.copy_(torch.bmm(g.transpose(1, 2), a))
             offset += x.width
         return out
 
@@ -308,18 +363,21 @@ class KroneckerFeaturizer:
         return torch.cat(blocks, dim=1)
 
 
-class RankOneRows:
-    """The dense ``[n, feature_dim]`` rows of a ``rank_one`` array, expanded as they are read.
+class FactoredRows:
+    """The dense ``[n, feature_dim]`` rows of a factored array, expanded as they are read.
 
-    Where every layer sees one position per example, the store keeps each
-    layer's ``[a, g]`` only (``k_in + k_out`` numbers instead of
-    ``k_out k_in``); readers that want the dense features (finalizing,
-    scoring) slice this view like the array it stands for: ``shape``,
-    ``dtype`` and step-1 row slices, each expanded in memory.
+    Where the layers see few positions per example, the store keeps each
+    layer's ``[a, g]`` per position (``rank_one``: one position;
+    ``token_factors``: ``tokens[l]`` each) instead of ``vec(sum_t g_t a_tᵀ)``;
+    readers that want the dense features (finalizing, scoring) slice this
+    view like the array it stands for: ``shape``, ``dtype`` and step-1 row
+    slices, each expanded in memory.
 
     Args:
-        rank_one: the stored ``[n, row_width("rank_one")]`` array.
+        factored: the stored ``[n, row_width(...)]`` array.
         featurizer: the featurizer that wrote it (its layers and layout).
+        tokens: positions per layer of ``token_factors`` rows (``None``:
+            ``rank_one`` rows).
         sampled: expand the gradients under sampled labels (``fisher_grads``).
         bases: per layer ``(Q_A, Q_S)``: expand in those eigenbases (see
             :meth:`KroneckerFeaturizer.expand_rank_one`).
@@ -327,38 +385,45 @@ class RankOneRows:
 
     def __init__(
         self,
-        rank_one: Any,
+        factored: Any,
         featurizer: KroneckerFeaturizer,
         *,
+        tokens: Sequence[int] | None = None,
         sampled: bool = False,
         bases: Sequence[tuple[Tensor, Tensor]] | None = None,
     ) -> None:
-        self.rank_one = rank_one
+        self.factored = factored
         self.featurizer = featurizer
+        self.tokens = None if tokens is None else [int(t) for t in tokens]
         self.sampled = sampled
         self.bases = bases
-        self.dtype = np.dtype(rank_one.dtype)
-        self.chunks = (int(rank_one.chunks[0]), featurizer.feature_dim)
+        self.dtype = np.dtype(factored.dtype)
+        self.chunks = (int(factored.chunks[0]), featurizer.feature_dim)
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(n, feature_dim)``."""
-        return (int(self.rank_one.shape[0]), self.featurizer.feature_dim)
+        return (int(self.factored.shape[0]), self.featurizer.feature_dim)
 
     def __getitem__(self, key: slice) -> np.ndarray:
         if not isinstance(key, slice) or key.step not in (None, 1):
-            raise TypeError(f"RankOneRows supports step-1 row slices only, got {key!r}.")
-        rows = torch.from_numpy(np.ascontiguousarray(np.asarray(self.rank_one[key])))
+            raise TypeError(f"FactoredRows supports step-1 row slices only, got {key!r}.")
+        rows = torch.from_numpy(np.ascontiguousarray(np.asarray(self.factored[key])))
         if not bool(torch.isfinite(rows).all()):
             bad = np.nonzero(~torch.isfinite(rows).all(1).numpy())[0]
             start = key.indices(self.shape[0])[0]
             raise ValueError(
-                f"stored rank-one rows {(bad[:5] + start).tolist()} are not finite, so their "
+                f"stored factored rows {(bad[:5] + start).tolist()} are not finite, so their "
                 "dense features cannot be formed; featurize them again (delete the "
                 "checkpoint's store folder or use a new model_id)."
             )
-        return self.featurizer.expand_rank_one(rows, sampled=self.sampled, bases=self.bases).numpy()
+        dense = self.featurizer.expand_rank_one(
+            rows, sampled=self.sampled, bases=self.bases, tokens=self.tokens
+        )
+        return dense.numpy()
 
-    def rotated(self, bases: Sequence[tuple[Tensor, Tensor]]) -> RankOneRows:
+    def rotated(self, bases: Sequence[tuple[Tensor, Tensor]]) -> FactoredRows:
         """The same rows in per-layer eigenbases ``(Q_A, Q_S)``: rows ``vec(Q_Sᵀ G Q_A)``."""
-        return RankOneRows(self.rank_one, self.featurizer, sampled=self.sampled, bases=bases)
+        return FactoredRows(
+            self.factored, self.featurizer, tokens=self.tokens, sampled=self.sampled, bases=bases
+        )

@@ -12,7 +12,11 @@ records are JSON files::
     checkpoints/{model_id}/xtx              [k, k] XᵀX (finalize_features)
     checkpoints/{model_id}/features         [n, k] X (XᵀX + λI)⁻¹ (del_grads=True)
     checkpoints/{model_id}/fisher_grads     [n, k] features under sampled labels (EK-FAC)
-    checkpoints/{model_id}/rank_one         [n, Σ k_in + k_out] each layer's [a, g] (EK-FAC)
+    checkpoints/{model_id}/rank_one         [n, Σ k_in + k_out] each layer's [a, g] (per-layer
+                                            methods, where every layer sees one position)
+    checkpoints/{model_id}/token_factors    [n, Σ T_l (k_in + k_out)] each layer's T_l positions
+                                            of [a, g] (where narrower than the dense rows;
+                                            T_l in the checkpoint record's "tokens")
     checkpoints/{model_id}/{key}            a finalized preconditioner's state arrays
     experiments/{exp_name}/experiment.json  {"num_targets"}
     experiments/{exp_name}/{model_id}/grads [m, k] projected target gradients
@@ -50,6 +54,7 @@ CHECKPOINT_ARRAYS = (
     "features",
     "fisher_grads",
     "rank_one",
+    "token_factors",
 )
 #: Arrays stored per experiment and checkpoint (``token_grads``: per-token targets).
 TARGET_ARRAYS = ("grads", "done", "token_grads")
@@ -110,7 +115,15 @@ def scores_record(exp_name: str) -> str:
 
 
 #: Per-checkpoint arrays the features and preconditioner state must not be named.
-_ROW_ARRAYS = ("grads", "out_to_loss", "done", "features", "fisher_grads", "rank_one")
+_ROW_ARRAYS = (
+    "grads",
+    "out_to_loss",
+    "done",
+    "features",
+    "fisher_grads",
+    "rank_one",
+    "token_factors",
+)
 
 
 def checkpoint_state(model_id: int, key: str) -> str:

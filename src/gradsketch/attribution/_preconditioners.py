@@ -69,7 +69,7 @@ from torch import Tensor
 from gradsketch.attribution._distributed import RowWindow, all_reduce_sum_
 from gradsketch.attribution._io import iter_row_blocks, rows_as_tensor
 from gradsketch.attribution._kfac import KroneckerEigen, KroneckerFactors, resolve_damping
-from gradsketch.attribution._kronecker_features import RankOneRows
+from gradsketch.attribution._kronecker_features import FactoredRows, split_factored
 from gradsketch.attribution._layer_capture import FactoredLayer
 from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
 from gradsketch.attribution._scores import CheckpointGrads
@@ -139,6 +139,10 @@ class TrainRows:
     Attributes:
         size: the training-set size n (every rank's rows together).
         width: features per row k.
+        tokens: with per-layer rows kept factored (array ``"factored"``: each
+            layer's positions of ``[a, g]``, see
+            :func:`~gradsketch.attribution._kronecker_features.split_factored`),
+            the positions per layer (``None``: one each).
     """
 
     def __init__(
@@ -151,8 +155,10 @@ class TrainRows:
         block_rows: int,
         device: torch.device,
         prefetch: bool = True,
+        tokens: Sequence[int] | None = None,
     ) -> None:
         self._arrays = arrays
+        self.tokens = None if tokens is None else [int(t) for t in tokens]
         self._q = out_to_loss
         self.rows = rows
         self.size = int(size)
@@ -473,8 +479,8 @@ class KFACPreconditioner(Preconditioner):
         return out
 
     def checkpoint_grads(self, train: Any, targets: Any, out_to_loss: Any) -> CheckpointGrads:
-        if isinstance(train, RankOneRows) and self.eigen is not None:
-            # Rank-one rows rotate cheaply: score in the eigenbasis, skip rotating back.
+        if isinstance(train, FactoredRows) and self.eigen is not None:
+            # Factored rows rotate cheaply: score in the eigenbasis, skip rotating back.
             bases = [(q_a, q_s) for q_a, q_s, _ in self.eigen]
             return CheckpointGrads(
                 train.rotated(bases),
@@ -534,7 +540,10 @@ class EKFACPreconditioner(KFACPreconditioner):
     one position per example (MLPs, classifier heads), ``G_n = g aᵀ`` and
     ``Λ = mean_n (Q_Sᵀ g)² ⊗ (Q_Aᵀ a)²``: one GEMM over the ``rank_one``
     rows, ``k_in + k_out`` numbers per layer and row instead of a rotation
-    of ``k_out k_in`` (``k_out k_in (k_in + k_out)`` flops per row).
+    of ``k_out k_in`` (``k_out k_in (k_in + k_out)`` flops per row). Where
+    rows are kept as ``T`` positions of factors (``token_factors``), each
+    position's factors are rotated, ``Q_Sᵀ G_n Q_A = (g Q_S)ᵀ (a Q_A)``:
+    ``T (k_in² + k_out² + k_out k_in)`` flops per row.
     """
 
     @property
@@ -543,27 +552,31 @@ class EKFACPreconditioner(KFACPreconditioner):
 
     def _values(self, eigens: Sequence[KroneckerEigen], train: TrainRows) -> list[Tensor]:
         layers = self.spec.layers
-        dense = "fisher_grads" if self.spec.curvature == "sampled" else "grads"
-        sums = [torch.zeros(x.width, dtype=torch.float64, device=train.device) for x in layers]
-        work = torch.float64 if train.dtype(dense) == np.float64 else torch.float32
+        sampled = self.spec.curvature == "sampled"
         weighted = self.spec.curvature == "loss"
-        compact = "rank_one" in train.names
-        for start, stop, x, q in train.blocks("rank_one" if compact else dense, dtype=work):
+        sums = [torch.zeros(x.width, dtype=torch.float64, device=train.device) for x in layers]
+        if "factored" in train.names:
+            # Rotate each position's factors, (g Q_S)ᵀ (a Q_A): T (k_in² + k_out²) + T k_out k_in
+            # per row instead of a rotation of vec(G) (k_out k_in (k_in + k_out)).
+            work = torch.float64 if train.dtype("factored") == np.float64 else torch.float32
+            for _, _, x, q in train.blocks("factored", dtype=work):
+                w = q.to(work).reshape(-1, 1, 1)
+                parts = split_factored(x, layers, train.tokens, sampled=sampled)
+                for i, (a, g, gs) in enumerate(parts):
+                    g = gs if sampled and gs is not None else g
+                    g = g * w if weighted else g
+                    if a.shape[1] == 1:
+                        sums[i] += eigens[i].rank_one_squares(a[:, 0], g[:, 0])
+                        continue
+                    ar = a @ eigens[i].q_a.to(work)
+                    gr = g @ eigens[i].q_s.to(work)
+                    rotated = torch.bmm(gr.transpose(1, 2), ar)
+                    sums[i] += (rotated * rotated).sum(0, dtype=torch.float64).reshape(-1)
+            return [train.reduce(s) / train.size for s in sums]
+        dense = "fisher_grads" if sampled else "grads"
+        work = torch.float64 if train.dtype(dense) == np.float64 else torch.float32
+        for _, _, x, q in train.blocks(dense, dtype=work):
             w = q.to(work).reshape(-1, 1)
-            if compact and bool(torch.isfinite(x).all()):
-                # Per layer [a, g] (and g under sampled labels): see KroneckerFeaturizer.
-                offset = 0
-                for i, layer in enumerate(layers):
-                    a = x[:, offset : offset + layer.k_in]
-                    offset += layer.k_in
-                    if self.spec.curvature == "sampled":
-                        offset += layer.k_out
-                    g = x[:, offset : offset + layer.k_out]
-                    offset += layer.k_out
-                    sums[i] += eigens[i].rank_one_squares(a, g * w if weighted else g)
-                continue
-            if compact:  # a layer saw several positions: rotate the dense rows
-                x = train.read(dense, start, stop, dtype=work)
             for i, block in _blocks(layers, x):
                 rot = eigens[i].rotate_rows(block)
                 if weighted:

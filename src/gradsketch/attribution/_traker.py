@@ -51,8 +51,8 @@ from gradsketch.attribution._integrity import (
 from gradsketch.attribution._io import default_block_rows, rows_as_tensor
 from gradsketch.attribution._kronecker_features import (
     CURVATURES,
+    FactoredRows,
     KroneckerFeaturizer,
-    RankOneRows,
 )
 from gradsketch.attribution._linalg import damped_inverse, resolve_lambda
 from gradsketch.attribution._lm_data import as_loader, as_task_batch, check_token_batch
@@ -479,6 +479,8 @@ class TRAKer:
         self._exp_owned: np.ndarray | None = None
         self.ckpt_loaded: int | None = None
         self._done: np.ndarray | None = None
+        self._dense = not self.layered
+        self._tokens: list[int] | None = None
         self._last_ind = 0
         self._exp: str | None = None
         self._exp_model_id: int | None = None
@@ -757,9 +759,14 @@ class TRAKer:
 
     def _row_arrays(self, model_id: int) -> list[str]:
         """The stored per-row arrays of ``model_id`` (those that exist)."""
-        names = dict.fromkeys(("grads", "out_to_loss", "features", *self._stored_arrays))
+        names = dict.fromkeys(
+            ("grads", "out_to_loss", "features", *self._stored_arrays, "token_factors")
+        )
         if self.store.has(layout.checkpoint_array(model_id, "grads")):
-            # With dense rows stored, NaN rank-one rows mark the rows kept dense.
+            # Dense rows stored: every row is there (NaN rank-one rows mark them).
+            names.pop("rank_one", None)
+            names.pop("token_factors", None)
+        elif self.store.has(layout.checkpoint_array(model_id, "token_factors")):
             names.pop("rank_one", None)
         arrays = [layout.checkpoint_array(model_id, name) for name in names]
         return [a for a in arrays if self.store.has(a)]
@@ -887,6 +894,7 @@ class TRAKer:
         self._done = self.store.done_rows(arr("done"))
         self._repair_rows(model_id)
         self._dense = not self.layered or self.store.has(arr("grads"))
+        self._tokens = None if self._dense else self._ckpt_record(model_id).get("tokens")
         self._precond, self._covered, self._covered_any = None, None, None
         if self._precond_cls.accumulates:
             self._precond, self._covered, self._covered_any = self._read_accumulated(model_id)
@@ -931,34 +939,96 @@ class TRAKer:
             self._precond_cls.accumulates or bool(self._stored_arrays)
         )
         parts, q = self.featurizer.layer_parts(batch, idx if sampled else None)
-        # Rank-one rows ([a, g] per layer) stand for the dense ones until a batch
-        # whose layers see several positions makes the store keep dense rows.
-        compact = not self._dense and self.featurizer.rank_one(parts)
-        phi = None if compact else self.featurizer.features([(a, g) for a, g, _ in parts])
-        extra = {
-            name: self.featurizer.extra_rows(name, parts)
-            for name in self._stored_arrays
-            if not (compact and name in _DENSE_ROWS)
-        }
-        return phi, q, parts, extra
+        mode = self._row_mode(self.featurizer.token_counts(parts))
+        if mode == "dense":
+            phi = self.featurizer.features([(a, g) for a, g, _ in parts])
+            extra = {name: self.featurizer.extra_rows(name, parts) for name in self._stored_arrays}
+            return phi, q, parts, extra
+        kept = [x for x in self._stored_arrays if x not in _DENSE_ROWS]
+        tokens = self._tokens
+        if tokens is not None:  # "factored": the positions' [a, g] stand for rank_one too
+            kept.remove("rank_one")
+        extra = {name: self.featurizer.extra_rows(name, parts) for name in kept}
+        if tokens is not None:
+            extra["token_factors"] = self.featurizer.factored_rows(parts, tokens)
+        return None, q, parts, extra
+
+    def _row_mode(self, tokens: Sequence[int]) -> str:
+        """How a batch's per-layer rows are kept: ``"rank_one"``, ``"factored"`` or ``"dense"``.
+
+        Rows start as each layer's ``[a, g]`` (``rank_one``). The first batch
+        whose layers see several positions picks ``token_factors`` (its
+        positions' ``[a, g]``, padded to that batch's counts) where that is
+        narrower than the dense ``vec(sum_t g_t a_tᵀ)``, else dense rows; a
+        later batch with more positions than stored turns the store dense.
+        Rows already stored are rewritten in the new form, so every stored
+        row is in the newest form.
+        """
+        assert self.ckpt_loaded is not None
+        if self._dense:
+            return "dense"
+        if self._tokens is None and all(t == 1 for t in tokens):
+            return "rank_one"
+        if self._tokens is None:
+            width = self.featurizer.row_width("token_factors", tokens)
+            if width < self.featurizer.dense_width():
+                self._start_factored(self.ckpt_loaded, list(tokens))
+                return "factored"
+        elif all(t <= s for t, s in zip(tokens, self._tokens)):
+            return "factored"
+        self._require_dense(self.ckpt_loaded)
+        return "dense"
+
+    def _compact_rows(self, model_id: int, rows: np.ndarray) -> Any:
+        """Per-layer parts of stored factored rows ``rows`` (rank-one or token factors)."""
+        name = "rank_one" if self._tokens is None else "token_factors"
+        x = self.store.array(layout.checkpoint_array(model_id, name)).oindex[rows]
+        return self.featurizer.split_rank_one(torch.from_numpy(np.asarray(x)), self._tokens)
+
+    def _rewrite_rows(self, model_id: int, write: Any) -> None:
+        """``write(rows, parts)`` for the stored rows of ``model_id``, chunk by chunk."""
+        self.store.flush()
+        done = self.store.done_rows(layout.checkpoint_array(model_id, "done"))
+        for start in range(0, self.train_set_size, self._chunk_rows):
+            rows = np.nonzero(done[start : start + self._chunk_rows])[0] + start
+            if rows.size:
+                write(rows, self._compact_rows(model_id, rows))
+
+    def _start_factored(self, model_id: int, tokens: list[int]) -> None:
+        """Create ``token_factors`` of ``model_id`` with ``tokens`` positions per layer."""
+        arr = functools.partial(layout.checkpoint_array, model_id)
+        width = self.featurizer.row_width("token_factors", tokens)
+        factored = self.store.require_array(
+            arr("token_factors"),
+            (self.train_set_size, width),
+            self._np_dtype,
+            chunk_rows=self._dense_chunk_rows,
+        )
+
+        def write(rows: np.ndarray, parts: Any) -> None:
+            factored.oindex[rows] = self.featurizer.factored_rows(parts, tokens).numpy()
+
+        self._rewrite_rows(model_id, write)
+        self._write_ckpt_record(model_id, {**self._ckpt_record(model_id), "tokens": tokens})
+        self._tokens = tokens
 
     def _require_dense(self, model_id: int) -> None:
         """Create the dense per-layer rows of ``model_id``, filled for its stored rows."""
         arr = functools.partial(layout.checkpoint_array, model_id)
         n, k = self.train_set_size, self.proj_dim
-        self.store.flush()
-        done = self.store.done_rows(arr("done"))
-        compact = self.store.array(arr("rank_one"))
         for name in (x for x in ("grads", *self._stored_arrays) if x in _DENSE_ROWS):
             dense = self.store.require_array(
                 arr(name), (n, k), self._np_dtype, chunk_rows=self._dense_chunk_rows
             )
-            for start in range(0, n, self._chunk_rows):
-                rows = np.nonzero(done[start : start + self._chunk_rows])[0] + start
-                if rows.size:
-                    x = torch.from_numpy(np.asarray(compact.oindex[rows]))
-                    x = self.featurizer.expand_rank_one(x, sampled=name == "fisher_grads")
-                    dense.oindex[rows] = x.numpy()
+            use_sampled = name == "fisher_grads"
+
+            def write(
+                rows: np.ndarray, parts: Any, dense: Any = dense, s: bool = use_sampled
+            ) -> None:
+                pairs = [(a, gs if s and gs is not None else g) for a, g, gs in parts]
+                dense.oindex[rows] = self.featurizer.features(pairs).numpy()
+
+            self._rewrite_rows(model_id, write)
         self._dense = True
 
     def stored_features(self, model_id: int, name: str = "grads") -> Any:
@@ -972,8 +1042,12 @@ class TRAKer:
         arr = functools.partial(layout.checkpoint_array, model_id)
         if not self.layered or self.store.has(arr(name)):
             return self.store.array(arr(name))
-        return RankOneRows(
-            self.store.array(arr("rank_one")), self.featurizer, sampled=name == "fisher_grads"
+        tokens = self._ckpt_record(model_id).get("tokens")
+        return FactoredRows(
+            self.store.array(arr("rank_one" if tokens is None else "token_factors")),
+            self.featurizer,
+            tokens=tokens,
+            sampled=name == "fisher_grads",
         )
 
     # -- featurizing ------------------------------------------------------------
@@ -1221,15 +1295,24 @@ class TRAKer:
             mine = chunk_shard(self.train_set_size, int(rows_q.chunks[0]))
             if world == 1:
                 mine = range(self.train_set_size)
-            names = ("grads", *self._stored_arrays)
+            names = [x for x in ("grads", *self._stored_arrays) if x != "rank_one"]
+            arrays = {name: self.stored_features(model_id, name) for name in names}
+            tokens = None
+            if self.layered and not self.store.has(arr("grads")):
+                # Rows kept factored: the preconditioner may read the factors themselves.
+                tokens = self._ckpt_record(model_id).get("tokens")
+                arrays["factored"] = self.store.array(
+                    arr("rank_one" if tokens is None else "token_factors")
+                )
             train = TrainRows(
-                {name: self.stored_features(model_id, name) for name in names},
+                arrays,
                 self.store.array(arr("out_to_loss")),
                 mine,
                 size=self.train_set_size,
                 block_rows=self._row_block(),
                 device=self.device,
                 prefetch=self.memory_budget is None,
+                tokens=tokens,
             )
             precond.finalize(train)
             state = precond.state_dict()

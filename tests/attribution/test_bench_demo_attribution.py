@@ -1,0 +1,27 @@
+"""benchmarks/bench_demo_attribution.py, smoke-sized: one line per method and the ratio."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_demo_attribution as bench  # noqa: E402
+
+
+@pytest.mark.slow
+def test_quick_run_times_both_methods_and_their_ratio(capsys) -> None:
+    bench.main(["--quick", "--threads", "1"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    trak, ekfac, ratio = lines
+    assert (trak["method"], ekfac["method"]) == ("trak", "ekfac")
+    for line in (trak, ekfac):
+        assert line["wall_s"] > 0 and line["cpu_s"] > 0
+        assert {"featurize_s", "finalize_features_s", "score_s", "finalize_scores_s"} <= set(line)
+    assert ratio["wall_ratio"] == pytest.approx(ekfac["wall_s"] / trak["wall_s"])
+    assert ratio["cpu_ratio"] == pytest.approx(ekfac["cpu_s"] / trak["cpu_s"])

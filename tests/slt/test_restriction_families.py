@@ -510,3 +510,30 @@ def test_restrictions_equal_devinterps(name: str) -> None:
         if name == "opt" and heads:
             ours = ParamMask({n: m & (not n.endswith("k_proj.bias")) for n, m in ours.items()})
         assert ours == theirs, (name, form)
+
+
+def test_a_registered_structure_gives_the_same_masks_as_the_derived_layout() -> None:
+    """Mixtral described by hand (stacked experts, separate projections) matches the modules."""
+    from gradsketch.slt import STRUCTURES, HeadParam, Structure, register_structure
+
+    model = _model("mixtral")
+    forms = ["l1", "l1 attn", "l1 mlp", "l0h1", "l1g1", "l1 expert2", "embed", "unembed"]
+    derived = [create_param_masks(model, f) for f in forms]
+    roles = {"q": 0, "k": 0, "v": 0, "o": 1}
+    register_structure(
+        "mixtral",
+        Structure(
+            layers="model.layers",
+            embed=("model.embed_tokens.weight",),
+            unembed=("lm_head.weight",),
+            attn=tuple(f"self_attn.{r}_proj.weight" for r in roles),
+            mlp=("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+            heads={f"self_attn.{r}_proj.weight": HeadParam(a, role=r) for r, a in roles.items()},
+            experts=("mlp.experts",),
+        ),
+    )
+    try:
+        for form, mask in zip(forms, derived):
+            assert create_param_masks(model, form) == mask, form
+    finally:
+        STRUCTURES.pop("mixtral")

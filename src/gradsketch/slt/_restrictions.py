@@ -718,12 +718,14 @@ def create_param_masks(model: nn.Module, restriction: str | list[str]) -> ParamM
     devinterp's dict form.
 
     Args:
-        model: A Hugging Face language model of a family in :data:`STRUCTURES`
-            (only ``"full"`` and parameter names work on any model).
+        model: A Hugging Face language model (also inside a peft wrapper); its
+            layout is read from its modules (see the module docstring) or from
+            a :class:`Structure` registered for its ``model_type``. Only
+            ``"full"`` and parameter names work on any model.
         restriction: ``"full"``, ``"l<i>"``, ``"l<i>h<j>"``, ``"l<i>g<k>"``,
-            ``"l<i> attn"``, ``"l<i> mlp"``, ``"embed"``, ``"unembed"``, a
-            parameter name, or a list of these (their union; ``"full"`` may
-            not be combined).
+            ``"l<i> attn"``, ``"l<i> mlp"``, ``"l<i> expert<e>"`` (mixtures of
+            experts), ``"embed"``, ``"unembed"``, a parameter name, or a list
+            of these (their union; ``"full"`` may not be combined).
 
     Returns:
         A ParamMask over ``model.named_parameters()``.

@@ -21,11 +21,14 @@ features are the log-likelihood's gradient, so both scores are
 ``∇L_qᵀ (F + λ)⁻¹ ∇L_i``). Reported per shape: wall seconds of each, the ratio,
 the Pearson correlation of the two score matrices, and both peak RSS figures.
 
-gradsketch stores each training row's per-layer gradients (``sum_l d_out (d_in +
-1)`` numbers), so the stored rows grow with the model: GPT-2 small's 85M weights
-make 340 MB per row. ``--shape gpt2-small`` therefore runs gradsketch with
-``projection=(64, 64)`` per layer (LoGra), whose scores are not Kronfluence's exact
-ones; the exact comparison is made on the smaller shapes.
+gradsketch stores each training row's per-layer factors (each position's
+inputs and output gradients, 76 MB per sequence at GPT-2 small's layers and 128
+tokens) or, where narrower, its per-layer gradients (``sum_l d_out (d_in + 1)``
+numbers, 340 MB per sequence there), so the stored rows grow with the model and
+the sequence. ``--shape gpt2-small`` (1,000 sequences: 76 GB of rows) therefore
+runs gradsketch with ``projection=(64, 64)`` per layer (LoGra), whose scores are
+not Kronfluence's exact ones; ``--shape gpt2-small-64`` is GPT-2 small's layers
+with 64 sequences, exact on both sides.
 
 Run ``python benchmarks/bench_influence_scale.py`` (``--quick``: the tiny shape
 only, few sequences). Needs the ``bench`` extra (Kronfluence).
@@ -47,6 +50,9 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (2, 64, 2, 64, 256, 16),
     "small": (4, 128, 4, 64, 128, 16),
     "gpt2-small": (12, 768, 12, 128, 1000, 16),
+    # GPT-2 small's layers with fewer sequences: exact on both sides (76 MB of factored
+    # rows per sequence), where the 1,000 sequences' rows do not fit the disk here.
+    "gpt2-small-64": (12, 768, 12, 128, 64, 16),
 }
 QUICK = {"tiny": (2, 64, 2, 32, 32, 4)}
 #: Per-layer projection of gradsketch on shapes whose exact rows do not fit a disk.

@@ -346,3 +346,81 @@ def test_linearized_leave_one_out_matches_retraining_to_first_order(optimizer):
         actual_loo.append(float(r.outputs(q, r.retrain(w))[0] - base))
         predicted.append(float(-s[j]))
     assert spearmanr(actual_loo, predicted).statistic > 0.9
+
+
+def _tiny_gpt2(attention: str) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=8,
+        n_head=2,
+        vocab_size=16,
+        n_positions=8,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    config._attn_implementation = attention
+    return transformers.GPT2LMHeadModel(config).double().eval()
+
+
+@pytest.mark.slow
+def test_language_model_metagradient_equals_central_difference():
+    """GPT-2 (eager attention), Adam, dict batches: same check and tolerance as the MLP's."""
+    ids = torch.randint(0, 16, (6, 6), generator=torch.Generator().manual_seed(2))
+    r = ReplayAttributor(
+        _tiny_gpt2("eager"),
+        "language_modeling",
+        {"input_ids": ids},
+        optimizer="adam",
+        lr=0.01,
+        num_steps=4,
+        batch_size=3,
+        progress=False,
+    )
+    r.train()
+    queries = {"input_ids": ids[:2]}
+    scores = r.metagradients(queries)
+    h, i = 1e-5, 1
+    plus, minus = torch.ones(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
+    plus[i] += h
+    minus[i] -= h
+    fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
+    torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
+    assert fd.abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_a_model_without_second_derivatives_is_refused_with_the_fix():
+    """transformers' sdpa attention on CPU has no double backward: the message says eager."""
+    ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(2))
+    r = ReplayAttributor(
+        _tiny_gpt2("sdpa"),
+        "language_modeling",
+        {"input_ids": ids},
+        num_steps=2,
+        batch_size=2,
+        progress=False,
+    )
+    r.train()
+    with pytest.raises(RuntimeError, match=r"no second derivative.*eager attention"):
+        r.metagradients({"input_ids": ids[:1]})
+
+
+def test_reverse_over_reverse_fallback_equals_forward_over_reverse():
+    """Models vmap cannot trace take the autograd path: the same metagradients.
+
+    Both compute H d̄ and ∇ℓ_i·d̄ exactly; only the order of the sums differs,
+    so the bound of the block test applies (``T D ε max|s|``, D = 5).
+    """
+    r = _replay("adamw", {"lr": 0.05, "weight_decay": 0.1})
+    x, y = _data()
+    fast = r.metagradients((x[:3], y[:3]))
+    assert r._vmap_ok is True
+    r._vmap_ok = False
+    slow = r.metagradients((x[:3], y[:3]))
+    bound = STEPS * 5 * torch.finfo(torch.float64).eps * float(fast.abs().max())
+    assert float((fast - slow).abs().max()) <= bound

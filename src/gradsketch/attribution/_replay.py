@@ -545,6 +545,8 @@ class ReplayAttributor:
         self.timings: dict[str, float] = {}
         self._scores: dict[str, Tensor] = {}
         self._activation_bytes: int | None = None
+        # Whether torch.func.vmap traces the model (None: not tried yet).
+        self._vmap_ok: bool | None = None
 
     # -- forward -----------------------------------------------------------------------
     def _losses(
@@ -579,6 +581,21 @@ class ReplayAttributor:
         Jacobian-vector product of ``g``; ``∂g/∂w_i ᵀ d̄ = ∇ℓ_i · d̄ / |B|`` is
         the tangent of the losses ``ℓ_i`` along ``d̄``. One ``jvp`` gives both.
         """
+        if self._vmap_ok is not False:
+            try:
+                result = self._pullback_jvp(theta, rows, bar_g)
+            except RuntimeError as exc:
+                if "vmap" not in str(exc):
+                    raise
+                self._vmap_ok = False
+            else:
+                self._vmap_ok = True
+                return result
+        return self._pullback_autograd(theta, rows, bar_g)
+
+    def _pullback_jvp(
+        self, theta: Params, rows: tuple[Tensor, ...], bar_g: Params
+    ) -> tuple[Params, Tensor]:
         _load_forward_ad_rules()
         ones = torch.ones(rows[0].shape[0], dtype=self._dtype, device=self._device)
 
@@ -590,6 +607,52 @@ class ReplayAttributor:
 
         out: tuple[Params, Tensor] = torch.func.vmap(tangents)(bar_g)
         return out
+
+    def _pullback_autograd(
+        self, theta: Params, rows: tuple[Tensor, ...], bar_g: Params
+    ) -> tuple[Params, Tensor]:
+        """The same pull-back by reverse-over-reverse, vmapping only the second backward.
+
+        For models whose forward ``vmap`` cannot trace (data-dependent control
+        flow, as transformers' attention-mask checks): the forward and first
+        backward run once, plainly; ``is_grads_batched`` vmaps the backward
+        of the gradient over the block.
+        """
+        names = list(theta)
+        with torch.enable_grad():
+            params = {n: theta[n].detach().requires_grad_(True) for n in names}
+            w = torch.ones(rows[0].shape[0], dtype=self._dtype, device=self._device)
+            w.requires_grad_(True)
+            loss = self._batch_loss(params, w, rows)
+            grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
+            live = [i for i, g in enumerate(grads) if g.requires_grad]
+            try:
+                pulled = torch.autograd.grad(
+                    [grads[i] for i in live],
+                    [*(params[n] for n in names), w],
+                    grad_outputs=[bar_g[names[i]] for i in live],
+                    is_grads_batched=True,
+                    allow_unused=True,
+                )
+            except RuntimeError as exc:
+                if "not implemented" not in str(exc):
+                    raise
+                raise RuntimeError(
+                    f"`model` ({type(self.model).__name__}) cannot be replayed: an operation in "
+                    f"its forward has no second derivative in torch ({exc}), and the replay "
+                    "differentiates each training step's gradient. For Hugging Face models "
+                    "load them with eager attention (config._attn_implementation = 'eager' or "
+                    "attn_implementation='eager' in from_pretrained); otherwise replace that "
+                    "operation."
+                ) from exc
+        m = next(iter(bar_g.values())).shape[0]
+        hess = {
+            n: (torch.zeros_like(bar_g[n]) if h is None else h.detach())
+            for n, h in zip(names, pulled[:-1], strict=True)
+        }
+        dw = pulled[-1]
+        w_part = w.new_zeros(m, w.shape[0]) if dw is None else dw.detach()
+        return hess, w_part
 
     def _init_state(self) -> dict[str, Params]:
         return {
@@ -739,8 +802,19 @@ class ReplayAttributor:
         def out(params: Params, *example: Tensor) -> Tensor:
             return self.task.get_output(self.model, params, self.buffers, *example)
 
-        in_dims = (None,) + (0,) * len(batch)
-        return torch.func.vmap(torch.func.grad(out), in_dims=in_dims)(theta, *batch)
+        if self._vmap_ok is not False:
+            try:
+                in_dims = (None,) + (0,) * len(batch)
+                grads: Params = torch.func.vmap(torch.func.grad(out), in_dims=in_dims)(
+                    theta, *batch
+                )
+                return grads
+            except RuntimeError as exc:
+                if "vmap" not in str(exc):
+                    raise
+                self._vmap_ok = False
+        rows = [torch.func.grad(out)(theta, *(t[j] for t in batch)) for j in range(len(batch[0]))]
+        return {n: torch.stack([r[n] for r in rows]) for n in theta}
 
     def metagradients(self, queries: Any, *, query_block: int | None = None) -> Tensor:
         """``[n_train, m]`` exact metagradients ``∂f_j(θ_T) / ∂w_i`` at ``w = 1``.

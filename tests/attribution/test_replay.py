@@ -299,6 +299,8 @@ def test_invalid_use_is_refused():
         r.metagradients((x[:1], y[:1]))
     with pytest.raises(ValueError, match=r"`weights` has 3 entries but the training set has 12"):
         r.retrain(torch.ones(3))
+    with pytest.raises(ValueError, match=r"`per_token=True` needs a task with per-token"):
+        r.score((x[:1], y[:1]), per_token=True)
     with pytest.raises(ValueError, match=r"has no registered training loss"):
         make(model, _NoLossTask(), (x, y), progress=False)
 
@@ -391,6 +393,11 @@ def test_language_model_metagradient_equals_central_difference():
     fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
     torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
     assert fd.abs().max() > 1e-3
+    # Per-token queries: the output is a sum over tokens, so the scores sum to the whole's.
+    per_token = r.score(queries, per_token=True, exp_name="tokens")
+    assert per_token.shape == (6, 2, 6)
+    torch.testing.assert_close(per_token.sum(-1), scores, rtol=0, atol=1e-12)
+    assert torch.equal(r.finalize_scores("tokens"), per_token)
 
 
 @pytest.mark.slow

@@ -544,6 +544,7 @@ class ReplayAttributor:
         self.final: Params | None = None
         self.timings: dict[str, float] = {}
         self._scores: dict[str, Tensor] = {}
+        self._tokens: dict[str, int] = {}
         self._activation_bytes: int | None = None
         # Whether torch.func.vmap traces the model (None: not tried yet).
         self._vmap_ok: bool | None = None
@@ -879,7 +880,7 @@ class ReplayAttributor:
         return bar_w.T.contiguous()
 
     # -- scores in a store ------------------------------------------------------------
-    def _record(self, batch: tuple[Tensor, ...]) -> dict[str, Any]:
+    def _record(self, batch: tuple[Tensor, ...], tokens: int = 0) -> dict[str, Any]:
         """Everything that fixes the scores: settings, data, order, initialization, queries."""
         return {
             **dataclasses.asdict(self.settings),
@@ -892,10 +893,16 @@ class ReplayAttributor:
             "init": _fingerprint(self.params0.values()),
             "queries": _fingerprint(batch),
             "num_queries": int(batch[0].shape[0]),
+            "per_token": tokens,
         }
 
     def score(
-        self, queries: Any, *, exp_name: str = "default", query_block: int | None = None
+        self,
+        queries: Any,
+        *,
+        exp_name: str = "default",
+        query_block: int | None = None,
+        per_token: bool = False,
     ) -> Tensor:
         """Metagradient scores ``[n_train, m]`` of ``queries``, kept as ``exp_name``.
 
@@ -904,13 +911,34 @@ class ReplayAttributor:
         the finished queries back and computes only the rest, and a rerun with
         other settings, data, order, initialization or queries is refused
         (:class:`~gradsketch.errors.SettingsMismatchError`, both values shown).
+
+        Args:
+            queries: the query examples, in any form ``train_data`` takes.
+            exp_name: name of the scores (a folder of ``save_dir``).
+            query_block: queries carried through one reverse pass.
+            per_token: for language tasks, one query per target token: scores
+                ``[n_train, m, seq_len]`` whose sum over tokens is the
+                whole-query score (the output is a sum over tokens).
         """
         batch = _materialize(queries, self.task)
+        tokens = 0
+        if per_token:
+            expand = getattr(self.task, "per_token_batch", None)
+            if not callable(expand):
+                raise ValueError(
+                    f"`per_token=True` needs a task with per-token outputs (language_modeling, "
+                    f"seq2seq_lm), but the task is {type(self.task).__name__}; drop per_token."
+                )
+            tokens = int(self.task.per_token_length(batch))  # type: ignore[attr-defined]
+            batch = tuple(expand(batch))
+        self._tokens[exp_name] = tokens
         m = int(batch[0].shape[0])
         if self.save_dir is None:
             self._scores[exp_name] = self.metagradients(batch, query_block=query_block)
-            return self._scores[exp_name]
-        store = RowStore(self.save_dir / exp_name, self._record(batch), what="replay scores")
+            return self.finalize_scores(exp_name)
+        store = RowStore(
+            self.save_dir / exp_name, self._record(batch, tokens), what="replay scores"
+        )
         store.require_array("scores", (m, self.n_train), np.float64)
         store.require_done("scores.done", m)
         todo = np.flatnonzero(~store.done_rows("scores.done"))
@@ -925,15 +953,25 @@ class ReplayAttributor:
                 )
         scores = torch.from_numpy(np.asarray(store.array("scores")[:])).T.contiguous()
         self._scores[exp_name] = scores
-        return scores
+        return self.finalize_scores(exp_name)
 
     def finalize_scores(self, exp_name: str = "default") -> Tensor:
-        """The ``[n_train, m]`` scores of ``exp_name`` (from this session or the store)."""
+        """The scores of ``exp_name`` (from this session or the store).
+
+        ``[n_train, m]``, or ``[n_train, m, seq_len]`` for ``per_token`` scores.
+        """
+        flat = self._flat_scores(exp_name)
+        tokens = self._tokens.get(exp_name, 0)
+        return flat.reshape(flat.shape[0], -1, tokens) if tokens else flat
+
+    def _flat_scores(self, exp_name: str) -> Tensor:
         if exp_name in self._scores:
             return self._scores[exp_name]
         if self.save_dir is not None and (self.save_dir / exp_name / "scores.done").exists():
             path = self.save_dir / exp_name
-            store = RowStore(path, read_record(path / "settings.json"), what="replay scores")
+            record = read_record(path / "settings.json")
+            self._tokens[exp_name] = int(record.get("per_token", 0))
+            store = RowStore(path, record, what="replay scores")
             done = store.done_rows("scores.done")
             if not done.all():
                 raise RuntimeError(
@@ -948,7 +986,7 @@ class ReplayAttributor:
 
     def topk(self, k: int, exp_name: str = "default") -> TopK:
         """The ``k`` strongest proponents and opponents of each query."""
-        scores = self.finalize_scores(exp_name)
+        scores = self._flat_scores(exp_name)
         collector = TopKCollector(scores.shape[0], scores.shape[1], k)
         collector[0 : scores.shape[0], 0 : scores.shape[1]] = scores.cpu().numpy()
         return collector.result()

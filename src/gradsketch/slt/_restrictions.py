@@ -198,10 +198,6 @@ _FIX = (
 )
 
 
-class _UnresolvedError(ValueError):
-    """The model's layout could not be read for the restriction asked."""
-
-
 # ------------------------------------------------------------------ the layout of a model
 @dataclass(frozen=True)
 class _Shape:
@@ -353,7 +349,7 @@ def _attention_shape(attention: nn.Module, config: Any) -> _Shape:
     n_heads = _first(attention, ("num_heads", "num_attention_heads", "n_head", "n_heads"))
     n_heads = n_heads or _first(text, ("num_attention_heads", "n_head", "num_heads"))
     if n_heads is None:
-        raise _UnresolvedError(
+        raise ValueError(
             f"the attention module {type(attention).__name__} and the config give no number "
             "of heads (num_heads / num_attention_heads)"
         )
@@ -361,7 +357,7 @@ def _attention_shape(attention: nn.Module, config: Any) -> _Shape:
     if head_dim is None:
         hidden = _first(text, ("hidden_size", "n_embd", "d_model"))
         if hidden is None:
-            raise _UnresolvedError(
+            raise ValueError(
                 "neither the attention module nor the config gives head_dim or hidden_size"
             )
         head_dim = hidden // n_heads
@@ -467,9 +463,11 @@ def _derive(model: nn.Module, config: Any) -> _Layout:
     names = _names_by_id(model)
     stacks = _stacks(model)
     if not stacks:
-        raise _UnresolvedError(
-            f"no stack of transformer blocks was found in {type(model).__name__} (an "
-            "nn.ModuleList whose every item holds a module with 'Attention' in its class name)"
+        raise ValueError(
+            f"`model` (model_type {config.model_type!r}) cannot be restricted by layer: no "
+            f"stack of transformer blocks was found in {type(model).__name__} (an "
+            "nn.ModuleList whose every item holds a module with 'Attention' in its class "
+            f"name). To fix it, {_FIX}."
         )
     # Encoder-decoder models: the decoder's blocks, as devinterp.
     path, stack = next(((p, s) for p, s in stacks if "decoder" in p), stacks[0])
@@ -502,7 +500,7 @@ def _block(item: nn.Module, names: Mapping[int, str], config: Any) -> _Block:
     try:
         shape = _attention_shape(attention, config)
         heads, why = _heads(attention, shape, names)
-    except _UnresolvedError as exc:
+    except ValueError as exc:  # heads unknown: only head restrictions are refused
         why = str(exc)
     inside = {id(m) for a in attentions for m in a.modules()}
     mlp_modules = [(p, m) for p, m in item.named_modules() if id(m) not in inside and p]
@@ -558,13 +556,7 @@ def _layout(model: nn.Module) -> _Layout:
     model_type = str(config.model_type)
     if model_type in STRUCTURES:
         return _registered(model, STRUCTURES[model_type], model_type)
-    try:
-        return _derive(model, config)
-    except _UnresolvedError as exc:
-        raise ValueError(
-            f"`model` (model_type {model_type!r}) cannot be restricted by layer: {exc}. To fix "
-            f"it, {_FIX}."
-        ) from None
+    return _derive(model, config)
 
 
 # ------------------------------------------------------------------ masks

@@ -22,6 +22,8 @@ N_TRAIN, N_TARGETS, PROJ_DIM = 100, 24, 16
 CHUNK_ROWS, BATCH = 16, 8  # BATCH divides CHUNK_ROWS: the same batches as one process
 #: 4 n m = 9,600 bytes of scores exceed it: scores go to disk in tiles.
 SMALL_BUDGET = 8_000
+#: The per-token language model: training sequences, targets, tokens per sequence.
+N_LM, LM_TARGETS, LM_T = 16, 5, 6
 QUIET = {"logging_level": logging.WARNING, "progress": False, "device": "cpu"}
 
 
@@ -129,6 +131,7 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
     scores_ekfac = np.array(ek.finalize_scores("exp"))
     top = ek.topk("exp", 3)
     return {
+        "scores_lm_tokens": lm_per_token(root),
         "top_ekfac": top.proponents.numpy(),
         "top_ekfac_scores": top.proponent_scores.numpy(),
         "bottom_ekfac": top.opponents.numpy(),
@@ -139,6 +142,51 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
         "on_disk": np.array(on_disk),
         "scores_pre": scores_pre,
     }
+
+
+def lm_per_token(root: Path) -> np.ndarray:
+    """EK-FAC per-token scores of a tiny float32 GPT-2: ``[N_LM, LM_TARGETS, LM_T]``.
+
+    One process keeps each layer's per-position factors; under torch.distributed
+    the per-layer rows are dense and each rank scores its column shard of the
+    targets' tokens.
+    """
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=11,
+        n_positions=LM_T,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(
+        0, 11, (N_LM + LM_TARGETS, LM_T), generator=torch.Generator().manual_seed(5)
+    )
+    rows = TensorDataset(ids, torch.ones_like(ids), ids.clone())
+    lm = TRAKer(
+        model,
+        "language_modeling",
+        N_LM,
+        save_dir=root / "lm",
+        method="ekfac",
+        chunk_rows=BATCH,
+        **QUIET,
+    )
+    lm.load_checkpoint(model.state_dict(), model_id=0)
+    lm.featurize_loader(DataLoader(torch.utils.data.Subset(rows, range(N_LM)), batch_size=BATCH))
+    lm.finalize_features()
+    lm.start_scoring_checkpoint(
+        "q", model.state_dict(), model_id=0, num_targets=LM_TARGETS, per_token=True
+    )
+    targets = torch.utils.data.Subset(rows, range(N_LM, N_LM + LM_TARGETS))
+    lm.score_loader(DataLoader(targets, batch_size=BATCH))
+    return np.asarray(lm.finalize_scores("q", per_token=True))
 
 
 def main(out: Path) -> None:

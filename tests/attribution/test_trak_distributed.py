@@ -90,10 +90,27 @@ def _array(root: Path, name: str) -> np.ndarray:
 
 def test_every_rank_returns_the_same_scores(runs):
     rank0, rank1 = runs["ranks"]
-    for key in ("scores", "scores_disk", "scores_pre", "scores_sc", "scores_ekfac"):
+    for key in (
+        "scores",
+        "scores_disk",
+        "scores_pre",
+        "scores_sc",
+        "scores_ekfac",
+        "scores_lm_tokens",
+    ):
         # Exact: each rank's columns are copied to the others, never recomputed.
         assert np.array_equal(rank0[key], rank1[key]), key
     assert bool(rank0["on_disk"]), "the small budget must send the scores to disk"
+
+
+def test_per_token_scores_across_ranks_equal_one_process(runs):
+    """Each rank scores its column shard of the targets' tokens and the [n, m, T] blocks
+    are gathered. One process keeps the per-layer rows factored, the ranks dense: the
+    same products summed in another order, float32 (the tolerance of the EK-FAC test
+    below, whose reasoning holds here too)."""
+    got, want = runs["ranks"][0]["scores_lm_tokens"], runs["ref"]["scores_lm_tokens"]
+    assert got.shape == want.shape == (16, 5, 6)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_ekfac_across_ranks_equals_one_process(runs):

@@ -854,6 +854,7 @@ class TRAKer:
         check_weights(checkpoint, model_id)
         sha = checkpoint_fingerprint(checkpoint)
         require_same_across_ranks("(model_id, checkpoint fingerprint)", (int(model_id), sha))
+        world = rank_and_world()[1]
         n, k = self.train_set_size, self.proj_dim
         arr = functools.partial(layout.checkpoint_array, model_id)
         self._hold_checkpoint(model_id)
@@ -889,6 +890,11 @@ class TRAKer:
                 for path in self._accumulated_files(model_id):
                     path.unlink()
                 self._write_ckpt_record(model_id, {"checkpoint": sha, "finalized": False})
+            if self.layered and first and world > 1 and not self.store.has(arr("grads")):
+                # Ranks featurize at once, so the row form cannot be picked by whichever
+                # batch comes first: dense rows under torch.distributed (stored ones rewritten).
+                self._tokens = self._ckpt_record(model_id).get("tokens")
+                self._require_dense(model_id)
         # The stored chunking decides the shards (a resumed store keeps its own).
         self._owned = owned_mask(n, int(rows_q.chunks[0]))
         self._done = self.store.done_rows(arr("done"))
@@ -1453,11 +1459,6 @@ class TRAKer:
                 f"`per_token`=True needs a task with per-token outputs (a `per_token_batch` "
                 f"method, as 'language_modeling' has); {type(self.task).__name__} has none."
             )
-        if per_token and rank_and_world()[1] > 1:
-            raise ValueError(
-                "`per_token`=True is not supported under torch.distributed yet; score the "
-                "per-token targets in one process."
-            )
         require_same_across_ranks(
             "(exp_name, model_id, num_targets, checkpoint fingerprint)",
             (exp_name, int(model_id), num_targets, checkpoint_fingerprint(checkpoint)),
@@ -1724,26 +1725,39 @@ class TRAKer:
                 f"per-token scores need at least {4 * n * m} bytes but `memory_budget`="
                 f"{self.memory_budget}; score fewer targets per experiment."
             )
+        # Under torch.distributed each rank scores its column shard of the targets.
+        rank, world = rank_and_world()
+        cols = column_shard(m) if world > 1 else range(m)
         tokens = []
         for model_id in model_ids:
             # The targets' rows: [m, T * k] stored, [m * T, k] for the kernel.
             name = layout.target_array(exp_name, model_id, "token_grads")
             wide = np.float64 if self.dtype == torch.float64 else np.float32
-            stored = np.asarray(self.store.array(name)[:], dtype=wide)
-            tokens.append(stored.reshape(m * (stored.shape[1] // self.proj_dim), self.proj_dim))
-        length = tokens[0].shape[0] // m
-        per_token = [
-            dataclasses.replace(ck, targets=torch.from_numpy(t)) for ck, t in zip(ckpts, tokens)
-        ]
-        scores = score_checkpoints(
-            per_token,
-            self.lambda_reg,
-            self.memory_budget,
-            precision=self.precision,
-            device=self.device,
-            progress=self.progress,
-        )
-        return np.asarray(scores).reshape(n, m, length)
+            stored = self.store.array(name)
+            length = int(stored.shape[1]) // self.proj_dim
+            rows = np.asarray(stored[cols.start : cols.stop], dtype=wide)
+            tokens.append(rows.reshape(len(cols) * length, self.proj_dim))
+        if len(cols):
+            per_token = [
+                dataclasses.replace(ck, targets=torch.from_numpy(t)) for ck, t in zip(ckpts, tokens)
+            ]
+            local = score_checkpoints(
+                per_token,
+                self.lambda_reg,
+                self.memory_budget,
+                precision=self.precision,
+                device=self.device,
+                progress=self.progress and rank == 0,
+            )
+            local = torch.as_tensor(np.asarray(local)).reshape(n, len(cols), length)
+        else:
+            local = torch.zeros(n, 0, length)
+        if world == 1:
+            return local.numpy()
+        # [n, m_r, T] -> [n T, m_r] columns, gathered -> [n, m, T] (bits copied).
+        flat = local.permute(0, 2, 1).reshape(n * length, len(cols))
+        whole = all_gather_columns(flat, m).reshape(n, length, m).permute(0, 2, 1)
+        return whole.contiguous().numpy()
 
     def topk(
         self,

@@ -37,7 +37,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +184,6 @@ class ReplaySettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     checkpoint_every: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.optimizer not in REPLAY_OPTIMIZERS:

@@ -15,11 +15,14 @@ Reversible Learning", ICML 2015).
 momentum and weight decay, Adam, AdamW; a learning rate per step), keeps a
 checkpoint every ``k ≈ √T`` steps, and then runs backwards through the steps:
 each segment between checkpoints is recomputed forward, and each step is
-reversed with the optimizer's own adjoint rules and one double backward
-through the weighted loss (``torch.func.vjp`` of ``torch.func.grad``). A block
-of ``m`` queries is carried through one reverse pass as ``[m, ...]``
-cotangents (``vmap`` over the step's VJP), so the recomputation and the
-step's linearization are shared by the block.
+reversed with the optimizer's own adjoint rules and one second-order product
+through the weighted loss: ``H d̄`` and the per-example ``∇ℓ_i · d̄`` from one
+forward-over-reverse ``torch.func.jvp`` of ``torch.func.grad`` (reverse-over-
+reverse with a batched second backward for models ``vmap`` cannot trace). A
+block of ``m`` queries is carried through one reverse pass as ``[m, ...]``
+cotangents (``vmap`` over the step's product), so the recomputation, the
+forward and the first backward are shared by the block; the FLOPs of the
+products still grow with ``m``.
 
 Memory: ``(⌈T/k⌉ + k) · S`` for checkpoints and one segment's states, plus
 ``m · S`` for the adjoints and ``m · n_train`` scores, plus one step's

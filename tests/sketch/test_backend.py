@@ -21,19 +21,6 @@ def test_torch_is_always_available_and_forced_by_the_option():
         assert _backend.KERNELS[kernel][-1] == "torch"
 
 
-def test_cpu_train_kernels_are_native_for_float32_exactly_when_loaded():
-    expected = "native" if HAVE_NATIVE else "torch"
-    assert _backend.default_backend(CPU, kernel="train", dtype=torch.float32) == expected
-    assert _backend.default_backend(CPU, kernel="train", dtype=torch.float64) == "torch"
-    lib = _backend.native_library()
-    assert (lib is not None) == HAVE_NATIVE
-    if lib is not None:
-        assert all(
-            hasattr(lib, f"gs_{name}_f32")
-            for name in ("dropout", "gelu_tanh", "gelu_tanh_backward", "softmax_dropout")
-        )
-
-
 def test_cpu_scatter_is_native_exactly_when_the_kernels_are_loaded():
     expected = "native" if HAVE_NATIVE else "torch"
     assert _backend.default_backend(CPU, kernel="scatter") == expected
@@ -86,7 +73,7 @@ def test_reduce_through_the_backend_equals_torch_in_float64():
     [
         pytest.param(
             {"kernel": "gather"},
-            r"`kernel` must be one of \['scatter', 'hashed', 'dense', 'train'\]",
+            r"`kernel` must be one of \['scatter', 'hashed', 'dense'\]",
             id="kernel",
         ),
         pytest.param(

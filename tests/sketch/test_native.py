@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradsketch import _native_build
 from gradsketch.sketch import _native
 
 needs_native = pytest.mark.skipif(
@@ -283,7 +284,7 @@ def test_fresh_build_into_an_empty_cache_loads_and_agrees(monkeypatch, tmp_path)
     name = status.path.split("/")[-1]
     files = sorted(p.name for p in (tmp_path / "native").iterdir())
     assert files == [name, f"{name}.json", f"{name}.lock"]  # library, its record, its lock
-    assert _native._check_cached(tmp_path / "native" / name) is None
+    assert _native_build.check_cached(tmp_path / "native" / name, _native.ABI_VERSION) is None
     assert ctypes.CDLL(status.path).gs_abi_version() == _native.ABI_VERSION
     again, _ = _native._load()
     assert again.reason == "cached" and again.path == status.path
@@ -326,16 +327,19 @@ def fake_builds(monkeypatch, tmp_path):
     monkeypatch.setenv("GRADSKETCH_CACHE", str(tmp_path))
     built = []
 
-    def copy_build(compiler, target):
+    def copy_build(spec, compiler, target):
+        assert spec is _native.SPEC
         data = Path(str(_native.native_status().path)).read_bytes()
         target.parent.mkdir(parents=True, exist_ok=True)
-        _native._sidecar(target).write_text(json.dumps(_native._record(data)))
+        _native_build.sidecar(target).write_text(
+            json.dumps(_native_build.record(data, _native.ABI_VERSION))
+        )
         staged = Path(f"{target}.staged")  # renamed into place, as _build does
         staged.write_bytes(data)
         os.replace(staged, target)
         built.append(target)
 
-    monkeypatch.setattr(_native, "_build", copy_build)
+    monkeypatch.setattr(_native_build, "build", copy_build)
     first, kernels = _native._load()
     assert first.available and first.reason == "compiled" and kernels is not None
     assert built == [Path(str(first.path))]
@@ -369,9 +373,9 @@ def _corrupt_in_place(path, how):
         other = Path(torch.__file__).parent / "lib" / "libshm.so"
         Path(path).write_bytes(other.read_bytes())
     elif how == "no-record":
-        _native._sidecar(Path(path)).unlink()
+        _native_build.sidecar(Path(path)).unlink()
     elif how == "torn-record":
-        _native._sidecar(Path(path)).write_text('{"size": 12')
+        _native_build.sidecar(Path(path)).write_text('{"size": 12')
     else:
         raise AssertionError(how)
 
@@ -386,13 +390,13 @@ def test_a_corrupt_cached_library_is_rebuilt_before_it_is_mapped(fake_builds, ho
     if how == "other-elf" and not (Path(torch.__file__).parent / "lib" / "libshm.so").exists():
         pytest.skip("no libshm.so beside torch to stand in for another library")
     _corrupt(target, how)
-    assert _native._check_cached(target) is not None
-    with caplog.at_level(logging.WARNING, logger=_native.__name__):
+    assert _native_build.check_cached(target, _native.ABI_VERSION) is not None
+    with caplog.at_level(logging.WARNING, logger=_native_build.__name__):
         status, kernels = _native._load()
     assert status.available and status.reason == "compiled", status
     assert kernels is not None and len(fake_builds) == 2
     assert f"the cached {target} failed its check" in caplog.text
-    assert _native._check_cached(target) is None
+    assert _native_build.check_cached(target, _native.ABI_VERSION) is None
     again, _ = _native._load()
     assert again.reason == "cached" and len(fake_builds) == 2
 
@@ -411,11 +415,16 @@ def test_another_library_with_a_matching_record_is_not_an_attribute_error(
     target = fresh / "native" / fake_builds[0].name
     target.parent.mkdir(parents=True)
     target.write_bytes(other.read_bytes())
-    _native._sidecar(target).write_text(json.dumps(_native._record(other.read_bytes())))
-    with caplog.at_level(logging.WARNING, logger=_native.__name__):
+    _native_build.sidecar(target).write_text(
+        json.dumps(_native_build.record(other.read_bytes(), _native.ABI_VERSION))
+    )
+    with caplog.at_level(logging.WARNING, logger=_native_build.__name__):
         status, kernels = _native._load()
     # Rebuilt on disk; this process may still hold the other library under the same name.
-    assert fake_builds[1:] == [target] and _native._check_cached(target) is None
+    assert (
+        fake_builds[1:] == [target]
+        and _native_build.check_cached(target, _native.ABI_VERSION) is None
+    )
     assert target.read_bytes() == fake_builds[0].read_bytes()
     assert "rebuilding" in caplog.text and "gs_abi_version" in caplog.text
     assert status.available or ("lacks a kernel" in status.reason and kernels is None), status
@@ -426,7 +435,7 @@ def test_falling_back_to_torch_warns_once_with_the_reason(monkeypatch, tmp_path,
     monkeypatch.setenv("GRADSKETCH_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(_native, "_state", None)
-    with caplog.at_level(logging.INFO, logger=_native.__name__):
+    with caplog.at_level(logging.INFO, logger=_native_build.__name__):
         assert _native.library() is None and not _native.available(torch.device("cpu"))
         assert _native.native_status().available is False
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -438,6 +447,6 @@ def test_falling_back_to_torch_warns_once_with_the_reason(monkeypatch, tmp_path,
 def test_turning_the_kernels_off_is_logged_at_info(monkeypatch, caplog):
     monkeypatch.setenv("GRADSKETCH_NATIVE", "0")
     monkeypatch.setattr(_native, "_state", None)
-    with caplog.at_level(logging.INFO, logger=_native.__name__):
+    with caplog.at_level(logging.INFO, logger=_native_build.__name__):
         assert _native.library() is None
     assert [r.levelno for r in caplog.records] == [logging.INFO]

@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradsketch._processes import run_jobs
-from gradsketch.sketch._backend import native_status
 from gradsketch.slt import _train_forward as tf
 from gradsketch.slt import per_token_loss
+from gradsketch.slt._train_native import train_status
 
 CPU = torch.device("cpu")
 
@@ -33,7 +33,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Each test of the dropout and GELU runs on the native kernels and on torch's path."""
     if request.param == "native":
         if tf._native_kernels() is None:
-            pytest.skip(f"native kernels unavailable: {native_status().reason}")
+            pytest.skip(f"native kernels unavailable: {train_status().reason}")
     else:
         monkeypatch.setattr(tf, "_native_kernels", lambda: None)
     return str(request.param)
@@ -328,17 +328,17 @@ def test_fused_attention_is_the_same_bits_on_more_threads_and_declines_strided_h
 
 def test_fused_attention_through_scipys_sgemm(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where torch exports no ``sgemm_`` the kernels take SciPy's: the same attention."""
-    from gradsketch.sketch import _native
+    from gradsketch import _native_build
 
     if tf._native_kernels() is None:
-        pytest.skip(f"native kernels unavailable: {native_status().reason}")
-    scipy_gemm = _native._find_sgemm(torch_first=False)
+        pytest.skip(f"native kernels unavailable: {train_status().reason}")
+    scipy_gemm = _native_build.find_sgemm(torch_first=False)
     assert scipy_gemm is not None
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
     k, v = k[:, :2], v[:, :2]  # grouped-query heads
     outs = []
-    for gemm in (_native.blas_sgemm(), scipy_gemm):
+    for gemm in (_native_build.blas_sgemm(), scipy_gemm):
         monkeypatch.setattr(tf, "blas_sgemm", lambda gemm=gemm: gemm)
         with tf.dropout_stream(torch.Generator().manual_seed(5)):
             outs.append(tf._attention_math(q, k, v, None, 0.25, None, True))

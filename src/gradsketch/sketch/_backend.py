@@ -10,15 +10,13 @@ Three operations have a fast implementation beside their torch twin:
   never read from a table: the Triton kernel, or a table and the scatter.
 * ``"dense"``: a dense JL map generated tile by tile in registers: the Triton
   kernel (float32), or torch's tile-by-tile matmul.
-* ``"train"``: the SLT sampler's train-mode dropout, GELU and attention
-  softmax on CPU float32 (:mod:`gradsketch.slt._train_forward` binds them
-  from :func:`native_library`), or torch's operations.
 
 :func:`default_backend` is the one place that chooses between them (the way
 ``torch.optim`` decides between its fused, foreach and for-loop paths): the
 sketch and sampling code ask it, and call the kernels through this module.
 The user's option is ``backend=`` where a caller passes it, else the
-environment: ``GRADSKETCH_NATIVE=0`` turns the native kernels off and
+environment: ``GRADSKETCH_NATIVE_SKETCH=0`` (or ``GRADSKETCH_NATIVE=0``)
+turns the native kernels off and
 ``GRADSKETCH_TRITON`` (``auto``: CUDA tensors only; ``1``: wherever Triton
 runs; ``0``: never) steers the Triton ones. Every choice gives the same
 results up to the order of float additions.
@@ -32,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 import os
 from types import ModuleType
 from typing import Any
@@ -48,7 +45,6 @@ __all__ = [
     "NativeStatus",
     "blas_sgemm",
     "default_backend",
-    "native_library",
     "native_status",
     "reduce_",
     "reduce_rows_",
@@ -63,7 +59,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "scatter": ("native", "torch"),
     "hashed": ("triton", "torch"),
     "dense": ("triton", "torch"),
-    "train": ("native", "torch"),
 }
 
 #: Value types the native scatter takes.
@@ -153,9 +148,6 @@ def default_backend(
     if kernel == "scatter":
         if (dtype is None or dtype in _NATIVE_DTYPES) and _native.available(device):
             chosen = "native"
-    elif kernel == "train":
-        if dtype in (None, torch.float32) and _native.available(device):
-            chosen = "native"
     elif (kernel == "hashed" or dtype in (None, torch.float32)) and _triton_wanted(device):
         chosen = "triton"
     if requested not in ("auto", chosen):
@@ -165,19 +157,6 @@ def default_backend(
             f"({dtype}), but it cannot run there ({why}); pass backend=None to fall back."
         )
     return chosen
-
-
-def native_library() -> ctypes.CDLL | None:
-    """The native library when the ``"train"`` kernels run natively on CPU, else None.
-
-    Example:
-        >>> lib = native_library()
-        >>> lib is None or hasattr(lib, "gs_gelu_tanh_f32")
-        True
-    """
-    # default_backend(cpu, kernel="train", dtype=float32) is "native" exactly when the
-    # library is loaded; asked on every train-mode kernel call, so without its checks.
-    return _native.library()
 
 
 def reduce_(

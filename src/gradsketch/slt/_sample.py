@@ -68,7 +68,6 @@ from gradsketch._store import array_options
 from gradsketch._writer import BackgroundWriter
 from gradsketch.masked import ParamMask
 from gradsketch.sampling import SGMCMC, Metrics
-from gradsketch.sketch._backend import native_library
 from gradsketch.slt._data import (
     LossFn,
     NonFiniteLossError,
@@ -82,6 +81,7 @@ from gradsketch.slt._data import (
 )
 from gradsketch.slt._restrictions import to_param_mask
 from gradsketch.slt._train_forward import dropout_stream, train_copy, uses_global_generator
+from gradsketch.slt._train_native import train_library
 
 logger = logging.getLogger(__name__)
 
@@ -1111,7 +1111,7 @@ class _Run:
             str(self.device),
             threads,
             self.threaded,
-            native_library(),
+            train_library(),
         )
 
     def _shared_init(self) -> bool:

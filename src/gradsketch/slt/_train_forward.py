@@ -32,14 +32,15 @@ with fewer passes over memory:
   :func:`~gradsketch.slt.per_token_loss`) reads the logits once.
 
 On contiguous CPU float32 tensors these run the native kernels of
-``gs_train.h`` (compiled with the count sketch's, reached through
-:func:`gradsketch.sketch._backend.native_library`), forward and backward,
+``csrc/gs_train.c`` (a library of their own, :mod:`gradsketch.slt._train_native`),
+forward and backward,
 with errors against float64 no larger than torch's own kernels'; the
 dropout bits there are SplitMix64 of a counter under one seed per call,
 drawn from the stream, so a backward pass recomputes its mask instead of
 storing it. Where autograd records nothing (observable passes) the
 kernels run without autograd nodes. Elsewhere (other dtypes or devices, no
-C compiler, ``GRADSKETCH_NATIVE=0``) torch's operations compute the same.
+C compiler, ``GRADSKETCH_NATIVE_TRAIN=0`` or ``GRADSKETCH_NATIVE=0``) torch's
+operations compute the same.
 
 Every dropout mask of the copy comes from the generator installed by
 :func:`dropout_stream` in the calling thread (torch's default generator
@@ -63,7 +64,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradsketch.sketch._backend import blas_sgemm, native_library
+from gradsketch.slt._train_native import blas_sgemm, train_library
 
 __all__ = [
     "ATTENTION_NAME",
@@ -119,13 +120,13 @@ def _stream() -> torch.Generator | None:
 
 
 def _native_kernels() -> dict[str, Any] | None:
-    """``gs_train.h``'s kernels from the native library (None without one).
+    """``gs_train.c``'s kernels from the train library (None without one).
 
     Bound once per library object: the library in use is asked for on every
     call, so a change of it (the tests load other builds) is followed.
     """
     global _BOUND
-    lib = native_library()
+    lib = train_library()
     if lib is None:
         return None
     bound = _BOUND

@@ -1,10 +1,10 @@
 /*
- * gradsketch's native CPU kernels: the count-sketch scatter of a folded table (the fast path
- * of gradsketch.sketch._countsketch.scatter_folded_) and the sampler's fused Gram + scatter
- * pass (gradsketch.sampling._reduce); gs_train.h adds the SLT sampler's train-mode dropout,
- * GELU, attention (through the caller's BLAS sgemm) and cross-entropy.
- * gradsketch.sketch._native compiles this file at first use with the system C compiler and
- * falls back to torch's scatter (and torch's train-mode operations) when it cannot. The
+ * gradsketch's native sketch kernels: the count-sketch scatter of a folded table (the fast
+ * path of gradsketch.sketch._countsketch.scatter_folded_) and the sampler's fused Gram +
+ * scatter pass (gradsketch.sampling._reduce). The SLT sampler's train-mode kernels are a
+ * library of their own (gradsketch/slt/csrc/gs_train.c).
+ * gradsketch._native_build compiles this file at first use with the system C compiler and
+ * gradsketch.sketch._native falls back to torch's scatter when it cannot. The
  * OpenMP regions run on the OpenMP runtime torch has already loaded (libgomp.so.1), so they
  * share torch's threads; the loader checks that no second runtime got loaded.
  */
@@ -116,7 +116,5 @@ static inline void gs_transpose8(__m256 *r) {
 #undef VLOAD
 #undef GS_F32
 
-#include "gs_train.h"
-
 /* The interface version; gradsketch.sketch._native refuses a library that reports another. */
-int gs_abi_version(void) { return 4; }
+int gs_abi_version(void) { return 5; }

@@ -2,7 +2,9 @@
  * Train-mode kernels of the SLT sampler's working copy (gradsketch.slt._train_forward):
  * seeded dropout, the tanh form of GELU, attention weights' softmax with dropout and the
  * per-token cross-entropy, each forward and backward in one memory pass.
- * Included by gs_kernels.c. Every loop is written so that the compiler vectorizes it.
+ * A library of its own, compiled at first use by gradsketch._native_build and loaded by
+ * gradsketch.slt._train_native (GRADSKETCH_NATIVE_TRAIN=0 turns it off). Every loop is
+ * written so that the compiler vectorizes it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -362,3 +364,6 @@ void gs_token_xent_backward_f32(const float *g, const float *x, const int64_t *t
         if (!ignored) out[t[r]] -= gr;
     }
 }
+
+/* The interface version; gradsketch.slt._train_native refuses a library that reports another. */
+int gs_train_abi_version(void) { return 1; }

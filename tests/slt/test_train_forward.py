@@ -522,3 +522,161 @@ def _failing(shared: int, job: int) -> int:
 def test_a_failing_thread_job_raises_here() -> None:
     with pytest.raises(RuntimeError, match="job 1 failed"):
         list(run_jobs(_failing, [0, 1, 2], cores=2, shared=0, backend="threads"))
+
+
+# ------------------------------------------------------------------ fast_path
+def test_fast_path_off_is_the_models_own_train_function() -> None:
+    """``fast_path="off"``: the model's own modules, and under ``fast_kernels(False)``
+    torch's cross-entropy: from the same global seed the same bits as the model itself."""
+    model = tiny_gpt2(dropout=0.1)
+    ids = _ids(model)
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=ids[:1], fast_path="off")
+    assert [type(m) for m in work.modules()] == [type(m) for m in model.modules()]
+    assert work.config._attn_implementation == "sdpa"
+    assert tf.engaged(work)["modules"] == []
+    with tf.fast_kernels(False):
+        assert tf.engaged(work) == {"modules": [], "kernels": "torch"}
+        torch.manual_seed(3)
+        got = per_token_loss(work.train(), ids)
+    torch.manual_seed(3)
+    logits = model.train()(ids).logits[:, :-1]
+    want = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    ).view(ids.shape[0], -1)
+    assert torch.equal(got, want)
+
+
+def test_fast_kernels_false_gives_torchs_cross_entropy_bits() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(7, 50, generator=gen), torch.randint(0, 50, (7,), generator=gen)
+    with tf.fast_kernels(False):
+        got = tf.token_cross_entropy(logits, targets)
+        assert tf._native_kernels() is None
+    assert torch.equal(got, F.cross_entropy(logits, targets, reduction="none"))
+
+
+def test_fast_path_errors() -> None:
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=r"`fast_path` must be one of \['auto', 'off'\], got 'on'"):
+        tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, 1), fast_path="on")
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(torch.device("meta"), id="meta"),
+        pytest.param(
+            torch.device("cuda"),
+            id="cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ),
+    ],
+)
+def test_off_cpu_nothing_is_swapped(device: torch.device) -> None:
+    """CPU-only: on CUDA sdpa keeps its fused kernels (the explicit maths would be O(T^2))."""
+    model = tiny_gpt2(dropout=0.1)
+    work = tf.train_copy(model, device, loss_fn=per_token_loss, probe=_ids(model, 1))
+    assert work.config._attn_implementation == "sdpa"
+    assert tf.engaged(work) == {"modules": [], "kernels": "torch"}
+    assert all(p.device.type == device.type for p in work.parameters())
+
+
+def test_attention_is_probed_in_train_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit attention that is wrong only in training (where it runs; eval mode is
+    sdpa itself) is caught by the probe and the swap undone."""
+    explicit = tf._attention_math
+
+    def off_by_a_bit(*args: Any) -> torch.Tensor:
+        return explicit(*args) + 1e-3
+
+    monkeypatch.setattr(tf, "_attention_math", off_by_a_bit)
+    model = tiny_gpt2(dropout=0.1)
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, 1))
+    assert work.config._attn_implementation == "sdpa"
+    assert "attention" not in tf.engaged(work)["modules"]
+    monkeypatch.setattr(tf, "_attention_math", explicit)
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, 1))
+    assert tf.engaged(work)["modules"] == ["attention", "dropout", "gelu"]
+
+
+def test_attention_without_dropout_in_training_is_not_swapped() -> None:
+    """Llama's attention dropout is 0: the replacement would be sdpa itself, so it stays."""
+    model = tiny_llama()
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, 1))
+    assert work.config._attn_implementation == "sdpa"
+    assert "attention" not in tf.engaged(work)["modules"]
+
+
+def test_a_transformers_without_the_interfaces_keeps_sdpa(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before 4.53 (no ``masking_utils``) the copy keeps sdpa and says why, not ImportError."""
+    import sys
+
+    monkeypatch.setattr(tf, "_REGISTERED", False)
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)
+    model = tiny_gpt2(dropout=0.1)
+    with caplog.at_level("WARNING", logger=tf.__name__):
+        work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, 1))
+    assert work.config._attn_implementation == "sdpa"
+    assert tf.engaged(work)["modules"] == ["dropout", "gelu"]
+    assert "transformers>=4.53" in caplog.text and "keeps sdpa" in caplog.text
+
+
+# ------------------------------------------------------------------ one hash
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_native_and_torch_dropout_draw_the_same_mask(
+    p: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One counter-based hash (:func:`dropout_bits`) in C and in torch: bit-equal outputs,
+    forward and backward, from the same stream (odd sizes: partial blocks of four)."""
+    if tf._native_kernels() is None:
+        pytest.skip(f"native kernels unavailable: {train_status().reason}")
+    x = torch.randn(3, 1037, generator=torch.Generator().manual_seed(1))
+    outs, grads = [], []
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if not native:
+                patch.setattr(tf, "_native_kernels", lambda: None)
+            leaf = x.clone().requires_grad_(True)
+            with tf.dropout_stream(torch.Generator().manual_seed(7)):
+                y = tf.dropout(leaf, p)
+            y.backward(torch.ones_like(y))
+            outs.append(y.detach())
+            grads.append(leaf.grad)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    assert 0 < int((outs[0] == 0).sum()) < x.numel()
+
+
+def test_dropout_bits_are_the_c_kernels_lanes() -> None:
+    """``gs_dropout_f32`` keeps element i exactly when ``dropout_bits(seed, n)[i] >= q``."""
+    if tf._native_kernels() is None:
+        pytest.skip(f"native kernels unavailable: {train_status().reason}")
+    kernel = tf._native_kernels()["dropout"]  # type: ignore[index]
+    n = 4099
+    ones = torch.ones(n)
+    for seed in (1, 2**63 + 5, 2**64 - 1, 123456789):
+        q, scale = tf._drop_rule(0.3)
+        out = torch.empty(n)
+        kernel(ones.data_ptr(), out.data_ptr(), n, seed, q, scale)
+        assert torch.equal(tf.dropout_bits(seed, n) >= q, out != 0), seed
+
+
+def test_native_and_torch_attention_drop_the_same_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused kernel and torch's path with the same stream: the same output up to float
+    rounding (another mask would move it by O(1))."""
+    if tf._native_kernels() is None:
+        pytest.skip(f"native kernels unavailable: {train_status().reason}")
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # grouped-query heads
+    outs = []
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if not native:
+                patch.setattr(tf, "_native_kernels", lambda: None)
+            with tf.dropout_stream(torch.Generator().manual_seed(5)):
+                outs.append(tf._attention_math(q, k, v, None, 0.25, None, True))
+    np.testing.assert_allclose(outs[1].numpy(), outs[0].numpy(), rtol=1e-5, atol=1e-6)

@@ -80,7 +80,14 @@ from gradsketch.slt._data import (
     vocab_size,
 )
 from gradsketch.slt._restrictions import to_param_mask
-from gradsketch.slt._train_forward import dropout_stream, train_copy, uses_global_generator
+from gradsketch.slt._train_forward import (
+    FAST_PATHS,
+    dropout_stream,
+    engaged,
+    fast_kernels,
+    train_copy,
+    uses_global_generator,
+)
 from gradsketch.slt._train_native import train_library
 
 logger = logging.getLogger(__name__)
@@ -560,6 +567,7 @@ def sample(
     sketch_dim: int | None = None,
     cores: int = 1,
     progress: bool | None = None,
+    fast_path: str = "auto",
 ) -> Any:
     """Run SGMCMC chains from ``model``'s weights; record per-token losses of every observable.
 
@@ -642,6 +650,12 @@ def sample(
         progress: tqdm bars on stderr for ``lr="auto"``'s pilots, ``L(w*)`` and
             the chains' steps: True shows them, False hides them, None (the
             default) shows them where stderr is a terminal (gradsketch only).
+        fast_path: ``"auto"`` (the default) runs the chains on a working copy
+            with faster train-mode pieces and native kernels where they
+            engage (CPU only; :mod:`gradsketch.slt._train_forward`), ``"off"``
+            on a plain copy with torch's operations (gradsketch only). Which
+            ran is recorded in the store's ``gradsketch_fast_path`` attribute;
+            it is not part of the settings.
 
     Returns:
         ``xarray.DataTree`` read lazily from the store.
@@ -659,6 +673,11 @@ def sample(
         >>> tree.dataset["loss_probe"].dims, tree.dataset["loss_probe"].shape
         (('chain', 'draw', 'batch_probe', 'token_pos'), (2, 3, 8, 8))
     """
+    if fast_path not in FAST_PATHS:
+        raise ValueError(
+            f"`fast_path` must be one of {list(FAST_PATHS)}, got {fast_path!r}; 'off' runs "
+            "the model's own modules with torch's operations."
+        )
     lr_auto = isinstance(lr, str)
     if lr_auto and lr != "auto":
         raise ValueError(f"`lr` must be a positive float or 'auto', got {lr!r}.")
@@ -758,6 +777,7 @@ def sample(
                 output_path=output_path,
                 device=device,
                 progress=progress,
+                fast_path=fast_path,
             ),
         )
     record = {
@@ -810,6 +830,7 @@ def sample(
                 sketch_dim=sketch_dim,
                 cores=cores,
                 progress=progress,
+                fast_path=fast_path,
             ).run()
         except OSError as exc:
             # A full disk, a quota, a lost mount: say which store, and that a rerun resumes it.
@@ -828,6 +849,9 @@ def sample(
 #: so that the runs of :func:`~gradsketch.slt.susceptibilities` compute it once.
 _INIT_LOSSES: dict[tuple[Any, ...], np.ndarray] = {}
 
+#: The root attribute listing which fast path ran (:func:`_fast_path_record`).
+FAST_PATH_ATTR = "gradsketch_fast_path"
+
 #: Steps of ``lr="auto"`` already calibrated in this process, by model, data and settings.
 _AUTO_LR: dict[tuple[Any, ...], float] = {}
 
@@ -842,6 +866,7 @@ def _auto_lr(
     output_path: str | Path | None,
     device: str | torch.device | None,
     progress: bool | None = None,
+    fast_path: str = "auto",
 ) -> float:
     """The step of ``lr="auto"`` (see :func:`sample`) for the validated ``settings``.
 
@@ -871,6 +896,7 @@ def _auto_lr(
         # What a fresh process would compute it on, so that no earlier call decides it.
         str(device),
         torch.get_num_threads(),
+        fast_path,
     )
     if cache_key in _AUTO_LR:  # e.g. susceptibilities' restrictions: one calibration for all
         return _AUTO_LR[cache_key]
@@ -882,7 +908,10 @@ def _auto_lr(
         drop_last=True,
         generator=torch.Generator().manual_seed(settings.init_seed),
     )
-    with tqdm(desc="lr='auto' pilots", unit="step", disable=_hidden(progress)) as bar:
+    with (
+        tqdm(desc="lr='auto' pilots", unit="step", disable=_hidden(progress)) as bar,
+        fast_kernels(fast_path != "off"),
+    ):
 
         def evaluate(m: nn.Module, batch: Any) -> torch.Tensor:
             bar.update()
@@ -923,6 +952,7 @@ class _Run:
         sketch_dim: int | None,
         cores: int = 1,
         progress: bool | None = None,
+        fast_path: str = "auto",
     ) -> None:
         self.model = model
         self.data = data
@@ -938,6 +968,7 @@ class _Run:
         self.n_batches = data.shape[0] // settings.batch_size
         self.cores = cores
         self.progress = progress
+        self.fast_path = fast_path
         # Chains in threads of this process (run() decides): no global seeding then.
         self.threaded = False
         # Per process (dropped when pickled to a worker): the working copies, the step counter.
@@ -963,7 +994,13 @@ class _Run:
         """
         work = getattr(self._local, "work", None)
         if work is None:
-            work = train_copy(self.model, self.device, loss_fn=self.loss_fn, probe=self.data[:1])
+            work = train_copy(
+                self.model,
+                self.device,
+                loss_fn=self.loss_fn,
+                probe=self.data[:1],
+                fast_path=self.fast_path,
+            )
             self._local.work = work
         return work
 
@@ -1112,7 +1149,20 @@ class _Run:
             threads,
             self.threaded,
             train_library(),
+            self.fast_path,
         )
+
+    def _record_fast_path(self, root: zarr.Group) -> None:
+        """Add what this run's working copy engages to the store's :data:`FAST_PATH_ATTR`.
+
+        A list with one entry per distinct record: a store resumed with another
+        ``fast_path`` (or on a machine without the kernels) lists both.
+        """
+        entry = _fast_path_record(self.fast_path, self.work())
+        stored = root.attrs.get(FAST_PATH_ATTR)
+        runs = list(stored) if isinstance(stored, list) else []
+        if entry not in runs:
+            root.update_attributes({FAST_PATH_ATTR: [*runs, entry]})
 
     def _shared_init(self) -> bool:
         """Whether every chain takes one L(w*): same weights (no init noise), same batches."""
@@ -1140,7 +1190,7 @@ class _Run:
         count = s.gradient_accumulation_steps * s.num_init_loss_batches
         rows = self._batch_rows(self._order(chain), 0, count)
         work.train()
-        with dropout_stream(gen):
+        with dropout_stream(gen), fast_kernels(self.fast_path != "off"):
             losses = self._forward_rows(work, self.data[rows], check=True)
         bad = ~torch.isfinite(losses).all(dim=1)
         if bool(bad.any()):
@@ -1201,7 +1251,7 @@ class _Run:
         work.train()
         step_fn: Any = optimizer.step
         try:
-            with dropout_stream(gen):
+            with dropout_stream(gen), fast_kernels(self.fast_path != "off"):
                 for step in range(steps):
                     rows = self._batch_rows(order, step * gas, gas)
                     micro_rows[step] = rows.numpy()
@@ -1285,6 +1335,7 @@ class _Run:
                 and self.device.type == "cpu"
                 and not uses_global_generator(self.work(), self.loss_fn, self.data[:1])
             )
+            self._record_fast_path(root)
             if parallel and not self.threaded:
                 _check_picklable(self.loss_fn, self.cores)
                 start_workers(self.cores, threads=threads)  # their imports overlap init_loss
@@ -1337,6 +1388,12 @@ class _Run:
                 self.threaded = False
                 writer.close()
         root.update_attributes({"completed": 1})
+
+
+def _fast_path_record(fast_path: str, work: nn.Module) -> dict[str, Any]:
+    """The store's ``gradsketch_fast_path`` entry: what was asked for, what engaged."""
+    with fast_kernels(fast_path != "off"):
+        return {"fast_path": fast_path, **engaged(work)}
 
 
 def _hidden(progress: bool | None) -> bool | None:

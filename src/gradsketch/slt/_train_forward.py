@@ -33,14 +33,15 @@ with fewer passes over memory:
 
 On contiguous CPU float32 tensors these run the native kernels of
 ``csrc/gs_train.c`` (a library of their own, :mod:`gradsketch.slt._train_native`),
-forward and backward,
-with errors against float64 no larger than torch's own kernels'; the
-dropout bits there are SplitMix64 of a counter under one seed per call,
-drawn from the stream, so a backward pass recomputes its mask instead of
-storing it. Where autograd records nothing (observable passes) the
+forward and backward, with errors against float64 no larger than torch's
+own kernels'. Where autograd records nothing (observable passes) the
 kernels run without autograd nodes. Elsewhere (other dtypes or devices, no
 C compiler, ``GRADSKETCH_NATIVE_TRAIN=0`` or ``GRADSKETCH_NATIVE=0``) torch's
-operations compute the same.
+operations compute the same, with the same dropout masks: the bits are one
+counter-based hash (:func:`dropout_bits`, SplitMix64 of the element's index
+under one seed per call drawn from the stream) in C and in torch, so a
+backward pass recomputes its mask instead of storing it, and a seed gives
+the same chains with and without a C compiler.
 
 Every dropout mask of the copy comes from the generator installed by
 :func:`dropout_stream` in the calling thread (torch's default generator
@@ -56,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -68,18 +70,30 @@ from gradsketch.slt._train_native import blas_sgemm, train_library
 
 __all__ = [
     "ATTENTION_NAME",
+    "FAST_PATHS",
     "SeededDropout",
     "TanhGELU",
     "attention",
     "dropout",
+    "dropout_bits",
     "dropout_stream",
+    "engaged",
+    "fast_kernels",
     "token_cross_entropy",
     "train_copy",
     "uses_global_generator",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: The name :func:`attention` is registered under in transformers' interfaces.
 ATTENTION_NAME = "gradsketch_sdpa"
+#: Values of ``sample(..., fast_path=...)``: the working copy's pieces and kernels where
+#: they engage (CPU), or the model's own modules and torch's operations.
+FAST_PATHS = ("auto", "off")
+#: Dropout probability the train-mode probe of the attention runs with: explicit maths
+#: (``dropout > 0``) that drops nothing (``round(p * 65536) = 0``), so it must equal sdpa.
+_PROBE_P = 1e-9
 
 _BITS = 65536  # 16 random bits per element
 _STREAM = threading.local()
@@ -126,6 +140,8 @@ def _native_kernels() -> dict[str, Any] | None:
     call, so a change of it (the tests load other builds) is followed.
     """
     global _BOUND
+    if getattr(_STREAM, "plain", False):  # fast_kernels(False) in this thread
+        return None
     lib = train_library()
     if lib is None:
         return None
@@ -543,13 +559,33 @@ def dropout_stream(generator: torch.Generator | None) -> Iterator[None]:
         _STREAM.generator = before
 
 
+@contextlib.contextmanager
+def fast_kernels(enabled: bool) -> Iterator[None]:
+    """Inside the block this thread's pieces run the native kernels (False: torch's operations).
+
+    ``sample(..., fast_path="off")`` runs its chains under ``fast_kernels(False)``,
+    so that :func:`token_cross_entropy` too is torch's ``cross_entropy``.
+
+    Example:
+        >>> with fast_kernels(False):
+        ...     _native_kernels() is None
+        True
+    """
+    before = getattr(_STREAM, "plain", False)
+    _STREAM.plain = not enabled
+    try:
+        yield
+    finally:
+        _STREAM.plain = before
+
+
 def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """``x`` with each element zeroed with probability ``q / 65536`` (``q = round(p * 65536)``).
 
     Kept elements are scaled by ``65536 / (65536 - q)``, so ``E[dropout(x)] =
-    x`` exactly. The mask takes 16 bits per element of 64-bit words from the
-    thread's :func:`dropout_stream` generator (on CPU float32, of the native
-    kernel's hash of one seed drawn from it) and is independent of ``x``'s
+    x`` exactly. The mask is :func:`dropout_bits` of one seed drawn from the
+    thread's :func:`dropout_stream` generator, the same on the native kernel
+    (CPU float32) and on torch's operations, and independent of ``x``'s
     values; gradients flow through the kept elements (with the same scale),
     as ``torch.nn.functional.dropout``'s do.
 
@@ -568,13 +604,46 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     if kernels is not None:
         args = (x, _seed(generator), q, scale, kernels["dropout"])
         return _NativeDropout.apply(*args) if _tracked(x) else _dropout_kernel(*args)  # type: ignore[no-any-return]
-    n = x.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device)
-    # random_(-2**63, None) draws all 64 bits (random_() leaves the sign bit 0).
-    words.random_(-(2**63), None, generator=generator)
-    bits = words.view(torch.int16)[:n].view(x.shape)
-    keep = bits >= q - _BITS // 2  # int16 in [-32768, 32767]: P(drop) = q / 65536
+    keep = dropout_bits(_seed(generator), x.numel(), x.device).view(x.shape) >= q
     return x * keep.to(x.dtype).mul_(scale)
+
+
+def _signed(value: int) -> int:
+    """The int64 with the bits of the uint64 ``value``."""
+    value %= 2**64
+    return value - 2**64 if value >= 2**63 else value
+
+
+_MIX = (_signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB))
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+
+
+def _shift_right(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 ``z`` read as uint64 (torch's ``>>`` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def dropout_bits(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 mask bits of elements ``0 .. n - 1`` under ``seed``: int32 ``[n]`` in [0, 65536).
+
+    Element ``i``'s are lane ``i % 4`` (little-endian 16-bit lanes) of
+    SplitMix64's output function of ``seed + (i // 4) * 0x9E3779B97F4A7C15``
+    (Steele, Lea and Flood 2014), in uint64 arithmetic: the counter-based
+    hash of ``gs_train.c`` (``gs_lanes``), so the torch fallback and the
+    native kernels drop the same elements for the same seed.
+
+    Example:
+        >>> dropout_bits(1, 4).tolist()
+        [1509, 4107, 5661, 22162]
+    """
+    blocks = torch.arange((n + 3) // 4, dtype=torch.int64, device=device)
+    z = blocks * _GOLDEN + _signed(seed)  # int64 products wrap as uint64's do
+    z = (z ^ _shift_right(z, 30)) * _MIX[0]
+    z = (z ^ _shift_right(z, 27)) * _MIX[1]
+    z = z ^ _shift_right(z, 31)
+    # Lane l of word b is bits 16 l .. 16 l + 15: element 4 b + l.
+    lanes = torch.stack([_shift_right(z, 16 * lane) & 0xFFFF for lane in range(4)], dim=1)
+    return lanes.reshape(-1)[:n].to(torch.int32)
 
 
 class SeededDropout(nn.Dropout):
@@ -633,6 +702,19 @@ def attention(
             **kwargs,
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    probe = getattr(_STREAM, "probe", None)
+    if probe is not None:
+        # The train-mode probe of train_copy: the explicit maths, dropping nothing, must
+        # equal sdpa without dropout on the arguments the model passes in training.
+        mine = _attention_math(query, key, value, attention_mask, _PROBE_P, scaling, causal)
+        theirs = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=0.0, scaling=scaling,
+            is_causal=is_causal, **kwargs,
+        )[0]  # fmt: skip
+        probe.append(
+            mine.shape == theirs.shape
+            and bool(torch.allclose(mine, theirs.to(mine.dtype), rtol=1e-5, atol=1e-6))
+        )
     return _attention_math(query, key, value, attention_mask, dropout, scaling, causal), None
 
 
@@ -686,18 +768,40 @@ def _attention_math(
     return out.transpose(1, 2).contiguous()
 
 
-def _register() -> None:
-    """Register :func:`attention` (with ``sdpa``'s masks) under :data:`ATTENTION_NAME`, once."""
+def _register() -> bool:
+    """Register :func:`attention` (with ``sdpa``'s masks) under :data:`ATTENTION_NAME`, once.
+
+    False, registering nothing, where transformers lacks the interfaces
+    (``AttentionInterface`` and ``masking_utils``, from 4.53: the ``hf``
+    extra's floor): the working copy then keeps ``sdpa``.
+    """
     global _REGISTERED
     with _REGISTER_LOCK:
         if _REGISTERED:
-            return
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
+            return True
+        try:
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        except ImportError as err:
+            logger.warning(
+                "gradsketch: transformers %s lacks the attention interfaces of 4.53 (%s); the "
+                "sampler's working copy keeps sdpa (pip install 'transformers>=4.53')",
+                _transformers_version(),
+                err,
+            )
+            return False
         AttentionInterface.register(ATTENTION_NAME, attention)
         AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
         _REGISTERED = True
+        return True
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - transformers is in the hf extra
+        return "(not installed)"
+    return str(getattr(transformers, "__version__", "?"))
 
 
 def _is_tanh_gelu(module: nn.Module) -> bool:
@@ -731,14 +835,23 @@ def train_copy(
     *,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
     probe: torch.Tensor,
+    fast_path: str = "auto",
 ) -> nn.Module:
     """A deep copy of ``model`` on ``device`` with the faster train-mode pieces (module docstring).
 
-    Dropout modules are replaced on CPU only (CUDA's dropout is already one
-    fused kernel). The attention swap is kept only if ``loss_fn`` of the
-    copy and of the original agree on ``probe`` (a few token rows) in eval
-    mode, where it is transformers' own ``sdpa`` again: a model whose mask
-    code does not follow the interface keeps its attention.
+    The pieces are swapped on CPU only, and only with ``fast_path="auto"``
+    (``"off"``, or any other device, gives the plain copy: on CUDA sdpa's
+    fused kernels and torch's dropout are already fast, and the explicit
+    attention would be O(T²) in memory). The attention swap is probed in
+    train mode, where it runs: on ``probe`` (a few token rows) every
+    attention call with dropout is also computed by the explicit maths
+    dropping nothing and by transformers' ``sdpa`` without dropout, which
+    must agree; a model whose attention is never called with dropout in
+    training (dropout 0), or whose mask code does not follow the interface,
+    keeps its own. :func:`engaged` says what was swapped.
+
+    Raises:
+        ValueError: for a ``fast_path`` not in :data:`FAST_PATHS`.
 
     Example:
         >>> from transformers import GPT2Config, GPT2LMHeadModel
@@ -751,34 +864,62 @@ def train_copy(
         >>> m.config._attn_implementation
         'sdpa'
     """
+    if fast_path not in FAST_PATHS:
+        raise ValueError(
+            f"`fast_path` must be one of {list(FAST_PATHS)}, got {fast_path!r}; 'off' runs "
+            "the model's own modules with torch's operations."
+        )
     work = copy.deepcopy(model).to(device)
-    _swap_modules(work, dropout_modules=device.type == "cpu")
+    if fast_path == "off" or device.type != "cpu":
+        return work
+    _swap_modules(work, dropout_modules=True)
     config: Any = getattr(work, "config", None)
-    if getattr(config, "_attn_implementation", None) == "sdpa":
-        _register()
-        probe = probe.to(device)
+    if getattr(config, "_attn_implementation", None) == "sdpa" and _register():
         was_training = work.training
-        # Both passes from the same global generator state (a loss_fn may draw
-        # from it even in eval mode), which is left as it was found.
+        checks: list[bool] = []
+        # The probe's masks come from a generator of its own: torch's global one is
+        # left as it was found (a loss_fn may still draw from it).
         state = torch.random.get_rng_state()
+        config._attn_implementation = ATTENTION_NAME
+        _STREAM.probe = checks
         try:
-            with torch.inference_mode():
-                reference = loss_fn(work.eval(), probe)
-                config._attn_implementation = ATTENTION_NAME
-                torch.random.set_rng_state(state)
-                try:
-                    swapped = loss_fn(work, probe)
-                    same = swapped.shape == reference.shape and bool(
-                        torch.allclose(swapped, reference, rtol=1e-5, atol=1e-6)
-                    )
-                except Exception:  # any failure keeps the model's own attention
-                    same = False
+            with dropout_stream(torch.Generator().manual_seed(0)), torch.inference_mode():
+                loss_fn(work.train(), probe.to(device))
+        except Exception:  # any failure keeps the model's own attention
+            checks.append(False)
         finally:
+            _STREAM.probe = None
             torch.random.set_rng_state(state)
-        if not same:
+            work.train(was_training)
+        if not checks or not all(checks):
             config._attn_implementation = "sdpa"
-        work.train(was_training)
     return work
+
+
+def engaged(model: nn.Module) -> dict[str, Any]:
+    """What of the fast path a working copy runs: ``{"modules": [...], "kernels": ...}``.
+
+    ``modules``: the pieces :func:`train_copy` swapped in (``"attention"``,
+    ``"dropout"``, ``"gelu"``); ``kernels``: ``"native"`` when the train
+    library is loaded and the copy is on CPU (float32 tensors then run
+    it, and so does :func:`token_cross_entropy`), else ``"torch"``.
+
+    Example:
+        >>> engaged(nn.Sequential(SeededDropout(0.1)))["modules"]
+        ['dropout']
+    """
+    names = set()
+    for module in model.modules():
+        if isinstance(module, SeededDropout):
+            names.add("dropout")
+        elif isinstance(module, TanhGELU):
+            names.add("gelu")
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
+        names.add("attention")
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    native = on_cpu and not getattr(_STREAM, "plain", False) and train_library() is not None
+    return {"modules": sorted(names), "kernels": "native" if native else "torch"}
 
 
 def uses_global_generator(

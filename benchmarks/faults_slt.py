@@ -389,6 +389,7 @@ print("STATUS", status.available, status.reason)
 
 def native_case(how: str) -> Callable[[], bool]:
     def run() -> bool:
+        from gradsketch import _native_build
         from gradsketch.sketch import _native
 
         status = _native.native_status()
@@ -400,7 +401,9 @@ def native_case(how: str) -> Callable[[], bool]:
         target = cache / "native" / Path(status.path).name
         data = Path(status.path).read_bytes()
         target.write_bytes(data)
-        _native._sidecar(target).write_text(json.dumps(_native._record(data)))
+        _native_build.sidecar(target).write_text(
+            json.dumps(_native_build.record(data, _native.ABI_VERSION))
+        )
         env = {"GRADSKETCH_CACHE": str(cache)}
         if how == "truncated":
             target.write_bytes(data[: len(data) // 3])
@@ -416,9 +419,9 @@ def native_case(how: str) -> Callable[[], bool]:
 
             target.write_bytes((Path(torch.__file__).parent / "lib" / "libshm.so").read_bytes())
         elif how == "no-record":
-            _native._sidecar(target).unlink()
+            _native_build.sidecar(target).unlink()
         elif how == "torn-record":
-            _native._sidecar(target).write_text('{"size"')
+            _native_build.sidecar(target).write_text('{"size"')
         elif how == "no-compiler":
             target.unlink()
             env["CC"] = "/nonexistent/cc"
@@ -439,7 +442,10 @@ def native_case(how: str) -> Callable[[], bool]:
                 and "WARNING" in proc.stderr
                 and "compiler" in (proc.stderr)
             )
-        rebuilt = "failed its check" in proc.stderr and _native._check_cached(target) is None
+        rebuilt = (
+            "failed its check" in proc.stderr
+            and _native_build.check_cached(target, _native.ABI_VERSION) is None
+        )
         return "STATUS True compiled" in proc.stdout and rebuilt
 
     return run

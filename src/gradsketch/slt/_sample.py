@@ -44,6 +44,7 @@ import copy
 import dataclasses
 import hashlib
 import inspect
+import json
 import logging
 import os
 import pickle
@@ -88,7 +89,6 @@ from gradsketch.slt._train_forward import (
     train_copy,
     uses_global_generator,
 )
-from gradsketch.slt._train_native import train_library
 
 logger = logging.getLogger(__name__)
 
@@ -1148,8 +1148,8 @@ class _Run:
             str(self.device),
             threads,
             self.threaded,
-            train_library(),
-            self.fast_path,
+            # What the working copy engages (its modules, native or torch kernels).
+            json.dumps(_fast_path_record(self.fast_path, self.work()), sort_keys=True),
         )
 
     def _record_fast_path(self, root: zarr.Group) -> None:

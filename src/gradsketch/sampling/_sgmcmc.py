@@ -637,8 +637,9 @@ _SGNHT_DOC = """SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHo
         ``(1, 1, sqrt(2 a), 1)`` and a ``grad_correction = -xi v`` that
         ``SGMCMC.step`` never reads; its momentum never moves (a
         ``torch.randn_like`` draw at every step, of which the first is kept),
-        and its thermostat is updated but never used. Its step is ``w <- w - (eps/2) grad U + sqrt(eps)
-        sqrt(2 a) N``: Langevin dynamics whose stationary law is
+        and its thermostat is updated but never used. Its step is
+        ``w <- w - (eps/2) grad U + sqrt(eps) sqrt(2 a) N``: Langevin dynamics
+        whose stationary law is
         ``exp(-U / (2 a))`` (the posterior at temperature ``2 a``, i.e. ``nbeta``
         times ``1 / (2 a)`` = 50 at the default ``a``), with no momentum and no
         thermostat. So the default keeps the SGNHT step, and the switch is

@@ -453,12 +453,13 @@ def _recovered(
 
 
 #: Per-row arrays of checkpoint 0 by (model, method): EK-FAC keeps an MLP's rows
-#: rank-one ([a, g] per layer); a transformer's layers see several positions.
+#: rank-one ([a, g] per layer) and this GPT-2's as each position's [a, g]
+#: (token_factors: narrower than its layers' dense gradients).
 TRAIN_ARRAYS = {
     ("mlp", "trak"): ("grads", "out_to_loss", "done"),
     ("mlp", "ekfac"): ("rank_one", "out_to_loss", "done"),
     ("gpt2", "trak"): ("grads", "out_to_loss", "done"),
-    ("gpt2", "ekfac"): ("grads", "out_to_loss", "done"),
+    ("gpt2", "ekfac"): ("token_factors", "out_to_loss", "done"),
 }
 STATE = {"trak": "xtx", "ekfac": "eigenvalues_0"}
 KINDS = ("delete", "garble", "truncate", "flip", "empty")

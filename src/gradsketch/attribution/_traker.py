@@ -1120,9 +1120,7 @@ class TRAKer:
         arrays = {
             arr("out_to_loss"): q.detach().cpu().numpy().astype(self._q_dtype).reshape(-1, 1),
         }
-        if phi is not None:
-            if not self._dense:
-                self._require_dense(self.ckpt_loaded)
+        if phi is not None:  # dense rows: _row_mode made the store dense already
             arrays[arr("grads")] = phi.detach().to(self.dtype).cpu().numpy()
         for name, x in extra.items():
             arrays[arr(name)] = x.detach().to(self.dtype).cpu().numpy()

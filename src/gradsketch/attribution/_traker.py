@@ -286,6 +286,8 @@ class TRAKer:
             registered with :func:`register_preconditioner`. Every method
             takes every input form, ``grad_wrt``, ``per_token``, :meth:`topk`,
             ``memory_budget`` and ``torch.distributed`` sharding.
+            ``"replay"``: exact metagradients through a replayed training run
+            (with ``replay=``; arguments of projected features refused).
         curvature: per-layer methods: ``"loss"`` (empirical Fisher),
             ``"output"`` or ``"sampled"`` (true Fisher, labels drawn from the
             model, seeded by ``sample_seed``); TRAK accepts only ``"loss"``.
@@ -296,6 +298,11 @@ class TRAKer:
         sample_seed: seed of ``curvature="sampled"`` (default: ``projector_seed``).
         dtype: storage dtype of the features (default: float16 on CUDA for
             TRAK, else float32; per-layer methods also take float64).
+        replay: with ``method="replay"``, the run to replay: a
+            :class:`~gradsketch.attribution.ReplaySettings` or a
+            :class:`~gradsketch.attribution.ReplayAttributor`. The same calls
+            then give exact metagradients through training (MAGIC); see
+            :class:`~gradsketch.attribution._replay_traker.ReplayTRAKer`.
 
     Distributed: when a ``torch.distributed`` process group is initialised
     (``torchrun``), each rank featurizes and computes target features only for
@@ -325,6 +332,14 @@ class TRAKer:
         >>> traker.finalize_scores("test").shape
         (12, 2)
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TRAKer:
+        # method="replay" scores by metagradients through training: its own class, same calls.
+        if cls is TRAKer and kwargs.get("method") == "replay":
+            from gradsketch.attribution._replay_traker import ReplayTRAKer
+
+            return super().__new__(ReplayTRAKer)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -356,7 +371,13 @@ class TRAKer:
         projection: tuple[int, int] | None = None,
         sample_seed: int | None = None,
         dtype: torch.dtype | None = None,
+        replay: Any = None,
     ) -> None:
+        if replay is not None:
+            raise ValueError(
+                f"`replay` is the replayable run of method='replay', but method={method!r}; "
+                "pass method='replay', or drop `replay`."
+            )
         self.logger = logging.getLogger("gradsketch.attribution.TRAKer")
         self.logger.setLevel(logging_level)
         self.method = method

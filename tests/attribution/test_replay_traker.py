@@ -1,0 +1,177 @@
+"""TRAKer(method="replay"): the TRAK loop's calls give ReplayAttributor's metagradients."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from gradsketch._settings import SettingsMismatchError
+from gradsketch.attribution import (
+    ModelIDException,
+    ReplayAttributor,
+    ReplaySettings,
+    ReplayTRAKer,
+    TRAKer,
+)
+
+N, M = 12, 3
+SETTINGS = ReplaySettings(optimizer="adam", lr=0.05, num_steps=8, batch_size=4, seed=3)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+    ).double()
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(N, 4, generator=gen, dtype=torch.float64), torch.arange(N) % 3
+
+
+def _traker(model: torch.nn.Module, path, **kw) -> TRAKer:
+    return TRAKer(
+        model,
+        "image_classification",
+        N,
+        save_dir=path,
+        method="replay",
+        replay=kw.pop("replay", SETTINGS),
+        progress=False,
+        logging_level=logging.WARNING,
+        **kw,
+    )
+
+
+def _trak_loop(traker: TRAKer, init: dict, exp: str = "q") -> np.ndarray:
+    """The TRAK loop as trak's README writes it, batch by batch."""
+    x, y = _data()
+    traker.load_checkpoint(init, model_id=0)
+    for j in range(0, N, 5):
+        traker.featurize((x[j : j + 5], y[j : j + 5]), num_samples=min(5, N - j))
+    traker.finalize_features()
+    traker.start_scoring_checkpoint(exp, init, model_id=0, num_targets=M)
+    traker.score((x[:M], y[:M]), num_samples=M)
+    return traker.finalize_scores(exp)
+
+
+def test_scores_equal_the_attributor_bit_for_bit(tmp_path):
+    model = _model()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    traker = _traker(model, tmp_path / "t")
+    assert isinstance(traker, ReplayTRAKer)
+    scores = _trak_loop(traker, init)
+    x, y = _data()
+    ref = ReplayAttributor(_model(), "image_classification", (x, y), SETTINGS, progress=False)
+    ref.train()
+    expected = ref.score((x[:M], y[:M])).numpy()
+    assert scores.shape == (N, M) and scores.dtype == np.float64
+    np.testing.assert_array_equal(scores, expected)
+    # The trained run is the attributor's, bit for bit.
+    for name, p in ref.final.items():
+        assert torch.equal(traker.attributor.final[name], p)
+
+
+def test_a_given_attributor_is_used_and_rows_checked(tmp_path):
+    x, y = _data()
+    model = _model()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    replay = ReplayAttributor(model, "image_classification", (x, y), SETTINGS, progress=False)
+    traker = _traker(model, tmp_path / "t", replay=replay)
+    ref = ReplayAttributor(_model(), "image_classification", (x, y), SETTINGS, progress=False)
+    ref.train()
+    np.testing.assert_array_equal(_trak_loop(traker, init), ref.score((x[:M], y[:M])).numpy())
+    other = _traker(model, tmp_path / "u", replay=replay)
+    other.load_checkpoint(init, model_id=0)
+    with pytest.raises(ValueError, match="differs from the ReplayAttributor's training rows"):
+        other.featurize((x[:2] + 1, y[:2]), num_samples=2)
+
+
+def test_resume_reads_stored_queries_and_other_settings_are_refused(tmp_path, monkeypatch):
+    model = _model()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    first = _trak_loop(_traker(model, tmp_path / "t"), init)
+    # A rerun computes nothing: every query is read back from the store.
+    calls = []
+    original = ReplayAttributor.metagradients
+    monkeypatch.setattr(
+        ReplayAttributor,
+        "metagradients",
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
+    )
+    again = _trak_loop(_traker(_model(), tmp_path / "t"), init)
+    np.testing.assert_array_equal(again, first)
+    assert calls == []
+    # Other training settings on the same store: refused with both values shown.
+    other = ReplaySettings(optimizer="adam", lr=0.01, num_steps=8, batch_size=4, seed=3)
+    with pytest.raises(SettingsMismatchError, match="lr"):
+        _traker(_model(), tmp_path / "t", replay=other)
+    # Another initialization for the same model id: refused.
+    traker = _traker(_model(), tmp_path / "t")
+    changed = {k: v + 1 if v.is_floating_point() else v for k, v in init.items()}
+    with pytest.raises(SettingsMismatchError, match="fingerprint"):
+        traker.load_checkpoint(changed, model_id=0)
+    with pytest.raises(ModelIDException, match="one training run"):
+        traker.load_checkpoint(init, model_id=1)
+    # An experiment's size is fixed once started.
+    traker.load_checkpoint(init, model_id=0)
+    with pytest.raises(SettingsMismatchError, match="num_targets"):
+        traker.start_scoring_checkpoint("q", init, model_id=0, num_targets=M + 1)
+
+
+def test_topk_orders_the_scores(tmp_path):
+    model = _model()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    traker = _traker(model, tmp_path / "t")
+    scores = _trak_loop(traker, init)
+    top = traker.topk("q", k=3)
+    order = np.argsort(-scores, axis=0, kind="stable")[:3]
+    np.testing.assert_array_equal(top.proponents.numpy(), order)
+    np.testing.assert_array_equal(
+        top.proponent_scores.numpy(), np.take_along_axis(scores, order, 0).astype(np.float32)
+    )
+    low = np.argsort(scores, axis=0, kind="stable")[:3]
+    np.testing.assert_array_equal(top.opponents.numpy(), low)
+
+
+REFUSED = [
+    pytest.param({"proj_dim": 64}, "`proj_dim`=64 does not apply", id="proj_dim"),
+    pytest.param({"lambda_reg": 0.1}, "`lambda_reg`=0.1 does not apply", id="lambda_reg"),
+    pytest.param({"grad_wrt": ["0.weight"]}, "`grad_wrt`=.* every parameter", id="grad_wrt"),
+    pytest.param({"curvature": "output"}, "`curvature`='output'", id="curvature"),
+    pytest.param({"dtype": torch.float32}, "`dtype`=torch.float32", id="dtype"),
+    pytest.param({"replay": None}, "needs `replay`", id="no-replay"),
+    pytest.param({"device": "meta"}, "`device`='meta'", id="device"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), REFUSED)
+def test_arguments_that_cannot_apply_are_refused(tmp_path, kwargs, match):
+    error = TypeError if kwargs.get("replay", 1) is None else ValueError
+    with pytest.raises(error, match=match):
+        _traker(_model(), tmp_path / "t", **kwargs)
+
+
+def test_replay_misuse_is_refused(tmp_path):
+    model = _model()
+    init = model.state_dict()
+    with pytest.raises(ValueError, match="`replay` is the replayable run of method='replay'"):
+        TRAKer(model, "image_classification", N, save_dir=tmp_path / "a", replay=SETTINGS)
+    traker = _traker(model, tmp_path / "t")
+    with pytest.raises(ModelIDException, match="load_checkpoint"):
+        traker.featurize(_data(), num_samples=N)
+    traker.load_checkpoint(init, model_id=0)
+    x, y = _data()
+    traker.featurize((x[:5], y[:5]), num_samples=5)
+    with pytest.raises(ModelIDException, match="7 of 12 rows missing"):
+        traker.finalize_features()
+    with pytest.raises(ValueError, match="`del_grads`=True does not apply"):
+        traker.finalize_features(del_grads=True)
+    with pytest.raises(ValueError, match="needs a task with per-token outputs"):
+        traker.start_scoring_checkpoint("q", init, model_id=0, num_targets=1, per_token=True)
+    with pytest.raises(ValueError, match="fits no preconditioner"):
+        traker.preconditioner(0)

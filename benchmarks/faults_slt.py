@@ -179,16 +179,9 @@ def _worker(path: Path, kw: dict[str, Any], env: dict[str, str] | None = None) -
 
 @contextlib.contextmanager
 def _fresh_init_losses() -> Iterator[None]:
-    """No L(w*) cached in this process: what a rerun in a new process sees."""
-    from gradsketch.slt import _sample as sample_module
-
-    saved = dict(sample_module._INIT_LOSSES)
-    sample_module._INIT_LOSSES.clear()
-    try:
-        yield
-    finally:
-        sample_module._INIT_LOSSES.clear()
-        sample_module._INIT_LOSSES.update(saved)
+    """No L(w*) cached: what a rerun in a new process sees (each sample() call has its own
+    SamplingCache, so this holds already; kept to mark the cases that rely on it)."""
+    yield
 
 
 # -- resume ---------------------------------------------------------------------------------

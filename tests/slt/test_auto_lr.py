@@ -11,18 +11,11 @@ from _slt_helpers import tiny_gpt2, token_data
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradsketch.sampling
-from gradsketch.slt import OutputPathMismatchError, sample, susceptibilities
+from gradsketch.slt import OutputPathMismatchError, SamplingCache, sample, susceptibilities
 from gradsketch.slt import _sample as sample_module
 from gradsketch.slt._data import per_token_loss
 
 SETTINGS = dict(n_beta=10.0, localization=100.0, num_chains=1, num_draws=3, batch_size=16)
-
-
-@pytest.fixture(autouse=True)
-def fresh_cache() -> Any:
-    sample_module._AUTO_LR.clear()
-    yield
-    sample_module._AUTO_LR.clear()
 
 
 def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[float]:
@@ -67,7 +60,6 @@ def test_auto_store_is_reused_without_calibrating_again(
     model, ids = tiny_gpt2(), token_data(64)
     first = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
     step = first.attrs["metadata"]["config"]["sampler"]["lr"]
-    sample_module._AUTO_LR.clear()
     calls = _count_calls(monkeypatch)
     again = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
     assert calls == []
@@ -102,6 +94,37 @@ def test_susceptibilities_calibrate_once_for_every_restriction(
         for name in ("full", "l0")
     }
     assert len(steps) == 1
+
+
+def test_a_shared_cache_calibrates_once_and_a_fresh_call_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call calibrates with a cache of its own; calls given one cache calibrate once,
+    and a changed setting that decides the step (n_beta) calibrates again. The pilots are
+    replaced by a counter (what is cached is under test, not the calibration)."""
+    model, ids = tiny_gpt2(), token_data(64)
+    calls: list[float] = []
+
+    def pilots(*args: Any, nbeta: float, **kwargs: Any) -> float:
+        calls.append(nbeta)
+        return 1e-4 * len(calls)
+
+    monkeypatch.setattr(gradsketch.sampling, "calibrated_lr", pilots)
+    for name in ("a", "b"):
+        sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / name, **SETTINGS)
+    assert len(calls) == 2
+    cache = SamplingCache()
+    for name in ("c", "d"):
+        sample(
+            model, ids, {"t": ids}, lr="auto", output_path=tmp_path / name, cache=cache, **SETTINGS
+        )
+    assert len(calls) == 3 and len(cache.auto_lrs) == 1
+    hotter = {**SETTINGS, "n_beta": 20.0}
+    sample(model, ids, {"t": ids}, lr="auto", output_path=tmp_path / "e", cache=cache, **hotter)
+    assert calls == [10.0, 10.0, 10.0, 20.0] and len(cache.auto_lrs) == 2
+    assert sorted(cache.auto_lrs.values()) == [3e-4, 4e-4]
+    cache.clear()
+    assert len(cache) == 0 and repr(cache) == "SamplingCache(0 initial losses, 0 lr='auto' steps)"
 
 
 @pytest.mark.parametrize("bad", ["fast", "", "AUTO "])

@@ -1,12 +1,13 @@
 """A store does not depend on what ran earlier in the process; progress bars on request.
 
-:func:`gradsketch.slt.sample` keeps initial losses L(w*) and ``lr="auto"`` steps
-computed in this process, keyed by everything that decides their bits. The test runs
-a 1-chain call and then a 2-chain call with the same settings in one process, and
-compares the 2-chain store with one made from empty caches (the state of a fresh
-process), variable by variable and bit for bit. A model with dropout makes L(w*)
-depend on the dropout stream it is computed with; with ``init_noise`` every chain
-computes its own L(w*).
+:func:`gradsketch.slt.sample` keeps initial losses L(w*) and ``lr="auto"`` steps in a
+:class:`~gradsketch.slt.SamplingCache`: a fresh one per call, or one that calls share,
+keyed by everything that decides their bits. The test runs a 1-chain call and then a
+2-chain call with the same settings in one process (each with a cache of its own, or
+both with one shared cache), and compares the 2-chain store with one made by a call
+with a fresh cache, variable by variable and bit for bit. A model with dropout makes
+L(w*) depend on the dropout stream it is computed with; with ``init_noise`` every
+chain computes its own L(w*).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import torch
 from _slt_helpers import tiny_gpt2, token_data
 
-from gradsketch.slt import _sample, sample
+from gradsketch.slt import SamplingCache, sample
 
 KW: dict[str, Any] = dict(
     lr=1e-4,
@@ -31,28 +32,43 @@ KW: dict[str, Any] = dict(
 )
 
 
-def _fresh_caches() -> None:
-    _sample._INIT_LOSSES.clear()
-    _sample._AUTO_LR.clear()
-
-
 def _arrays(tree: Any) -> dict[str, np.ndarray]:
     return {name: np.asarray(var.values) for name, var in tree.dataset.data_vars.items()}
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own-cache", "shared-cache"])
 @pytest.mark.parametrize("init_noise", [None, 1e-3], ids=["shared-init", "init-noise"])
-def test_a_store_is_the_same_whatever_ran_before(tmp_path: Path, init_noise: float | None) -> None:
+def test_a_store_is_the_same_whatever_ran_before(
+    tmp_path: Path, init_noise: float | None, shared: bool
+) -> None:
     model = tiny_gpt2(dropout=0.1)
     data = token_data(16)
     kw = {**KW, "init_noise": init_noise}
-    _fresh_caches()
     fresh = _arrays(
-        sample(model, data, {"d": data}, num_chains=2, output_path=tmp_path / "fresh", **kw)
+        sample(
+            model,
+            data,
+            {"d": data},
+            num_chains=2,
+            output_path=tmp_path / "fresh",
+            cache=SamplingCache(),
+            **kw,
+        )
     )
-    _fresh_caches()
-    sample(model, data, {"d": data}, num_chains=1, output_path=tmp_path / "one", **kw)
+    cache = SamplingCache() if shared else None
+    sample(model, data, {"d": data}, num_chains=1, output_path=tmp_path / "one", cache=cache, **kw)
+    if shared:
+        assert cache is not None and len(cache.init_losses) == 1
     after = _arrays(
-        sample(model, data, {"d": data}, num_chains=2, output_path=tmp_path / "after", **kw)
+        sample(
+            model,
+            data,
+            {"d": data},
+            num_chains=2,
+            output_path=tmp_path / "after",
+            cache=cache,
+            **kw,
+        )
     )
     assert sorted(after) == sorted(fresh)
     for name, values in fresh.items():

@@ -529,13 +529,14 @@ def test_a_killed_store_resumes_in_worker_processes(tmp_path: Path, data: torch.
         np.testing.assert_array_equal(resumed[var].values, whole[var].values, err_msg=str(var))
 
 
-def test_the_initial_loss_is_computed_once_per_process_for_the_same_inputs(
+def test_the_initial_loss_is_computed_once_per_cache_for_the_same_inputs(
     tmp_path: Path, data: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A second run that differs only in its restriction (susceptibilities' runs) reuses
-    L(w*), which ignores the restriction, bit for bit; another dropout rate, other data or
-    another init_seed compute it again."""
-    monkeypatch.setattr(sample_module, "_INIT_LOSSES", {})
+    """A second run given the same cache that differs only in its restriction
+    (susceptibilities' runs) reuses L(w*), which ignores the restriction, bit for bit;
+    another dropout rate, other data or another init_seed compute it again, and so does a
+    call with a cache of its own (the default)."""
+    cache = sample_module.SamplingCache()
     calls: list[int] = []
     original = sample_module._Run._init_loss
 
@@ -547,18 +548,28 @@ def test_the_initial_loss_is_computed_once_per_process_for_the_same_inputs(
     model = tiny_gpt2(dropout=0.1)
     head = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
     head["transformer.h.0.attn.c_attn.weight"][:, :4] = True
-    full = sample(model, data, {"d": data}, output_path=tmp_path / "full", **BASE)
+    base = {**BASE, "cache": cache}
+    full = sample(model, data, {"d": data}, output_path=tmp_path / "full", **base)
     assert calls == [0]  # every chain takes chain 0's L(w*) (same batches)
     restricted = sample(
-        model, data, {"d": data}, param_masks=head, output_path=tmp_path / "head", **BASE
+        model, data, {"d": data}, param_masks=head, output_path=tmp_path / "head", **base
     )
     assert calls == [0]
     np.testing.assert_array_equal(
         restricted.dataset["init_loss"].values, full.dataset["init_loss"].values
     )
-    sample(tiny_gpt2(dropout=0.2), data, {"d": data}, output_path=tmp_path / "p", **BASE)
+    sample(tiny_gpt2(dropout=0.2), data, {"d": data}, output_path=tmp_path / "p", **base)
     assert calls == [0] * 2
-    sample(model, data.flip(0), {"d": data}, output_path=tmp_path / "data", **BASE)
+    sample(model, data.flip(0), {"d": data}, output_path=tmp_path / "data", **base)
     assert calls == [0] * 3
-    sample(model, data, {"d": data}, output_path=tmp_path / "seed", init_seed=7, **BASE)
+    sample(model, data, {"d": data}, output_path=tmp_path / "seed", init_seed=7, **base)
     assert calls == [0] * 4
+    assert len(cache.init_losses) == 4
+    sample(model, data, {"d": data}, param_masks=head, output_path=tmp_path / "own", **BASE)
+    assert calls == [0] * 5
+
+
+@pytest.mark.parametrize("bad", [{}, "cache", 1])
+def test_cache_must_be_a_sampling_cache(data: torch.Tensor, bad: Any) -> None:
+    with pytest.raises(TypeError, match=r"`cache` must be a gradsketch.slt.SamplingCache or None"):
+        sample(tiny_gpt2(), data, {"d": data}, cache=bad, **BASE)

@@ -49,6 +49,7 @@ from gradsketch.slt._sample import (
     SAMPLING_METHODS,
     OutputPathMismatchError,
     SamplerSettings,
+    SamplingCache,
     UnsavedSamplesWarning,
     sample,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "sample",
     "shutdown_workers",
     "SamplerSettings",
+    "SamplingCache",
     "SAMPLING_METHODS",
     "OutputPathMismatchError",
     "UnsavedSamplesWarning",

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from gradsketch.sampling._divergence import warn_if_diverged
 from gradsketch.slt._data import LossFn, obs_id
-from gradsketch.slt._sample import NUMEL_ATTR, sample
+from gradsketch.slt._sample import NUMEL_ATTR, SamplingCache, sample
 
 __all__ = [
     "FewChainsWarning",
@@ -537,7 +537,10 @@ def susceptibilities(
     ``w`` is stored at ``x/s_w.zarr``. ``cores > 1`` samples that many
     chains of each restriction at once (:func:`~gradsketch.slt.sample`'s
     ``cores``). ``progress`` (see :func:`~gradsketch.slt.sample`) also shows
-    a bar over the restrictions.
+    a bar over the restrictions. Every restriction's run shares one
+    :class:`~gradsketch.slt.SamplingCache` (``cache=``, default a fresh
+    one): L(w*) and ``lr="auto"``'s step, which ignore the restriction, are
+    computed once.
     """
     if "full" not in weight_restrictions:
         raise ValueError(
@@ -555,6 +558,9 @@ def susceptibilities(
         )
     base = kwargs.pop("output_path", None)
     progress = kwargs.get("progress")
+    # One for this call's restrictions, never left over from an earlier call.
+    if kwargs.get("cache") is None:
+        kwargs["cache"] = SamplingCache()
     wr_map: dict[str, Any] = {}
     for name, masks in tqdm(
         weight_restrictions.items(),

@@ -96,6 +96,7 @@ __all__ = [
     "SAMPLING_METHODS",
     "OutputPathMismatchError",
     "SamplerSettings",
+    "SamplingCache",
     "UnsavedSamplesWarning",
     "sample",
 ]
@@ -568,6 +569,7 @@ def sample(
     cores: int = 1,
     progress: bool | None = None,
     fast_path: str = "auto",
+    cache: SamplingCache | None = None,
 ) -> Any:
     """Run SGMCMC chains from ``model``'s weights; record per-token losses of every observable.
 
@@ -656,6 +658,12 @@ def sample(
             on a plain copy with torch's operations (gradsketch only). Which
             ran is recorded in the store's ``gradsketch_fast_path`` attribute;
             it is not part of the settings.
+        cache: A :class:`SamplingCache` shared with other calls, so that they
+            compute L(w*) and ``lr="auto"``'s step once (gradsketch only;
+            :func:`~gradsketch.slt.susceptibilities` shares one across its
+            restrictions). None (the default): a fresh one for this call. The
+            store's bits are the same either way: what ran earlier, in this
+            process or with this cache, changes nothing.
 
     Returns:
         ``xarray.DataTree`` read lazily from the store.
@@ -673,6 +681,13 @@ def sample(
         >>> tree.dataset["loss_probe"].dims, tree.dataset["loss_probe"].shape
         (('chain', 'draw', 'batch_probe', 'token_pos'), (2, 3, 8, 8))
     """
+    if cache is None:
+        cache = SamplingCache()
+    elif not isinstance(cache, SamplingCache):
+        raise TypeError(
+            f"`cache` must be a gradsketch.slt.SamplingCache or None, got "
+            f"{type(cache).__name__}; pass SamplingCache() to share one between calls."
+        )
     if fast_path not in FAST_PATHS:
         raise ValueError(
             f"`fast_path` must be one of {list(FAST_PATHS)}, got {fast_path!r}; 'off' runs "
@@ -776,6 +791,7 @@ def sample(
                 settings=settings,
                 output_path=output_path,
                 device=device,
+                cache=cache,
                 progress=progress,
                 fast_path=fast_path,
             ),
@@ -831,6 +847,7 @@ def sample(
                 cores=cores,
                 progress=progress,
                 fast_path=fast_path,
+                cache=cache,
             ).run()
         except OSError as exc:
             # A full disk, a quota, a lost mount: say which store, and that a rerun resumes it.
@@ -843,17 +860,56 @@ def sample(
     return _open_tree(path)
 
 
-#: Initial losses L(w*) already computed in this process, by everything that decides their
-#: bits: model, data, loss, the settings that pick the batches, dropout and noise, device,
-#: threads and native library (not the restriction: L(w*) ignores it, as devinterp's does),
-#: so that the runs of :func:`~gradsketch.slt.susceptibilities` compute it once.
-_INIT_LOSSES: dict[tuple[Any, ...], np.ndarray] = {}
-
 #: The root attribute listing which fast path ran (:func:`_fast_path_record`).
 FAST_PATH_ATTR = "gradsketch_fast_path"
 
-#: Steps of ``lr="auto"`` already calibrated in this process, by model, data and settings.
-_AUTO_LR: dict[tuple[Any, ...], float] = {}
+
+class SamplingCache:
+    """Initial losses L(w*) and ``lr="auto"`` steps that calls of :func:`sample` may share.
+
+    Each :func:`sample` call makes a fresh one unless it is given one;
+    :func:`~gradsketch.slt.susceptibilities` gives one to all its
+    restrictions' calls, so that L(w*) (which ignores the restriction, as
+    devinterp's does) and the ``lr="auto"`` pilots run once. Every entry is
+    keyed by everything that decides its bits, so a store made with a cache
+    that earlier calls filled is bit for bit the store made with a fresh one.
+
+    Keys:
+        ``init_losses``: ``(model digest, modules' repr digest, data digest,
+        loss_fn, batch_size, gradient_accumulation_steps,
+        num_init_loss_batches, init_seed, init_noise, shuffle,
+        match_sampling_input_ids_across_chains, device, threads, chains in
+        threads, fast-path record, chain)`` -> ``[token_pos]`` float32, with
+        chain 0 for every chain when all chains share one L(w*) (same
+        batches, no ``init_noise``: chain 0's dropout stream).
+        ``auto_lrs``: ``(model digest, data digest, loss_fn, n_beta,
+        localization, batch_size, init_seed, device, threads, fast_path)`` ->
+        the calibrated step.
+
+    Example:
+        >>> cache = SamplingCache()
+        >>> cache.auto_lrs[("model", "data")] = 1e-4
+        >>> len(cache), cache.clear(), len(cache)
+        (1, None, 0)
+    """
+
+    def __init__(self) -> None:
+        self.init_losses: dict[tuple[Any, ...], np.ndarray] = {}
+        self.auto_lrs: dict[tuple[Any, ...], float] = {}
+
+    def __len__(self) -> int:
+        return len(self.init_losses) + len(self.auto_lrs)
+
+    def __repr__(self) -> str:
+        return (
+            f"SamplingCache({len(self.init_losses)} initial losses, "
+            f"{len(self.auto_lrs)} lr='auto' steps)"
+        )
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self.init_losses.clear()
+        self.auto_lrs.clear()
 
 
 def _auto_lr(
@@ -865,12 +921,14 @@ def _auto_lr(
     settings: SamplerSettings,
     output_path: str | Path | None,
     device: str | torch.device | None,
+    cache: SamplingCache,
     progress: bool | None = None,
     fast_path: str = "auto",
 ) -> float:
     """The step of ``lr="auto"`` (see :func:`sample`) for the validated ``settings``.
 
-    ``key``: the digests of the model and data and the loss's name, as in the record.
+    ``key``: the digests of the model and data and the loss's name, as in the record;
+    ``cache``: steps already calibrated by the calls sharing it.
     """
     if output_path is not None:
         path = Path(output_path)
@@ -898,8 +956,8 @@ def _auto_lr(
         torch.get_num_threads(),
         fast_path,
     )
-    if cache_key in _AUTO_LR:  # e.g. susceptibilities' restrictions: one calibration for all
-        return _AUTO_LR[cache_key]
+    if cache_key in cache.auto_lrs:  # e.g. susceptibilities' restrictions: one calibration
+        return cache.auto_lrs[cache_key]
     pilot_model = copy.deepcopy(model).train()
     loader = DataLoader(
         TensorDataset(data),
@@ -930,7 +988,7 @@ def _auto_lr(
         )
     step = float(f"{step:.2g}")
     logger.info("sample(lr='auto'): calibrated step %g", step)
-    _AUTO_LR[cache_key] = step
+    cache.auto_lrs[cache_key] = step
     return step
 
 
@@ -953,6 +1011,7 @@ class _Run:
         cores: int = 1,
         progress: bool | None = None,
         fast_path: str = "auto",
+        cache: SamplingCache | None = None,
     ) -> None:
         self.model = model
         self.data = data
@@ -969,6 +1028,8 @@ class _Run:
         self.cores = cores
         self.progress = progress
         self.fast_path = fast_path
+        # L(w*) of the calls sharing it (read and written by run(), in this process only).
+        self.cache = cache if cache is not None else SamplingCache()
         # Chains in threads of this process (run() decides): no global seeding then.
         self.threaded = False
         # Per process (dropped when pickled to a worker): the working copies, the step counter.
@@ -980,6 +1041,7 @@ class _Run:
         del state["_local"]
         state["_tick"] = None
         state["threaded"] = False
+        state["cache"] = None  # workers sample chains; L(w*) is this process's
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1129,7 +1191,7 @@ class _Run:
 
     # ------------------------------------------------------------ init loss
     def _init_key(self, threads: int) -> tuple[Any, ...]:
-        """What decides :meth:`_init_loss`'s bits (:data:`_INIT_LOSSES`), less the chain."""
+        """What decides :meth:`_init_loss`'s bits (:class:`SamplingCache`), less the chain."""
         s = self.s
         # The modules' settings (dropout rates, activations) too, beside the weights' digest.
         modules = hashlib.blake2b(repr(self.model).encode(), digest_size=8).hexdigest()
@@ -1359,10 +1421,10 @@ class _Run:
                 for chain in range(s.num_chains):
                     if not init_done[chain]:
                         key = (*known, 0 if shared else chain)
-                        value = _INIT_LOSSES.get(key)
+                        value = self.cache.init_losses.get(key)
                         if value is None:
                             value = self._init_loss(self.work(), chain, cache)
-                            _INIT_LOSSES[key] = value.copy()
+                            self.cache.init_losses[key] = value.copy()
                         writer.write(chain, {"init_loss": value}, "progress/init_done")
                 bar.set_description("sampling")
                 in_process = not parallel or self.threaded

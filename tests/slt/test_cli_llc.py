@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,46 @@ def test_gradsketch_llc_lr_auto_records_the_calibrated_step(
             app, [*base, *small, "--lr", bad, "--out", str(tmp_path / "p")]
         )
         assert refused.exit_code != 0 and "--lr" in refused.output
+
+
+def _plain(output: str) -> str:
+    """CLI output without rich's error box, its words joined by single spaces."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", output).split())
+
+
+def test_gradsketch_llc_fast_path_switch(model_dir: Path, tmp_path: Path) -> None:
+    """`--fast-path auto|off` reaches sample(fast_path=...): the store's record says which
+    ran; other values are refused naming the allowed ones, and so is `off` with a config
+    file (its model runs as given); `--help` lists every value sample() takes."""
+    from typer.testing import CliRunner
+
+    from gradsketch.cli._app import app
+    from gradsketch.slt._train_forward import FAST_PATHS
+
+    helped = CliRunner().invoke(app, ["llc", "--help"], env={"COLUMNS": "200"})
+    assert helped.exit_code == 0 and "--fast-path" in helped.output
+    assert all(f"'{value}'" in helped.output for value in FAST_PATHS)
+    text = tmp_path / "corpus.txt"
+    text.write_text("import os\nprint(os.getcwd())\n" * 40)
+    base = ["llc", str(model_dir), "--dataset", str(text), "--context-length", "16"]
+    small = ["--num-chains", "1", "--num-draws", "2", "--batch-size", "4", "--no-verbose"]
+    out = tmp_path / "o"
+    with pytest.warns(FewChainsWarning):
+        result = CliRunner().invoke(app, [*base, *small, "--fast-path", "off", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "llc_summary.json").read_text())
+    assert [entry["fast_path"] for entry in summary["fast_path"]] == ["off"]
+    for bad in ("on", "OFF", ""):
+        refused = CliRunner().invoke(
+            app, [*base, *small, "--fast-path", bad, "--out", str(tmp_path / "p")]
+        )
+        assert refused.exit_code != 0
+        assert "--fast-path must be one of auto, off" in _plain(refused.output)
+    assert not (tmp_path / "p" / "llc_summary.json").exists()
+    config = tmp_path / "config.py"
+    config.write_text("raise SystemExit('the config must not be loaded')\n")
+    refused = CliRunner().invoke(app, ["llc", str(config), "--fast-path", "off"])
+    assert refused.exit_code != 0
+    assert "applies to a Hugging Face model directory" in _plain(refused.output)
+    with pytest.raises(ValueError, match=r"`fast_path` must be one of \['auto', 'off'\], got 'on'"):
+        run_llc_command(model_dir, text, out=tmp_path / "q", fast_path="on")

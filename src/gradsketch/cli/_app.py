@@ -97,6 +97,19 @@ def run(args: Sequence[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
+def _fast_path(value: str) -> str:
+    """``--fast-path``: one of :data:`gradsketch.slt._train_forward.FAST_PATHS`."""
+    from gradsketch.slt._train_forward import FAST_PATHS
+
+    if value not in FAST_PATHS:
+        raise typer.BadParameter(
+            f"--fast-path must be one of {', '.join(FAST_PATHS)}, got {value!r}; e.g. "
+            "--fast-path off to run the model's own modules with torch's operations.",
+            param_hint="--fast-path",
+        )
+    return value
+
+
 def _step_size(lr: str) -> float | str:
     """``--lr``: a positive number, or ``auto``."""
     if lr.strip().lower() == "auto":
@@ -197,6 +210,13 @@ def llc(
     num_draws: int = typer.Option(200, help="Draws per chain."),
     batch_size: int = typer.Option(32, help="Sequences per step."),
     context_length: int = typer.Option(64, help="Tokens per sequence cut from text."),
+    fast_path: str = typer.Option(
+        "auto",
+        "--fast-path",
+        help="'auto': faster train-mode kernels where they engage (CPU); 'off': the model's "
+        "own modules and torch's operations (model directories).",
+        callback=_fast_path,
+    ),
     verbose: bool = True,
 ) -> None:
     """Estimate the local learning coefficient: of the model in CONFIG.py, or of a local HF LM.
@@ -227,9 +247,16 @@ def llc(
             batch_size=batch_size,
             context_length=context_length,
             progress=verbose,
+            fast_path=fast_path,
         )
         typer.echo(json.dumps(result, indent=2, default=str))
         return
+    if fast_path != "auto":
+        raise typer.BadParameter(
+            f"--fast-path {fast_path} applies to a Hugging Face model directory (gradsketch.slt); "
+            f"{target} is a config file, whose model runs as given: drop --fast-path.",
+            param_hint="--fast-path",
+        )
     from gradsketch._distributed import barrier, process_group_from_env, rank
     from gradsketch.cli._llc import llc_command
 

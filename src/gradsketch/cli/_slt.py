@@ -134,6 +134,7 @@ def run_llc_command(
     seed: int = 100,
     device: str | None = None,
     progress: bool = True,
+    fast_path: str = "auto",
 ) -> dict[str, Any]:
     """Estimate a local HF model's LLC on a local dataset; write samples, summary and plot.
 
@@ -162,17 +163,29 @@ def run_llc_command(
         device: Where to sample (default CUDA when available).
         progress: tqdm bars on stderr (``lr="auto"``'s pilots, ``L(w*)``, the
             chains' steps), whether or not stderr is a terminal.
+        fast_path: ``"auto"`` or ``"off"``: :func:`~gradsketch.slt.sample`'s
+            ``fast_path`` (``"off"`` runs the model's own modules with torch's
+            operations). What engaged is the summary's ``fast_path``.
 
     Returns:
         The summary written to ``llc_summary.json``: ``llc_mean``, ``llc_std``,
-        ``llc_sem``, ``llc_per_chain``, ``init_loss``, ``n_beta``, the counts
-        and the paths.
+        ``llc_sem``, ``llc_per_chain``, ``init_loss``, ``n_beta``, the counts,
+        the paths and ``fast_path`` (the store's record of what engaged).
+
+    Raises:
+        ValueError: ``fast_path`` is not ``"auto"`` or ``"off"`` (before any loading).
     """
     from gradsketch.sampling import default_nbeta, plot_trace
     from gradsketch.slt._estimates import compute_llc
     from gradsketch.slt._restrictions import create_param_masks
-    from gradsketch.slt._sample import sample
+    from gradsketch.slt._sample import FAST_PATH_ATTR, sample
+    from gradsketch.slt._train_forward import FAST_PATHS
 
+    if fast_path not in FAST_PATHS:
+        raise ValueError(
+            f"`fast_path` must be one of {list(FAST_PATHS)}, got {fast_path!r}; 'auto' uses the "
+            "faster train-mode kernels where they engage, 'off' the model's own modules."
+        )
     start = time.perf_counter()
     out_dir = output_folder(out)
     lm = load_model(model)
@@ -205,6 +218,7 @@ def run_llc_command(
         device=device,
         output_path=out_dir / SAMPLES_DIR,
         progress=progress,
+        fast_path=fast_path,
     )
     est = compute_llc(samples)
     trace = np.asarray(est["loss_trace"].values, dtype=float)
@@ -224,6 +238,7 @@ def run_llc_command(
         "tokens_from": how,
         "samples": str(out_dir / SAMPLES_DIR),
         "plot": str(out_dir / PLOT_FILE),
+        "fast_path": samples.attrs.get(FAST_PATH_ATTR),
         "seconds": time.perf_counter() - start,
     }
     plot_trace(

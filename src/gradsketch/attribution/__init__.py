@@ -78,6 +78,7 @@ from gradsketch.attribution._replay import (
     batch_order,
     register_training_loss,
 )
+from gradsketch.attribution._replay_hf import ReplayCallback
 from gradsketch.attribution._replay_traker import ReplayTRAKer
 from gradsketch.attribution._score_computers import (
     AbstractScoreComputer,
@@ -129,6 +130,7 @@ __all__ = [
     # metagradients through training (MAGIC): replay a run, reverse its optimizer
     "ReplayAttributor",
     "ReplaySettings",
+    "ReplayCallback",
     "ReplayTRAKer",
     "MemoryEstimate",
     "REPLAY_OPTIMIZERS",

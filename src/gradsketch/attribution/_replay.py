@@ -175,6 +175,13 @@ class ReplaySettings:
         betas: Adam's ``(β1, β2)``.
         eps: Adam's ε (added to the bias-corrected ``√v̂``, as torch does).
         checkpoint_every: steps between kept checkpoints (``None``: ``⌈√T⌉``).
+        no_decay: names of parameters without weight decay (as Hugging Face's
+            ``Trainer`` leaves biases and norms).
+        max_grad_norm: the run's gradient-norm clipping threshold (``None``:
+            none). The replay cannot reverse clipping; it checks that no step
+            clips (the global norm stays under the threshold, so torch's
+            ``clip_grad_norm_`` multiplies by exactly 1) and refuses a run
+            where one does.
     """
 
     optimizer: str = "sgd"
@@ -187,6 +194,8 @@ class ReplaySettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     checkpoint_every: int | None = None
+    no_decay: list[str] = dataclasses.field(default_factory=list)
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in REPLAY_OPTIMIZERS:
@@ -210,6 +219,13 @@ class ReplaySettings:
         check_number("momentum", self.momentum, low=0.0)
         check_number("weight_decay", self.weight_decay, low=0.0)
         check_number("eps", self.eps, low=0.0, strict=True)
+        if isinstance(self.no_decay, str) or not all(isinstance(n, str) for n in self.no_decay):
+            raise TypeError(f"`no_decay` must be a list of parameter names, got {self.no_decay!r}.")
+        self.no_decay = sorted(self.no_decay)
+        if self.max_grad_norm is not None:
+            self.max_grad_norm = float(
+                check_number("max_grad_norm", self.max_grad_norm, low=0.0, strict=True)
+            )
         betas = tuple(float(b) for b in self.betas)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"`betas` must be two numbers in [0, 1), got {self.betas!r}.")
@@ -302,11 +318,12 @@ def _opt_step(
     s: ReplaySettings, step: int, theta: Params, state: dict[str, Params], grad: Params
 ) -> tuple[Params, dict[str, Params]]:
     """One optimizer step, written as torch's single-tensor paths (float ops in the same order)."""
-    lr, wd = s.lr_at(step), s.weight_decay
+    lr = s.lr_at(step)
     new_theta: Params = {}
     new_state: dict[str, Params] = {k: {} for k in s.state_names}
     for name, p in theta.items():
         g = grad[name]
+        wd = 0.0 if name in s.no_decay else s.weight_decay
         if s.optimizer == "sgd":
             d = g.add(p, alpha=wd) if wd else g
             if s.momentum > 0:
@@ -349,11 +366,12 @@ def _reverse_step(
     the part of θ̄_t that does not pass through the gradient, and the state's
     adjoint before the step.
     """
-    lr, wd = s.lr_at(step), s.weight_decay
+    lr = s.lr_at(step)
     bar_g: Params = {}
     bar_p: Params = {}
     before: dict[str, Params] = {k: {} for k in s.state_names}
     for name, p in theta.items():
+        wd = 0.0 if name in s.no_decay else s.weight_decay
         tb = bar_theta[name]
         g = grad[name]
         if s.optimizer == "sgd":
@@ -535,6 +553,12 @@ class ReplayAttributor:
         self.params0: Params = {n: p.detach().clone() for n, p in model.named_parameters()}
         if not self.params0:
             raise ValueError("`model` has no parameters; there is nothing to train or replay.")
+        unknown = sorted(set(settings.no_decay) - set(self.params0))
+        if unknown:
+            raise ValueError(
+                f"`no_decay` names {unknown[:3]}, which are not parameters of `model`; give "
+                f"names from model.named_parameters() (e.g. {sorted(self.params0)[:3]})."
+            )
         ref = next(iter(self.params0.values()))
         self._dtype, self._device = ref.dtype, ref.device
         self.buffers: Params = {n: b.detach() for n, b in model.named_buffers()}
@@ -550,6 +574,29 @@ class ReplayAttributor:
         self._activation_bytes: int | None = None
         # Whether torch.func.vmap traces the model (None: not tried yet).
         self._vmap_ok: bool | None = None
+
+    @classmethod
+    def from_trainer(
+        cls,
+        trainer: Any,
+        callback: Any,
+        task: str | AbstractModelOutput = "language_modeling",
+        **kwargs: Any,
+    ) -> ReplayAttributor:
+        """The replay of a Hugging Face ``Trainer`` run recorded by a :class:`ReplayCallback`.
+
+        Same as ``callback.attributor(trainer, task, **kwargs)``: a copy of
+        ``trainer.model`` at the initial weights, the Trainer's rows, batch
+        order, optimizer and per-step learning rates (call :meth:`train` next).
+        """
+        build = getattr(callback, "attributor", None)
+        if not callable(build) or not hasattr(callback, "lrs"):
+            raise TypeError(
+                f"`callback` must be the ReplayCallback the Trainer trained with, got "
+                f"{type(callback).__name__}."
+            )
+        replay: ReplayAttributor = build(trainer, task, **kwargs)
+        return replay
 
     # -- forward -----------------------------------------------------------------------
     def _losses(
@@ -681,8 +728,25 @@ class ReplayAttributor:
             else:
                 w = weights[idx].to(dtype=self._dtype, device=self._device)
             grad = self._grad(theta, w, _rows(self.data, idx))
+            if weights is None and self.settings.max_grad_norm is not None:
+                self._check_unclipped(t, grad)
             theta, state = _opt_step(self.settings, t, theta, state, grad)
         return theta, state
+
+    def _check_unclipped(self, step: int, grad: Params) -> None:
+        """Refuse a step whose gradient ``clip_grad_norm_`` would rescale (the replay cannot)."""
+        limit = self.settings.max_grad_norm
+        assert limit is not None
+        norms = [torch.linalg.vector_norm(g) for g in grad.values()]
+        total = float(torch.linalg.vector_norm(torch.stack(norms)))
+        # torch's clip_grad_norm_: coefficient max_norm / (total + 1e-6), clamped to 1.
+        if limit / (total + 1e-6) < 1.0:
+            raise ValueError(
+                f"step {step} of the run clips its gradient (global norm {total:.4g} > "
+                f"`max_grad_norm`={limit}), which the replay cannot reverse. Train without "
+                "clipping (max_grad_norm=0 in TrainingArguments), or with a threshold no step "
+                "reaches."
+            )
 
     def train(self) -> None:
         """Train the run, keeping a checkpoint every ``checkpoint_every`` steps."""

@@ -147,6 +147,9 @@ def test_compute_llc_on_a_devinterp_store(devinterp_trees: dict[str, Any]) -> No
         np.testing.assert_allclose(ours[var].values, theirs[var].values, atol=atol, err_msg=var)
     for var in ("loss_trace", "init_loss"):
         np.testing.assert_allclose(ours[var].values, theirs[var].values, rtol=8e-7, err_msg=var)
+    for var in theirs.variables:  # devinterp's dtypes (llc_sem, ours alone: llc_mean's)
+        assert ours[var].dtype == theirs[var].dtype, var
+    assert ours["llc_sem"].dtype == theirs["llc_mean"].dtype
 
 
 @pytest.mark.parametrize("method", ["token", "sequence"])
@@ -181,6 +184,9 @@ def test_compute_bif_on_a_devinterp_store(
     np.testing.assert_array_equal(ours["input_ids"].values, theirs["input_ids"].values)
     for coord in theirs["influences"].coords:
         np.testing.assert_array_equal(ours[coord].values, theirs[coord].values)
+    assert set(ours.variables) == set(theirs.variables)
+    for var in theirs.variables:
+        assert ours[var].dtype == theirs[var].dtype, var
 
 
 def test_compute_susceptibilities_on_devinterp_stores(devinterp_trees: dict[str, Any]) -> None:
@@ -199,6 +205,7 @@ def test_compute_susceptibilities_on_devinterp_stores(devinterp_trees: dict[str,
         assert set(a.variables) == set(b.variables), node
         assert a.attrs == b.attrs
         for var in b.variables:
+            assert a[var].dtype == b[var].dtype, (node, var)
             if var == "sus":
                 np.testing.assert_allclose(a[var].values, b[var].values, atol=atol)
             else:

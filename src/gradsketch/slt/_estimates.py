@@ -96,11 +96,14 @@ def compute_llc(samples: Any) -> Any:
         samples: The DataTree from :func:`~gradsketch.slt.sample`.
 
     Returns:
-        ``xarray.Dataset`` with devinterp's variables: ``llc_mean``, ``llc_std``
-        (ddof 0, as devinterp), ``llc_per_chain`` ``[chain]``, ``llc_scalar``,
-        ``loss_trace`` ``[chain, step]``, ``init_loss``; and ``llc_sem``, the
-        standard error of ``llc_mean`` across chains (``std(ddof=1) /
-        sqrt(chains)``, NaN for one chain).
+        ``xarray.Dataset`` with devinterp's variables and dtypes: ``llc_mean``,
+        ``llc_std`` (ddof 0, as devinterp), ``llc_per_chain`` ``[chain]``
+        (float32), ``llc_scalar`` (float64), ``loss_trace`` ``[chain, step]``
+        (the store's float32), ``init_loss`` (float64); and ``llc_sem``
+        (float32), the standard error of ``llc_mean`` across chains
+        (``std(ddof=1) / sqrt(chains)``, NaN for one chain). Every value is
+        computed in float64 and rounded once to its dtype (devinterp sums the
+        float32 losses in float32).
 
     A chain whose loss grows by orders of magnitude, or an LLC far outside
     ``[0, d/2]`` (``d`` the sampled weights), warns
@@ -150,14 +153,13 @@ def compute_llc(samples: Any) -> Any:
             stacklevel=2,
         )
     trace_da = xr.DataArray(trace.astype(micro.dtype), dims=("chain", "step"))
-    per_chain_da = xr.DataArray(per_chain, dims=("chain",))
     return xr.Dataset(
         {
-            "llc_mean": per_chain_da.mean(),
-            "llc_std": per_chain_da.std(),
-            "llc_per_chain": per_chain_da,
+            "llc_mean": np.float32(per_chain.mean()),
+            "llc_std": np.float32(per_chain.std()),
+            "llc_per_chain": xr.DataArray(per_chain.astype(np.float32), dims=("chain",)),
             "llc_scalar": n_beta * (float(micro.astype(np.float64).mean()) - init_mean),
-            "llc_sem": sem,
+            "llc_sem": np.float32(sem),
             "loss_trace": trace_da,
             "init_loss": init_mean,
         }
@@ -346,7 +348,8 @@ def compute_susceptibilities(
 
     Returns:
         ``xarray.DataTree`` in devinterp's format: ``/susceptibilities`` with
-        ``sus`` ``[sus_flat, wr]`` and ``/context`` with ``input_ids``
+        ``sus`` ``[sus_flat, wr]`` (float32, as devinterp's; computed in
+        float64 and rounded once) and ``/context`` with ``input_ids``
         ``[ctx_flat]``, each with ``dataset_id``/``batch``/position coordinates.
     """
     xr = _xr()
@@ -421,7 +424,7 @@ def compute_susceptibilities(
 
     sus_flat = np.concatenate(
         [np.stack([sus[w][p].ravel() for w in names], axis=-1) for p in order], axis=0
-    )
+    ).astype(np.float32)
     sus_coords = flat_coords({p: sus[names[0]][p] for p in order}, ("batch", "target_position"), 1)
     ids_coords = flat_coords(ids, ("batch", "position"), 0)
     ids_flat = np.concatenate([ids[p].ravel() for p in order])

@@ -63,6 +63,37 @@ def tiny_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
+def build_model(name: str) -> torch.nn.Module:
+    """One of :data:`MODELS`, built in code (seed 0, byte vocabulary, untrained).
+
+    ``gpt2``: 2 layers x 64, dropout 0.1 (GPT-2's default). The others have no
+    dropout: ``llama`` (grouped-query attention, 4 heads over 2 key/value
+    heads, SwiGLU, RMSNorm, rotary), ``pythia`` (GPT-NeoX), ``qwen2``, each 2
+    layers x 64; ``gpt2-4x256``: GPT-2 with 4 layers x 256 and 4 heads.
+    """
+    import transformers as tf
+
+    if name == "gpt2":
+        return tiny_gpt2()
+    torch.manual_seed(0)
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)
+    small.update(intermediate_size=256, max_position_embeddings=128, tie_word_embeddings=False)
+    if name == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **small))
+    if name == "pythia":
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**small))
+    if name == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **small))
+    if name == "gpt2-4x256":
+        cfg = tf.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=128)
+        return tf.GPT2LMHeadModel(cfg)
+    raise ValueError(f"`--model` must be one of {list(MODELS)}, got {name!r}.")
+
+
+#: The models ``--model`` accepts (issue 30's families).
+MODELS = ("gpt2", "llama", "pythia", "qwen2", "gpt2-4x256")
+
+
 def cpu_seconds() -> float:
     """CPU time of this process and of its finished (waited-for) children."""
     t = os.times()
@@ -105,6 +136,7 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=2, help="gradsketch's cores= (chains at once)")
     parser.add_argument("--workers", choices=["cold", "kept"], default="cold")
     parser.add_argument("--tasks", nargs="+", default=["llc", "bif", "susceptibilities"])
+    parser.add_argument("--model", choices=MODELS, default="gpt2")
     parser.add_argument(
         "--train-epochs",
         type=int,
@@ -128,7 +160,7 @@ def main() -> None:
     train = Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
     probe = Dataset.from_dict({"input_ids": ids[: max(96, args.chunks // 8)].flip(1).tolist()})
     probe = probe.with_format("torch")
-    model = tiny_gpt2()
+    model = build_model(args.model)
     train_briefly(model, ids, args.train_epochs)
     common: dict[str, Any] = dict(
         lr=1e-4,
@@ -231,6 +263,7 @@ def main() -> None:
             {
                 "bench": "slt",
                 "task": task,
+                "model": args.model,
                 "gradsketch_s": med["gradsketch"][0],
                 "devinterp_s": med["devinterp"][0],
                 "speedup": med["devinterp"][0] / med["gradsketch"][0],

@@ -180,6 +180,14 @@ def _native_kernels() -> dict[str, Any] | None:
             ),
             "xent": ("gs_token_xent_f32", [ptr, ptr, ptr, ptr, size, size]),
             "xent_backward": ("gs_token_xent_backward_f32", [ptr, ptr, ptr, ptr, ptr, size, size]),
+            "rmsnorm": ("gs_rmsnorm_f32", [ptr, ptr, ptr, ptr, size, size, ctypes.c_float]),
+            "rmsnorm_backward": (
+                "gs_rmsnorm_backward_f32", [ptr, ptr, ptr, ptr, ptr, ptr, size, size]
+            ),
+            "swiglu": ("gs_swiglu_f32", [ptr, ptr, size, ptr, size, size]),
+            "swiglu_backward": (
+                "gs_swiglu_backward_f32", [ptr, ptr, ptr, size, ptr, ptr, size, size, size]
+            ),
         }  # fmt: skip
         kernels = {}
         for name, (symbol, argtypes) in signatures.items():
@@ -873,6 +881,9 @@ def train_copy(
     if fast_path == "off" or device.type != "cpu":
         return work
     _swap_modules(work, dropout_modules=True)
+    from gradsketch.slt._fused_blocks import swap_blocks  # it builds on this module
+
+    swap_blocks(work)
     config: Any = getattr(work, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa" and _register():
         was_training = work.training
@@ -900,20 +911,27 @@ def engaged(model: nn.Module) -> dict[str, Any]:
     """What of the fast path a working copy runs: ``{"modules": [...], "kernels": ...}``.
 
     ``modules``: the pieces :func:`train_copy` swapped in (``"attention"``,
-    ``"dropout"``, ``"gelu"``); ``kernels``: ``"native"`` when the train
-    library is loaded and the copy is on CPU (float32 tensors then run
-    it, and so does :func:`token_cross_entropy`), else ``"torch"``.
+    ``"dropout"``, ``"gelu"``, ``"rmsnorm"``, ``"swiglu"``); ``kernels``:
+    ``"native"`` when the train library is loaded and the copy is on CPU
+    (float32 tensors then run it, and so does :func:`token_cross_entropy`),
+    else ``"torch"``.
 
     Example:
         >>> engaged(nn.Sequential(SeededDropout(0.1)))["modules"]
         ['dropout']
     """
+    from gradsketch.slt._fused_blocks import FusedRMSNorm, SwiGLU  # they build on this module
+
     names = set()
     for module in model.modules():
         if isinstance(module, SeededDropout):
             names.add("dropout")
         elif isinstance(module, TanhGELU):
             names.add("gelu")
+        elif isinstance(module, FusedRMSNorm):
+            names.add("rmsnorm")
+        elif isinstance(module, SwiGLU):
+            names.add("swiglu")
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
         names.add("attention")

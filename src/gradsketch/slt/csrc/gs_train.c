@@ -1,12 +1,18 @@
 /*
  * Train-mode kernels of the SLT sampler's working copy (gradsketch.slt._train_forward):
- * seeded dropout, the tanh form of GELU, attention weights' softmax with dropout and the
- * per-token cross-entropy, each forward and backward in one memory pass.
+ * seeded dropout, the tanh form of GELU, attention weights' softmax with dropout, the
+ * per-token cross-entropy, RMSNorm and SwiGLU, each forward and backward in one memory pass.
  * A library of its own, compiled at first use by gradsketch._native_build and loaded by
  * gradsketch.slt._train_native (GRADSKETCH_NATIVE_TRAIN=0 turns it off). Every loop is
  * written so that the compiler vectorizes it.
  */
 #include <math.h>
+/* GCC keeps a compare-and-select (the clamps, the dropout test) as control flow while floating
+ * compares may trap, and then vectorizes none of these loops; no kernel here relies on traps,
+ * and the values are the same element by element (no reassociation). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,7 +66,9 @@ void gs_dropout_f32(const float *x, float *y, int64_t n, uint64_t seed, uint32_t
  * polynomial of e^r (its remainder is below 2^-27); t is clamped to [-87, 88] so that
  * 2^k stays a normal float. */
 static inline float gs_expf(float t) {
-    t = t < -87.0f ? -87.0f : (t > 88.0f ? 88.0f : t);
+    /* two plain selects (a nested one is control flow to the vectorizer) */
+    t = t < -87.0f ? -87.0f : t;
+    t = t > 88.0f ? 88.0f : t;
     /* k = round(t / ln 2) by adding and subtracting 1.5 * 2^23 (|t / ln 2| < 2^22) */
     float k = (t * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = t - k * 0.693145751953125f; /* ln 2 split in two for an exact product */
@@ -365,5 +373,68 @@ void gs_token_xent_backward_f32(const float *g, const float *x, const int64_t *t
     }
 }
 
+/* RMSNorm of rows of d (Zhang and Sennrich 2019, as Llama's): y = w * (x * rstd),
+ * rstd = 1 / sqrt(mean(x^2) + eps), kept per row for the backward pass. */
+void gs_rmsnorm_f32(const float *x, const float *w, float *y, float *rstd, int64_t rows,
+                    int64_t d, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * d;
+        float *out = y + r * d;
+        float s = 1.0f / sqrtf(gs_row_dot(row, row, d) / (float)d + eps);
+        rstd[r] = s;
+        for (int64_t j = 0; j < d; j++) out[j] = w[j] * (row[j] * s);
+    }
+}
+
+/* Backward of gs_rmsnorm_f32: with h = g * w, dx = rstd * h - x * rstd^3 * (h . x) / d;
+ * dw[j] += sum over rows of g * x * rstd, accumulated in double (dw is zeroed by the caller). */
+void gs_rmsnorm_backward_f32(const float *g, const float *x, const float *w, const float *rstd,
+                             float *dx, double *dw, int64_t rows, int64_t d) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gr = g + r * d, *xr = x + r * d;
+        float *out = dx + r * d;
+        float s = rstd[r];
+        float acc[GS_LANES] = {0};
+        int64_t j = 0;
+        for (; j + GS_LANES <= d; j += GS_LANES)
+            for (int l = 0; l < GS_LANES; l++) acc[l] += gr[j + l] * w[j + l] * xr[j + l];
+        float dot = 0.0f;
+        for (int l = 0; l < GS_LANES; l++) dot += acc[l];
+        for (; j < d; j++) dot += gr[j] * w[j] * xr[j];
+        float c = s * s * s * dot / (float)d;
+        for (j = 0; j < d; j++) {
+            out[j] = s * (gr[j] * w[j]) - c * xr[j];
+            dw[j] += (double)(gr[j] * (xr[j] * s));
+        }
+    }
+}
+
+/* SwiGLU (Shazeer 2020): y = silu(a) * u, silu(a) = a / (1 + e^-a), over rows of f; row r
+ * of a and u starts at r * in_stride (the two halves of one [rows, 2f] product: stride 2f). */
+void gs_swiglu_f32(const float *a, const float *u, int64_t in_stride, float *y, int64_t rows,
+                   int64_t f) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *ar = a + r * in_stride, *ur = u + r * in_stride;
+        float *out = y + r * f;
+        for (int64_t j = 0; j < f; j++) out[j] = ar[j] / (1.0f + gs_expf(-ar[j])) * ur[j];
+    }
+}
+
+/* Backward of gs_swiglu_f32: with s = sigmoid(a), da = g * u * s * (1 + a (1 - s)) and
+ * du = g * a * s; rows of da and du start at r * out_stride. */
+void gs_swiglu_backward_f32(const float *g, const float *a, const float *u, int64_t in_stride,
+                            float *da, float *du, int64_t out_stride, int64_t rows, int64_t f) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *ar = a + r * in_stride, *ur = u + r * in_stride, *gr = g + r * f;
+        float *dar = da + r * out_stride, *dur = du + r * out_stride;
+        for (int64_t j = 0; j < f; j++) {
+            float e = gs_expf(-ar[j]);
+            float s = 1.0f / (1.0f + e); /* 1 - s = e s, without cancellation */
+            dar[j] = gr[j] * ur[j] * (s * (1.0f + ar[j] * (e * s)));
+            dur[j] = gr[j] * (ar[j] * s);
+        }
+    }
+}
+
 /* The interface version; gradsketch.slt._train_native refuses a library that reports another. */
-int gs_train_abi_version(void) { return 1; }
+int gs_train_abi_version(void) { return 2; }

@@ -1,0 +1,98 @@
+"""Where a chain's time goes: gradsketch.slt.llc and devinterp 2.0.1's llc under cProfile.
+
+Builds one of ``bench_slt.py``'s models, trains it briefly, then runs each
+library's ``llc`` (1 chain, ``--draws`` draws, batch 32 x seq 65, the
+``{"train": ...}`` observable as the benchmark) on ``--threads`` threads
+under cProfile and prints one JSON line per library: total CPU seconds and
+the cumulative seconds of the parts of a step (the model's forward calls,
+autograd's backward, the sampler's step, the observables' evaluation, the
+initial loss).
+
+Run: ``.venv/bin/python benchmarks/profile_slt.py --model llama [--draws 30]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import logging
+import pstats
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+from _common import emit, machine_info, setup_torch
+from bench_slt import MODELS, build_model, corpus, cpu_seconds, train_briefly
+
+#: (part, substrings of ``file:function`` whose cumulative time it is; the first found wins).
+PARTS = {
+    "init_loss": ("_init_loss", "_write_init_loss"),
+    "observables": ("_forward_rows", "compute_loss"),
+    "backward": ("_engine_run_backward",),
+    "sgld_step": ("_sgmcmc.py:step", "sampler.py:step", "sgld.py:step", "optimizer.py:wrapper"),
+    "forward_all": ("module.py:_call_impl",),
+}
+
+
+def _cumulative(stats: pstats.Stats) -> dict[str, float]:
+    """Cumulative seconds of each part (the outermost matching frame: cumtime counts once)."""
+    table: Any = stats.stats  # type: ignore[attr-defined]
+    out: dict[str, float] = {}
+    for part, needles in PARTS.items():
+        best = 0.0
+        for (file, _line, fn), (_cc, _nc, _tt, ct, _callers) in table.items():
+            key = f"{Path(file).name}:{fn}"
+            if any(n in key for n in needles):
+                best = max(best, ct)
+        out[part] = best
+    return out
+
+
+def main() -> None:
+    """Profile both libraries' ``llc`` on one model; print one JSON line each."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default="llama")
+    parser.add_argument("--draws", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--train-epochs", type=int, default=1)
+    parser.add_argument("--libs", nargs="+", default=["devinterp", "gradsketch"])
+    parser.add_argument("--fast-path", default="auto")
+    parser.add_argument("--top", type=int, default=0, help="also print the top tottime rows")
+    args = parser.parse_args()
+    setup_torch(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from datasets import Dataset
+    from devinterp.slt import llc as d_llc
+
+    from gradsketch import slt
+
+    ids = corpus(512, 65)
+    train = Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
+    model = build_model(args.model)
+    train_briefly(model, ids, args.train_epochs)
+    kw: dict[str, Any] = dict(
+        lr=1e-4, n_beta=30.0, localization=100.0, num_chains=1, num_draws=args.draws,
+        batch_size=32, save_metrics=True,
+    )  # fmt: skip
+    for lib in args.libs:
+        fn = d_llc.llc if lib == "devinterp" else slt.llc
+        extra = {"fast_path": args.fast_path} if lib == "gradsketch" else {}
+        out = Path(tempfile.mkdtemp()) / "s.zarr"
+        prof = cProfile.Profile()
+        cpu = cpu_seconds()
+        prof.enable()
+        fn(model, train, {"train": train}, output_path=out, **kw, **extra)
+        prof.disable()
+        cpu = cpu_seconds() - cpu
+        stats = pstats.Stats(prof)
+        parts = _cumulative(stats)
+        emit({"bench": "profile_slt", "lib": lib, "model": args.model, "draws": args.draws,
+              "threads": args.threads, "cpu_s": cpu, **parts, **machine_info()})  # fmt: skip
+        if args.top:
+            stats.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()

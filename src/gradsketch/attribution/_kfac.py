@@ -130,10 +130,14 @@ class KroneckerFactors:
         self.examples += a.shape[0]
 
     def covariances(self) -> tuple[Tensor, Tensor]:
-        """``(A, S)``: the mean over tokens of ``a aᵀ`` and over examples of ``sum_t g gᵀ``."""
-        if self.tokens == 0:
+        """``(A, S)``: the mean over tokens of ``a aᵀ`` and over examples of ``sum_t g gᵀ``.
+
+        A layer that saw no token in any batch (an expert no example was routed
+        to) has ``A = 0``: its curvature is zero and only damping is left.
+        """
+        if self.examples == 0:
             raise ValueError("no batch was added: call `update` before `covariances`.")
-        return self.a_sum / self.tokens, self.g_sum / self.examples
+        return self.a_sum / max(self.tokens, 1), self.g_sum / self.examples
 
     def eigen(self) -> KroneckerEigen:
         """The eigendecompositions of ``A`` and ``S`` (float64 ``eigh``)."""
@@ -206,7 +210,7 @@ class KroneckerEigen:
     def precondition(self, rows: Tensor, eigenvalues: Tensor, damping: float | str) -> Tensor:
         """``(F + λI)⁻¹ vec(G)`` of each row, with ``F``'s eigenvalues in this basis (float64)."""
         rot = self.rotate_rows(rows.double())
-        rot = rot / (eigenvalues.double() + resolve_damping(damping, eigenvalues))
+        rot = rot * damped_reciprocal(eigenvalues, damping)
         return self.unrotate_rows(rot).to(rows.dtype)
 
     def rank_one_squares(self, a: Tensor, g: Tensor) -> Tensor:
@@ -248,6 +252,17 @@ def resolve_damping(damping: float | str, eigenvalues: Tensor) -> float:
     return float(damping)
 
 
+def damped_reciprocal(eigenvalues: Tensor, damping: float | str) -> Tensor:
+    """``1 / (λ_i + damping)`` in float64, ``0`` where both are zero (a pseudo-inverse).
+
+    A direction without curvature and without damping (an expert no training
+    example was routed to, ``lambda_reg=0``) carries no training gradient;
+    it adds nothing to scores, where ``1 / 0`` would make them NaN.
+    """
+    damped = eigenvalues.double() + resolve_damping(damping, eigenvalues)
+    return torch.where(damped == 0, 0.0, 1.0 / damped)
+
+
 def influence(
     train: Tensor, query: Tensor, eigenvalues: Tensor, *, damping: float | str = "auto"
 ) -> Tensor:
@@ -263,6 +278,5 @@ def influence(
     Returns:
         ``[N, M]`` scores in ``train``'s dtype.
     """
-    lam = resolve_damping(damping, eigenvalues)
-    scale = 1.0 / (eigenvalues.double() + lam)
+    scale = damped_reciprocal(eigenvalues, damping)
     return train @ (query.double() * scale).to(train.dtype).T

@@ -1,7 +1,8 @@
 """Per-layer (Kronecker) features: what K-FAC, EK-FAC and identity influence store per row.
 
-For every factored layer (Linear, Conv2d, Hugging Face ``Conv1D``; see
-:func:`~gradsketch.attribution._layer_capture.find_layers`) one hooked
+For every factored layer (Linear, Conv2d, Hugging Face ``Conv1D``, each
+expert ``W[e]`` of a mixture of experts' stacked ``[E, d_out, d_in]``
+weight; see :func:`~gradsketch.attribution._layer_capture.find_layers`) one hooked
 forward and backward gives the inputs ``a [B, T, d_in]`` and the gradients
 ``g [B, T, d_out]`` of the task's output function at the layer's outputs.
 The stored feature of a row is each layer's ``vec(G) = vec(sum_t g_t a_tᵀ)``
@@ -150,12 +151,10 @@ class KroneckerFeaturizer:
             return None
         segments = []
         for x in self.layers:
-            prefix = f"{x.name}." if x.name else ""
-            names = (prefix + "weight",) + ((prefix + "bias",) if x.bias else ())
             segments.append(
                 FactorizedLayer(
                     name=x.name,
-                    param_names=names,
+                    param_names=x.param_names,
                     d_in=x.d_in - int(x.bias),
                     d_out=x.d_out,
                     bias=x.bias,
@@ -203,7 +202,12 @@ class KroneckerFeaturizer:
             a, g = a.to(work), g.to(work)
             gs = None if gs is None else gs.to(work)
             if x.bias:
+                real = (a != 0).any(-1, keepdim=True)
                 a = add_bias_input(a)
+                if x.container is not None:
+                    # Zero rows pad an expert's routed rows to the batch's most: their bias
+                    # input is 0 too, so they stay zero (and are told apart) when projected.
+                    a[..., -1:] = real.to(a.dtype)
             if self.projector is not None:
                 p_out, p_in = self.projector.factor_matrices(x.name, work)
                 if x.k_in < x.d_in:

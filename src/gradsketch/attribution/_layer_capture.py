@@ -1,7 +1,9 @@
 """The factored layers of a model, and one hooked pass capturing their inputs and output gradients.
 
 For every module with a layer-factor rule (:func:`register_layer_factors`:
-Linear, Conv2d, Hugging Face ``Conv1D``) :func:`capture_layers` runs one
+Linear, Conv2d, Hugging Face ``Conv1D``), and every expert ``W[e]`` of a
+mixture-of-experts container's stacked 3-D weight ``W [E, d_out, d_in]``
+(Mixtral, Qwen2-MoE, OLMoE...: ``F.linear(x_routed, W[e])``), :func:`capture_layers` runs one
 hooked forward and one backward of the task's summed output and returns,
 per layer, the inputs ``a [B, T, d_in]`` and output gradients
 ``g [B, T, d_out]`` whose products ``sum_t g_t a_tᵀ`` are the per-example
@@ -19,20 +21,35 @@ the container's inputs and output gradients are captured instead, and the
 container runs again on each example's rows alone, where the layer's rows
 are that example's. Their ``a`` and ``g`` are ``[B, R, d]`` with ``R`` the
 most rows any example routed to the layer in the batch, zero rows padding
-the others (zero rows add nothing to ``sum_t g_t a_tᵀ``; they count in the
-mean over tokens of ``A``, as padded tokens do).
+the others (zero rows add nothing to ``sum_t g_t a_tᵀ``; K-FAC leaves them
+out of ``A``'s mean).
+
+A stacked weight's experts are factored layers of their own, ``E`` in a row
+(names ``"<param>.<e>"``), so that their features ``vec(sum_t g_t a_tᵀ)``,
+concatenated, are the 3-D weight's per-example gradient flattened row-major
+and K-FAC's curvature is block-diagonal by expert. During the container's
+rerun, calls ``F.linear(x, W[e])`` whose weight is a view of a registered
+stacked weight are intercepted (a :class:`~torch.overrides.TorchFunctionMode`;
+the expert is the view's storage offset), their ``x`` kept as ``a`` and
+their outputs routed for ``g``. Transformers' experts run their eager
+implementation while capturing (grouped or batched matmuls call no
+``F.linear``). Transposed stacked weights (``[E, d_in, d_out]``, gpt-oss,
+Aria) are left out, logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from gradsketch.attribution._layers import (
@@ -59,7 +76,10 @@ class FactoredLayer:
     """A factored layer: its module, parameters and (projected) gradient shape.
 
     ``container`` names the mixture-of-experts container the layer sits in
-    (its rows are a routed subset of the tokens), or is ``None``.
+    (its rows are a routed subset of the tokens), or is ``None``. ``param``
+    and ``expert`` name the stacked 3-D weight ``W [E, d_out, d_in]`` and
+    the expert ``e`` whose slice ``W[e]`` the layer is (``module`` is then the
+    weight's owner), or are ``None`` for a layer module.
     """
 
     name: str
@@ -71,10 +91,29 @@ class FactoredLayer:
     k_out: int
     offset: int = 0
     container: str | None = None
+    param: str | None = None
+    expert: int | None = None
 
     @property
     def width(self) -> int:
         return self.k_out * self.k_in
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """Full names of the parameters whose gradient the layer's features are."""
+        if self.param is not None:
+            return (self.param,)
+        prefix = f"{self.name}." if self.name else ""
+        return (prefix + "weight",) + ((prefix + "bias",) if self.bias else ())
+
+    def weight(self) -> Tensor:
+        """The weight tensor: the module's, or the whole stacked weight of an expert."""
+        if self.param is not None:
+            w = self.module.get_parameter(self.param.rsplit(".", 1)[-1])
+        else:
+            w = self.module.weight  # type: ignore[assignment]
+        assert isinstance(w, Tensor)
+        return w
 
 
 def _layer_dims(module: nn.Module) -> tuple[int, int]:
@@ -113,6 +152,11 @@ def find_layers(
     layers: list[FactoredLayer] = []
     offset = 0
     for name, module in model.named_modules():
+        if type(module) in WHOLE_MODULES:
+            for layer in _stacked_layers(name, module, wanted, projection, inside):
+                layer.offset = offset
+                offset += layer.width
+                layers.append(layer)
         if type(module) not in LAYER_FACTORS:
             continue
         if isinstance(module, nn.Conv2d) and module.groups != 1:
@@ -143,11 +187,55 @@ def find_layers(
     if not layers:
         allowed = ", ".join(sorted(t.__name__ for t in LAYER_FACTORS))
         raise ValueError(
-            f"the model has no differentiated layer of a factored type ({allowed}); K-FAC "
+            f"the model has no differentiated layer of a factored type ({allowed}, or the "
+            "stacked expert weights of a mixture-of-experts container); K-FAC "
             "influence needs at least one. Check `grad_wrt`, register your layer type with "
             "@register_layer_factors, or use bayesian_influence."
         )
     return layers
+
+
+def _stacked_layers(
+    name: str,
+    module: nn.Module,
+    wanted: set[str] | None,
+    projection: tuple[int, int] | None,
+    inside: dict[str, str],
+) -> Iterator[FactoredLayer]:
+    """One layer per expert of each differentiated 3-D weight a container owns directly.
+
+    The weights are ``[E, d_out, d_in]``, called as ``F.linear(x, W[e])``;
+    transformers' experts classes stored ``[E, d_in, d_out]`` (``is_transposed``)
+    are left out.
+    """
+    prefix = f"{name}." if name else ""
+    for local, param in module.named_parameters(recurse=False):
+        full = prefix + local
+        if param.dim() != 3 or (wanted is not None and full not in wanted):
+            continue
+        if getattr(module, "is_transposed", False):
+            logger.info(
+                "influence: %r of %s is stored [experts, d_in, d_out] (is_transposed); its "
+                "experts are not factored and it is left out of the per-layer features",
+                full,
+                type(module).__name__,
+            )
+            continue
+        experts, d_out, d_in = (int(d) for d in param.shape)
+        k_in, k_out = (d_in, d_out) if projection is None else projection
+        for e in range(experts):
+            yield FactoredLayer(
+                f"{full}.{e}",
+                module,
+                False,
+                d_in,
+                d_out,
+                min(k_in, d_in),
+                min(k_out, d_out),
+                container=inside.get(name, name),
+                param=full,
+                expert=e,
+            )
 
 
 # -- one hooked pass ---------------------------------------------------------------
@@ -273,43 +361,70 @@ def capture_layers(
             )
         )
     )
-    try:
-        with torch.enable_grad():
-            outputs = batch_output(model, *batch)
-            calls = [c for name in seen for c in seen[name]]
-            edges = [e for c in calls for e in c.edges]
-            grads = torch.autograd.grad(
-                outputs.sum(), edges, allow_unused=True, retain_graph=sampled_loss is not None
-            )
-            sampled: Sequence[Tensor | None] = [None] * len(edges)
-            if sampled_loss is not None:
-                if len(root) != 1:
-                    raise RuntimeError(
-                        "curvature='sampled' needs the model's output from one forward call; "
-                        f"the model was called {len(root)} times for one batch."
+    stacked = {id(x.module): x.module for x in layers if x.param is not None}
+    with _eager_experts(stacked.values()):
+        try:
+            with torch.enable_grad():
+                outputs = batch_output(model, *batch)
+                calls = [c for name in seen for c in seen[name]]
+                edges = [e for c in calls for e in c.edges]
+                grads = torch.autograd.grad(
+                    outputs.sum(), edges, allow_unused=True, retain_graph=sampled_loss is not None
+                )
+                sampled: Sequence[Tensor | None] = [None] * len(edges)
+                if sampled_loss is not None:
+                    if len(root) != 1:
+                        raise RuntimeError(
+                            "curvature='sampled' needs the model's output from one forward call; "
+                            f"the model was called {len(root)} times for one batch."
+                        )
+                    sampled = torch.autograd.grad(
+                        sampled_loss(root[0]).sum(), edges, allow_unused=True
                     )
-                sampled = torch.autograd.grad(sampled_loss(root[0]).sum(), edges, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    it = iter(zip(grads, sampled))
-    for c in calls:
-        for _ in c.edges:
-            g, gs = next(it)
-            c.grads.append(g)
-            c.sampled.append(gs)
-        c.edges.clear()
-    result: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
-    with_sampled = sampled_loss is not None
-    for layer in direct:
-        result[layer.name] = _direct_parts(layer, seen[layer.name], batch_size, with_sampled)
-    for name, inner in groups.items():
-        result.update(
-            _container_parts(modules[name], name, inner, seen[name], batch_size, with_sampled)
-        )
+        finally:
+            for h in handles:
+                h.remove()
+        it = iter(zip(grads, sampled))
+        for c in calls:
+            for _ in c.edges:
+                g, gs = next(it)
+                c.grads.append(g)
+                c.sampled.append(gs)
+            c.edges.clear()
+        result: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
+        with_sampled = sampled_loss is not None
+        for layer in direct:
+            result[layer.name] = _direct_parts(layer, seen[layer.name], batch_size, with_sampled)
+        for name, inner in groups.items():
+            result.update(
+                _container_parts(modules[name], name, inner, seen[name], batch_size, with_sampled)
+            )
     if len(root) != 1:
         return result, None
     return result, (root[0].detach() if isinstance(root[0], Tensor) else root[0])
+
+
+@contextlib.contextmanager
+def _eager_experts(containers: Iterable[nn.Module]) -> Iterator[None]:
+    """Transformers' experts modules run their eager forward (``F.linear`` per expert).
+
+    ``@use_experts_implementation`` dispatches on the model config's
+    ``_experts_implementation``; grouped or batched matmuls compute the same
+    outputs without the per-expert ``F.linear`` calls that the capture reads.
+    """
+    saved: list[tuple[Any, Any]] = []
+    for module in containers:
+        config = getattr(module, "config", None)
+        current = getattr(config, "_experts_implementation_internal", None)
+        if current is not None and current != "eager" and all(c is not config for c, _ in saved):
+            logger.debug("influence: %s runs its eager experts while capturing", type(module))
+            saved.append((config, current))
+            config._experts_implementation_internal = "eager"  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        for config, value in reversed(saved):
+            config._experts_implementation_internal = value
 
 
 def _direct_parts(
@@ -379,6 +494,15 @@ def _container_parts(
             )
             for name, parts in found.items():
                 per_example[name][b].extend(parts)
+    used = {x.param for x in layers if any(per_example[x.name])}
+    unused = sorted({x.param for x in layers if x.param is not None} - used)
+    if calls and unused:
+        raise HookComputationError(
+            f"the stacked expert weights {unused} of {type(container).__name__} "
+            f"({container_name!r}) were not called as F.linear(x, W[e]) while the container "
+            "ran, so their per-expert inputs cannot be captured. Leave them out of `grad_wrt`, "
+            "or use method='trak', whose per-example gradients take any experts forward."
+        )
     return {x.name: _padded(per_example[x.name], x, with_sampled, container_name) for x in layers}
 
 
@@ -410,10 +534,18 @@ def _rerun(
 
         return hook
 
-    handles = [x.module.register_forward_hook(make_hook(x.name)) for x in layers]
+    def record(name: str, x: Tensor, out: Tensor) -> Tensor:
+        call = _Seen((x.detach(),), {}, {})
+        seen[name].append(call)
+        routed: Tensor = router.route(out, call, separate=False)
+        return routed
+
+    handles = [x.module.register_forward_hook(make_hook(x.name)) for x in layers if x.param is None]
+    experts = _StackedLinear([x for x in layers if x.param is not None], record)
     try:
         with torch.enable_grad():
-            out = container(*args, **kwargs)
+            with experts:
+                out = container(*args, **kwargs)
             floating = [
                 t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.is_floating_point()
             ]
@@ -435,7 +567,7 @@ def _rerun(
     found: dict[str, list[tuple[Tensor, Tensor, Tensor | None]]] = {}
     it = iter(zip(got, got_s))
     for x in layers:
-        rule = LAYER_FACTORS[type(x.module)]
+        rule = LAYER_FACTORS[type(x.module)] if x.param is None else _stacked_factors
         for call in seen[x.name]:
             g, gs = next(it)
             # One example's rows of a routed subset: a batch of one with those rows.
@@ -450,6 +582,62 @@ def _rerun(
                 (a3[0].detach(), g3[0].detach(), None if gs3 is None else gs3[0].detach())
             )
     return found
+
+
+def _stacked_factors(
+    module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``a [1, R, d_in]``, ``g [1, R, d_out]`` of one ``F.linear(x, W[e])`` call."""
+    x = inputs[0]
+    return x.reshape(1, -1, x.shape[-1]), grad_output.reshape(1, -1, grad_output.shape[-1])
+
+
+class _StackedLinear(TorchFunctionMode):
+    """Hands ``F.linear(x, W[e])`` calls on the layers' stacked weights to ``record``.
+
+    ``record(layer name, x, output)`` returns what the call returns. A call's
+    weight is expert ``e`` of a stacked ``W [E, d_out, d_in]`` when it is a
+    view of ``W`` shaped and strided as ``W[e]``, ``e`` from its storage offset.
+    """
+
+    def __init__(
+        self, layers: Sequence[FactoredLayer], record: Callable[[str, Tensor, Tensor], Tensor]
+    ) -> None:
+        super().__init__()
+        self.stacked: dict[int, tuple[Tensor, dict[int, str]]] = {}
+        for x in layers:
+            assert x.expert is not None
+            weight = x.weight()
+            self.stacked.setdefault(id(weight), (weight, {}))[1][x.expert] = x.name
+        self.record = record
+
+    def _layer(self, weight: Any) -> str | None:
+        base = getattr(weight, "_base", None)
+        entry = None if base is None else self.stacked.get(id(base))
+        if entry is None:
+            return None
+        stacked, names = entry
+        if weight.shape != stacked.shape[1:] or weight.stride() != stacked.stride()[1:]:
+            return None
+        expert, rest = divmod(weight.storage_offset() - stacked.storage_offset(), stacked.stride(0))
+        return names.get(expert) if rest == 0 else None
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is not F.linear or not self.stacked:
+            return out
+        x = args[0] if args else kwargs.get("input")
+        name = self._layer(args[1] if len(args) > 1 else kwargs.get("weight"))
+        if name is None or not isinstance(out, Tensor) or not isinstance(x, Tensor):
+            return out
+        return self.record(name, x, out)
 
 
 def _contract(outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> Tensor:
@@ -471,8 +659,7 @@ def _padded(
     ref = next((parts[0][0] for parts in rows if parts), None)
     if ref is None:
         logger.debug("influence: layer %r of %r saw no token in this batch", layer.name, container)
-        weight = layer.module.weight
-        assert isinstance(weight, Tensor)
+        weight = layer.weight()
         empty = weight.new_zeros(len(rows), 0, d_in), weight.new_zeros(len(rows), 0, layer.d_out)
         return empty[0], empty[1], (empty[1] if with_sampled else None)
 

@@ -68,7 +68,7 @@ from torch import Tensor
 
 from gradsketch.attribution._distributed import RowWindow, all_reduce_sum_
 from gradsketch.attribution._io import iter_row_blocks, rows_as_tensor
-from gradsketch.attribution._kfac import KroneckerEigen, KroneckerFactors, resolve_damping
+from gradsketch.attribution._kfac import KroneckerEigen, KroneckerFactors, damped_reciprocal
 from gradsketch.attribution._kronecker_features import FactoredRows, split_factored
 from gradsketch.attribution._layer_capture import FactoredLayer
 from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
@@ -414,13 +414,19 @@ class KFACPreconditioner(Preconditioner):
         q = batch.out_to_loss
         weight = q.abs() if self.spec.curvature == "loss" else None
         mask = batch.token_mask
-        for f, (a, g, g_sampled) in zip(self.factors, batch.layers):
+        for x, f, (a, g, g_sampled) in zip(self.spec.layers, self.factors, batch.layers):
             g = g if g_sampled is None else g_sampled
             if weight is not None:
                 g = g * weight.to(g.device, g.dtype).reshape(-1, 1, 1)
-            if mask is not None and mask.shape == a.shape[:2] and not bool(mask.all()):
+            keep = None
+            if x.container is not None:
+                # Routed rows (an expert's tokens) are zero-padded to the batch's most; the
+                # padding leaves A's mean. They are no sequence positions: the mask does not fit.
+                keep = (a != 0).any(-1)
+            elif mask is not None and mask.shape == a.shape[:2]:
                 # Padded positions leave A's mean: a row's curvature is its batch's.
                 keep = mask.to(a.device)
+            if keep is not None and not bool(keep.all()):
                 f.update(a[keep].unsqueeze(0), g[keep].unsqueeze(0))
                 f.examples += a.shape[0] - 1
             else:
@@ -472,10 +478,10 @@ class KFACPreconditioner(Preconditioner):
             q_a, q_s, values = self.eigen[i]
             basis = KroneckerEigen(q_a=q_a, alpha=q_a.new_empty(0), q_s=q_s, s=q_s.new_empty(0))
             layer = self.spec.layers[i]
-            damped = values + resolve_damping(self.spec.damping, values)
+            inverse = damped_reciprocal(values, self.spec.damping)
             out[:, layer.offset : layer.offset + layer.width] = basis.rotate_rows(
                 block
-            ) / damped.to(targets.dtype)
+            ) * inverse.to(targets.dtype)
         return out
 
     def checkpoint_grads(self, train: Any, targets: Any, out_to_loss: Any) -> CheckpointGrads:

@@ -230,6 +230,9 @@ def test_traker_end_to_end_gives_finite_scores(family, computer, method, tmp_pat
         progress=False,
         logging_level=logging.WARNING,
     )
+    if method == "ekfac" and family.name in ("mixtral", "qwen2_moe"):
+        # Every expert of the stacked [E, d_out, d_in] weights is a factored layer.
+        assert sum(x.param is not None for x in traker.layers) == 2 * 2 * 4
     traker.load_checkpoint(model.state_dict(), model_id=0)
     for start in (0, 8):
         traker.featurize(tuple(t[start : start + 8] for t in train), num_samples=8)
@@ -299,28 +302,42 @@ def test_experts_containers_are_hooked_whole():
     assert type(experts[0].module) in WHOLE_MODULES
 
 
-@pytest.mark.parametrize("name", ["opt", "switch"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "opt",
+        "switch",
+        "mixtral",
+        pytest.param("qwen2_moe", marks=pytest.mark.matrix),
+    ],
+)
 def test_layer_capture_reads_flattened_and_routed_rows(name):
     """sum_t g_t a_tᵀ of every captured layer is its float64 per-example weight gradient.
 
     OPT's fc1 / fc2 see [B * T, d]; Switch's experts see the tokens their
-    router picked, captured by running the container once per example.
+    router picked, captured by running the container once per example;
+    Mixtral's and Qwen2-MoE's stacked experts ``W [E, d_out, d_in]`` are one
+    layer per ``W[e]``, whose gradient is the slice ``dW[:, e]``.
     """
     model, task, batch, reference = _reference(name)
     layers = find_layers(model, None, None)
-    if name == "switch":
+    if name != "opt":
         assert any(x.container is not None for x in layers)
+    if name in ("mixtral", "qwen2_moe"):
+        stacked = [n for n, p in model.named_parameters() if p.dim() == 3]
+        assert stacked and {x.param for x in layers if x.param is not None} == set(stacked)
     caps, root = capture_layers(model, layers, resolve_batch_output(task), batch)
     assert root is not None
     scale = max(g.abs().max().item() for g in reference.values())
     checked = 0
     for layer in layers:
-        weight = f"{layer.name}.weight"
+        weight = f"{layer.name}.weight" if layer.param is None else layer.param
         if weight not in reference:  # tied to the embedding: its part only
             continue
+        expected = reference[weight] if layer.param is None else reference[weight][:, layer.expert]
         a, g, _ = caps[layer.name]
         got = torch.bmm(g.transpose(1, 2), a.to(g.dtype))
-        torch.testing.assert_close(got, reference[weight], rtol=1e-9, atol=1e-9 * scale)
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9 * scale)
         checked += 1
     assert checked >= len(layers) - 1
 

@@ -16,7 +16,9 @@
   ``SwitchTransformersExperts``, ...: transformers names them ``*Experts``)
   pick each expert's tokens from the router's indices; they are hooked as a
   whole (:data:`~gradsketch.attribution._layers.WHOLE_MODULES`), since their
-  children see a data-dependent subset of the tokens.
+  children see a data-dependent subset of the tokens. For K-FAC / EK-FAC each
+  expert ``W[e]`` of their stacked ``[E, d_out, d_in]`` weights is a factored
+  layer (see :mod:`gradsketch.attribution._layer_capture`).
 
 :func:`gradsketch.attribution._layers.register_optional_rules` imports this
 module when transformers is loaded (a model holding these layers implies it).

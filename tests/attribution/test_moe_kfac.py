@@ -392,6 +392,29 @@ def test_traker_scores_equal_dense_float64_reference(tmp_path, name, method, sco
     _assert_scores(traker, scores, ref)
 
 
+@pytest.mark.parametrize("method", ["ekfac", pytest.param("kfac", marks=pytest.mark.slow)])
+def test_factored_rows_score_as_the_dense_reference(tmp_path, method):
+    """Short sequences: each expert's few routed rows are stored as factors (``token_factors``).
+
+    Then ``vec(G)`` is never stored: EK-FAC's eigenvalues and the scores are
+    taken from each position's rotated ``[a, g]``.
+    """
+    model, task, _, _ = _case("mixtral")
+    family = FAMILIES["mixtral"]
+    ids, mask, labels = (t[:, :4].clone() for t in as_task_batch(task, family.batch(8, seed=3)))
+    ids[1, 2:], mask[1, 2:], labels[1, 2:] = 0, 0, -100  # one padded row
+    train = (ids, mask, labels)
+    query = tuple(t[:, :4] for t in as_task_batch(task, family.batch(2, seed=4)))
+    grad_wrt = _stacked(model)
+    traker, scores = _traker_scores(
+        tmp_path, model, task, grad_wrt, train, query, method, "auto", 8
+    )
+    assert traker.store.has("checkpoints/0/token_factors")
+    assert not traker.store.has("checkpoints/0/grads")
+    ref = _reference_scores(model, task, grad_wrt, train, query, method, "auto")
+    _assert_scores(traker, scores, ref)
+
+
 # -- an expert no example is routed to ---------------------------------------------------------
 class StackedExperts(nn.Module):
     """Four experts in one ``[E, d_out, d_in]`` weight, each called on its routed rows."""

@@ -145,10 +145,23 @@ def demo(
     lm: bool = typer.Option(
         False, "--lm", help="The language-model job: GPT-2 on the stdlib's sources, HTML report."
     ),
+    replay: bool = typer.Option(
+        False,
+        "--replay",
+        help="Digits demo: also attribute by exact metagradients through checkpoint 0's "
+        "training run (MAGIC; its gallery and LDS beside EK-FAC's). Adds several training "
+        "runs' worth of time.",
+    ),
     verbose: bool = typer.Option(True, help="Log progress."),
 ) -> None:
     """The main job: TRAK attribution on scikit-learn's bundled digits, with LDS and a gallery."""
     _setup_logging(verbose)
+    if lm and replay:
+        raise typer.BadParameter(
+            "--replay adds the replay to the digits demo; the --lm job has no replay. Drop one "
+            "of the two flags.",
+            param_hint="--replay",
+        )
     if lm:
         from gradsketch.demos.lm import run_lm_demo
 
@@ -157,7 +170,7 @@ def demo(
         return
     from gradsketch.demos._attribution import format_report, run_demo
 
-    summary = run_demo(out, quick=quick)
+    summary = run_demo(out, quick=quick, report_replay=replay)
     typer.echo(summary.get("report") or format_report(summary))
 
 

@@ -43,6 +43,7 @@ from gradsketch.demos._digits import (
     load_digits_split,
     make_loader,
     margins,
+    replay_settings,
     train_digits_model,
 )
 from gradsketch.errors import GradsketchError
@@ -58,6 +59,12 @@ QUICK: dict[str, Any] = {
     "num_targets": 20,
     "lds_models": 5,
     "train": TrainSettings(epochs=5),
+}
+
+#: How the report names the LDS entries that are not TRAK dampings.
+_METHOD_NAMES = {
+    "ekfac": "EK-FAC influence",
+    "replay": "replay metagradients, checkpoint 0's run",
 }
 
 #: Test digits shown in the gallery and proponents / opponents per digit.
@@ -83,6 +90,10 @@ class DemoSettings:
         report_auto: also run ``lambda_reg="auto"`` and report its LDS.
         report_ekfac: also attribute with EK-FAC influence
             (``TRAKer(method="ekfac")``, damping ``"auto"``) and report its LDS.
+        report_replay: also attribute by exact metagradients through the
+            first checkpoint's training run (``TRAKer(method="replay")``,
+            MAGIC), write its gallery and report its LDS. Off by default: it
+            costs several training runs (minutes on two cores).
         seed: seeds the split, the checkpoints, the projector and the subsets.
         arch: ``"mlp"`` (64-256-256-10) or ``"cnn"``.
         batch_size: rows per featurize / score call.
@@ -96,6 +107,7 @@ class DemoSettings:
     lambda_reg: float | str = 0.0
     report_auto: bool = True
     report_ekfac: bool = True
+    report_replay: bool = False
     seed: int = 0
     arch: str = "mlp"
     batch_size: int = 256
@@ -142,6 +154,7 @@ def run_demo(
     lambda_reg: float | str = 0.0,
     report_auto: bool = True,
     report_ekfac: bool = True,
+    report_replay: bool = False,
     seed: int = 0,
     arch: str = "mlp",
     batch_size: int = 256,
@@ -173,6 +186,9 @@ def run_demo(
         lambda_reg: ridge term for the TRAK inverse (TRAKer's default 0.0).
         report_auto: also score with ``lambda_reg="auto"`` and report its LDS.
         report_ekfac: also attribute with EK-FAC influence and report its LDS.
+        report_replay: also attribute by metagradients through checkpoint
+            0's run (``TRAKer(method="replay")``): ``gallery_replay.png``,
+            ``scores_replay.npy`` and its LDS on the same retrained halves.
         seed: master seed.
         arch: ``"mlp"`` or ``"cnn"``.
         batch_size: rows per featurize / score call.
@@ -209,6 +225,7 @@ def run_demo(
         lambda_reg=lambda_reg,
         report_auto=report_auto,
         report_ekfac=report_ekfac,
+        report_replay=report_replay,
         seed=seed,
         arch=arch,
         batch_size=batch_size,
@@ -288,6 +305,33 @@ def run_demo(
         key: top_share_same_label(value, split.y_train, y_target, GALLERY_TOP)
         for key, value in candidates.items()
     }
+    if settings.report_replay:
+        # Checkpoint 0's own run, replayed from its initialization by the same TRAK loop.
+        init = build_model(settings.arch, seed=settings.seed).state_dict()
+        replay_scores, replay_timings = attribute_digits(
+            [init],
+            split,
+            settings,
+            save_dir=out / "replay_store",
+            lambda_reg=0.0,
+            progress=progress,
+            fresh=True,
+            method="replay",
+        )
+        timings["attribution_replay_total"] = sum(replay_timings.values())
+        np.save(out / "scores_replay.npy", replay_scores)
+        lds["replay"] = _lds(replay_scores, masks, outputs)
+        same_label["replay"] = top_share_same_label(
+            replay_scores, split.y_train, y_target, GALLERY_TOP
+        )
+        with _timed(timings, "gallery_replay"):
+            write_gallery(
+                out / "gallery_replay.png",
+                replay_scores,
+                split,
+                gallery_rows(y_target, GALLERY_ROWS),
+                top=GALLERY_TOP,
+            )
 
     # The gallery shows the scores the LDS validates best, so the picture a
     # user sees is the most trustworthy attribution the run produced.
@@ -313,6 +357,14 @@ def run_demo(
             "scores": str(out / "scores.npy"),
             **({"scores_auto": str(out / "scores_auto.npy")} if with_auto else {}),
             **({"scores_ekfac": str(out / "scores_ekfac.npy")} if settings.report_ekfac else {}),
+            **(
+                {
+                    "gallery_replay": str(out / "gallery_replay.png"),
+                    "scores_replay": str(out / "scores_replay.npy"),
+                }
+                if settings.report_replay
+                else {}
+            ),
             "summary": str(out / "summary.json"),
         },
     }
@@ -353,6 +405,10 @@ def attribute_digits(
         exp_name: TRAK experiment name of the targets.
         method: ``TRAKer``'s ``method`` (``"trak"``, or ``"ekfac"`` etc. for
             curvature-aware influence; those need a ``save_dir`` of their own).
+            ``"replay"``: ``checkpoints`` is the one run's initialization and
+            the TRAKer replays :func:`train_model`'s loop from it
+            (:func:`replay_settings`); ``proj_dim`` and ``lambda_reg`` are
+            not used.
 
     Returns:
         ``(scores [n_train, num_targets], timings)`` with timings for
@@ -363,6 +419,14 @@ def attribute_digits(
     if fresh and save_dir.exists():
         shutil.rmtree(save_dir)
     timings: dict[str, float] = {}
+    features: dict[str, Any] = {
+        "proj_dim": settings.proj_dim,
+        "use_half_precision": False,
+        "projector_seed": settings.seed,
+        "lambda_reg": lambda_reg,
+    }
+    if method == "replay":
+        features = {"replay": replay_settings(split.n_train, settings.train, seed=settings.seed)}
     traker = TRAKer(
         model=build_model(settings.arch, seed=settings.seed),
         task="image_classification",
@@ -370,13 +434,10 @@ def attribute_digits(
         save_dir=str(save_dir),
         load_from_save_dir=True,
         device="cpu",
-        proj_dim=settings.proj_dim,
-        use_half_precision=False,
-        projector_seed=settings.seed,
-        lambda_reg=lambda_reg,
         logging_level=logging.WARNING,
         progress=progress,
         method=method,
+        **features,
     )
     train_loader = make_loader(split.x_train, split.y_train, batch_size=settings.batch_size)
     target_loader = make_loader(
@@ -551,7 +612,7 @@ def format_report(summary: Mapping[str, Any]) -> str:
         (v for k, v in summary.items() if k.endswith("_same_label")), {}
     )
     for key, value in summary["lds"].items():
-        name = "EK-FAC influence" if key == "ekfac" else f"lambda_reg={key}"
+        name = _METHOD_NAMES.get(key, f"lambda_reg={key}")
         share = (
             f"; top-{GALLERY_TOP} proponents share the label {shares[key]:.0%}"
             if key in shares
@@ -571,6 +632,8 @@ def format_report(summary: Mapping[str, Any]) -> str:
         lines.append(
             f"  gallery: {summary['files']['gallery']} ({summary.get('gallery_lambda_reg', '?')})"
         )
+        if "gallery_replay" in summary["files"]:
+            lines.append(f"  replay gallery: {summary['files']['gallery_replay']}")
         lines.append(f"  summary: {summary['files']['summary']}")
     return "\n".join(lines)
 
@@ -666,6 +729,10 @@ def _claim_out_dir(out: Path, settings: DemoSettings, *, overwrite: bool) -> Non
         except (OSError, json.JSONDecodeError):
             previous = None
         current = json.loads(json.dumps(settings.to_dict()))
+        if previous is not None:
+            # Fields added since that run was written take their defaults.
+            defaults = json.loads(json.dumps(DemoSettings().to_dict()))
+            previous = {**{k: v for k, v in defaults.items() if k not in previous}, **previous}
         if previous is not None and previous != current:
             raise DemoSettingsError(
                 f"`out_dir` {str(out)!r} holds a demo run with other settings.\n"

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -323,6 +324,36 @@ def train_model(
                 optimizer.step()
                 scheduler.step()
     return model.eval()
+
+
+def replay_settings(n_train: int, settings: TrainSettings | None = None, *, seed: int = 0) -> Any:
+    """:func:`train_model`'s loop as a :class:`~gradsketch.attribution.ReplaySettings`.
+
+    Same optimizer (SGD, momentum, L2 weight decay), the cosine rate of each
+    step, and the batch order: ``seed`` draws one ``randperm`` per epoch from
+    a fresh ``torch.Generator``, as :func:`train_model` does. With a model
+    from ``build_model(arch, seed=seed)`` the replay trains the model that
+    ``train_digits_model(..., seed=seed)`` returns.
+
+    Example:
+        >>> s = replay_settings(1438, TrainSettings(epochs=2), seed=3)
+        >>> (s.optimizer, s.num_steps, s.batch_size, s.seed, s.lr[0])
+        ('sgd', 46, 64, 3, 0.05)
+    """
+    from gradsketch.attribution import ReplaySettings
+
+    settings = TrainSettings() if settings is None else settings
+    total = settings.epochs * math.ceil(n_train / settings.batch_size)
+    lr = [settings.lr * 0.5 * (1.0 + math.cos(math.pi * t / total)) for t in range(total)]
+    return ReplaySettings(
+        optimizer="sgd",
+        lr=lr,
+        momentum=settings.momentum,
+        weight_decay=settings.weight_decay,
+        num_steps=total,
+        batch_size=settings.batch_size,
+        seed=seed,
+    )
 
 
 @contextmanager

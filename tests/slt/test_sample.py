@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zarr
 from _slt_helpers import (
     SEQ,
     loss_on_two_threads,
@@ -129,6 +130,26 @@ def test_layout_is_devinterps(run: Any) -> None:
     assert ds.attrs["completed"] == 1
     assert ds.attrs["metrics_numel"] == sum(p.numel() for p in tiny_gpt2().parameters())
     assert np.isfinite(ds["loss_probe_set"].values).all()
+
+
+def test_every_array_is_compressed_then_checksummed(stored: tuple[Path, Any]) -> None:
+    """Blosc-zstd with byte shuffle, then a crc32c of the compressed chunk (what the
+    integrity checks read); int64 byte tokens (7 zero bytes in 8) shrink below a quarter."""
+    path, _ = stored
+    root = zarr.open_group(str(path), mode="r")
+    arrays = [root[name] for name in root.array_keys()]
+    arrays += [root[f"progress/{name}"] for name in ("init_done", "chain_done")]
+    for array in arrays:
+        assert isinstance(array, zarr.Array)
+        codecs = array.metadata.to_dict()["codecs"]
+        names = [c["name"] for c in codecs]
+        assert names == ["bytes", "blosc", "crc32c"], (array.path, names)
+        blosc = codecs[1]["configuration"]
+        assert (blosc["cname"], blosc["shuffle"]) == ("zstd", "shuffle"), array.path
+    ids = root["sampling_input_ids_micro"]
+    assert isinstance(ids, zarr.Array)
+    chunk_bytes = sum(f.stat().st_size for f in (path / ids.path / "c").rglob("*") if f.is_file())
+    assert 0 < chunk_bytes < ids.nbytes / 4
 
 
 def test_batches_are_devinterps_dataloader_batches(run: Any, data: torch.Tensor) -> None:

@@ -329,7 +329,8 @@ class _Arrays:
             dtype=np_dtype,
             chunks=tuple(chunks),
             dimension_names=dims,
-            **array_options(np_dtype),  # crc32c checksums, NaN fill for floats
+            # Blosc-zstd with shuffle, crc32c checksums, NaN fill for floats.
+            **array_options(np_dtype, compress=True),
             attributes={"_FillValue": _NAN_FILL} if floating else {},
         )
 

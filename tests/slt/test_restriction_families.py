@@ -25,6 +25,7 @@ The default run takes a representative few (one of each layout); the rest are
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -42,6 +43,14 @@ from gradsketch.slt import (
     to_param_mask,
 )
 from helpers.hf_families import DECODERS_BY_NAME
+
+transformers = pytest.importorskip("transformers")
+#: GPT-NeoX's output embedding: ``embed_out`` until transformers renamed it ``lm_head`` (5.x).
+NEOX_UNEMBED = (
+    "embed_out.weight"
+    if "self.embed_out" in inspect.getsource(transformers.GPTNeoXForCausalLM.__init__)
+    else "lm_head.weight"
+)
 
 Ranges = list[tuple[int, int]]
 LLAMA_ATTN = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
@@ -129,7 +138,7 @@ EXPECTED: dict[str, Expected] = {
         [f"mlp.{m}.{t}" for m in ("dense_h_to_4h", "dense_4h_to_h") for t in ("weight", "bias")],
         _NEOX_HEAD,
         "gpt_neox.embed_in.weight",
-        ["lm_head.weight"],
+        [NEOX_UNEMBED],
     ),
     "gptj": Expected(
         "transformer.h",

@@ -15,7 +15,10 @@ models (2 layers, width 32, 4 experts, top-2, right-padded batches):
   EK-FAC's corrected eigenvalues ``diag(Qᵀ F Q)`` and ``torch.linalg.solve``
   of ``H + λI``;
 * an expert no example is routed to gives zero rows and finite scores,
-  also without damping.
+  also without damping;
+* transformers' transposed ``[E, d_in, d_out]`` experts with a bias
+  (gpt-oss: ``x @ W[e] + B[e]``) are ``[dW[e]ᵀ | dB[e]]`` per expert; stacked
+  weights called any other way are refused with the ways out.
 """
 
 from __future__ import annotations
@@ -417,12 +420,22 @@ def test_factored_rows_score_as_the_dense_reference(tmp_path, method):
 
 # -- an expert no example is routed to ---------------------------------------------------------
 class StackedExperts(nn.Module):
-    """Four experts in one ``[E, d_out, d_in]`` weight, each called on its routed rows."""
+    """Four experts in one stacked weight, each called on its routed rows.
 
-    def __init__(self, transposed: bool = False) -> None:
+    ``layout``: ``"linear"`` (``W [E, d_out, d_in]``, ``F.linear(x, W[e])``),
+    ``"transposed"`` (transformers' ``is_transposed``: ``W [E, d_in, d_out]``,
+    ``x @ W[e] + B[e]``) or ``"other"`` (``x @ W[e].T``, which is not captured).
+    """
+
+    def __init__(self, layout: str = "linear") -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 3, 5) / 2)
-        self.transposed = transposed
+        self.layout = layout
+        if layout == "transposed":
+            self.is_transposed = True
+            self.weight = nn.Parameter(torch.randn(4, 5, 3) / 2)
+            self.weight_bias = nn.Parameter(torch.randn(4, 3) / 2)
+        else:
+            self.weight = nn.Parameter(torch.randn(4, 3, 5) / 2)
 
     def forward(self, x: Tensor, index: Tensor) -> Tensor:
         out = x.new_zeros(x.shape[0], 3)
@@ -430,8 +443,12 @@ class StackedExperts(nn.Module):
             rows = (index == e).nonzero()[:, 0]
             if rows.numel() == 0:
                 continue
-            w = self.weight[e]
-            y = x[rows] @ w.T if self.transposed else F.linear(x[rows], w)
+            if self.layout == "linear":
+                y = F.linear(x[rows], self.weight[e])
+            elif self.layout == "transposed":
+                y = x[rows] @ self.weight[e] + self.weight_bias[e]
+            else:
+                y = x[rows] @ self.weight[e].T
             out = out.index_add(0, rows, y)
         return out
 
@@ -439,10 +456,10 @@ class StackedExperts(nn.Module):
 class ToyMoE(nn.Module):
     """Routes each position to the largest of its first three features: expert 3 never runs."""
 
-    def __init__(self, transposed: bool = False) -> None:
+    def __init__(self, layout: str = "linear") -> None:
         super().__init__()
         self.inp = nn.Linear(5, 5)
-        self.experts = StackedExperts(transposed)
+        self.experts = StackedExperts(layout)
         self.head = nn.Linear(3, 3)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -506,7 +523,7 @@ def test_stacked_weights_called_otherwise_are_refused(toy):
     """A stacked weight read without F.linear(x, W[e]) cannot be captured: say what to do."""
     _, train, _ = toy
     torch.manual_seed(0)
-    model = ToyMoE(transposed=True).double()
+    model = ToyMoE("other").double()
     task = ImageClassificationModelOutput()
     layers = find_layers(model, None, None)
     assert any(x.param == "experts.weight" for x in layers)
@@ -518,16 +535,68 @@ def test_stacked_weights_called_otherwise_are_refused(toy):
         capture_layers(model, layers, resolve_batch_output(task), train)
 
 
-def test_transposed_stacked_weights_are_left_out(toy, caplog):
-    """transformers' ``is_transposed`` experts (``[E, d_in, d_out]``) are logged and skipped."""
-    model, _, _ = toy
-    model.experts.is_transposed = True
-    try:
-        with caplog.at_level(logging.INFO, logger="gradsketch.attribution._layer_capture"):
-            layers = find_layers(model, None, None)
-        assert [x.name for x in layers] == ["inp", "head"]
-        assert "'experts.weight' of StackedExperts is stored [experts, d_in, d_out]" in caplog.text
-        with pytest.raises(ValueError, match=r"no differentiated layer of a factored type"):
-            find_layers(model, ["experts.weight"], None)
-    finally:
-        del model.experts.is_transposed
+def _transposed_blocks(reference: dict[str, Tensor], param: str, experts: int) -> list[Tensor]:
+    """Per expert ``[dW[e]ᵀ | dB[e]]``, ``[B, d_out, d_in + 1]``: the layer's features."""
+    w, b = reference[param], reference[param + "_bias"]
+    return [torch.cat([w[:, e].transpose(1, 2), b[:, e, :, None]], 2) for e in range(experts)]
+
+
+@pytest.mark.parametrize("method", ["kfac", pytest.param("ekfac", marks=pytest.mark.slow)])
+def test_transposed_stacked_weights_with_bias_are_factored(toy, tmp_path, method):
+    """``is_transposed`` experts (``x @ W[e] + B[e]``, as gpt-oss) are ``[dW[e]ᵀ | dB[e]]``."""
+    _, train, query = toy
+    torch.manual_seed(0)
+    model = ToyMoE("transposed").double()
+    task = ImageClassificationModelOutput()
+    featurizer = _featurizer(model, task, None)
+    experts = [x for x in featurizer.layers if x.param == "experts.weight"]
+    assert [(x.d_in, x.d_out, x.bias, x.transposed) for x in experts] == [(6, 3, True, True)] * 4
+    assert experts[0].param_names == ("experts.weight", "experts.weight_bias")
+    parts, _ = featurizer.layer_parts(train)
+    features = featurizer.features([(a, g) for a, g, _ in parts])
+    output = resolve_batch_output(task)
+    reference = {
+        p: _loop(model, output, train, p) for p in ("experts.weight", "experts.weight_bias")
+    }
+    reference = {p: r.reshape(8, *model.get_parameter(p).shape) for p, r in reference.items()}
+    for x, expected in zip(experts, _transposed_blocks(reference, "experts.weight", 4)):
+        got = features[:, x.offset : x.offset + x.width].reshape(expected.shape)
+        scale = max(expected.abs().max().item(), 1e-300)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12 * scale)
+    traker, scores = _traker_scores(tmp_path, model, task, None, train, query, method, 0.1, 4)
+    ref = _reference_scores(model, task, None, train, query, method, 0.1)
+    _assert_scores(traker, scores, ref)
+
+
+@pytest.mark.slow
+def test_gpt_oss_transposed_experts_equal_float64_per_example_grads():
+    """gpt-oss: ``x @ W[e] + B[e]`` of ``[E, d_in, d_out]`` weights, against a float64 loop."""
+    family = Family(
+        "gpt_oss",
+        _decoder(
+            "GptOssConfig",
+            intermediate_size=8,
+            num_local_experts=4,
+            head_dim=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **SMALL,
+        ),
+        "GptOssForCausalLM",
+        "lm",
+    )
+    model = family.build(F64)
+    task = resolve_task(family.task)
+    batch = as_task_batch(task, family.batch(4))
+    reference = loop_reference(model, task, batch)
+    layers = find_layers(model, None, None)
+    caps, _ = capture_layers(model, layers, resolve_batch_output(task), batch)
+    stacked = [n for n, p in model.named_parameters() if p.dim() == 3]
+    assert len(stacked) == 4 and {x.param for x in layers if x.param} == set(stacked)
+    for param in stacked:
+        experts = [x for x in layers if x.param == param]
+        for x, expected in zip(experts, _transposed_blocks(reference, param, 4)):
+            a, g, _ = caps[x.name]
+            a = torch.cat([a, torch.ones_like(a[..., :1])], 2)  # zero rows: g = 0 too
+            got = torch.bmm(g.transpose(1, 2), a)
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * scale)

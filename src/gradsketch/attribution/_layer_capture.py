@@ -31,10 +31,10 @@ and K-FAC's curvature is block-diagonal by expert. During the container's
 rerun, calls ``F.linear(x, W[e])`` whose weight is a view of a registered
 stacked weight are intercepted (a :class:`~torch.overrides.TorchFunctionMode`;
 the expert is the view's storage offset), their ``x`` kept as ``a`` and
-their outputs routed for ``g``. Transformers' experts run their eager
-implementation while capturing (grouped or batched matmuls call no
-``F.linear``). Transposed stacked weights (``[E, d_in, d_out]``, gpt-oss,
-Aria) are left out, logged.
+their outputs routed for ``g``; so are ``x @ W[e]`` of transformers'
+transposed ``[E, d_in, d_out]`` weights (gpt-oss, Aria), with their
+``<weight>_bias [E, d_out]``. Transformers' experts run their eager
+implementation while capturing (grouped or batched matmuls call neither).
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ class FactoredLayer:
     (its rows are a routed subset of the tokens), or is ``None``. ``param``
     and ``expert`` name the stacked 3-D weight ``W [E, d_out, d_in]`` and
     the expert ``e`` whose slice ``W[e]`` the layer is (``module`` is then the
-    weight's owner), or are ``None`` for a layer module.
+    weight's owner), or are ``None`` for a layer module; ``transposed``: the
+    stacked weight is ``[E, d_in, d_out]``, called as ``x @ W[e]``. Its
+    features are still ``[d_out, d_in (+ bias)]``, as ``Conv1D``'s are.
     """
 
     name: str
@@ -93,6 +95,7 @@ class FactoredLayer:
     container: str | None = None
     param: str | None = None
     expert: int | None = None
+    transposed: bool = False
 
     @property
     def width(self) -> int:
@@ -102,7 +105,7 @@ class FactoredLayer:
     def param_names(self) -> tuple[str, ...]:
         """Full names of the parameters whose gradient the layer's features are."""
         if self.param is not None:
-            return (self.param,)
+            return (self.param,) + ((self.param + "_bias",) if self.bias else ())
         prefix = f"{self.name}." if self.name else ""
         return (prefix + "weight",) + ((prefix + "bias",) if self.bias else ())
 
@@ -204,30 +207,33 @@ def _stacked_layers(
 ) -> Iterator[FactoredLayer]:
     """One layer per expert of each differentiated 3-D weight a container owns directly.
 
-    The weights are ``[E, d_out, d_in]``, called as ``F.linear(x, W[e])``;
-    transformers' experts classes stored ``[E, d_in, d_out]`` (``is_transposed``)
-    are left out.
+    The weights are ``[E, d_out, d_in]``, called as ``F.linear(x, W[e])``,
+    or with transformers' ``is_transposed`` (gpt-oss, Aria) ``[E, d_in, d_out]``,
+    called as ``x @ W[e]``. A parameter ``<weight>_bias`` ``[E, d_out]`` beside
+    it (transformers' ``has_bias`` layout) is the experts' bias.
     """
     prefix = f"{name}." if name else ""
-    for local, param in module.named_parameters(recurse=False):
+    params = dict(module.named_parameters(recurse=False))
+    transposed = bool(getattr(module, "is_transposed", False))
+    for local, param in params.items():
         full = prefix + local
         if param.dim() != 3 or (wanted is not None and full not in wanted):
             continue
-        if getattr(module, "is_transposed", False):
-            logger.info(
-                "influence: %r of %s is stored [experts, d_in, d_out] (is_transposed); its "
-                "experts are not factored and it is left out of the per-layer features",
-                full,
-                type(module).__name__,
-            )
-            continue
-        experts, d_out, d_in = (int(d) for d in param.shape)
+        experts = int(param.shape[0])
+        d_in, d_out = (int(d) for d in (param.shape[1:] if transposed else param.shape[:0:-1]))
+        bias_param = params.get(local + "_bias")
+        bias = (
+            bias_param is not None
+            and tuple(bias_param.shape) == (experts, d_out)
+            and (wanted is None or full + "_bias" in wanted)
+        )
+        d_in += int(bias)
         k_in, k_out = (d_in, d_out) if projection is None else projection
         for e in range(experts):
             yield FactoredLayer(
                 f"{full}.{e}",
                 module,
-                False,
+                bias,
                 d_in,
                 d_out,
                 min(k_in, d_in),
@@ -235,6 +241,7 @@ def _stacked_layers(
                 container=inside.get(name, name),
                 param=full,
                 expert=e,
+                transposed=transposed,
             )
 
 
@@ -499,7 +506,8 @@ def _container_parts(
     if calls and unused:
         raise HookComputationError(
             f"the stacked expert weights {unused} of {type(container).__name__} "
-            f"({container_name!r}) were not called as F.linear(x, W[e]) while the container "
+            f"({container_name!r}) were not called as F.linear(x, W[e]) (or x @ W[e] for "
+            "transposed ones) while the container "
             "ran, so their per-expert inputs cannot be captured. Leave them out of `grad_wrt`, "
             "or use method='trak', whose per-example gradients take any experts forward."
         )
@@ -541,7 +549,7 @@ def _rerun(
         return routed
 
     handles = [x.module.register_forward_hook(make_hook(x.name)) for x in layers if x.param is None]
-    experts = _StackedLinear([x for x in layers if x.param is not None], record)
+    experts = _StackedExperts([x for x in layers if x.param is not None], record)
     try:
         with torch.enable_grad():
             with experts:
@@ -587,36 +595,43 @@ def _rerun(
 def _stacked_factors(
     module: nn.Module, inputs: tuple[Any, ...], grad_output: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """``a [1, R, d_in]``, ``g [1, R, d_out]`` of one ``F.linear(x, W[e])`` call."""
+    """``a [1, R, d_in]``, ``g [1, R, d_out]`` of one call of an expert ``W[e]``."""
     x = inputs[0]
     return x.reshape(1, -1, x.shape[-1]), grad_output.reshape(1, -1, grad_output.shape[-1])
 
 
-class _StackedLinear(TorchFunctionMode):
-    """Hands ``F.linear(x, W[e])`` calls on the layers' stacked weights to ``record``.
+#: ``x @ W[e]``, however it is spelt.
+_MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
 
-    ``record(layer name, x, output)`` returns what the call returns. A call's
-    weight is expert ``e`` of a stacked ``W [E, d_out, d_in]`` when it is a
-    view of ``W`` shaped and strided as ``W[e]``, ``e`` from its storage offset.
+
+class _StackedExperts(TorchFunctionMode):
+    """Hands the calls of the layers' stacked expert weights to ``record``.
+
+    ``record(layer name, x, output)`` returns what the call returns. A call is
+    expert ``e``'s when its weight is a view of a stacked ``W`` shaped and
+    strided as ``W[e]`` (``e`` from the view's storage offset):
+    ``F.linear(x, W[e])`` for ``[E, d_out, d_in]`` weights, ``x @ W[e]`` for
+    transposed ``[E, d_in, d_out]`` ones. A bias ``B[e]`` added to the call's
+    output (inside ``F.linear`` or after the product) has the same output gradient.
     """
 
     def __init__(
         self, layers: Sequence[FactoredLayer], record: Callable[[str, Tensor, Tensor], Tensor]
     ) -> None:
         super().__init__()
-        self.stacked: dict[int, tuple[Tensor, dict[int, str]]] = {}
+        self.stacked: dict[int, tuple[Tensor, bool, dict[int, str]]] = {}
         for x in layers:
             assert x.expert is not None
             weight = x.weight()
-            self.stacked.setdefault(id(weight), (weight, {}))[1][x.expert] = x.name
+            self.stacked.setdefault(id(weight), (weight, x.transposed, {}))[2][x.expert] = x.name
         self.record = record
 
-    def _layer(self, weight: Any) -> str | None:
+    def _layer(self, weight: Any, transposed: bool) -> str | None:
         base = getattr(weight, "_base", None)
         entry = None if base is None else self.stacked.get(id(base))
-        if entry is None:
+        if entry is None or entry[1] != transposed:
             return None
-        stacked, names = entry
+        stacked, _, names = entry
         if weight.shape != stacked.shape[1:] or weight.stride() != stacked.stride()[1:]:
             return None
         expert, rest = divmod(weight.storage_offset() - stacked.storage_offset(), stacked.stride(0))
@@ -631,10 +646,14 @@ class _StackedLinear(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is not F.linear or not self.stacked:
+        if func is F.linear:
+            x = args[0] if args else kwargs.get("input")
+            name = self._layer(args[1] if len(args) > 1 else kwargs.get("weight"), False)
+        elif func in _MATMULS and len(args) == 2:
+            x = args[0]
+            name = self._layer(args[1], True)
+        else:
             return out
-        x = args[0] if args else kwargs.get("input")
-        name = self._layer(args[1] if len(args) > 1 else kwargs.get("weight"))
         if name is None or not isinstance(out, Tensor) or not isinstance(x, Tensor):
             return out
         return self.record(name, x, out)

@@ -13,6 +13,10 @@ this one's. Per chain, per step, per draw::
     metrics_<field>          [chain, step]        with save_metrics (norms, dot products)
     sketch_<component>       [chain, step, sketch] with sketch_dim (count sketches)
 
+Chunks are compressed with Blosc-zstd and byte shuffle, then checksummed
+(crc32c; :func:`gradsketch._store.array_options`); devinterp writes plain
+zstd, and each library reads the other's stores.
+
 The chains run on :class:`gradsketch.sampling.SGMCMC` (every preconditioner,
 masks, metrics, sketches). Differences from devinterp that change no
 estimate: batches are index lookups into one token tensor (the same batches
@@ -20,7 +24,8 @@ as devinterp's DataLoader for the same seed); the per-token loss is one fused
 cross-entropy; every observable of a draw is evaluated in one forward pass
 (in chunks bounded by the logits' size); the initial loss, which depends only
 on the weights and the batches, is computed once when every chain sees the
-same batches; and each finished chain is written by a background thread while
+same batches (and once for the calls sharing a :class:`SamplingCache`, as
+the restrictions of :func:`~gradsketch.slt.susceptibilities` do); and each finished chain is written by a background thread while
 the next one samples (data first, then the chain's done flag, as
 :mod:`gradsketch._store` does).
 

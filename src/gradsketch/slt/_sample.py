@@ -25,9 +25,9 @@ cross-entropy; every observable of a draw is evaluated in one forward pass
 (in chunks bounded by the logits' size); the initial loss, which depends only
 on the weights and the batches, is computed once when every chain sees the
 same batches (and once for the calls sharing a :class:`SamplingCache`, as
-the restrictions of :func:`~gradsketch.slt.susceptibilities` do); and each finished chain is written by a background thread while
-the next one samples (data first, then the chain's done flag, as
-:mod:`gradsketch._store` does).
+the restrictions of :func:`~gradsketch.slt.susceptibilities` do); and each
+finished chain is written by a background thread while the next one samples
+(data first, then the chain's done flag, as :mod:`gradsketch._store` does).
 
 Every chain runs on a working copy of the model
 (:mod:`gradsketch.slt._train_forward`): the same train-mode function with

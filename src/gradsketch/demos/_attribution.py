@@ -64,7 +64,8 @@ QUICK: dict[str, Any] = {
 #: How the report names the LDS entries that are not TRAK dampings.
 _METHOD_NAMES = {
     "ekfac": "EK-FAC influence",
-    "replay": "replay metagradients, checkpoint 0's run",
+    "replay": "replay metagradients, checkpoint 0's run, its targets",
+    "ekfac_replay_targets": "EK-FAC influence, the replay's targets",
 }
 
 #: Test digits shown in the gallery and proponents / opponents per digit.
@@ -94,6 +95,9 @@ class DemoSettings:
             first checkpoint's training run (``TRAKer(method="replay")``,
             MAGIC), write its gallery and report its LDS. Off by default: it
             costs several training runs (minutes on two cores).
+        replay_targets: test digits the replay scores (the first ones; its
+            reverse pass grows with them); its LDS, and EK-FAC's beside it,
+            are over these.
         seed: seeds the split, the checkpoints, the projector and the subsets.
         arch: ``"mlp"`` (64-256-256-10) or ``"cnn"``.
         batch_size: rows per featurize / score call.
@@ -108,6 +112,7 @@ class DemoSettings:
     report_auto: bool = True
     report_ekfac: bool = True
     report_replay: bool = False
+    replay_targets: int = 16
     seed: int = 0
     arch: str = "mlp"
     batch_size: int = 256
@@ -118,6 +123,7 @@ class DemoSettings:
             ("num_checkpoints", 1),
             ("num_targets", 1),
             ("lds_models", 3),
+            ("replay_targets", 1),
             ("proj_dim", 1),
             ("batch_size", 1),
         ):
@@ -155,6 +161,7 @@ def run_demo(
     report_auto: bool = True,
     report_ekfac: bool = True,
     report_replay: bool = False,
+    replay_targets: int = 16,
     seed: int = 0,
     arch: str = "mlp",
     batch_size: int = 256,
@@ -189,6 +196,8 @@ def run_demo(
         report_replay: also attribute by metagradients through checkpoint
             0's run (``TRAKer(method="replay")``): ``gallery_replay.png``,
             ``scores_replay.npy`` and its LDS on the same retrained halves.
+        replay_targets: how many of the targets (the first) the replay
+            scores; EK-FAC's LDS on the same targets is reported beside.
         seed: master seed.
         arch: ``"mlp"`` or ``"cnn"``.
         batch_size: rows per featurize / score call.
@@ -226,6 +235,7 @@ def run_demo(
         report_auto=report_auto,
         report_ekfac=report_ekfac,
         report_replay=report_replay,
+        replay_targets=replay_targets,
         seed=seed,
         arch=arch,
         batch_size=batch_size,
@@ -308,10 +318,11 @@ def run_demo(
     if settings.report_replay:
         # Checkpoint 0's own run, replayed from its initialization by the same TRAK loop.
         init = build_model(settings.arch, seed=settings.seed).state_dict()
+        r = min(settings.replay_targets, settings.num_targets)
         replay_scores, replay_timings = attribute_digits(
             [init],
             split,
-            settings,
+            dataclasses.replace(settings, num_targets=r),
             save_dir=out / "replay_store",
             lambda_reg=0.0,
             progress=progress,
@@ -320,16 +331,18 @@ def run_demo(
         )
         timings["attribution_replay_total"] = sum(replay_timings.values())
         np.save(out / "scores_replay.npy", replay_scores)
-        lds["replay"] = _lds(replay_scores, masks, outputs)
+        lds["replay"] = _lds(replay_scores, masks, outputs[:, :r])
+        if settings.report_ekfac:
+            lds["ekfac_replay_targets"] = _lds(ekfac_scores[:, :r], masks, outputs[:, :r])
         same_label["replay"] = top_share_same_label(
-            replay_scores, split.y_train, y_target, GALLERY_TOP
+            replay_scores, split.y_train, y_target[:r], GALLERY_TOP
         )
         with _timed(timings, "gallery_replay"):
             write_gallery(
                 out / "gallery_replay.png",
                 replay_scores,
                 split,
-                gallery_rows(y_target, GALLERY_ROWS),
+                gallery_rows(y_target[:r], GALLERY_ROWS),
                 top=GALLERY_TOP,
             )
 

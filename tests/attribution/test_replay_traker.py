@@ -175,3 +175,55 @@ def test_replay_misuse_is_refused(tmp_path):
         traker.start_scoring_checkpoint("q", init, model_id=0, num_targets=1, per_token=True)
     with pytest.raises(ValueError, match="fits no preconditioner"):
         traker.preconditioner(0)
+
+
+@pytest.mark.slow
+def test_per_token_scores_of_a_language_model_equal_the_attributor(tmp_path):
+    """GPT-2 (eager): per-token scores through the TRAK loop equal ReplayAttributor's bit
+    for bit, and the whole-target scores are their sum over tokens."""
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2() -> torch.nn.Module:
+        config = transformers.GPT2Config(
+            n_layer=1,
+            n_head=2,
+            n_embd=8,
+            vocab_size=16,
+            n_positions=6,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config).double().eval()
+
+    ids = torch.randint(0, 16, (6, 6), generator=torch.Generator().manual_seed(2))
+    settings = ReplaySettings(optimizer="adam", lr=0.01, num_steps=4, batch_size=3)
+    model = gpt2()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    traker = TRAKer(
+        model,
+        "language_modeling",
+        6,
+        save_dir=tmp_path / "t",
+        method="replay",
+        replay=settings,
+        progress=False,
+    )
+    traker.load_checkpoint(init, model_id=0)
+    traker.featurize({"input_ids": ids}, num_samples=6)
+    traker.finalize_features()
+    traker.start_scoring_checkpoint("tok", init, model_id=0, num_targets=2, per_token=True)
+    traker.score({"input_ids": ids[:2]}, num_samples=2)
+    per_token = traker.finalize_scores("tok", per_token=True)
+    ref = ReplayAttributor(
+        gpt2(), "language_modeling", {"input_ids": ids}, settings, progress=False
+    )
+    ref.train()
+    expected = ref.score({"input_ids": ids[:2]}, per_token=True).numpy()
+    assert per_token.shape == (6, 2, 6)
+    np.testing.assert_array_equal(per_token, expected)
+    np.testing.assert_array_equal(traker.finalize_scores("tok"), expected.sum(-1))

@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # downloads gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo demo-lm test test-avx2 test-slow test-matrix test-bench lint bench bench-setup clean
+.PHONY: demo demo-replay demo-lm test test-avx2 test-slow test-matrix test-bench lint bench bench-setup clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/gradsketch demo --out demo_out
+
+# The digits demo plus exact metagradients through a replayed run (MAGIC) -> demo_replay_out/
+demo-replay: $(VENV)/.installed
+	$(VENV)/bin/gradsketch demo --replay --out demo_replay_out
 
 # The language-model main job: GPT-2 on the standard library's sources -> demo_lm_out/
 demo-lm: $(VENV)/.installed
@@ -64,4 +68,4 @@ bench: $(VENV)/.bench
 	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) demo_out demo_lm_out build dist src/*.egg-info
+	rm -rf $(VENV) demo_out demo_replay_out demo_lm_out build dist src/*.egg-info

@@ -600,3 +600,27 @@ def test_gpt_oss_transposed_experts_equal_float64_per_example_grads():
             got = torch.bmm(g.transpose(1, 2), a)
             scale = expected.abs().max().item()
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * scale)
+
+
+def test_transformers_experts_outside_the_per_expert_layout_are_left_out(caplog):
+    """A transformers experts class without ``@use_experts_implementation`` (Llama 4's
+    ``bmm`` over every expert) keeps its stacked weights out, logged."""
+
+    class WholeBmmExperts(StackedExperts):
+        pass
+
+    WholeBmmExperts.__module__ = "transformers.models.fake.modeling_fake"
+    torch.manual_seed(0)
+    model = ToyMoE().double()
+    model.experts = WholeBmmExperts()
+    register_whole_module(WholeBmmExperts)
+    try:
+        with caplog.at_level(logging.INFO, logger="gradsketch.attribution._layer_capture"):
+            layers = find_layers(model, None, None)
+        assert [x.name for x in layers] == ["inp", "head"]
+        assert "WholeBmmExperts is no @use_experts_implementation class" in caplog.text
+        assert "['experts.weight'] are left out" in caplog.text
+        model.experts.is_transposed = False  # what the decorator sets
+        assert sum(x.param == "experts.weight" for x in find_layers(model, None, None)) == 4
+    finally:
+        WHOLE_MODULES.discard(WholeBmmExperts)

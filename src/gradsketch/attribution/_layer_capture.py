@@ -210,10 +210,26 @@ def _stacked_layers(
     The weights are ``[E, d_out, d_in]``, called as ``F.linear(x, W[e])``,
     or with transformers' ``is_transposed`` (gpt-oss, Aria) ``[E, d_in, d_out]``,
     called as ``x @ W[e]``. A parameter ``<weight>_bias`` ``[E, d_out]`` beside
-    it (transformers' ``has_bias`` layout) is the experts' bias.
+    it (transformers' ``has_bias`` layout) is the experts' bias. Transformers
+    classes outside ``@use_experts_implementation`` (Llama 4's experts, one
+    ``bmm`` over all of them) are left out, logged.
     """
     prefix = f"{name}." if name else ""
     params = dict(module.named_parameters(recurse=False))
+    cls = type(module)
+    if cls.__module__.startswith("transformers.") and not hasattr(module, "is_transposed"):
+        # Not an @use_experts_implementation class: its weights may be read whole
+        # (Llama 4's bmm over every expert), which no per-expert layer captures.
+        stacked = [prefix + n for n, p in params.items() if p.dim() == 3]
+        if stacked:
+            logger.info(
+                "influence: %s is no @use_experts_implementation class (transformers' "
+                "per-expert layout); its stacked weights %s are left out of the per-layer "
+                "features",
+                cls.__name__,
+                stacked,
+            )
+        return
     transposed = bool(getattr(module, "is_transposed", False))
     for local, param in params.items():
         full = prefix + local

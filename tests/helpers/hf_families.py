@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -62,6 +63,8 @@ class Family:
         cfg = self.config()
         if self.kind == "cls":
             cfg.num_labels = CLASSES
+        if getattr(cfg, "router_dtype", "float32") != str(dtype).removeprefix("torch."):
+            _skip_mixed_router(self.head)
         torch.manual_seed(seed)
         model = getattr(_transformers(), self.head)(cfg)
         return model.to(dtype).eval()
@@ -81,6 +84,21 @@ def _tokens(n: int, seq: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
     mask = (torch.arange(seq) < _lengths(n, seq, g)[:, None]).long()
     ids = torch.randint(3, VOCAB, (n, seq), generator=g).masked_fill(mask == 0, PAD)
     return ids, mask
+
+
+def _skip_mixed_router(head: str) -> None:
+    """Skip where a Switch router cannot run beside weights of another dtype.
+
+    Transformers before the router learned to cast its own classifier (5.0 among
+    them) feed it float32 inputs whatever the weights' dtype, so a float64 model
+    fails inside transformers; newer versions run it.
+    """
+    import inspect
+
+    module = inspect.getmodule(getattr(_transformers(), head))
+    router = getattr(module, "SwitchTransformersTop1Router", None)
+    if router is not None and "self.classifier.to(" not in inspect.getsource(router.forward):
+        pytest.skip(f"this transformers' {head} router mixes float32 inputs with other weights")
 
 
 def make_batch(kind: str, n: int, seed: int = 1, dtype: torch.dtype = torch.float64) -> tuple:

@@ -75,6 +75,24 @@ def token_data(n: int, *, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
     return base.repeat_interleave(2, dim=1)[:, :seq].contiguous()
 
 
+def trained_tiny_gpt2(ids: torch.Tensor, *, steps: int = 60) -> torch.nn.Module:
+    """:func:`tiny_gpt2` after ``steps`` full-batch Adam steps on ``ids``.
+
+    Near a minimum the sampled loss rises above L(w*), as the step-size pilots
+    need; at a random init it may fall, and whether it does depends on how
+    the installed transformers initialises the weights.
+    """
+    model = tiny_gpt2()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        logits = model(ids).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
 def reference_token_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Float64 next-token cross-entropy by log-softmax and gather (the obvious way)."""
     with torch.no_grad():

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from _slt_helpers import tiny_gpt2, token_data
+from _slt_helpers import tiny_gpt2, token_data, trained_tiny_gpt2
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradsketch.sampling
@@ -31,7 +31,8 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def test_auto_records_the_calibrated_step(tmp_path: Path) -> None:
-    model, ids = tiny_gpt2(), token_data(64)
+    ids = token_data(64)
+    model = trained_tiny_gpt2(ids)
     tree = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
     stored = tree.attrs["metadata"]["config"]["sampler"]["lr"]
     # The same pilots by hand: same loader order, loss and seed (one process, same threads).
@@ -43,7 +44,7 @@ def test_auto_records_the_calibrated_step(tmp_path: Path) -> None:
         generator=torch.Generator().manual_seed(100),
     )
     expected = gradsketch.sampling.calibrated_lr(
-        tiny_gpt2().train(),
+        trained_tiny_gpt2(ids).train(),
         loader,
         lambda m, b: per_token_loss(m, b[0]).mean(),
         nbeta=10.0,
@@ -57,7 +58,8 @@ def test_auto_records_the_calibrated_step(tmp_path: Path) -> None:
 def test_auto_store_is_reused_without_calibrating_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, ids = tiny_gpt2(), token_data(64)
+    ids = token_data(64)
+    model = trained_tiny_gpt2(ids)
     first = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
     step = first.attrs["metadata"]["config"]["sampler"]["lr"]
     calls = _count_calls(monkeypatch)
@@ -74,7 +76,8 @@ def test_susceptibilities_calibrate_once_for_every_restriction(
 ) -> None:
     from gradsketch.slt import create_param_masks
 
-    model, ids = tiny_gpt2(), token_data(64)
+    ids = token_data(64)
+    model = trained_tiny_gpt2(ids)
     calls = _count_calls(monkeypatch)
     susceptibilities(
         model,

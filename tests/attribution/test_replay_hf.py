@@ -176,3 +176,36 @@ def test_attributor_before_training_and_wrong_callback_are_refused(tmp_path):
         ReplayCallback().attributor(object())
     with pytest.raises(TypeError, match="`callback` must be the ReplayCallback"):
         ReplayAttributor.from_trainer(object(), object())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(
+            {"optim": "sgd", "optim_args": "momentum=0.9", "lr_scheduler_type": "cosine"},
+            id="sgd-momentum-cosine",
+        ),
+        pytest.param(
+            {"optim": "adamw_torch", "lr_scheduler_type": "constant_with_warmup"},
+            id="adamw-constant-warmup",
+        ),
+    ],
+)
+def test_other_optimizers_and_schedules_replay_to_the_trainers_weights(tmp_path, overrides):
+    """SGD with momentum (cosine) and single-tensor AdamW (constant after warmup): the same
+    check and tolerance as the fused-AdamW run (SGD's updates are linear in the gradient,
+    so its bound is the smaller one, lr · δg per step)."""
+    trainer, callback = _train(tmp_path, _gpt2(torch.float32), **overrides)
+    s = callback.settings
+    assert s.optimizer == ("sgd" if overrides["optim"] == "sgd" else "adamw")
+    if overrides["optim"] == "sgd":
+        assert s.momentum == 0.9
+    # The recorded rates are the schedule's: warmup to the peak, then its own shape.
+    assert s.lr[:3] == pytest.approx([0.0, 5e-3, 1e-2])
+    if overrides["lr_scheduler_type"] == "constant_with_warmup":
+        assert s.lr[2:] == [s.lr[2]] * 3
+    replay = ReplayAttributor.from_trainer(trainer, callback, progress=False)
+    replay.train()
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(replay.final[name], p.detach(), rtol=0, atol=1e-6)

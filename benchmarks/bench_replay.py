@@ -30,7 +30,6 @@ query as the block of queries ``m`` grows (``--cost-m``).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -52,8 +51,9 @@ from gradsketch.demos._attribution import (
 )
 from gradsketch.demos._digits import (
     TrainSettings,
-    build_mlp,
+    build_model,
     load_digits_split,
+    replay_settings,
     train_digits_model,
 )
 
@@ -75,19 +75,12 @@ QUICK = Sizes(epochs=1, num_targets=4, lds_models=4, seeds=2, cost_m=(1, 4))
 
 def replay_run(split: Any, train: TrainSettings, seed: int, **kw: Any) -> ReplayAttributor:
     """The demo's training loop as a replayable run (same init, order and schedule)."""
-    steps = train.epochs * math.ceil(split.n_train / train.batch_size)
-    lr = [train.lr * 0.5 * (1.0 + math.cos(math.pi * t / steps)) for t in range(steps)]
+    settings = replay_settings(split.n_train, train, seed=seed)
     return ReplayAttributor(
-        build_mlp(seed=seed),
+        build_model("mlp", seed=seed),
         "image_classification",
         (split.x_train, split.y_train),
-        optimizer="sgd",
-        lr=lr,
-        momentum=train.momentum,
-        weight_decay=train.weight_decay,
-        num_steps=steps,
-        batch_size=train.batch_size,
-        seed=seed,
+        settings,
         **kw,
     )
 

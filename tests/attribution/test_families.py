@@ -45,8 +45,10 @@ from helpers.hf_families import (  # noqa: E402
     FAMILIES,
     SEQ,
     Family,
+    float64_case,
     loop_reference,
 )
+from helpers.launch import one_thread  # noqa: E402
 
 F64 = torch.float64
 #: Families of the default run: flattened rows (OPT), an autograd.Function vmap
@@ -71,22 +73,14 @@ def _params(families: list[Family], default: tuple[str, ...] = DEFAULT) -> list[
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
     """Models this small run fastest on one thread (and do not fight for shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @functools.cache
 def _reference(name: str) -> tuple[nn.Module, Any, tuple[Tensor, ...], dict[str, Tensor]]:
     """A family's float64 model, task, 4-example batch and per-example loop gradients."""
-    family = BY_NAME[name]
-    model = family.build(F64)
-    task = resolve_task(family.task)
-    batch = as_task_batch(task, family.batch(4))
-    return model, task, batch, loop_reference(model, task, batch)
+    return float64_case(BY_NAME[name])
 
 
 def _assert_grads_equal(

@@ -30,6 +30,7 @@ from gradsketch.attribution import (  # noqa: E402
 )
 from gradsketch.attribution._gradient_computers import VmapTraceError  # noqa: E402
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector  # noqa: E402
+from helpers.launch import one_thread  # noqa: E402
 
 F64 = torch.float64
 VOCAB, SEQ, BATCH, CLASSES, PAD = 64, 8, 3, 3, 0
@@ -122,12 +123,8 @@ CASES = [
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
     """Models this small run fastest on one thread (and do not fight for shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class LabelLogit(AbstractModelOutput):

@@ -53,8 +53,9 @@ from gradsketch.attribution._layers import (  # noqa: E402
 )
 from gradsketch.attribution._lm import LanguageModelingModelOutput  # noqa: E402
 from gradsketch.attribution._lm_data import as_task_batch  # noqa: E402
-from gradsketch.attribution._modelout import resolve_batch_output, resolve_task  # noqa: E402
-from helpers.hf_families import Family, _decoder, loop_reference  # noqa: E402
+from gradsketch.attribution._modelout import resolve_batch_output  # noqa: E402
+from helpers.hf_families import Family, _decoder, float64_case  # noqa: E402
+from helpers.launch import one_thread  # noqa: E402
 
 F64 = torch.float64
 #: Per-layer "auto" damping: this fraction of each layer's mean eigenvalue.
@@ -88,22 +89,14 @@ FAMILIES = {
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
     """Models this small run fastest on one thread (and do not fight for shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @functools.cache
 def _case(name: str) -> tuple[nn.Module, Any, tuple[Tensor, ...], dict[str, Tensor]]:
     """A family's float64 model, task, padded 4-example batch and loop gradients."""
-    family = FAMILIES[name]
-    model = family.build(F64)
-    task = resolve_task(family.task)
-    batch = as_task_batch(task, family.batch(4))
-    return model, task, batch, loop_reference(model, task, batch)
+    return float64_case(FAMILIES[name])
 
 
 def _stacked(model: nn.Module) -> list[str]:
@@ -584,10 +577,7 @@ def test_gpt_oss_transposed_experts_equal_float64_per_example_grads():
         "GptOssForCausalLM",
         "lm",
     )
-    model = family.build(F64)
-    task = resolve_task(family.task)
-    batch = as_task_batch(task, family.batch(4))
-    reference = loop_reference(model, task, batch)
+    model, task, batch, reference = float64_case(family)
     layers = find_layers(model, None, None)
     caps, _ = capture_layers(model, layers, resolve_batch_output(task), batch)
     stacked = [n for n, p in model.named_parameters() if p.dim() == 3]

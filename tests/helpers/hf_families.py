@@ -137,6 +137,19 @@ def loop_reference(model: nn.Module, task: Any, batch: tuple) -> dict[str, Tenso
     return {n: torch.stack(r) for n, r in rows.items()}
 
 
+def float64_case(
+    family: Family, n: int = 4
+) -> tuple[nn.Module, Any, tuple[Tensor, ...], dict[str, Tensor]]:
+    """``family``'s float64 model, its task, ``family.batch(n)`` and the loop's gradients."""
+    from gradsketch.attribution._lm_data import as_task_batch
+    from gradsketch.attribution._modelout import resolve_task
+
+    model = family.build(torch.float64)
+    task = resolve_task(family.task)
+    batch = as_task_batch(task, family.batch(n))
+    return model, task, batch, loop_reference(model, task, batch)
+
+
 # -- configs -----------------------------------------------------------------------
 def _decoder(name: str, **extra: Any) -> Callable[[], Any]:
     """A Llama-style config class (``num_hidden_layers``, ``hidden_size``, ...)."""

@@ -15,6 +15,7 @@ from gradsketch.attribution import (
     ReplaySettings,
     batch_order,
 )
+from helpers.attribution import replay_data, replay_mlp
 
 N, STEPS, BATCH = 12, 10, 4
 
@@ -29,22 +30,10 @@ OPTIMIZERS = [
 ]
 
 
-def _mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
-    ).double()
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return torch.randn(N, 4, generator=gen, dtype=torch.float64), torch.arange(N) % 3
-
-
 def _replay(optimizer: str, kw: dict, **extra: object) -> ReplayAttributor:
-    x, y = _data()
+    x, y = replay_data(N)
     r = ReplayAttributor(
-        _mlp(),
+        replay_mlp(),
         "image_classification",
         (x, y),
         optimizer=optimizer,
@@ -68,7 +57,7 @@ def test_metagradient_equals_central_difference_through_the_run(optimizer, kw):
     of 25 and is still 6 orders below the metagradients (~0.1).
     """
     r = _replay(optimizer, kw)
-    x, y = _data()
+    x, y = replay_data(N)
     queries = (x[:3], y[:3])
     scores = r.metagradients(queries)
     assert scores.shape == (N, 3) and scores.dtype == torch.float64
@@ -89,8 +78,8 @@ def test_training_matches_torch_optimizers(optimizer, kw):
     Only rounding differs (torch fuses some ops): 1e-12 relative over 10 steps.
     """
     r = _replay(optimizer, kw)
-    model = _mlp()
-    x, y = _data()
+    model = replay_mlp()
+    x, y = replay_data(N)
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
     args = {"weight_decay": r.settings.weight_decay}
     if optimizer == "sgd":
@@ -119,7 +108,7 @@ def test_a_block_of_queries_equals_one_query_at_a_time(optimizer, kw):
     that is ``T D ε max|s| ≈ 10 · 5 · 1.1e-16 · 2 ≈ 1.1e-14``.
     """
     r = _replay(optimizer, kw)
-    x, y = _data()
+    x, y = replay_data(N)
     block = r.metagradients((x[:3], y[:3]))
     single = torch.cat([r.metagradients((x[j : j + 1], y[j : j + 1])) for j in range(3)], dim=1)
     bound = STEPS * 5 * torch.finfo(torch.float64).eps * float(block.abs().max())
@@ -152,10 +141,10 @@ def test_memory_estimate_follows_the_formula_and_the_budget_sizes_blocks():
     assert est.activations > 0 and est.total == sum(
         (est.checkpoints, est.segment, est.adjoints, est.scores, est.activations)
     )
-    x, y = _data()
+    x, y = replay_data(N)
     budget = r.memory_estimate(2).total
     fitted = ReplayAttributor(
-        _mlp(),
+        replay_mlp(),
         "image_classification",
         (x, y),
         optimizer="adam",
@@ -173,9 +162,9 @@ def test_memory_estimate_follows_the_formula_and_the_budget_sizes_blocks():
 
 
 def test_a_run_that_does_not_fit_the_budget_is_refused():
-    x, y = _data()
+    x, y = replay_data(N)
     r = ReplayAttributor(
-        _mlp(),
+        replay_mlp(),
         "image_classification",
         (x, y),
         num_steps=STEPS,
@@ -189,12 +178,12 @@ def test_a_run_that_does_not_fit_the_budget_is_refused():
 
 
 def test_scores_are_stored_resumed_and_other_settings_refused(tmp_path):
-    x, y = _data()
+    x, y = replay_data(N)
     queries = (x[:4], y[:4])
 
     def make(**kw: object) -> ReplayAttributor:
         return ReplayAttributor(
-            _mlp(),
+            replay_mlp(),
             "image_classification",
             (x, y),
             num_steps=STEPS,
@@ -230,7 +219,7 @@ def test_scores_are_stored_resumed_and_other_settings_refused(tmp_path):
 
 def test_topk_orders_each_querys_scores():
     r = _replay("sgd", {"lr": 0.3, "momentum": 0.9})
-    x, y = _data()
+    x, y = replay_data(N)
     scores = r.score((x[:3], y[:3]))
     top = r.topk(3)
     for j in range(3):
@@ -240,10 +229,10 @@ def test_topk_orders_each_querys_scores():
 
 
 def test_explicit_order_and_dict_data():
-    x, y = _data()
+    x, y = replay_data(N)
     order = [[0, 1, 2], [3, 4], [5, 0, 7, 7]]
     r = ReplayAttributor(
-        _mlp(),
+        replay_mlp(),
         "image_classification",
         [(x[:6], y[:6]), (x[6:], y[6:])],
         order=order,
@@ -285,8 +274,8 @@ def test_invalid_settings_are_refused(kwargs, error, match):
 
 
 def test_invalid_use_is_refused():
-    x, y = _data()
-    model = _mlp()
+    x, y = replay_data(N)
+    model = replay_mlp()
     make = ReplayAttributor
     with pytest.raises(ValueError, match=r"`order` holds indices in \[0, 12\]"):
         make(model, "image_classification", (x, y), order=[[0, 12]], progress=False)
@@ -329,7 +318,7 @@ def test_linearized_leave_one_out_matches_retraining_to_first_order(optimizer):
 
     kw = {"lr": 0.2, "momentum": 0.9} if optimizer == "sgd" else {"lr": 0.02}
     r = _replay(optimizer, kw)
-    x, y = _data()
+    x, y = replay_data(N)
     q = (x[:1], y[:1])
     s = r.metagradients(q)[:, 0]
     base = r.outputs(q)[0]
@@ -424,7 +413,7 @@ def test_reverse_over_reverse_fallback_equals_forward_over_reverse():
     so the bound of the block test applies (``T D ε max|s|``, D = 5).
     """
     r = _replay("adamw", {"lr": 0.05, "weight_decay": 0.1})
-    x, y = _data()
+    x, y = replay_data(N)
     fast = r.metagradients((x[:3], y[:3]))
     assert r._vmap_ok is True
     r._vmap_ok = False

@@ -16,21 +16,10 @@ from gradsketch.attribution import (
     ReplayTRAKer,
     TRAKer,
 )
+from helpers.attribution import replay_data, replay_mlp
 
 N, M = 12, 3
 SETTINGS = ReplaySettings(optimizer="adam", lr=0.05, num_steps=8, batch_size=4, seed=3)
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
-    ).double()
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return torch.randn(N, 4, generator=gen, dtype=torch.float64), torch.arange(N) % 3
 
 
 def _traker(model: torch.nn.Module, path, **kw) -> TRAKer:
@@ -49,7 +38,7 @@ def _traker(model: torch.nn.Module, path, **kw) -> TRAKer:
 
 def _trak_loop(traker: TRAKer, init: dict, exp: str = "q") -> np.ndarray:
     """The TRAK loop as trak's README writes it, batch by batch."""
-    x, y = _data()
+    x, y = replay_data(N)
     traker.load_checkpoint(init, model_id=0)
     for j in range(0, N, 5):
         traker.featurize((x[j : j + 5], y[j : j + 5]), num_samples=min(5, N - j))
@@ -60,13 +49,13 @@ def _trak_loop(traker: TRAKer, init: dict, exp: str = "q") -> np.ndarray:
 
 
 def test_scores_equal_the_attributor_bit_for_bit(tmp_path):
-    model = _model()
+    model = replay_mlp()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     traker = _traker(model, tmp_path / "t")
     assert isinstance(traker, ReplayTRAKer)
     scores = _trak_loop(traker, init)
-    x, y = _data()
-    ref = ReplayAttributor(_model(), "image_classification", (x, y), SETTINGS, progress=False)
+    x, y = replay_data(N)
+    ref = ReplayAttributor(replay_mlp(), "image_classification", (x, y), SETTINGS, progress=False)
     ref.train()
     expected = ref.score((x[:M], y[:M])).numpy()
     assert scores.shape == (N, M) and scores.dtype == np.float64
@@ -77,12 +66,12 @@ def test_scores_equal_the_attributor_bit_for_bit(tmp_path):
 
 
 def test_a_given_attributor_is_used_and_rows_checked(tmp_path):
-    x, y = _data()
-    model = _model()
+    x, y = replay_data(N)
+    model = replay_mlp()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     replay = ReplayAttributor(model, "image_classification", (x, y), SETTINGS, progress=False)
     traker = _traker(model, tmp_path / "t", replay=replay)
-    ref = ReplayAttributor(_model(), "image_classification", (x, y), SETTINGS, progress=False)
+    ref = ReplayAttributor(replay_mlp(), "image_classification", (x, y), SETTINGS, progress=False)
     ref.train()
     np.testing.assert_array_equal(_trak_loop(traker, init), ref.score((x[:M], y[:M])).numpy())
     other = _traker(model, tmp_path / "u", replay=replay)
@@ -92,7 +81,7 @@ def test_a_given_attributor_is_used_and_rows_checked(tmp_path):
 
 
 def test_resume_reads_stored_queries_and_other_settings_are_refused(tmp_path, monkeypatch):
-    model = _model()
+    model = replay_mlp()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     first = _trak_loop(_traker(model, tmp_path / "t"), init)
     # A rerun computes nothing: every query is read back from the store.
@@ -103,15 +92,15 @@ def test_resume_reads_stored_queries_and_other_settings_are_refused(tmp_path, mo
         "metagradients",
         lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
     )
-    again = _trak_loop(_traker(_model(), tmp_path / "t"), init)
+    again = _trak_loop(_traker(replay_mlp(), tmp_path / "t"), init)
     np.testing.assert_array_equal(again, first)
     assert calls == []
     # Other training settings on the same store: refused with both values shown.
     other = ReplaySettings(optimizer="adam", lr=0.01, num_steps=8, batch_size=4, seed=3)
     with pytest.raises(SettingsMismatchError, match="lr"):
-        _traker(_model(), tmp_path / "t", replay=other)
+        _traker(replay_mlp(), tmp_path / "t", replay=other)
     # Another initialization for the same model id: refused.
-    traker = _traker(_model(), tmp_path / "t")
+    traker = _traker(replay_mlp(), tmp_path / "t")
     changed = {k: v + 1 if v.is_floating_point() else v for k, v in init.items()}
     with pytest.raises(SettingsMismatchError, match="fingerprint"):
         traker.load_checkpoint(changed, model_id=0)
@@ -124,7 +113,7 @@ def test_resume_reads_stored_queries_and_other_settings_are_refused(tmp_path, mo
 
 
 def test_topk_orders_the_scores(tmp_path):
-    model = _model()
+    model = replay_mlp()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     traker = _traker(model, tmp_path / "t")
     scores = _trak_loop(traker, init)
@@ -153,19 +142,19 @@ REFUSED = [
 def test_arguments_that_cannot_apply_are_refused(tmp_path, kwargs, match):
     error = TypeError if kwargs.get("replay", 1) is None else ValueError
     with pytest.raises(error, match=match):
-        _traker(_model(), tmp_path / "t", **kwargs)
+        _traker(replay_mlp(), tmp_path / "t", **kwargs)
 
 
 def test_replay_misuse_is_refused(tmp_path):
-    model = _model()
+    model = replay_mlp()
     init = model.state_dict()
     with pytest.raises(ValueError, match="`replay` is the replayable run of method='replay'"):
         TRAKer(model, "image_classification", N, save_dir=tmp_path / "a", replay=SETTINGS)
     traker = _traker(model, tmp_path / "t")
     with pytest.raises(ModelIDException, match="load_checkpoint"):
-        traker.featurize(_data(), num_samples=N)
+        traker.featurize(replay_data(N), num_samples=N)
     traker.load_checkpoint(init, model_id=0)
-    x, y = _data()
+    x, y = replay_data(N)
     traker.featurize((x[:5], y[:5]), num_samples=5)
     with pytest.raises(ModelIDException, match="7 of 12 rows missing"):
         traker.finalize_features()

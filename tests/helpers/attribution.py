@@ -5,6 +5,20 @@ from __future__ import annotations
 import torch
 
 
+def replay_mlp() -> torch.nn.Module:
+    """The float64 ``4 -> 5 -> 3`` tanh MLP of the replay tests (seeded: equal on every call)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+    ).double()
+
+
+def replay_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` float64 rows of 4 features for :func:`replay_mlp`, labels ``0, 1, 2, 0, ...``."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(n, 4, generator=gen, dtype=torch.float64), torch.arange(n) % 3
+
+
 def logreg_data(n=40, d=5, classes=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g, dtype=torch.float64)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from gradsketch._checks import positive_int
 from gradsketch._settings import SettingsMismatchError, read_record, write_record
 from gradsketch._store import RowStore
-from gradsketch.attribution._integrity import check_batch_rows, check_weights
+from gradsketch.attribution._integrity import check_weights
 from gradsketch.attribution._lm_data import as_loader, as_task_batch
 from gradsketch.attribution._modelout import resolve_task
 from gradsketch.attribution._replay import ReplayAttributor, ReplaySettings
@@ -42,7 +42,8 @@ from gradsketch.attribution._topk import TopK, TopKCollector
 from gradsketch.attribution._traker import (
     ModelIDException,
     TRAKer,
-    _resolve_inds,
+    _batch_rows,
+    _check_per_token,
     checkpoint_fingerprint,
     model_fingerprint,
 )
@@ -91,6 +92,32 @@ _ONE_RUN = (
     "one model id; average several runs' scores yourself, or use one TRAKer per run "
     "(each with its own save_dir)"
 )
+
+
+def _keep_rows(
+    columns: list[Tensor] | None,
+    batch: Sequence[Tensor],
+    rows: Tensor,
+    n: int,
+    what: str,
+    fix: str,
+) -> list[Tensor]:
+    """Write ``batch`` into ``rows`` of ``columns`` (``n`` rows each, zeros until written).
+
+    ``columns`` is None before the first batch: it is allocated from that
+    batch's shapes and dtypes. ``fix`` ends the error of a batch whose
+    per-row shape differs from the earlier ones.
+    """
+    if columns is None:
+        columns = [t.new_zeros((n, *t.shape[1:])) for t in batch]
+    for j, (col, t) in enumerate(zip(columns, batch, strict=True)):
+        if col.shape[1:] != t.shape[1:]:
+            raise ValueError(
+                f"{what}: column {j} has shape {tuple(t.shape[1:])} per row, earlier batches "
+                f"{tuple(col.shape[1:])}; {fix}."
+            )
+        col[rows] = t.to(col.device, col.dtype)
+    return columns
 
 
 class ReplayTRAKer(TRAKer):
@@ -259,10 +286,10 @@ class ReplayTRAKer(TRAKer):
                 "no checkpoint loaded; call traker.load_checkpoint(state_dict, model_id) with the "
                 "weights the run starts from before featurize."
             )
-        batch = as_task_batch(self.task, batch)
         n = self.train_set_size
-        idx = _resolve_inds(inds, num_samples, self._last_ind, n, "featurize")
-        check_batch_rows(batch, idx, "inds" if num_samples is None else "num_samples", "featurize")
+        batch, idx = _batch_rows(
+            self.task, batch, inds, num_samples, self._last_ind, n, "featurize"
+        )
         if num_samples is not None:
             self._last_ind += int(num_samples)
         rows = torch.as_tensor(idx)
@@ -276,16 +303,14 @@ class ReplayTRAKer(TRAKer):
                     )
             self._have[idx] = True
             return
-        if self._columns is None:
-            self._columns = [t.new_zeros((n, *t.shape[1:])) for t in batch]
-        for j, (col, t) in enumerate(zip(self._columns, batch, strict=True)):
-            if col.shape[1:] != t.shape[1:]:
-                raise ValueError(
-                    f"featurize: column {j} has shape {tuple(t.shape[1:])} per row, earlier "
-                    f"batches {tuple(col.shape[1:])}; pad every batch to one length (the replay "
-                    "trains on one tensor per column)."
-                )
-            col[rows] = t.to(col.device, col.dtype)
+        self._columns = _keep_rows(
+            self._columns,
+            batch,
+            rows,
+            n,
+            "featurize",
+            "pad every batch to one length (the replay trains on one tensor per column)",
+        )
         self._have[idx] = True
 
     def featurize_loader(self, loader: Iterable[Any], *, batch_size: int = 16) -> None:
@@ -367,11 +392,7 @@ class ReplayTRAKer(TRAKer):
             raise ValueError(f"`exp_name` must be a non-empty name without '/', got {exp_name!r}.")
         positive_int("num_targets", num_targets)
         self._check_run(checkpoint, model_id, "start_scoring_checkpoint")
-        if per_token and not callable(getattr(self.task, "per_token_batch", None)):
-            raise ValueError(
-                f"`per_token`=True needs a task with per-token outputs (a `per_token_batch` "
-                f"method, as 'language_modeling' has); {type(self.task).__name__} has none."
-            )
+        _check_per_token(self.task, per_token)
         rec_path = self.save_dir / "experiments" / f"{exp_name}.json"
         requested = {"num_targets": int(num_targets), "per_token": bool(per_token)}
         if rec_path.exists():
@@ -400,21 +421,20 @@ class ReplayTRAKer(TRAKer):
             raise ModelIDException(
                 "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before score."
             )
-        batch = as_task_batch(self.task, batch)
         m = self._num_targets
-        idx = _resolve_inds(inds, num_samples, self._last_ind_target, m, "score")
-        check_batch_rows(batch, idx, "inds" if num_samples is None else "num_samples", "score")
+        batch, idx = _batch_rows(
+            self.task, batch, inds, num_samples, self._last_ind_target, m, "score"
+        )
         if num_samples is not None:
             self._last_ind_target += int(num_samples)
-        if self._targets is None:
-            self._targets = [t.new_zeros((m, *t.shape[1:])) for t in batch]
-        for j, (col, t) in enumerate(zip(self._targets, batch, strict=True)):
-            if col.shape[1:] != t.shape[1:]:
-                raise ValueError(
-                    f"score: column {j} has shape {tuple(t.shape[1:])} per row, earlier batches "
-                    f"{tuple(col.shape[1:])}; pad every target to one length."
-                )
-            col[torch.as_tensor(idx)] = t.to(col.device, col.dtype)
+        self._targets = _keep_rows(
+            self._targets,
+            batch,
+            torch.as_tensor(idx),
+            m,
+            "score",
+            "pad every target to one length",
+        )
         self._target_have[idx] = True
 
     def score_loader(self, loader: Iterable[Any], *, batch_size: int = 16) -> None:

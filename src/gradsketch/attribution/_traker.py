@@ -214,6 +214,25 @@ def _resolve_inds(inds: Any, num_samples: int | None, last: int, n: int, what: s
     return idx
 
 
+def _batch_rows(
+    task: Any, batch: Any, inds: Any, num_samples: int | None, last: int, n: int, what: str
+) -> tuple[tuple[Tensor, ...], np.ndarray]:
+    """``batch`` as the task's tuple and its rows (``inds``, or ``num_samples`` after ``last``)."""
+    batch = as_task_batch(task, batch)
+    idx = _resolve_inds(inds, num_samples, last, n, what)
+    check_batch_rows(batch, idx, "inds" if num_samples is None else "num_samples", what)
+    return batch, idx
+
+
+def _check_per_token(task: Any, per_token: bool) -> None:
+    """Refuse ``per_token=True`` for a task without per-token outputs."""
+    if per_token and not callable(getattr(task, "per_token_batch", None)):
+        raise ValueError(
+            f"`per_token`=True needs a task with per-token outputs (a `per_token_batch` "
+            f"method, as 'language_modeling' has); {type(task).__name__} has none."
+        )
+
+
 class TRAKer:
     """TRAK data attribution (Park et al., ICML 2023), API-compatible with ``trak.TRAKer``.
 
@@ -1100,9 +1119,9 @@ class TRAKer:
                 "no checkpoint loaded; call traker.load_checkpoint(state_dict, model_id) "
                 "before featurize."
             )
-        batch = as_task_batch(self.task, batch)
-        idx = _resolve_inds(inds, num_samples, self._last_ind, self.train_set_size, "featurize")
-        check_batch_rows(batch, idx, "inds" if num_samples is None else "num_samples", "featurize")
+        batch, idx = _batch_rows(
+            self.task, batch, inds, num_samples, self._last_ind, self.train_set_size, "featurize"
+        )
         check_token_batch(self.task, self.model, batch, "featurize")
         if num_samples is not None:
             self._last_ind += int(num_samples)
@@ -1473,11 +1492,7 @@ class TRAKer:
             raise ValueError(f"`exp_name` must be a non-empty name without '/', got {exp_name!r}.")
         positive_int("num_targets", num_targets)
         check_weights(checkpoint, model_id)
-        if per_token and not callable(getattr(self.task, "per_token_batch", None)):
-            raise ValueError(
-                f"`per_token`=True needs a task with per-token outputs (a `per_token_batch` "
-                f"method, as 'language_modeling' has); {type(self.task).__name__} has none."
-            )
+        _check_per_token(self.task, per_token)
         require_same_across_ranks(
             "(exp_name, model_id, num_targets, checkpoint fingerprint)",
             (exp_name, int(model_id), num_targets, checkpoint_fingerprint(checkpoint)),
@@ -1528,11 +1543,15 @@ class TRAKer:
             raise ModelIDException(
                 "no scoring checkpoint; call traker.start_scoring_checkpoint(...) before score."
             )
-        batch = as_task_batch(self.task, batch)
-        idx = _resolve_inds(
-            inds, num_samples, self._last_ind_target, self._exp_num_targets, "score"
+        batch, idx = _batch_rows(
+            self.task,
+            batch,
+            inds,
+            num_samples,
+            self._last_ind_target,
+            self._exp_num_targets,
+            "score",
         )
-        check_batch_rows(batch, idx, "inds" if num_samples is None else "num_samples", "score")
         check_token_batch(self.task, self.model, batch, "score")
         if num_samples is not None:
             self._last_ind_target += int(num_samples)

@@ -131,6 +131,28 @@ def _layer_dims(module: nn.Module) -> tuple[int, int]:
     return int(weight.shape[0]), int(weight.shape[1])  # Conv1D: [d_in, d_out]
 
 
+def _factored(
+    name: str,
+    module: nn.Module,
+    bias: bool,
+    d_in: int,
+    d_out: int,
+    projection: tuple[int, int] | None,
+    **where: Any,
+) -> FactoredLayer:
+    """The layer of a ``[d_out, d_in]`` weight, its stored sides capped at its own.
+
+    A bias adds an input column; without ``projection`` the sides are whole.
+    ``where`` are the :class:`FactoredLayer` fields that place it (``container``,
+    ``param``, ``expert``, ``transposed``).
+    """
+    d_in += int(bias)
+    k_in, k_out = (d_in, d_out) if projection is None else projection
+    return FactoredLayer(
+        name, module, bias, d_in, d_out, min(k_in, d_in), min(k_out, d_out), **where
+    )
+
+
 def _containers(model: nn.Module) -> dict[str, str]:
     """Module name -> the outermost :data:`WHOLE_MODULES` container strictly above it."""
     inside: dict[str, str] = {}
@@ -172,18 +194,7 @@ def find_layers(
         bias_param = getattr(module, "bias", None)
         bias = isinstance(bias_param, Tensor) and (wanted is None or prefix + "bias" in wanted)
         d_in, d_out = _layer_dims(module)
-        d_in += int(bias)
-        k_in, k_out = (d_in, d_out) if projection is None else projection
-        layer = FactoredLayer(
-            name,
-            module,
-            bias,
-            d_in,
-            d_out,
-            min(k_in, d_in),
-            min(k_out, d_out),
-            container=inside.get(name),
-        )
+        layer = _factored(name, module, bias, d_in, d_out, projection, container=inside.get(name))
         layer.offset = offset
         offset += layer.width
         layers.append(layer)
@@ -243,17 +254,14 @@ def _stacked_layers(
             and tuple(bias_param.shape) == (experts, d_out)
             and (wanted is None or full + "_bias" in wanted)
         )
-        d_in += int(bias)
-        k_in, k_out = (d_in, d_out) if projection is None else projection
         for e in range(experts):
-            yield FactoredLayer(
+            yield _factored(
                 f"{full}.{e}",
                 module,
                 bias,
                 d_in,
                 d_out,
-                min(k_in, d_in),
-                min(k_out, d_out),
+                projection,
                 container=inside.get(name, name),
                 param=full,
                 expert=e,

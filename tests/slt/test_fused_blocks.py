@@ -12,8 +12,10 @@ sign) would pass.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _slt_helpers import tiny_gpt2, tiny_llama, tiny_qwen2, token_data
@@ -21,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradsketch.slt import _train_forward as tf
-from gradsketch.slt import per_token_loss
+from gradsketch.slt import per_token_loss, sample
 from gradsketch.slt._fused_blocks import FusedRMSNorm, SwiGLU, rms_norm, swap_blocks, swiglu
 from gradsketch.slt._train_native import train_library
 
@@ -155,3 +157,26 @@ def test_other_forms_keep_their_own_modules() -> None:
     net = nn.Sequential(OnePlusRMSNorm(4), GeluMLP())
     assert swap_blocks(net) == []
     assert type(net[0]) is OnePlusRMSNorm and type(net[1]) is GeluMLP
+
+
+@native
+def test_same_seed_same_chains_and_the_store_names_the_blocks(tmp_path: Path) -> None:
+    """On the fast path (native blocks) a seed fixes the chains bit for bit, and the store's
+    ``gradsketch_fast_path`` lists the blocks; ``"off"`` lists none."""
+    data = token_data(16) % 64
+    kw: dict[str, Any] = dict(
+        lr=1e-4, n_beta=20.0, localization=100.0, num_chains=2, num_draws=3, batch_size=4,
+        batches_per_draw=1, num_init_loss_batches=2,
+    )  # fmt: skip
+    runs = [
+        sample(tiny_llama(), data, {"train": data}, output_path=tmp_path / f"{i}.zarr", **kw)
+        for i in range(2)
+    ]
+    first, second = (r.dataset for r in runs)
+    for name in ("init_loss", "sampling_loss", "sampling_loss_micro", "loss_train"):
+        np.testing.assert_array_equal(first[name].values, second[name].values, err_msg=name)
+    record = first.attrs["gradsketch_fast_path"]
+    assert {"rmsnorm", "swiglu"} <= set(record[0]["modules"])
+    off = sample(tiny_llama(), data, {"train": data}, output_path=tmp_path / "off.zarr",
+                 fast_path="off", **kw)  # fmt: skip
+    assert off.dataset.attrs["gradsketch_fast_path"][0]["modules"] == []

@@ -59,7 +59,9 @@ def _train(tmp_path, model: torch.nn.Module, **overrides) -> tuple[object, Repla
         adam_epsilon=1e-3,
         seed=7,
     )
+    make_optimizer = overrides.pop("optimizer", None)  # model -> a torch optimizer of one's own
     settings.update(overrides)
+    optimizers = (None, None) if make_optimizer is None else (make_optimizer(model), None)
     callback = ReplayCallback()
     with warnings.catch_warnings():
         # transformers' own notices about CPU runs and unused features, nothing of ours.
@@ -69,6 +71,7 @@ def _train(tmp_path, model: torch.nn.Module, **overrides) -> tuple[object, Repla
             args=transformers.TrainingArguments(**settings),
             train_dataset=_rows(),
             callbacks=[callback],
+            optimizers=optimizers,
         )
         trainer.train()
     return trainer, callback
@@ -156,7 +159,11 @@ REFUSED = [
     pytest.param({}, 0.1, "the model has dropout", id="dropout"),
     pytest.param({"optim": "adafactor"}, 0.0, "optimizer is Adafactor", id="adafactor"),
     pytest.param(
-        {"optim": "sgd", "optim_args": "nesterov=True,momentum=0.9"}, 0.0, "nesterov", id="nesterov"
+        # The optimizer given to the Trainer: not every transformers passes `optim_args` to SGD.
+        {"optimizer": lambda m: torch.optim.SGD(m.parameters(), 1e-2, momentum=0.9, nesterov=True)},
+        0.0,
+        "nesterov",
+        id="nesterov",
     ),
 ]
 

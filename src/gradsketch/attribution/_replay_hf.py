@@ -107,7 +107,8 @@ def _trainer_lm_scale(trainer: Any, labels: Tensor) -> float:
         )
     if not getattr(trainer, "model_accepts_loss_kwargs", False):
         return 1.0  # each micro-batch's mean, divided by the accumulation steps
-    shifts = getattr(trainer, "_loss_shifts_labels", True)
+    # Transformers that do not record the rule (5.0 among them) count every label.
+    shifts = getattr(trainer, "_loss_shifts_labels", False)
     counted = predicted if shifts else (labels != IGNORE_INDEX).sum(1)
     if int(counted.min()) != int(counted.max()):
         raise ValueError(

@@ -38,6 +38,20 @@ AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 GRADSKETCH_NAT
 test-avx2: $(VENV)/.installed
 	$(AVX2_ENV) $(PY) -m pytest -q
 
+# The suites that build Hugging Face models again on the oldest transformers the
+# `hf` extra allows, in a venv of its own (`make test` has the newest).
+OLDEST_VENV := .venv-oldest
+OLDEST_PIN := transformers==5.0.0
+$(OLDEST_VENV)/.installed: pyproject.toml
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q $(TORCH_PIN)
+	$(OLDEST_VENV)/bin/python -m pip install -q -e '.[dev,hf]' '$(OLDEST_PIN)'
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/python -m pytest -q tests/slt tests/attribution
+
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
 
@@ -68,4 +82,4 @@ bench: $(VENV)/.bench
 	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) demo_out demo_replay_out demo_lm_out build dist src/*.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) demo_out demo_replay_out demo_lm_out build dist src/*.egg-info

@@ -28,6 +28,9 @@ with fewer passes over memory:
   activations and ``nn.GELU(approximate="tanh")`` (five element-wise ops,
   or one slow ``tanh`` kernel) become :class:`TanhGELU`: the same function
   as ``x * sigmoid(2u)``.
+* Llama-style RMSNorm and SwiGLU MLP modules become
+  :mod:`gradsketch.slt._fused_blocks`' one-pass versions (where a probe
+  gives the module's own output).
 * :func:`token_cross_entropy` (used by
   :func:`~gradsketch.slt.per_token_loss`) reads the logits once.
 

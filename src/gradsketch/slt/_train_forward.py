@@ -783,8 +783,8 @@ def _register() -> bool:
     """Register :func:`attention` (with ``sdpa``'s masks) under :data:`ATTENTION_NAME`, once.
 
     False, registering nothing, where transformers lacks the interfaces
-    (``AttentionInterface`` and ``masking_utils``, from 4.53: the ``hf``
-    extra's floor): the working copy then keeps ``sdpa``.
+    (``AttentionInterface`` and ``masking_utils``, from 4.53; the ``hf``
+    extra asks for 5.0): the working copy then keeps ``sdpa``.
     """
     global _REGISTERED
     with _REGISTER_LOCK:
@@ -796,7 +796,7 @@ def _register() -> bool:
         except ImportError as err:
             logger.warning(
                 "gradsketch: transformers %s lacks the attention interfaces of 4.53 (%s); the "
-                "sampler's working copy keeps sdpa (pip install 'transformers>=4.53')",
+                "sampler's working copy keeps sdpa (pip install 'transformers>=5.0')",
                 _transformers_version(),
                 err,
             )

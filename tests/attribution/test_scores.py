@@ -344,3 +344,40 @@ def test_blas_threads_leave_a_core_to_torch_when_it_takes_them_all(
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(linalg.os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert linalg.blas_thread_count() == expected
+
+
+def test_targets_are_blocked_by_bytes_without_a_budget():
+    """No budget: every target of a projected store in one block, a few dense ones at a time.
+
+    A model's dense per-layer gradients (GPT-2 small: 85M numbers, 341 MB per target)
+    would otherwise all be held at once, with their solved copies.
+    """
+    from gradsketch.attribution._io import DEFAULT_TARGET_BYTES
+
+    assert block_plan(10, 1_000, 2_048, 3, None) == (10, 1_000)
+    n_block, m_block = block_plan(10, 16, 85_000_000, 1, None)
+    assert n_block == 10
+    assert m_block == DEFAULT_TARGET_BYTES // (4 * 85_000_000) == 3
+
+
+def test_a_solve_needs_no_budget_for_a_gram_matrix(tmp_path):
+    """With a preconditioner's solve no XᵀX is formed: a budget far below 24 k² bytes
+    tiles the scores, which equal the float64 formula X P⁻¹ Tᵀ ⊙ Q.
+
+    Tolerance: float32 dot products of k = 4,096 unit-scale terms err by about
+    k u ≈ 2.4e-4 (u = 2⁻²⁴, random-sign accumulation); atol is 1e-5 of the largest
+    score (about 2e-3 here, whose scores reach ~200)."""
+    n, k, m = 50, 4_096, 6
+    x, t, q = _data(n=n, k=k, m=m, seed=3)
+    scale = torch.linspace(0.5, 2.0, k, dtype=torch.float64)
+    expected = (x @ (t * scale).T) * q[:, None]
+    budget = 4 * (k * 3 + k + 2) * 2 + 4_096  # ~0.1 MB against 24 k² = 403 MB
+    with pytest.raises(ValueError, match="too small"):
+        block_plan(n, m, k, 1, budget)  # as TRAK's Gram matrix would need
+    n_block, m_block = block_plan(n, m, k, 1, budget, gram=False)
+    assert n_block < n and m_block < m
+    ck = CheckpointGrads(x.float(), t.float(), q.float(), solve=lambda r: r * scale.float())
+    out = score_checkpoints([ck], memory_budget=budget, out=tmp_path / "s", progress=False)
+    np.testing.assert_allclose(
+        out[:], expected.numpy(), rtol=1e-4, atol=1e-5 * expected.abs().max()
+    )

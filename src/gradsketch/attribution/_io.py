@@ -24,6 +24,10 @@ from gradsketch._writer import BackgroundWriter
 #: enough that every GEMM runs at full speed, small enough to stay far below
 #: the size of an ``[n, k]`` store (50,000 x 2,048 float32 is 400 MB).
 DEFAULT_BLOCK_BYTES = 64 << 20
+#: Bytes of the targets' right-hand sides held at once when no memory budget is
+#: given: every target of a projected store (k = 2,048: 131,072 targets), a few
+#: of a model's dense per-layer gradients (GPT-2 small: 341 MB each).
+DEFAULT_TARGET_BYTES = 1 << 30
 
 
 def rows_as_tensor(
@@ -104,18 +108,23 @@ def array_writer(array: Any) -> BackgroundWriter[tuple[slice, slice, np.ndarray]
 
 
 def block_plan(
-    n: int, m: int, k: int, checkpoints: int, memory_budget: int | None
+    n: int, m: int, k: int, checkpoints: int, memory_budget: int | None, *, gram: bool = True
 ) -> tuple[int, int]:
     """Row block and target-column block sizes that keep working memory under the budget.
 
     Working memory (float32) per tile: the checkpoints' right-hand sides
     ``C * k * m_block``, one row block of gradients ``n_block * k``, and the
-    accumulator plus one product ``2 * n_block * m_block``. Half the budget
-    goes to the right-hand sides.
+    accumulator plus one product ``2 * n_block * m_block``; with ``gram``
+    (TRAK's XᵀX, ``k x k``) also that matrix and its float64 factorisation.
+    Half the budget goes to the right-hand sides. Without a budget every row
+    is one block and the right-hand sides take at most
+    :data:`DEFAULT_TARGET_BYTES` (a model's dense per-layer gradients are
+    hundreds of MB per target).
     """
     if memory_budget is None:
-        return max(n, 1), max(m, 1)
-    fixed = 24 * k * k  # XᵀX (f32) and its float64 factorisation
+        m_block = DEFAULT_TARGET_BYTES // max(1, 4 * checkpoints * k)
+        return max(n, 1), max(1, min(m, m_block))
+    fixed = 24 * k * k if gram else 0
     avail = memory_budget - fixed
     if avail <= 4 * (checkpoints * k + k + 2):
         minimum = fixed + 4 * (checkpoints * k + k + 2) + 1

@@ -232,7 +232,9 @@ def score_checkpoints(
     dev = torch.device(device)
     prec = resolve_precision(precision, dev)
     cks = len(checkpoints)
-    n_block, m_block = block_plan(n, m, k, cks, memory_budget)
+    # TRAK's XᵀX is formed only where no preconditioner solves or has solved.
+    gram = not any(ck.preconditioned or ck.solve is not None for ck in checkpoints)
+    n_block, m_block = block_plan(n, m, k, cks, memory_budget, gram=gram)
     if memory_budget is None:
         # Unbounded memory still reads in blocks: a whole [n, k] store at once
         # would double the peak memory for no speed (each block's GEMM is large).
@@ -509,7 +511,8 @@ def _distributed_scores(
     out: Any = None
     if on_disk:
         width = len(column_shard(m, rank=0, world_size=world))
-        n_block, _ = block_plan(n, width, k, len(checkpoints), memory_budget)
+        gram = not any(ck.preconditioned or ck.solve is not None for ck in checkpoints)
+        n_block, _ = block_plan(n, width, k, len(checkpoints), memory_budget, gram=gram)
         if rank == 0:
             create_score_array(path, n, m, (n_block, width))
         barrier()

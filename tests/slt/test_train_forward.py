@@ -610,12 +610,13 @@ def test_attention_without_dropout_in_training_is_not_swapped() -> None:
 def test_a_transformers_without_the_interfaces_keeps_sdpa(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Before 4.53 (no ``masking_utils``) the copy keeps sdpa and says why, not ImportError."""
+    """A transformers without ``masking_utils`` (before 4.53): the copy keeps sdpa and says
+    why, not ImportError. The model is built first (its own imports need the module)."""
     import sys
 
+    model = tiny_gpt2(dropout=0.1)
     monkeypatch.setattr(tf, "_REGISTERED", False)
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)
-    model = tiny_gpt2(dropout=0.1)
     with caplog.at_level("WARNING", logger=tf.__name__):
         work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, 1))
     assert work.config._attn_implementation == "sdpa"

@@ -101,6 +101,15 @@ class CheckpointGrads:
     q_per_checkpoint: bool = False
 
 
+def _forms_gram(checkpoints: Sequence[CheckpointGrads]) -> bool:
+    """Whether scoring forms TRAK's ``k x k`` XᵀX (counted in a memory budget).
+
+    It does for any checkpoint without a preconditioner's solve whose rows are
+    not preconditioned already.
+    """
+    return any(not ck.preconditioned and ck.solve is None for ck in checkpoints)
+
+
 def _is_float64(array: Any) -> bool:
     dtype = getattr(array, "dtype", None)
     if isinstance(dtype, torch.dtype):
@@ -232,9 +241,7 @@ def score_checkpoints(
     dev = torch.device(device)
     prec = resolve_precision(precision, dev)
     cks = len(checkpoints)
-    # TRAK's XᵀX is formed only where no preconditioner solves or has solved.
-    gram = not any(ck.preconditioned or ck.solve is not None for ck in checkpoints)
-    n_block, m_block = block_plan(n, m, k, cks, memory_budget, gram=gram)
+    n_block, m_block = block_plan(n, m, k, cks, memory_budget, gram=_forms_gram(checkpoints))
     if memory_budget is None:
         # Unbounded memory still reads in blocks: a whole [n, k] store at once
         # would double the peak memory for no speed (each block's GEMM is large).
@@ -511,8 +518,8 @@ def _distributed_scores(
     out: Any = None
     if on_disk:
         width = len(column_shard(m, rank=0, world_size=world))
-        gram = not any(ck.preconditioned or ck.solve is not None for ck in checkpoints)
-        n_block, _ = block_plan(n, width, k, len(checkpoints), memory_budget, gram=gram)
+        cks = len(checkpoints)
+        n_block, _ = block_plan(n, width, k, cks, memory_budget, gram=_forms_gram(checkpoints))
         if rank == 0:
             create_score_array(path, n, m, (n_block, width))
         barrier()

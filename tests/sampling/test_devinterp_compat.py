@@ -128,7 +128,7 @@ def test_sgnht_default_is_dings_thermostat_step_not_devinterps():
     gap = max(
         float((p - q).detach().abs().max()) for p, q in zip(ours.parameters(), dev.parameters())
     )
-    assert gap > 1e-3  # a deliberate difference (README, "Compatibility")
+    assert gap > 1e-3  # a deliberate difference (docs/compatibility.md)
 
 
 def test_sgnht_zero_diffusion_is_deterministic_thermostat_dynamics():

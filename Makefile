@@ -69,7 +69,7 @@ lint: $(VENV)/.installed
 # (traker wants torchvision, which has no CPU build here).
 $(VENV)/.bench: $(VENV)/.installed
 	$(PIP) install -q $(TORCH_PIN) scikit-learn
-	$(PIP) install -q --no-deps traker devinterp==2.0.1 mosaicml kronfluence==1.0.1 dattri==0.3.0
+	$(PIP) install -q --no-deps traker devinterp==2.0.1 mosaicml kronfluence==1.0.1 dattri==0.3.0 bergson==2.5.1
 	$(PIP) install -q -r benchmarks/requirements-refs.txt
 	touch $@
 

@@ -1,92 +1,353 @@
-"""Metagradients by replaying training (MAGIC) on the digits MLP: LDS and cost beside EK-FAC.
+"""Metagradients by replaying training (MAGIC): LDS and cost beside EK-FAC, TRAK and bergson.
 
 Run ``python benchmarks/bench_replay.py`` (``--quick`` for a smoke run at
-small sizes). Prints one JSON line per measurement and a closing table.
+small sizes; ``--protocol lm`` for the language-model protocol; ``--part
+bergson`` for the side-by-side with bergson's MAGIC). Prints one JSON line per
+measurement and a closing table.
 
-The protocol is ``make demo``'s: the digits MLP (64-256-256-10) trained by
-SGD (momentum 0.9, weight decay 5e-4, cosine learning rate from 0.05, batch
-64) for ``--epochs`` epochs. The replayed run is exactly that loop
-(:class:`~gradsketch.attribution.ReplayAttributor` with the demo's seed,
-which fixes the same initialization and batch order as
-``train_digits_model``). LDS over ``--lds-models`` random halves, in two
-settings:
+Protocols (``--protocol``):
+
+- ``digits``: ``make demo``'s. The digits MLP (64-256-256-10) trained by SGD
+  (momentum 0.9, weight decay 5e-4, cosine learning rate from 0.05, batch 64)
+  for ``--epochs`` epochs; query output the classification margin.
+- ``lm``: ``make demo-lm``'s. Its GPT-2 (2 layers, width 64, 2 heads, eager
+  attention) on 64-byte chunks of standard-library files, AdamW (lr 1e-3
+  decaying linearly to 0, weight decay 0.01, batch 8); query output the
+  summed log-likelihood of a held-out chunk, the quantity the demo's LDS
+  measures (a ``language_modeling`` task whose output is that sum).
+
+Either way the replayed run is exactly the protocol's torch loop
+(:class:`~gradsketch.attribution.ReplayAttributor` with the protocol's seed
+fixes the same initialization and batch order). LDS over ``--lds-models``
+random halves, in two settings:
 
 - (a) ``same-run``: MAGIC's setting. Each half is the replayed run itself
   with the left-out rows' weights set to 0 (same initialization, same batch
   order, batches keep their size): what the metagradient is exact for.
-- (b) ``fresh-seeds``: the demo's protocol (``digits_lds_ground_truth``):
-  each half trained from a fresh seed (initialization and order), how the
-  other methods are judged. Beside the single run's metagradients, their
-  average over ``--seeds`` replayed runs with different seeds.
+- (b) ``fresh-seeds``: the demo's protocol: each half trained by the torch
+  loop from a fresh seed (initialization and order), how the other methods
+  are judged. Beside the single run's metagradients, their average over
+  ``--seeds`` replayed runs with different seeds.
 
-TRAK (``lambda_reg=0``, ``proj_dim`` 512) and EK-FAC (``lambda_reg="auto"``)
-score the replayed run's final model (one checkpoint) in the same run,
-against the same ground truths (``--no-others`` skips them).
+The metagradients are taken at ``w = a·1`` for each ``--linearize-at`` value
+``a`` (0.5, the centre of random halves, and 1.0, the ordinary run, by
+default); the averages over seeds use the first. TRAK (``lambda_reg=0`` on
+digits, ``"auto"`` on lm) and EK-FAC (``lambda_reg="auto"``) score the
+ordinary run's final model (one checkpoint) in the same run, against the same
+ground truths (``--no-others`` skips them).
 
-Cost: wall time of training (with checkpoints), and of the reverse pass per
-query as the block of queries ``m`` grows (``--cost-m``).
+Cost (``--part cost``): wall and process CPU time of training (with
+checkpoints), and of the reverse pass per query as the block of queries ``m``
+grows (``--cost-m``), in units of one plain training run.
+
+bergson (``--part bergson``, needs ``pip install --no-deps bergson==2.5.1``
+and its light dependencies, see ``requirements-refs.txt``): bergson's MAGIC
+trainer (``bergson.magic.Trainer``: a functional torchopt trainer that keeps
+``√T`` checkpoints with ``torch.distributed.checkpoint`` and reverses one
+query cotangent per backward) on the same model, data, batch order, per-step
+learning rates and optimizer (torchopt's SGD / AdamW), the same weighted loss
+``Σ w_i ℓ_i / |B|`` and, as its backward's seed, the gradient of the same
+query output at its own final parameters. bergson runs its queries one per
+backward (its per-query mode reuses the forward's checkpoints); gradsketch is
+timed for one query and for a block of 16 in one reverse pass. Reported: wall
+and CPU seconds of both, their ratio for 16 queries, the largest difference of
+the two trainings' final parameters and the correlation of the two libraries'
+metagradients for the same query.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_info, setup_torch
 
-from gradsketch.attribution import ReplayAttributor, linear_datamodeling_score
-from gradsketch.demos._attribution import (
-    DemoSettings,
-    attribute_digits,
-    digits_lds_ground_truth,
-)
-from gradsketch.demos._digits import (
-    TrainSettings,
-    build_model,
-    load_digits_split,
-    replay_settings,
-    train_digits_model,
-)
+from gradsketch.attribution import ReplayAttributor, ReplaySettings, linear_datamodeling_score
+from gradsketch.attribution._lm import LanguageModelingModelOutput, _call_model
+
+PROTOCOLS = ("digits", "lm")
+PARTS = ("all", "lds", "cost", "bergson")
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Sizes of one benchmark run."""
+    """Sizes of one benchmark run (``num_train`` and ``chunk_len``: lm only)."""
 
     epochs: int = 20
     num_targets: int = 32
     lds_models: int = 30
     seeds: int = 3
     cost_m: tuple[int, ...] = (1, 8, 32)
+    num_train: int = 0
+    chunk_len: int = 64
+    bergson_queries: int = 2
 
 
-#: ``--quick``: one epoch, a few targets and models, every step exercised.
-QUICK = Sizes(epochs=1, num_targets=4, lds_models=4, seeds=2, cost_m=(1, 4))
+#: Full and ``--quick`` sizes of each protocol.
+SIZES: dict[str, dict[bool, Sizes]] = {
+    "digits": {
+        False: Sizes(),
+        True: Sizes(epochs=1, num_targets=4, lds_models=4, seeds=2, cost_m=(1, 4)),
+    },
+    "lm": {
+        False: Sizes(
+            epochs=2, num_targets=16, lds_models=20, seeds=2, cost_m=(1, 16), num_train=256
+        ),
+        True: Sizes(
+            epochs=1,
+            num_targets=4,
+            lds_models=4,
+            seeds=2,
+            cost_m=(1, 4),
+            num_train=64,
+            chunk_len=32,
+        ),
+    },
+}
 
 
-def replay_run(split: Any, train: TrainSettings, seed: int, **kw: Any) -> ReplayAttributor:
-    """The demo's training loop as a replayable run (same init, order and schedule)."""
-    settings = replay_settings(split.n_train, train, seed=seed)
-    return ReplayAttributor(
-        build_model("mlp", seed=seed),
-        "image_classification",
-        (split.x_train, split.y_train),
-        settings,
-        **kw,
+def lds(scores: Any, truth: tuple[np.ndarray, np.ndarray]) -> float:
+    """Rounded LDS of ``scores`` against ``(masks, outputs)``."""
+    return round(float(linear_datamodeling_score(np.asarray(scores), *truth)), 4)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """``(wall seconds, process CPU seconds, result)`` of one call."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, out
+
+
+# -- protocols ----------------------------------------------------------------------------
+class SequenceLogLikelihood(LanguageModelingModelOutput):
+    """``language_modeling`` with the output ``Σ_{t≥1} log p(x_t | x_<t)`` of the whole chunk.
+
+    The demo's LDS measures this sum (``sequence_log_likelihood``); the
+    training loss is the task's (mean next-token cross-entropy).
+    """
+
+    @staticmethod
+    def get_output(
+        model: nn.Module, weights: dict[str, Tensor], buffers: dict[str, Tensor], *example: Any
+    ) -> Tensor:
+        ids, mask, labels = example
+        logits = _call_model(
+            model, (weights, buffers), {"input_ids": ids[None], "attention_mask": mask[None]}
+        )
+        logp = logits[0, :-1].log_softmax(-1)
+        return logp.gather(-1, labels[1:, None]).sum()
+
+
+@dataclass
+class Protocol:
+    """One attribution protocol: its data, its replayable run and its ground truths."""
+
+    name: str
+    sizes: Sizes
+    train_data: tuple[Tensor, ...]
+    targets: tuple[Tensor, ...]
+    task: Any
+    build: Callable[[int], nn.Module]
+    settings: Callable[[int], ReplaySettings]
+    torch_train: Callable[[int], dict[str, Tensor]]
+    fresh_truth: Callable[[bool], tuple[np.ndarray, np.ndarray]]
+    others: Callable[[dict[str, Tensor], Path, bool], dict[str, np.ndarray]]
+    per_example_loss: Callable[..., Tensor]
+    base_seed: int = 0
+
+    @property
+    def n_train(self) -> int:
+        return int(self.train_data[0].shape[0])
+
+    def run(self, seed: int, linearize_at: float = 1.0, progress: bool = False) -> ReplayAttributor:
+        settings = dataclasses.replace(self.settings(seed), linearize_at=linearize_at)
+        return ReplayAttributor(
+            self.build(seed), self.task, self.train_data, settings, progress=progress
+        )
+
+
+def digits_protocol(sizes: Sizes) -> Protocol:
+    """``make demo``'s digits MLP protocol."""
+    from gradsketch.demos._attribution import (
+        DemoSettings,
+        attribute_digits,
+        digits_lds_ground_truth,
+    )
+    from gradsketch.demos._digits import (
+        TrainSettings,
+        build_model,
+        load_digits_split,
+        replay_settings,
+        train_digits_model,
+    )
+
+    split = load_digits_split(seed=0)
+    train = TrainSettings(epochs=sizes.epochs)
+    targets = (split.x_test[: sizes.num_targets], split.y_test[: sizes.num_targets])
+    demo = DemoSettings(
+        num_targets=sizes.num_targets, lds_models=sizes.lds_models, train=train, seed=0
+    )
+
+    def torch_train(seed: int) -> dict[str, Tensor]:
+        model = train_digits_model(split.x_train, split.y_train, seed=seed, settings=train)
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    def others(final: dict[str, Tensor], tmp: Path, progress: bool) -> dict[str, np.ndarray]:
+        ckpt = [{k: v.clone() for k, v in final.items()}]
+        out = {}
+        for name, lam in (("trak", 0.0), ("ekfac", "auto")):
+            out[name], _ = attribute_digits(
+                ckpt,
+                split,
+                demo,
+                save_dir=tmp / name,
+                lambda_reg=lam,
+                progress=progress,
+                method=name,
+            )
+        return out
+
+    def loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(model(x), y, reduction="none")
+
+    return Protocol(
+        name="digits",
+        sizes=sizes,
+        train_data=(split.x_train, split.y_train),
+        targets=targets,
+        task="image_classification",
+        build=lambda seed: build_model("mlp", seed=seed),
+        settings=lambda seed: replay_settings(split.n_train, train, seed=seed),
+        torch_train=torch_train,
+        fresh_truth=lambda progress: digits_lds_ground_truth(
+            split, *targets, demo, progress=progress
+        ),
+        others=others,
+        per_example_loss=loss,
     )
 
 
+def lm_protocol(sizes: Sizes) -> Protocol:
+    """``make demo-lm``'s GPT-2 protocol (eager attention: sdpa has no double backward)."""
+    from gradsketch.demos._lm_corpus import load_corpus, split_chunks
+    from gradsketch.demos.lm import LMDemoSettings, build_lm, lds_truth, train_lm
+
+    s = LMDemoSettings(
+        num_train=sizes.num_train,
+        num_queries=sizes.num_targets,
+        chunk_len=sizes.chunk_len,
+        epochs=sizes.epochs,
+        lds_models=sizes.lds_models,
+        proj_dim=512 if sizes.num_train >= 512 else 128,
+        num_checkpoints=1,
+    )
+    corpus = load_corpus(s.modules, chunk_len=s.chunk_len)
+    train_idx, query_idx = split_chunks(len(corpus), s.num_train, s.num_queries, seed=s.seed)
+    train_ids, query_ids = corpus.token_ids(train_idx), corpus.token_ids(query_idx)
+
+    def lm_batch(ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return ids, torch.ones_like(ids), ids.clone()
+
+    def build(seed: int) -> nn.Module:
+        model = build_lm(s, seed=seed)
+        model.set_attn_implementation("eager")
+        return model
+
+    def settings(seed: int) -> ReplaySettings:
+        steps = math.ceil(s.num_train / s.batch_size) * s.epochs
+        return ReplaySettings(
+            optimizer="adamw",
+            lr=[s.lr * (1.0 - t / steps) for t in range(steps)],
+            num_steps=steps,
+            batch_size=s.batch_size,
+            weight_decay=s.weight_decay,
+            seed=seed,
+        )
+
+    def torch_train(seed: int) -> dict[str, Tensor]:
+        model = train_lm(train_ids, s, seed=seed)[0]
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    def fresh_truth(progress: bool) -> tuple[np.ndarray, np.ndarray]:
+        truth = lds_truth(s, train_ids, query_ids, progress=progress)
+        return truth.subset_masks, truth.target_outputs
+
+    def others(final: dict[str, Tensor], tmp: Path, progress: bool) -> dict[str, np.ndarray]:
+        import logging
+
+        from gradsketch.attribution import HookGradientComputer, TRAKer
+
+        out = {}
+        for name in ("trak", "ekfac"):
+            model = build(s.seed + 1)
+            model.load_state_dict(final, strict=False)
+            traker = TRAKer(
+                model,
+                "language_modeling",
+                s.num_train,
+                save_dir=str(tmp / name),
+                load_from_save_dir=False,
+                device="cpu",
+                gradient_computer=HookGradientComputer,
+                proj_dim=s.proj_dim,
+                projector_seed=s.seed,
+                lambda_reg="auto",
+                progress=progress,
+                logging_level=logging.WARNING,
+                method=name,
+            )
+            state = model.state_dict()
+            traker.load_checkpoint(state, model_id=0)
+            bs = s.featurize_batch_size
+            for start in range(0, s.num_train, bs):
+                batch = lm_batch(train_ids[start : start + bs])
+                traker.featurize(batch, num_samples=int(batch[0].shape[0]))
+            traker.finalize_features()
+            traker.start_scoring_checkpoint("q", state, model_id=0, num_targets=s.num_queries)
+            for start in range(0, s.num_queries, bs):
+                batch = lm_batch(query_ids[start : start + bs])
+                traker.score(batch, num_samples=int(batch[0].shape[0]))
+            out[name] = np.asarray(traker.finalize_scores("q"))
+        return out
+
+    def loss(model: nn.Module, ids: Tensor, mask: Tensor, labels: Tensor) -> Tensor:
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        logp = logits.log_softmax(-1).gather(-1, labels[:, 1:, None]).squeeze(-1)
+        return -logp.mean(1)
+
+    return Protocol(
+        name="lm",
+        sizes=sizes,
+        train_data=lm_batch(train_ids),
+        targets=lm_batch(query_ids),
+        task=SequenceLogLikelihood(),
+        build=build,
+        settings=settings,
+        torch_train=torch_train,
+        fresh_truth=fresh_truth,
+        others=others,
+        per_example_loss=loss,
+        base_seed=s.seed + 1,
+    )
+
+
+# -- LDS ----------------------------------------------------------------------------------
 def same_run_truth(
-    run: ReplayAttributor, targets: tuple[torch.Tensor, ...], num_models: int, seed: int
+    run: ReplayAttributor, targets: tuple[Tensor, ...], num_models: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Setting (a): the replayed run with random halves' complements weighted 0."""
     rng = np.random.default_rng(seed)
@@ -100,149 +361,337 @@ def same_run_truth(
     return masks, np.stack(outputs)
 
 
-def lds(scores: Any, truth: tuple[np.ndarray, np.ndarray]) -> float:
-    """Rounded LDS of ``scores`` against ``(masks, outputs)``."""
-    return round(float(linear_datamodeling_score(np.asarray(scores), *truth)), 4)
-
-
-def run(sizes: Sizes, *, others: bool = True, progress: bool = False) -> dict[str, Any]:
-    """Every measurement of one benchmark run; returns the summary it also emits."""
-    split = load_digits_split(seed=0)
-    train = TrainSettings(epochs=sizes.epochs)
-    targets = (split.x_test[: sizes.num_targets], split.y_test[: sizes.num_targets])
-    base_seed = 0
-    summary: dict[str, Any] = {"sizes": sizes.__dict__, "machine": machine_info()}
-
-    runs, scores = [], []
-    for k in range(sizes.seeds):
-        r = replay_run(split, train, base_seed + k, progress=progress)
-        t0 = time.perf_counter()
-        r.train()
-        t_train = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        scores.append(r.score(targets).numpy())
-        t_score = time.perf_counter() - t0
-        runs.append(r)
-        emit(
-            {
-                "bench": "replay",
-                "part": "run",
-                "seed": base_seed + k,
-                "steps": r.settings.num_steps,
-                "checkpoint_every": r.every,
-                "train_s": t_train,
-                "reverse_s": t_score,
-                "queries": sizes.num_targets,
-                "memory_bytes": r.memory_estimate(sizes.num_targets).total,
-            }
-        )
-    run0 = runs[0]
-    t0 = time.perf_counter()
-    plain = run0.retrain()
-    summary["plain_train_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    train_digits_model(split.x_train, split.y_train, seed=base_seed, settings=train)
-    summary["torch_train_s"] = time.perf_counter() - t0
-    assert all(torch.equal(plain[n], p) for n, p in run0._require_trained().items())
-
-    truth_a = same_run_truth(run0, targets, sizes.lds_models, seed=10_000)
-    demo = DemoSettings(
-        num_targets=sizes.num_targets, lds_models=sizes.lds_models, train=train, seed=base_seed
+def run_lds(
+    p: Protocol, linearize_at: tuple[float, ...], *, others: bool, progress: bool
+) -> dict[str, Any]:
+    """LDS of the replay at each linearization point, its seed average and the others."""
+    sizes = p.sizes
+    summary: dict[str, Any] = {}
+    methods: dict[str, np.ndarray] = {}
+    first: ReplayAttributor | None = None
+    for a in linearize_at:
+        runs = []
+        for k in range(sizes.seeds if a == linearize_at[0] else 1):
+            seed = p.base_seed + k
+            r = p.run(seed, a, progress=progress)
+            t_train, c_train, _ = timed(r.train)
+            t_rev, c_rev, g = timed(lambda r=r: r.metagradients(p.targets).numpy())
+            runs.append(g)
+            first = r if first is None else first
+            emit(
+                {
+                    "bench": "replay",
+                    "protocol": p.name,
+                    "part": "run",
+                    "seed": seed,
+                    "linearize_at": a,
+                    "steps": r.settings.num_steps,
+                    "checkpoint_every": r.every,
+                    "train_s": t_train,
+                    "train_cpu_s": c_train,
+                    "reverse_s": t_rev,
+                    "reverse_cpu_s": c_rev,
+                    "queries": sizes.num_targets,
+                    "memory_bytes": r.memory_estimate(sizes.num_targets).total,
+                }
+            )
+        methods[f"replay@{a:g}"] = runs[0]
+        if len(runs) > 1:
+            methods[f"replay@{a:g}-mean{len(runs)}"] = np.mean(runs, axis=0)
+    assert first is not None
+    ordinary = first.retrain(torch.ones(first.n_train))
+    reference = p.torch_train(p.base_seed)
+    summary["replay_vs_torch_loop_max_abs"] = max(
+        float((ordinary[n] - v).abs().max()) for n, v in reference.items()
     )
-    truth_b = digits_lds_ground_truth(split, *targets, demo, progress=progress)
-    methods: dict[str, np.ndarray] = {
-        "replay": scores[0],
-        f"replay-mean{sizes.seeds}": np.mean(scores, axis=0),
-    }
+    truth_a = same_run_truth(first, p.targets, sizes.lds_models, seed=10_000)
+    _, _, truth_b = timed(lambda: p.fresh_truth(progress))
     table: dict[str, dict[str, float]] = {}
     summary["lds"] = table
 
     def report(name: str, s: np.ndarray) -> None:
         table[name] = {"same-run": lds(s, truth_a), "fresh-seeds": lds(s, truth_b)}
-        emit({"bench": "replay", "part": "lds", "method": name, **table[name]})
+        emit({"bench": "replay", "protocol": p.name, "part": "lds", "method": name, **table[name]})
 
     for name, s in methods.items():
         report(name, s)
     if others:
-        ckpt = [{k: v.detach().clone() for k, v in run0.load_final().state_dict().items()}]
         with tempfile.TemporaryDirectory() as tmp:
-            for name, method, lam in (("trak", "trak", 0.0), ("ekfac", "ekfac", "auto")):
-                t0 = time.perf_counter()
-                try:
-                    s, _ = attribute_digits(
-                        ckpt,
-                        split,
-                        demo,
-                        save_dir=Path(tmp) / name,
-                        lambda_reg=lam,
-                        progress=progress,
-                        method=method,
-                    )
-                except Exception as exc:  # report the others' failure, keep the replay's
-                    summary[f"{name}_error"] = repr(exc)
-                    emit({"bench": "replay", "part": "lds", "method": name, "error": repr(exc)})
-                    continue
-                summary[f"{name}_s"] = time.perf_counter() - t0
-                report(name, s)
+            t0 = time.perf_counter()
+            try:
+                scores = p.others(ordinary, Path(tmp), progress)
+            except Exception as exc:  # report the others' failure, keep the replay's
+                summary["others_error"] = repr(exc)
+                emit({"bench": "replay", "protocol": p.name, "part": "lds", "error": repr(exc)})
+                scores = {}
+            summary["others_s"] = time.perf_counter() - t0
+        for name, s in scores.items():
+            report(name, s)
+    return summary
 
+
+# -- cost ---------------------------------------------------------------------------------
+def run_cost(p: Protocol, linearize_at: float) -> dict[str, Any]:
+    """Wall and CPU time of one plain training run, and of the reverse pass per query block."""
+    r = p.run(p.base_seed, linearize_at)
+    t_train, _, _ = timed(r.train)
+    t_plain, c_plain, _ = timed(r.retrain)
+    t_torch, _, _ = timed(lambda: p.torch_train(p.base_seed))
+    summary: dict[str, Any] = {
+        "steps": r.settings.num_steps,
+        "train_with_checkpoints_s": t_train,
+        "plain_train_s": t_plain,
+        "plain_train_cpu_s": c_plain,
+        "torch_train_s": t_torch,
+    }
     cost = {}
-    for m in sizes.cost_m:
-        q = (split.x_test[:m], split.y_test[:m])
-        t0 = time.perf_counter()
-        run0.metagradients(q)
-        dt = time.perf_counter() - t0
+    for m in p.sizes.cost_m:
+        q = tuple(t[:m] for t in p.targets)
+        dt, dc, _ = timed(lambda q=q: r.metagradients(q))
         cost[m] = {
             "reverse_s": dt,
+            "reverse_cpu_s": dc,
             "per_query_s": dt / m,
-            "train_runs": dt / summary["plain_train_s"],
+            "train_runs": dt / t_plain,
         }
-        emit({"bench": "replay", "part": "cost", "m": m, **cost[m]})
+        emit({"bench": "replay", "protocol": p.name, "part": "cost", "m": m, **cost[m]})
     summary["cost"] = cost
     return summary
 
 
-def format_table(summary: dict[str, Any]) -> str:
-    """The closing table: LDS per method and setting, then cost per query."""
-    lines = [f"{'method':<16}{'LDS same-run':>14}{'LDS fresh-seeds':>17}"]
-    for name, row in summary["lds"].items():
-        lines.append(f"{name:<16}{row['same-run']:>14.3f}{row['fresh-seeds']:>17.3f}")
-    lines.append(
-        f"one training run: {summary['plain_train_s']:.2f} s by the replay's functional loop, "
-        f"{summary['torch_train_s']:.2f} s by the demo's torch loop (cost below in the former)"
+# -- bergson ------------------------------------------------------------------------------
+class _WeightedLoss(nn.Module):
+    """``Σ w_i ℓ_i / |B|`` as a module bergson's trainer calls with one batch's keywords.
+
+    The batch's first tensor travels as ``input_ids``: bergson divides micro-batch
+    losses by a token count read from it, which is the same for every batch here.
+    """
+
+    def __init__(self, model: nn.Module, loss: Callable[..., Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss = loss
+
+    def forward(self, input_ids: Tensor, example_weight: Tensor, **rest: Tensor) -> Tensor:
+        rows = (input_ids, *(rest[f"t{j}"] for j in range(1, len(rest) + 1)))
+        losses = self.loss(self.model, *rows)
+        return (example_weight * losses).sum() / input_ids.shape[0]
+
+
+class _Stream:
+    """The replay's batch order as the data stream bergson's ``Trainer`` iterates."""
+
+    def __init__(self, data: tuple[Tensor, ...], order: list[Tensor]) -> None:
+        self.data, self.order = data, order
+        self.weights = nn.Parameter(torch.ones(int(data[0].shape[0])))
+        self.device = torch.device("cpu")
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.weights.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.weights.requires_grad = value
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        idx = self.order[i]
+        batch = {"input_ids": self.data[0][idx], "example_weight": self.weights[idx]}
+        batch.update({f"t{j}": t[idx] for j, t in enumerate(self.data[1:], start=1)})
+        return batch
+
+
+def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
+    """bergson's MAGIC and the replay on the same run: time per query, agreement."""
+    import bergson
+    import torchopt
+    from bergson.magic import BackwardState, Trainer
+    from torchopt.pytree import tree_iter
+
+    r = p.run(p.base_seed, linearize_at)
+    s = r.settings
+    t_train, c_train, _ = timed(r.train)
+    lrs = torch.tensor(s.lr, dtype=torch.float32)
+
+    def schedule(count: Any) -> Tensor:
+        return lrs[count]
+
+    if s.optimizer == "sgd":
+        opt = torchopt.sgd(schedule, momentum=s.momentum, weight_decay=s.weight_decay)
+    elif s.optimizer == "adamw":
+        opt = torchopt.adamw(schedule, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
+    else:
+        raise ValueError(f"no torchopt counterpart for {s.optimizer!r} here")
+    model = p.build(p.base_seed)
+    trainer, state = Trainer.initialize(
+        _WeightedLoss(copy.deepcopy(model), p.per_example_loss), opt
     )
-    for m, c in summary["cost"].items():
+    stream = _Stream(p.train_data, r.order)
+    stream.weights.data.fill_(linearize_at)
+    m = p.sizes.bergson_queries
+    queries = tuple(t[:m] for t in p.targets)
+    task = r.task
+    with tempfile.TemporaryDirectory() as tmp:
+        tb_train, cb_train, state = timed(
+            lambda: trainer.train(state, stream, save_dir=tmp, save_mode="sqrt")
+        )
+        final = {k.removeprefix("model."): v.detach().clone() for k, v in state.params.items()}
+        ours = r._require_trained()
+        params_diff = max(float((final[n] - ours[n]).abs().max()) for n in ours)
+        zeros = [
+            torch.zeros_like(b)
+            for b in tree_iter(state.opt_state)
+            if isinstance(b, torch.Tensor) and b.is_floating_point()
+        ]
+        theirs, tb, cb = [], 0.0, 0.0
+        for j in range(m):
+            example = tuple(t[j] for t in queries)
+
+            def out(params: dict[str, Tensor], example: tuple[Tensor, ...] = example) -> Tensor:
+                return task.get_output(model, params, r.buffers, *example)
+
+            cot = torch.func.grad(out)(final)
+            state.detach_()
+            for k, v in final.items():
+                state.params[f"model.{k}"].copy_(v)
+            stream.weights.grad = None
+            stream.requires_grad = True
+            seed = BackwardState(
+                {f"model.{k}": v for k, v in cot.items()},
+                [z.clone() for z in zeros],
+                torch.zeros_like(stream.weights),
+            )
+            dt, dc, bwd = timed(
+                lambda seed=seed: trainer.backward(
+                    tmp, stream, seed, state, cleanup=False, inplace=True, save_mode="sqrt"
+                )
+            )
+            tb, cb = tb + dt, cb + dc
+            theirs.append(bwd.weight_grads.detach().double())
+    theirs_m = torch.stack(theirs, 1).numpy()
+    r.metagradients(tuple(t[:1] for t in p.targets))  # warm-up, as bergson's first query
+    t1, c1, g1 = timed(lambda: r.metagradients(tuple(t[:1] for t in p.targets)))
+    q16 = tuple(t[:16] for t in p.targets)
+    n16 = int(q16[0].shape[0])
+    t16, c16, g16 = timed(lambda: r.metagradients(q16))
+    ours_m = g16[:, :m].double().numpy()
+    corr = [float(np.corrcoef(ours_m[:, j], theirs_m[:, j])[0, 1]) for j in range(m)]
+    rel = float(np.abs(ours_m - theirs_m).max() / np.abs(theirs_m).max())
+    per_query_b, per_query_bc = tb / m, cb / m
+    record = {
+        "bergson_version": bergson.__version__ if hasattr(bergson, "__version__") else "2.5.1",
+        "steps": s.num_steps,
+        "n_train": r.n_train,
+        "parameters": sum(v.numel() for v in ours.values()),
+        "linearize_at": linearize_at,
+        "bergson_train_s": tb_train,
+        "bergson_train_cpu_s": cb_train,
+        "replay_train_s": t_train,
+        "replay_train_cpu_s": c_train,
+        "final_params_max_abs_diff": params_diff,
+        "bergson_per_query_s": per_query_b,
+        "bergson_per_query_cpu_s": per_query_bc,
+        "replay_m1_s": t1,
+        "replay_m1_cpu_s": c1,
+        f"replay_m{n16}_s": t16,
+        f"replay_m{n16}_cpu_s": c16,
+        "ratio_m1": t1 / per_query_b,
+        f"ratio_m{n16}": t16 / (n16 * per_query_b),
+        f"ratio_m{n16}_cpu": c16 / (n16 * per_query_bc),
+        "corr": corr,
+        "max_rel_diff": rel,
+        "agree_m1_vs_block": float((g1[:, 0] - g16[:, 0]).abs().max()),
+    }
+    emit({"bench": "replay", "protocol": p.name, "part": "bergson", **record})
+    return record
+
+
+# -- report -------------------------------------------------------------------------------
+def format_table(summary: dict[str, Any]) -> str:
+    """The closing table: LDS per method and setting, cost per query, bergson."""
+    lines = [f"protocol {summary['protocol']}"]
+    if "lds" in summary:
+        lines.append(f"{'method':<22}{'LDS same-run':>14}{'LDS fresh-seeds':>17}")
+        for name, row in summary["lds"].items():
+            lines.append(f"{name:<22}{row['same-run']:>14.3f}{row['fresh-seeds']:>17.3f}")
+    if "cost" in summary:
+        c = summary["cost"]
         lines.append(
-            f"m={m:<4} reverse {c['reverse_s']:.2f} s, {c['per_query_s']:.3f} s/query, "
-            f"{c['train_runs']:.1f} training runs"
+            f"one training run ({c['steps']} steps): {c['plain_train_s']:.2f} s by the replay's "
+            f"functional loop, {c['torch_train_s']:.2f} s by the torch loop"
+        )
+        for m, row in c["cost"].items():
+            lines.append(
+                f"m={m:<4} reverse {row['reverse_s']:.2f} s ({row['reverse_cpu_s']:.2f} CPU s), "
+                f"{row['per_query_s']:.3f} s/query, {row['train_runs']:.1f} training runs"
+            )
+    if "bergson" in summary:
+        b = summary["bergson"]
+        n = next(k for k in b if k.startswith("ratio_m") and k != "ratio_m1" and "cpu" not in k)
+        lines.append(
+            f"bergson MAGIC {b['bergson_per_query_s']:.2f} s/query "
+            f"({b['bergson_per_query_cpu_s']:.2f} CPU s); replay m=1 {b['replay_m1_s']:.2f} s, "
+            f"{n.removeprefix('ratio_')} ratio {b[n]:.3f} (CPU {b[n + '_cpu']:.3f}); "
+            f"corr {min(b['corr']):.6f}, params diff {b['final_params_max_abs_diff']:.2e}"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="digits")
+    parser.add_argument("--part", choices=PARTS, default="all", help="all: lds and cost")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--num-train", type=int, default=None, help="lm: training chunks")
     parser.add_argument("--num-targets", type=int, default=None)
     parser.add_argument("--lds-models", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=None, help="replayed runs averaged in (b)")
     parser.add_argument(
         "--cost-m", type=int, nargs="+", default=None, help="query blocks timed for cost"
     )
+    parser.add_argument(
+        "--linearize-at",
+        type=float,
+        nargs="+",
+        default=[0.5, 1.0],
+        help="data weights a at which runs are trained and reversed (first: the seed average)",
+    )
+    parser.add_argument("--bergson-queries", type=int, default=None)
     parser.add_argument("--no-others", action="store_true", help="skip TRAK and EK-FAC")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
     setup_torch(args.threads)
-    sizes = QUICK if args.quick else Sizes()
+    sizes = SIZES[args.protocol][args.quick]
     over = {
         "epochs": args.epochs,
+        "num_train": args.num_train,
         "num_targets": args.num_targets,
         "lds_models": args.lds_models,
         "seeds": args.seeds,
+        "bergson_queries": args.bergson_queries,
         "cost_m": None if args.cost_m is None else tuple(args.cost_m),
     }
-    sizes = Sizes(**{**sizes.__dict__, **{k: v for k, v in over.items() if v is not None}})
-    summary = run(sizes, others=not args.no_others, progress=args.progress)
+    sizes = dataclasses.replace(sizes, **{k: v for k, v in over.items() if v is not None})
+    make = digits_protocol if args.protocol == "digits" else lm_protocol
+    p = make(sizes)
+    at = tuple(args.linearize_at)
+    summary: dict[str, Any] = {
+        "protocol": p.name,
+        "sizes": dataclasses.asdict(sizes),
+        "linearize_at": at,
+        "machine": machine_info(),
+    }
+    if args.part in ("all", "lds"):
+        summary.update(run_lds(p, at, others=not args.no_others, progress=args.progress))
+    if args.part in ("all", "cost"):
+        summary["cost"] = run_cost(p, at[0])
+    if args.part == "bergson":
+        summary["bergson"] = run_bergson(p, at[-1])
     print(format_table(summary), flush=True)
     return summary
 

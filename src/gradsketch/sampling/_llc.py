@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from gradsketch._checks import nonnegative_int, positive_int
 from gradsketch._device import to_device
 from gradsketch._processes import check_cores, run_jobs
+from gradsketch.sampling._chain import DrawSchedule, run_chain
 from gradsketch.sampling._divergence import warn_if_diverged
 from gradsketch.sampling._metrics import DOT_FIELDS, NORM_FIELDS
 from gradsketch.sampling._recording import LLCRecordSettings, open_draw_store
@@ -199,31 +200,23 @@ def _run_chain(shared: None, job: _ChainJob) -> tuple[int, np.ndarray]:
         optimizer = job.sampling_method(model.parameters(), **job.optimizer_kwargs)
         batches = _forever(job.loader)
         model.train()
-        steps = tqdm(
-            range(job.num_steps),
-            desc=f"chain {job.chain}",
-            disable=not job.verbose,
-            leave=False,
-        )
-        for step in steps:
-            optimizer.zero_grad()
+
+        def step_loss(step: int) -> float:
             loss_value = 0.0
             for _ in range(job.grad_accum_steps):
                 batch = to_device(next(batches), device)
                 loss = _loss_of(job.evaluate(model, batch))
                 (loss / job.grad_accum_steps).backward()
                 loss_value += float(loss.detach()) / job.grad_accum_steps
-            if not math.isfinite(loss_value):
-                raise RuntimeError(
-                    f"chain {job.chain} hit a non-finite loss ({loss_value}) at step {step}; "
-                    "lower `lr`, raise `localization`, or set `bounding_box_size`."
-                )
-            sampler_step: Any = optimizer.step  # SGMCMC.step takes `noise_generator`
-            sampler_step(noise_generator=noise)
-            after_burnin = step - job.num_burnin_steps
-            if after_burnin < 0 or after_burnin % job.num_steps_bw_draws:
-                continue
-            draw = after_burnin // job.num_steps_bw_draws
+            return loss_value
+
+        def nonfinite(step: int, loss_value: float) -> RuntimeError:
+            return RuntimeError(
+                f"chain {job.chain} hit a non-finite loss ({loss_value}) at step {step}; "
+                "lower `lr`, raise `localization`, or set `bounding_box_size`."
+            )
+
+        def on_draw(draw: int, step: int, loss_value: float) -> None:
             losses[draw] = loss_value
             if job.store_path is not None:
                 if job.sketch_dim is not None:
@@ -238,6 +231,20 @@ def _run_chain(shared: None, job: _ChainJob) -> tuple[int, np.ndarray]:
                 callback(
                     chain=job.chain, draw=draw, loss=loss_value, model=model, optimizer=optimizer
                 )
+
+        bar = tqdm(
+            total=job.num_steps, desc=f"chain {job.chain}", disable=not job.verbose, leave=False
+        )
+        run_chain(
+            optimizer,
+            step_loss,
+            DrawSchedule(job.num_draws, job.num_burnin_steps, job.num_steps_bw_draws),
+            noise_generator=noise,
+            nonfinite_error=nonfinite,
+            on_draw=on_draw,
+            tick=bar.update if job.verbose else None,
+        )
+        bar.close()
     if job.store_path is not None:
         assert job.store_settings is not None
         store = open_draw_store(

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from tqdm.auto import tqdm
 
 from gradsketch.sampling import SGMCMC, default_nbeta
+from gradsketch.sampling._chain import DrawSchedule, run_chain
 
 __all__ = ["LossDraws", "bayesian_influence", "bif_from_draws", "sample_loss_draws"]
 
@@ -146,6 +147,38 @@ def _evaluate(model: nn.Module, rows: _Rows, fn: PerExampleFn, name: str) -> Ten
     return torch.cat(parts)
 
 
+def _sample_chain(
+    sampler: nn.Module,
+    opt: torch.optim.Optimizer,
+    schedule: DrawSchedule,
+    gen: torch.Generator,
+    *,
+    steps: _Rows,
+    rows: tuple[_Rows, _Rows],
+    fns: tuple[PerExampleFn, PerExampleFn],
+    out: tuple[Tensor, Tensor],
+    tick: Callable[[], object],
+) -> None:
+    """One chain of :func:`sample_loss_draws`: ``gen`` draws its minibatches and its noise.
+
+    Fills ``out`` (``[draws, n_train]``, ``[draws, n_query]``) with the
+    per-example values of ``rows`` under ``fns`` at every draw.
+    """
+    batches = steps.shuffled(gen)
+
+    def step_loss(step: int) -> Tensor:
+        with torch.enable_grad():
+            loss = fns[0](sampler, next(batches)).mean()
+            loss.backward()
+        return loss.detach()
+
+    def on_draw(draw: int, step: int, loss: Tensor) -> None:
+        out[0][draw] = _evaluate(sampler, rows[0], fns[0], "loss_fn")
+        out[1][draw] = _evaluate(sampler, rows[1], fns[1], "query_fn")
+
+    run_chain(opt, step_loss, schedule, noise_generator=gen, on_draw=on_draw, tick=tick)
+
+
 def sample_loss_draws(
     model: nn.Module,
     train: Any,
@@ -209,29 +242,26 @@ def sample_loss_draws(
     query_rows = _Rows(query, "query", eval_batch_size)
     step_rows = _Rows(train, "train", batch_size)
     nbeta = default_nbeta(batch_size) if nbeta is None else nbeta
-    steps = num_burnin_steps + num_draws * num_steps_bw_draws
+    # Each draw evaluates the weights after its step's update (w_{b + (k+1) d}).
+    schedule = DrawSchedule(num_draws, num_burnin_steps, num_steps_bw_draws, after_update=True)
     train_out = torch.empty(num_chains, num_draws, train_rows.n, dtype=torch.float64)
     query_out = torch.empty(num_chains, num_draws, query_rows.n, dtype=torch.float64)
-    bar = tqdm(total=num_chains * steps, desc="BIF sampling", disable=not progress)
+    bar = tqdm(total=num_chains * schedule.num_steps, desc="BIF sampling", disable=not progress)
     for chain in range(num_chains):
-        gen = torch.Generator().manual_seed(seed + chain)
         sampler = copy.deepcopy(model).eval()
         params = [p for p in sampler.parameters() if p.requires_grad]
         opt = SGMCMC.sgld(params, lr=lr, nbeta=nbeta, localization=localization)
-        batches = step_rows.shuffled(gen)
-        draw = 0
-        for step in range(steps):
-            batch = next(batches)
-            opt.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                loss_fn(sampler, batch).mean().backward()
-            opt.step(noise_generator=gen)
-            bar.update(1)
-            after = step + 1 - num_burnin_steps
-            if after > 0 and after % num_steps_bw_draws == 0:
-                train_out[chain, draw] = _evaluate(sampler, train_rows, loss_fn, "loss_fn")
-                query_out[chain, draw] = _evaluate(sampler, query_rows, query_fn, "query_fn")
-                draw += 1
+        _sample_chain(
+            sampler,
+            opt,
+            schedule,
+            torch.Generator().manual_seed(seed + chain),
+            steps=step_rows,
+            rows=(train_rows, query_rows),
+            fns=(loss_fn, query_fn),
+            out=(train_out[chain], query_out[chain]),
+            tick=bar.update,
+        )
     bar.close()
     return LossDraws(train_out, query_out)
 

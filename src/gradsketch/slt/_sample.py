@@ -74,6 +74,7 @@ from gradsketch._store import array_options
 from gradsketch._writer import BackgroundWriter
 from gradsketch.masked import ParamMask
 from gradsketch.sampling import SGMCMC, Metrics
+from gradsketch.sampling._chain import DrawSchedule, run_chain
 from gradsketch.slt._data import (
     LossFn,
     NonFiniteLossError,
@@ -1317,54 +1318,67 @@ class _Run:
             else None
         )
         work.train()
-        step_fn: Any = optimizer.step
+
+        def step_loss(step: int) -> torch.Tensor:
+            """Forward and backward over the step's micro-batches: ``[batch, token_pos]`` loss."""
+            rows = self._batch_rows(order, step * gas, gas)
+            micro_rows[step] = rows.numpy()
+            acc: torch.Tensor | None = None
+            for j in range(gas):
+                ids = self.data[rows[j * bs : (j + 1) * bs]].to(self.device)
+                loss = self.loss_fn(work, ids)
+                if step == 0 and j == 0:
+                    self._check_shape(loss, bs)
+                loss = loss.float()
+                (loss.mean() / gas).backward()
+                part = loss.detach() / gas
+                acc = part if acc is None else acc + part
+                micro_loss[step, j * bs : (j + 1) * bs] = loss.detach().cpu().numpy()
+            assert acc is not None
+            return acc
+
+        def nonfinite(step: int, acc: torch.Tensor) -> NonFiniteLossError:
+            bad = ~np.isfinite(micro_loss[step]).all(axis=1)
+            where = sorted(set(micro_rows[step][bad].tolist()))
+            cause = (
+                "at the model's own weights: check them and `loss_fn` on these rows"
+                if step == 0
+                else f"after {step} steps: the chain diverged; lower `lr` (try "
+                f"lr={s.lr / 10:.2g}) or raise `localization`"
+            )
+            return NonFiniteLossError(
+                f"chain {chain}: the loss is NaN or infinite at step {step} on rows "
+                f"{where[:10]} of `dataset`, {cause}"
+            )
+
+        def on_step(step: int, acc: torch.Tensor) -> None:
+            if s.save_metrics:
+                record = optimizer.get_metrics()
+                metrics[step] = [float(getattr(record, f)) for f in fields]
+            if sketches is not None:
+                buf = optimizer.get_sketches()
+                sketches[step] = torch.stack(list(buf.as_dict().values())).numpy()
+
+        def on_draw(draw: int, step: int, acc: torch.Tensor) -> None:
+            draw_loss[draw] = acc.cpu().numpy()
+            with torch.inference_mode():
+                values = self._forward_rows(work, obs_ids, check=False).numpy()
+            for buf_, part_ in zip(obs_loss, np.split(values, obs_split)):
+                buf_[draw] = part_
+
+        schedule = DrawSchedule(draws, s.num_burnin_steps, s.num_steps_bw_draws)
         try:
             with dropout_stream(gen), fast_kernels(self.fast_path != "off"):
-                for step in range(steps):
-                    rows = self._batch_rows(order, step * gas, gas)
-                    micro_rows[step] = rows.numpy()
-                    acc: torch.Tensor | None = None
-                    for j in range(gas):
-                        ids = self.data[rows[j * bs : (j + 1) * bs]].to(self.device)
-                        loss = self.loss_fn(work, ids)
-                        if step == 0 and j == 0:
-                            self._check_shape(loss, bs)
-                        loss = loss.float()
-                        (loss.mean() / gas).backward()
-                        part = loss.detach() / gas
-                        acc = part if acc is None else acc + part
-                        micro_loss[step, j * bs : (j + 1) * bs] = loss.detach().cpu().numpy()
-                    assert acc is not None
-                    if not bool(torch.isfinite(acc).all()):
-                        bad = ~np.isfinite(micro_loss[step]).all(axis=1)
-                        where = sorted(set(rows.numpy()[bad].tolist()))
-                        cause = (
-                            "at the model's own weights: check them and `loss_fn` on these rows"
-                            if step == 0
-                            else f"after {step} steps: the chain diverged; lower `lr` (try "
-                            f"lr={s.lr / 10:.2g}) or raise `localization`"
-                        )
-                        raise NonFiniteLossError(
-                            f"chain {chain}: the loss is NaN or infinite at step {step} on rows "
-                            f"{where[:10]} of `dataset`, {cause}"
-                        )
-                    step_fn(noise_generator=noise_gen)
-                    if s.save_metrics:
-                        record = optimizer.get_metrics()
-                        metrics[step] = [float(getattr(record, f)) for f in fields]
-                    if sketches is not None:
-                        buf = optimizer.get_sketches()
-                        sketches[step] = torch.stack(list(buf.as_dict().values())).numpy()
-                    optimizer.zero_grad(set_to_none=True)
-                    draw, since = divmod(step - s.num_burnin_steps, s.num_steps_bw_draws)
-                    if draw >= 0 and since == 0:
-                        draw_loss[draw] = acc.cpu().numpy()
-                        with torch.inference_mode():
-                            values = self._forward_rows(work, obs_ids, check=False).numpy()
-                        for buf_, part_ in zip(obs_loss, np.split(values, obs_split)):
-                            buf_[draw] = part_
-                    if self._tick is not None:
-                        self._tick()
+                run_chain(
+                    optimizer,
+                    step_loss,
+                    schedule,
+                    noise_generator=noise_gen,
+                    nonfinite_error=nonfinite,
+                    on_step=on_step if s.save_metrics or sketches is not None else None,
+                    on_draw=on_draw,
+                    tick=self._tick,
+                )
         except NonFiniteLossError as exc:
             # As devinterp: a failed chain warns (in the caller's process) and keeps NaN.
             failure = f"Chain failed: {exc}; its remaining draws are NaN."

@@ -9,7 +9,10 @@ initialization, same batch order). Removing example ``i`` changes ``f_q`` by
 about ``-∂f_q / ∂w_i`` (MAGIC: Ilyas & Engstrom, "MAGIC: Near-Optimal Data
 Attribution for Deep Learning", 2025; reverse-mode through training:
 Maclaurin et al., "Gradient-based Hyperparameter Optimization through
-Reversible Learning", ICML 2015).
+Reversible Learning", ICML 2015). For subsets keeping a fraction ``α`` of
+the rows the expansion is taken at ``w = α·1`` instead
+(``ReplaySettings.linearize_at``):
+``f(w_S) ≈ f(α·1) + Σ_i ∂f_q / ∂w_i (w_S,i - α)``.
 
 :class:`ReplayAttributor` trains with its own functional optimizer (SGD with
 momentum and weight decay, Adam, AdamW; a learning rate per step), keeps a
@@ -182,6 +185,15 @@ class ReplaySettings:
             clips (the global norm stays under the threshold, so torch's
             ``clip_grad_norm_`` multiplies by exactly 1) and refuses a run
             where one does.
+        linearize_at: the data weight ``a`` of every training row in the run
+            that is trained, checkpointed and reversed: the metagradients are
+            ``∂f / ∂w_i`` at ``w = a·1`` (default 1: the ordinary run). To
+            predict retrains on random subsets holding a fraction ``α`` of the
+            rows (datamodels, LDS over halves), use ``a = α``: the centre of
+            the subsets' weight vectors, where the first-order expansion
+            ``f(w_S) ≈ f(α·1) + Σ_i (∂f / ∂w_i) (w_S,i - α)`` is most accurate
+            on average. The trained model (:meth:`ReplayAttributor.load_final`)
+            is then the run at those weights, every loss scaled by ``a``.
     """
 
     optimizer: str = "sgd"
@@ -196,6 +208,7 @@ class ReplaySettings:
     checkpoint_every: int | None = None
     no_decay: list[str] = dataclasses.field(default_factory=list)
     max_grad_norm: float | None = None
+    linearize_at: float = 1.0
 
     def __post_init__(self) -> None:
         if self.optimizer not in REPLAY_OPTIMIZERS:
@@ -232,6 +245,17 @@ class ReplaySettings:
         self.betas = (betas[0], betas[1])
         if self.momentum >= 1.0:
             raise ValueError(f"`momentum` must be in [0, 1), got {self.momentum!r}.")
+        fix = (
+            "pass the fraction of rows the predicted retrains keep (e.g. linearize_at=0.5 for "
+            "halves), or 1.0 for the ordinary run"
+        )
+        at = check_number("linearize_at", self.linearize_at, low=0.0, strict=True, fix=fix)
+        if at > 1.0:
+            raise ValueError(
+                f"`linearize_at` must be a finite number in (0, 1], got {self.linearize_at!r}; "
+                f"{fix}."
+            )
+        self.linearize_at = float(at)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of step ``step``."""
@@ -463,7 +487,11 @@ class ReplayAttributor:
     ``w = 1``, the derivative of query ``j``'s output (the task's, e.g. the
     classification margin) with respect to training example ``i``'s weight in
     the loss. Positive: up-weighting ``i`` raises the output (a proponent);
-    leaving ``i`` out changes the output by about ``-scores[i, j]``.
+    leaving ``i`` out changes the output by about ``-scores[i, j]``. To
+    predict retrains on subsets keeping a fraction ``α`` of the rows, set
+    ``linearize_at=α``: the run is trained and reversed at ``w = α·1``, where
+    the expansion is centred on the subsets (removing half the data is far
+    from ``w = 1``'s linear regime).
 
     Args:
         model: the model; its current parameters are the run's initialization
@@ -647,10 +675,10 @@ class ReplayAttributor:
         self, theta: Params, rows: tuple[Tensor, ...], bar_g: Params
     ) -> tuple[Params, Tensor]:
         _load_forward_ad_rules()
-        ones = torch.ones(rows[0].shape[0], dtype=self._dtype, device=self._device)
+        weights = self._run_weights(rows[0].shape[0])
 
         def tangents(d: Params) -> tuple[Params, Tensor]:
-            fn = functools.partial(self._grad_and_losses, weights=ones, batch=rows)
+            fn = functools.partial(self._grad_and_losses, weights=weights, batch=rows)
             tangent_out = torch.func.jvp(fn, (theta,), (d,))[1]
             hess, dloss = tangent_out
             return hess, dloss / rows[0].shape[0]
@@ -671,8 +699,7 @@ class ReplayAttributor:
         names = list(theta)
         with torch.enable_grad():
             params = {n: theta[n].detach().requires_grad_(True) for n in names}
-            w = torch.ones(rows[0].shape[0], dtype=self._dtype, device=self._device)
-            w.requires_grad_(True)
+            w = self._run_weights(rows[0].shape[0]).requires_grad_(True)
             loss = self._batch_loss(params, w, rows)
             grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
             live = [i for i, g in enumerate(grads) if g.requires_grad]
@@ -704,6 +731,12 @@ class ReplayAttributor:
         w_part = w.new_zeros(m, w.shape[0]) if dw is None else dw.detach()
         return hess, w_part
 
+    def _run_weights(self, count: int) -> Tensor:
+        """``[count]`` data weights of the run's own rows: ``linearize_at`` each."""
+        return torch.full(
+            (count,), self.settings.linearize_at, dtype=self._dtype, device=self._device
+        )
+
     def _init_state(self) -> dict[str, Params]:
         return {
             k: {n: torch.zeros_like(p) for n, p in self.params0.items()}
@@ -724,7 +757,7 @@ class ReplayAttributor:
                 keep(t, theta, state)
             idx = self.order[t]
             if weights is None:
-                w = torch.ones(idx.numel(), dtype=self._dtype, device=self._device)
+                w = self._run_weights(idx.numel())
             else:
                 w = weights[idx].to(dtype=self._dtype, device=self._device)
             grad = self._grad(theta, w, _rows(self.data, idx))
@@ -766,8 +799,11 @@ class ReplayAttributor:
     def retrain(self, weights: Tensor | None = None) -> Params:
         """Final parameters of the same run with per-example ``weights`` ``[n_train]``.
 
-        With ``weights`` zero on left-out rows this is MAGIC's leave-out model:
-        same initialization, same batch order, only those rows' losses removed.
+        With ``weights`` zero on left-out rows (and 1 on kept ones) this is
+        MAGIC's leave-out model: same initialization, same batch order, only
+        those rows' losses removed. The weights are taken as given, whatever
+        ``linearize_at`` is; ``None`` means the run's own weights,
+        ``linearize_at`` on every row (the trained run itself).
         """
         if weights is not None:
             weights = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
@@ -783,7 +819,11 @@ class ReplayAttributor:
         return theta
 
     def load_final(self) -> nn.Module:
-        """Copy the trained parameters into ``model`` (and return it)."""
+        """Copy the trained parameters into ``model`` (and return it).
+
+        They are the run at weights ``linearize_at`` on every row: with
+        ``linearize_at < 1`` not the ordinary run's model.
+        """
         final = self._require_trained()
         with torch.no_grad():
             for n, p in self.model.named_parameters():
@@ -824,8 +864,8 @@ class ReplayAttributor:
             idx = self.order[0]
             params = {n: p.detach().requires_grad_(True) for n, p in self.params0.items()}
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                ones = torch.ones(idx.numel(), dtype=self._dtype, device=self._device)
-                loss = self._batch_loss(params, ones, _rows(self.data, idx))
+                weights = self._run_weights(idx.numel())
+                loss = self._batch_loss(params, weights, _rows(self.data, idx))
                 torch.autograd.grad(loss, list(params.values()), allow_unused=True)
             self._activation_bytes = total
         return self._activation_bytes
@@ -884,7 +924,9 @@ class ReplayAttributor:
         return {n: torch.stack([r[n] for r in rows]) for n in theta}
 
     def metagradients(self, queries: Any, *, query_block: int | None = None) -> Tensor:
-        """``[n_train, m]`` exact metagradients ``∂f_j(θ_T) / ∂w_i`` at ``w = 1``.
+        """``[n_train, m]`` exact metagradients ``∂f_j(θ_T) / ∂w_i`` at ``w = a·1``.
+
+        ``a`` is ``settings.linearize_at`` (default 1, the ordinary run).
 
         Args:
             queries: the query examples, in any form ``train_data`` takes.
@@ -932,9 +974,8 @@ class ReplayAttributor:
                 # SGD's reverse rule does not read the gradient; Adam's recomputes m and v.
                 grad = theta
                 if s.optimizer != "sgd":
-                    ones = torch.ones(idx.numel(), dtype=self._dtype, device=self._device)
                     with torch.no_grad():
-                        grad = self._grad(theta, ones, rows)
+                        grad = self._grad(theta, self._run_weights(idx.numel()), rows)
                 bar_g, direct, bar_state = _reverse_step(
                     s, t, theta, state, grad, bar_theta, bar_state
                 )

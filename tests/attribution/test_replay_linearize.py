@@ -1,0 +1,132 @@
+"""Metagradients linearized at ``w = a·1`` (``ReplaySettings.linearize_at``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from gradsketch._settings import SettingsMismatchError
+from gradsketch.attribution import ReplayAttributor, ReplaySettings
+from helpers.attribution import replay_data, replay_mlp
+
+N, STEPS, BATCH = 12, 10, 4
+
+#: (optimizer, keywords): SGD with momentum and weight decay, Adam with L2, AdamW with a schedule.
+OPTIMIZERS = [
+    pytest.param("sgd", {"lr": 0.3, "momentum": 0.9, "weight_decay": 0.01}, id="sgd-momentum-wd"),
+    pytest.param("adam", {"lr": 0.05, "weight_decay": 0.01, "eps": 1e-6}, id="adam-l2"),
+    pytest.param("adamw", {"lr": lambda t: 0.05 / (1 + t), "weight_decay": 0.1}, id="adamw-sched"),
+]
+
+
+def _replay(optimizer: str, kw: dict[str, Any], **extra: Any) -> ReplayAttributor:
+    x, y = replay_data(N)
+    r = ReplayAttributor(
+        replay_mlp(),
+        "image_classification",
+        (x, y),
+        optimizer=optimizer,
+        num_steps=STEPS,
+        batch_size=BATCH,
+        progress=False,
+        **kw,
+        **extra,
+    )
+    r.train()
+    return r
+
+
+@pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS)
+def test_metagradient_at_half_equals_central_difference_around_half(optimizer, kw):
+    """∂f/∂w_i at w = ½·1 equals (f(½·1 + h e_i) - f(½·1 - h e_i)) / 2h through all T steps.
+
+    Same derivation as the w = 1 test (``test_replay.py``): truncation
+    ``h² |f'''| / 6 < 2e-10`` and rounding ``T ε |f| / h ≈ 2e-10`` at
+    ``h = 1e-5``; 1e-8 leaves a factor of 25. The metagradient at ½ must also
+    differ from the one at 1 by far more than that (the check is not vacuous).
+    """
+    r = _replay(optimizer, kw, linearize_at=0.5)
+    x, y = replay_data(N)
+    queries = (x[:3], y[:3])
+    scores = r.metagradients(queries)
+    at_one = _replay(optimizer, kw).metagradients(queries)
+    h = 1e-5
+    for i in (0, 11):
+        plus = torch.full((N,), 0.5, dtype=torch.float64)
+        minus = plus.clone()
+        plus[i] += h
+        minus[i] -= h
+        fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
+        torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
+        assert fd.abs().max() > 1e-3
+        assert (scores[i] - at_one[i]).abs().max() > 1e-4
+
+
+def test_the_run_is_trained_at_its_weights_and_retrain_defaults_to_them():
+    """``retrain()`` and ``load_final`` give the run at ``linearize_at`` everywhere, bit for bit."""
+    r = _replay("adam", {"lr": 0.05}, linearize_at=0.5)
+    explicit = r.retrain(torch.full((N,), 0.5, dtype=torch.float64))
+    own = r.retrain()
+    model = r.load_final()
+    final = r._require_trained()
+    for name, p in model.named_parameters():
+        assert torch.equal(own[name], final[name])
+        assert torch.equal(explicit[name], final[name])
+        assert torch.equal(p.detach(), final[name])
+    ordinary = _replay("adam", {"lr": 0.05})._require_trained()
+    assert not torch.equal(ordinary["0.weight"], final["0.weight"])
+
+
+@pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS)
+def test_linearize_at_one_is_the_ordinary_run(optimizer, kw):
+    """``linearize_at=1.0`` changes nothing: the same final weights and scores, bit for bit."""
+    x, y = replay_data(N)
+    default = _replay(optimizer, kw)
+    explicit = _replay(optimizer, kw, linearize_at=1.0)
+    assert default.settings.linearize_at == 1.0
+    for name, p in default._require_trained().items():
+        assert torch.equal(explicit._require_trained()[name], p)
+    assert torch.equal(
+        explicit.metagradients((x[:3], y[:3])), default.metagradients((x[:3], y[:3]))
+    )
+
+
+def test_the_autograd_fallback_linearizes_at_the_same_point():
+    """Reverse-over-reverse at w = ½·1 equals forward-over-reverse within ``T D ε max|s|``."""
+    r = _replay("adamw", {"lr": 0.05, "weight_decay": 0.1}, linearize_at=0.5)
+    x, y = replay_data(N)
+    fast = r.metagradients((x[:3], y[:3]))
+    r._vmap_ok = False
+    slow = r.metagradients((x[:3], y[:3]))
+    bound = STEPS * 5 * torch.finfo(torch.float64).eps * float(fast.abs().max())
+    assert float((fast - slow).abs().max()) <= bound
+
+
+def test_a_store_written_at_another_point_is_refused(tmp_path):
+    x, y = replay_data(N)
+    queries = (x[:2], y[:2])
+    _replay("sgd", {"lr": 0.2}, save_dir=tmp_path).score(queries, exp_name="q")
+    later = _replay("sgd", {"lr": 0.2}, save_dir=tmp_path, linearize_at=0.5)
+    with pytest.raises(SettingsMismatchError, match=r"linearize_at: stored 1.0, requested 0.5"):
+        later.score(queries, exp_name="q")
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (0.0, r"`linearize_at` must be a finite number > 0.0, got 0.0; pass the fraction"),
+        (-0.5, r"`linearize_at` must be a finite number > 0.0, got -0.5"),
+        (1.5, r"`linearize_at` must be a finite number in \(0, 1\], got 1.5; pass the fraction"),
+        (math.nan, r"`linearize_at` must be a finite number > 0.0, got nan"),
+        (math.inf, r"`linearize_at` must be a finite number > 0.0, got inf"),
+        (True, r"`linearize_at` must be a finite number > 0.0, got True"),
+        ("0.5", r"`linearize_at` must be a finite number > 0.0, got '0.5'"),
+    ],
+    ids=["zero", "negative", "above-one", "nan", "inf", "bool", "string"],
+)
+def test_invalid_linearize_at_is_refused(value, match):
+    with pytest.raises(ValueError, match=match):
+        ReplaySettings(linearize_at=value)

@@ -137,7 +137,7 @@ def run_chain(
         >>> def step_loss(step):
         ...     loss = (w - 1).pow(2).sum()
         ...     loss.backward()
-        ...     return float(loss)
+        ...     return float(loss.detach())
         >>> draws = []
         >>> run_chain(opt, step_loss, DrawSchedule(3, num_burnin_steps=1),
         ...           noise_generator=torch.Generator().manual_seed(0),

@@ -23,7 +23,11 @@ The Trainer averages the loss over the tokens of a whole step, the replay
 over examples; the two agree, up to the Trainer's label-count factor which
 the replay applies, when every example has the same number of predicted
 tokens, which :meth:`ReplayCallback.attributor` checks (pass ``loss_fn`` to
-replay another loss).
+replay another loss). For other tasks (sequence classifiers) the factor
+depends on whether the model divides by the Trainer's label count or takes
+its own micro-batch mean, which the Trainer then does not divide by the
+accumulation steps; one forward with two counts tells which. A Trainer's
+``compute_loss_func`` or label smoothing needs ``loss_fn``.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ from gradsketch.attribution._lm import IGNORE_INDEX, LanguageModelingModelOutput
 from gradsketch.attribution._lm_data import as_task_batch
 from gradsketch.attribution._modelout import resolve_task
 from gradsketch.attribution._replay import (
+    BatchLoss,
     ReplayAttributor,
     ReplaySettings,
+    _resolve_loss,
     language_modeling_loss,
 )
 
@@ -117,6 +123,40 @@ def _trainer_lm_scale(trainer: Any, labels: Tensor) -> float:
             "`loss_fn`."
         )
     return int(predicted[0]) / max(1, int(counted[0]))
+
+
+def _trainer_example_scale(
+    trainer: Any, model: nn.Module, micro_batch: Any, accumulation: int
+) -> float:
+    """The factor between the Trainer's loss of a step and the replay's example mean.
+
+    Per micro-batch the model returns either its own mean (``CrossEntropyLoss``,
+    as BERT's classifier) or, given ``num_items_in_batch``, the step's sum
+    over that count (transformers' ``loss_function``, as GPT-2's); the Trainer
+    then divides by the accumulation steps unless it takes the loss as
+    already scaled for them (a model that accepts loss keywords, or its
+    ``loss_is_scaled_for_ga``). Whether the model uses the count is measured:
+    one forward of the first micro-batch at the initial weights with two
+    counts. With equal micro-batches of ``B / a`` examples the step's loss is
+    ``(1 if the count is used else a) · (1 if scaled else 1 / a)`` times the
+    replay's ``Σ_i ℓ_i / B``.
+    """
+    accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = accepts
+    uses_count = False
+    if accepts and accumulation > 1:
+        inputs = dict(micro_batch)
+        with torch.no_grad():
+            one, two = (model(**inputs, num_items_in_batch=torch.tensor(k)).loss for k in (1, 2))
+        uses_count = not torch.allclose(one, two)
+    return (1.0 if uses_count else float(accumulation)) * (1.0 if scaled else 1.0 / accumulation)
+
+
+def _scaled_loss(loss: BatchLoss, scale: float, model: nn.Module, *batch: Tensor) -> Tensor:
+    """``[B]`` per-example losses times the Trainer's normalization factor."""
+    return loss(model, *batch) * scale
 
 
 def _scaled_lm_loss(
@@ -352,14 +392,39 @@ class ReplayCallback:
         batch = trainer.data_collator(rows)
         resolved = resolve_task(task)
         data = as_task_batch(resolved, dict(batch) if isinstance(batch, dict) else batch)
-        if isinstance(resolved, LanguageModelingModelOutput) and "loss_fn" not in kwargs:
-            kwargs["loss_fn"] = functools.partial(
-                _scaled_lm_loss, resolved, _trainer_lm_scale(trainer, data[2])
-            )
         model = copy.deepcopy(trainer.model)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(self.initial_state[name])
+        if "loss_fn" not in kwargs:
+            if getattr(trainer, "compute_loss_func", None) is not None:
+                raise ValueError(
+                    "the Trainer trained with its own `compute_loss_func`, which the replay "
+                    "cannot read; pass `loss_fn(model, *batch) -> [B]` with the per-example "
+                    "losses of that function."
+                )
+            if float(getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0) > 0:
+                raise ValueError(
+                    f"`label_smoothing_factor`={trainer.args.label_smoothing_factor} in "
+                    "TrainingArguments: the replay's default loss has no smoothing. Train "
+                    "without it, or pass `loss_fn` with the smoothed per-example losses."
+                )
+            if isinstance(resolved, LanguageModelingModelOutput):
+                kwargs["loss_fn"] = functools.partial(
+                    _scaled_lm_loss, resolved, _trainer_lm_scale(trainer, data[2])
+                )
+            else:
+                micro = self.order[0][: self._loader[0]]
+                scale = _trainer_example_scale(
+                    trainer,
+                    model,
+                    trainer.data_collator([dataset[i] for i in micro]),
+                    self._accumulation,
+                )
+                if scale != 1.0:
+                    kwargs["loss_fn"] = functools.partial(
+                        _scaled_loss, _resolve_loss(resolved, None), scale
+                    )
         kwargs.setdefault("progress", not getattr(trainer.args, "disable_tqdm", False))
         return ReplayAttributor(
             model, resolved, data, settings, order=[list(b) for b in self.order], **kwargs

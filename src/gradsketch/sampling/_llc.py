@@ -434,8 +434,10 @@ def estimate_learning_coeff_with_summary(
         seed: Chain ``c`` seeds its loader order and its own noise generator
             from ``(seed, c)``; chains never share a noise stream.
         device: Where chains run.
-        callbacks: ``callback(chain=, draw=, loss=, model=, optimizer=)`` after
-            each draw (``cores=1`` only); ``get_results()`` dicts are merged in.
+        callbacks: ``callback(chain=, draw=, loss=, model=, optimizer=)`` on each
+            draw's step, after its update (``model`` holds the updated weights
+            and the step's gradients; ``loss`` is the step's, from before the
+            update); ``cores=1`` only; ``get_results()`` dicts are merged in.
         online: Also return per-draw running estimates.
         verbose: Show tqdm progress bars.
         store: Directory of a zarr store recording per-draw losses (and sketches

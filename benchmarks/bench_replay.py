@@ -105,7 +105,7 @@ SIZES: dict[str, dict[bool, Sizes]] = {
     },
     "lm": {
         False: Sizes(
-            epochs=2, num_targets=16, lds_models=20, seeds=2, cost_m=(1, 16), num_train=256
+            epochs=3, num_targets=16, lds_models=20, seeds=2, cost_m=(1, 16), num_train=384
         ),
         True: Sizes(
             epochs=1,
@@ -404,6 +404,14 @@ def run_lds(
     summary["replay_vs_torch_loop_max_abs"] = max(
         float((ordinary[n] - v).abs().max()) for n, v in reference.items()
     )
+    emit(
+        {
+            "bench": "replay",
+            "protocol": p.name,
+            "part": "loop",
+            "replay_vs_torch_loop_max_abs": summary["replay_vs_torch_loop_max_abs"],
+        }
+    )
     truth_a = same_run_truth(first, p.targets, sizes.lds_models, seed=10_000)
     _, _, truth_b = timed(lambda: p.fresh_truth(progress))
     table: dict[str, dict[str, float]] = {}
@@ -504,6 +512,24 @@ class _Stream:
         return batch
 
 
+def _untied(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """``model`` with every tied parameter (GPT-2's ``lm_head.weight``) made a copy of its own.
+
+    bergson's trainer keeps tied names as separate entries of its state, and
+    the query gradient's ``functional_call`` refuses tied names given twice;
+    both libraries then train the same untied model.
+    """
+    unique = {n for n, _ in model.named_parameters()}
+    tied = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in unique]
+    for name in tied:
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        setattr(module, leaf, nn.Parameter(getattr(module, leaf).detach().clone()))
+    if tied and hasattr(model, "config"):
+        model.config.tie_word_embeddings = False
+    return model, tied
+
+
 def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
     """bergson's MAGIC and the replay on the same run: time per query, agreement."""
     import bergson
@@ -511,7 +537,9 @@ def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
     from bergson.magic import BackwardState, Trainer
     from torchopt.pytree import tree_iter
 
-    r = p.run(p.base_seed, linearize_at)
+    model, untied = _untied(p.build(p.base_seed))
+    settings = dataclasses.replace(p.settings(p.base_seed), linearize_at=linearize_at)
+    r = ReplayAttributor(copy.deepcopy(model), p.task, p.train_data, settings, progress=False)
     s = r.settings
     t_train, c_train, _ = timed(r.train)
     lrs = torch.tensor(s.lr, dtype=torch.float32)
@@ -522,10 +550,13 @@ def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
     if s.optimizer == "sgd":
         opt = torchopt.sgd(schedule, momentum=s.momentum, weight_decay=s.weight_decay)
     elif s.optimizer == "adamw":
-        opt = torchopt.adamw(schedule, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
+        # bergson's default eps_root (1e-17, inside the square root): at 0 the reverse pass
+        # through √v is 0 · ∞ for entries whose gradient is exactly 0 (unused embedding rows).
+        opt = torchopt.adamw(
+            schedule, betas=s.betas, eps=s.eps, eps_root=1e-17, weight_decay=s.weight_decay
+        )
     else:
         raise ValueError(f"no torchopt counterpart for {s.optimizer!r} here")
-    model = p.build(p.base_seed)
     trainer, state = Trainer.initialize(
         _WeightedLoss(copy.deepcopy(model), p.per_example_loss), opt
     )
@@ -582,6 +613,8 @@ def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
     rel = float(np.abs(ours_m - theirs_m).max() / np.abs(theirs_m).max())
     per_query_b, per_query_bc = tb / m, cb / m
     record = {
+        "eps_root": 1e-17 if s.optimizer == "adamw" else None,
+        "untied": untied,
         "bergson_version": bergson.__version__ if hasattr(bergson, "__version__") else "2.5.1",
         "steps": s.num_steps,
         "n_train": r.n_train,

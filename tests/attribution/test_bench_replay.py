@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ def test_replay_run_is_the_demos_training_loop():
 
     split = load_digits_split(seed=0)
     train = TrainSettings(epochs=1)
-    run = br.replay_run(split, train, seed=3, progress=False)
+    run = br.digits_protocol(br.Sizes(epochs=1)).run(3)
     run.train()
     model = train_digits_model(split.x_train, split.y_train, seed=3, settings=train)
     for name, p in model.named_parameters():
@@ -36,12 +37,29 @@ def test_replay_run_is_the_demos_training_loop():
 @pytest.mark.slow
 def test_quick_run_reports_every_method_in_both_settings(capsys):
     sizes = br.Sizes(epochs=1, num_targets=3, lds_models=3, seeds=2, cost_m=(1, 2))
-    summary = br.run(sizes)
-    assert set(summary["lds"]) == {"replay", "replay-mean2", "trak", "ekfac"}
+    p = br.digits_protocol(sizes)
+    summary = {"protocol": "digits", **br.run_lds(p, (0.5, 1.0), others=True, progress=False)}
+    summary["cost"] = br.run_cost(p, 0.5)
+    assert set(summary["lds"]) == {"replay@0.5", "replay@0.5-mean2", "replay@1", "trak", "ekfac"}
     for row in summary["lds"].values():
         assert set(row) == {"same-run", "fresh-seeds"}
         assert all(np.isfinite(v) for v in row.values())
-    assert set(summary["cost"]) == {1, 2}
+    assert set(summary["cost"]["cost"]) == {1, 2}
     table = br.format_table(summary)
-    assert "replay-mean2" in table and "s/query" in table
+    assert "replay@0.5-mean2" in table and "s/query" in table
     assert '"part": "lds"' in capsys.readouterr().out
+
+
+@pytest.mark.bench
+def test_bergson_side_by_side_agrees_on_the_same_run():
+    """bergson's MAGIC and the replay train the same run (SGD: the same float ops up to
+    fusing, a few float32 ulps over 23 steps) and give the same metagradients."""
+    pytest.importorskip("bergson.magic.trainer")
+    sizes = br.Sizes(epochs=1, num_targets=2, bergson_queries=1)
+    with warnings.catch_warnings():
+        # torch.distributed.checkpoint's notices about saving without a process group
+        # (bergson keeps its checkpoints with it), nothing of ours.
+        warnings.simplefilter("ignore")
+        record = br.run_bergson(br.digits_protocol(sizes), 1.0)
+    assert record["final_params_max_abs_diff"] < 1e-6
+    assert min(record["corr"]) > 0.999999 and record["max_rel_diff"] < 1e-4

@@ -54,13 +54,19 @@ def test_metagradient_equals_central_difference_through_the_run(optimizer, kw):
     Tolerance: the central difference errs by ``h² |f'''| / 6`` (``|f'''| ≲ 10``
     on this 10-step run: under 2e-10 at ``h = 1e-5``) plus rounding
     ``T ε |f| / h ≈ 10 · 1.1e-16 · 2 / 1e-5 ≈ 2e-10``; 1e-8 leaves a factor
-    of 25 and is still 6 orders below the metagradients (~0.1).
+    of 25 and is still 6 orders below the metagradients (~0.1). Both pull-backs
+    are checked: reverse-over-reverse (blocks under ``JVP_MIN_BLOCK``) and
+    forward-over-reverse (forced for the block of 3).
     """
     r = _replay(optimizer, kw)
     x, y = replay_data(N)
     queries = (x[:3], y[:3])
     scores = r.metagradients(queries)
     assert scores.shape == (N, 3) and scores.dtype == torch.float64
+    assert r._vmap_ok is None  # the block of 3 took reverse-over-reverse
+    r._jvp_min_block = 1
+    by_jvp = r.metagradients(queries)
+    assert r._vmap_ok is True
     h = 1e-5
     for i in (0, 11):
         plus, minus = torch.ones(N, dtype=torch.float64), torch.ones(N, dtype=torch.float64)
@@ -68,6 +74,7 @@ def test_metagradient_equals_central_difference_through_the_run(optimizer, kw):
         minus[i] -= h
         fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
         torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
+        torch.testing.assert_close(by_jvp[i], fd, rtol=0, atol=1e-8)
         assert fd.abs().max() > 1e-3  # the check is not vacuous
 
 
@@ -98,8 +105,9 @@ def test_training_matches_torch_optimizers(optimizer, kw):
         torch.testing.assert_close(r.final[name], p.detach(), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("jvp_min_block", [1, 16], ids=["forward-over-reverse", "autograd"])
 @pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS[::2])
-def test_a_block_of_queries_equals_one_query_at_a_time(optimizer, kw):
+def test_a_block_of_queries_equals_one_query_at_a_time(optimizer, kw, jvp_min_block):
     """Carrying m cotangents through one pass equals m passes, within a derived bound.
 
     Both compute the same sums; the batched VJP only sums in another order. Each
@@ -108,6 +116,7 @@ def test_a_block_of_queries_equals_one_query_at_a_time(optimizer, kw):
     that is ``T D ε max|s| ≈ 10 · 5 · 1.1e-16 · 2 ≈ 1.1e-14``.
     """
     r = _replay(optimizer, kw)
+    r._jvp_min_block = jvp_min_block
     x, y = replay_data(N)
     block = r.metagradients((x[:3], y[:3]))
     single = torch.cat([r.metagradients((x[j : j + 1], y[j : j + 1])) for j in range(3)], dim=1)
@@ -118,6 +127,7 @@ def test_a_block_of_queries_equals_one_query_at_a_time(optimizer, kw):
         r.metagradients((x[:3], y[:3]), query_block=2), block, rtol=0, atol=bound
     )
     dense = _replay(optimizer, kw, checkpoint_every=1)
+    dense._jvp_min_block = jvp_min_block
     assert torch.equal(dense.metagradients((x[:3], y[:3])), block)
 
 
@@ -413,6 +423,7 @@ def test_reverse_over_reverse_fallback_equals_forward_over_reverse():
     so the bound of the block test applies (``T D ε max|s|``, D = 5).
     """
     r = _replay("adamw", {"lr": 0.05, "weight_decay": 0.1})
+    r._jvp_min_block = 1
     x, y = replay_data(N)
     fast = r.metagradients((x[:3], y[:3]))
     assert r._vmap_ok is True

@@ -51,7 +51,9 @@ def test_metagradient_at_half_equals_central_difference_around_half(optimizer, k
     r = _replay(optimizer, kw, linearize_at=0.5)
     x, y = replay_data(N)
     queries = (x[:3], y[:3])
-    scores = r.metagradients(queries)
+    scores = r.metagradients(queries)  # reverse-over-reverse (a block under JVP_MIN_BLOCK)
+    r._jvp_min_block = 1
+    by_jvp = r.metagradients(queries)  # forward-over-reverse
     at_one = _replay(optimizer, kw).metagradients(queries)
     h = 1e-5
     for i in (0, 11):
@@ -61,6 +63,7 @@ def test_metagradient_at_half_equals_central_difference_around_half(optimizer, k
         minus[i] -= h
         fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
         torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
+        torch.testing.assert_close(by_jvp[i], fd, rtol=0, atol=1e-8)
         assert fd.abs().max() > 1e-3
         assert (scores[i] - at_one[i]).abs().max() > 1e-4
 
@@ -97,8 +100,10 @@ def test_linearize_at_one_is_the_ordinary_run(optimizer, kw):
 def test_the_autograd_fallback_linearizes_at_the_same_point():
     """Reverse-over-reverse at w = ½·1 equals forward-over-reverse within ``T D ε max|s|``."""
     r = _replay("adamw", {"lr": 0.05, "weight_decay": 0.1}, linearize_at=0.5)
+    r._jvp_min_block = 1
     x, y = replay_data(N)
     fast = r.metagradients((x[:3], y[:3]))
+    assert r._vmap_ok is True
     r._vmap_ok = False
     slow = r.metagradients((x[:3], y[:3]))
     bound = STEPS * 5 * torch.finfo(torch.float64).eps * float(fast.abs().max())

@@ -655,7 +655,16 @@ class ReplayAttributor:
         return self._losses(params, weights, batch)[0]
 
     def _grad(self, params: Params, weights: Tensor, batch: tuple[Tensor, ...]) -> Params:
-        return torch.func.grad(self._batch_loss)(params, weights, batch)
+        """``∇_θ L`` by plain autograd (``torch.func.grad`` costs 1.5x on small models)."""
+        names = list(params)
+        with torch.enable_grad():
+            leaves = {n: params[n].detach().requires_grad_(True) for n in names}
+            loss = self._batch_loss(leaves, weights, batch)
+            grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+        return {
+            n: torch.zeros_like(params[n]) if g is None else g
+            for n, g in zip(names, grads, strict=True)
+        }
 
     def _grad_and_losses(
         self, params: Params, weights: Tensor, batch: tuple[Tensor, ...]
@@ -725,14 +734,18 @@ class ReplayAttributor:
             loss = self._batch_loss(params, w, rows)
             grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
             live = [i for i, g in enumerate(grads) if g.requires_grad]
+            single = next(iter(bar_g.values())).shape[0] == 1
             try:
+                # One cotangent: a plain second backward (vmap's overhead buys nothing).
                 pulled = torch.autograd.grad(
                     [grads[i] for i in live],
                     [*(params[n] for n in names), w],
-                    grad_outputs=[bar_g[names[i]] for i in live],
-                    is_grads_batched=True,
+                    grad_outputs=[bar_g[names[i]][0] if single else bar_g[names[i]] for i in live],
+                    is_grads_batched=not single,
                     allow_unused=True,
                 )
+                if single:
+                    pulled = tuple(None if t is None else t.unsqueeze(0) for t in pulled)
             except RuntimeError as exc:
                 if "not implemented" not in str(exc):
                     raise

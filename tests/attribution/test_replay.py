@@ -15,6 +15,7 @@ from gradsketch.attribution import (
     ReplaySettings,
     batch_order,
 )
+from gradsketch.attribution._replay import JVP_MIN_BLOCK
 from helpers.attribution import replay_data, replay_mlp
 
 N, STEPS, BATCH = 12, 10, 4
@@ -149,8 +150,13 @@ def test_memory_estimate_follows_the_formula_and_the_budget_sizes_blocks():
         4 * N * 8,
     )
     assert est.activations > 0 and est.total == sum(
-        (est.checkpoints, est.segment, est.adjoints, est.scores, est.activations)
+        (est.checkpoints, est.segment, est.adjoints, est.scores, est.activations, est.graphs)
     )
+    # Blocks under JVP_MIN_BLOCK keep the segment's k = 4 step graphs; larger ones keep none.
+    plain, kept = r._measure_activations()
+    assert kept > plain > 0
+    assert est.graphs == 4 * kept
+    assert r.memory_estimate(JVP_MIN_BLOCK).graphs == 0
     x, y = replay_data(N)
     budget = r.memory_estimate(2).total
     fitted = ReplayAttributor(

@@ -29,7 +29,8 @@ products still grow with ``m``.
 
 Memory: ``(⌈T/k⌉ + k) · S`` for checkpoints and one segment's states, plus
 ``m · S`` for the adjoints and ``m · n_train`` scores, plus one step's
-activations (times ``m + 2`` for the batched double backward), where
+activations (times ``m + 2`` for the batched double backward; blocks under
+:data:`JVP_MIN_BLOCK` also keep the segment's ``k`` step graphs), where
 ``S = P · (1 + s) · bytes`` for ``P`` parameters and ``s`` optimizer state
 tensors per parameter (SGD 0, SGD with momentum 1, Adam / AdamW 2).
 """
@@ -469,6 +470,15 @@ def _load_forward_ad_rules() -> None:
 
 # -- the replayable run -------------------------------------------------------------------
 @dataclass
+class _StepGraph:
+    """One step's leaves and gradient with its graph, kept for the second backward."""
+
+    params: Params
+    weights: Tensor
+    grads: tuple[Tensor, ...]
+
+
+@dataclass
 class MemoryEstimate:
     """Bytes a reverse pass needs (see the module docstring for the formula).
 
@@ -479,6 +489,10 @@ class MemoryEstimate:
         scores: the ``[m, n_train]`` metagradients.
         activations: one step's saved activations for the batched double
             backward (measured on the first batch, times ``m + 2``).
+        graphs: the segment's kept step graphs when the block is pulled back
+            by reverse-over-reverse (``m <`` :data:`JVP_MIN_BLOCK`): ``k``
+            times one step's forward and first backward with its graph
+            (measured on the first batch); 0 otherwise.
     """
 
     checkpoints: int
@@ -486,11 +500,19 @@ class MemoryEstimate:
     adjoints: int
     scores: int
     activations: int
+    graphs: int = 0
 
     @property
     def total(self) -> int:
         """The sum of the parts."""
-        return self.checkpoints + self.segment + self.adjoints + self.scores + self.activations
+        return (
+            self.checkpoints
+            + self.segment
+            + self.adjoints
+            + self.scores
+            + self.activations
+            + self.graphs
+        )
 
 
 class ReplayAttributor:
@@ -612,7 +634,7 @@ class ReplayAttributor:
         self.timings: dict[str, float] = {}
         self._scores: dict[str, Tensor] = {}
         self._tokens: dict[str, int] = {}
-        self._activation_bytes: int | None = None
+        self._activation_bytes: tuple[int, int] | None = None
         # Whether torch.func.vmap traces the model (None: not tried yet).
         self._vmap_ok: bool | None = None
         # Smallest query block pulled back by forward-over-reverse (see _pullback).
@@ -690,7 +712,7 @@ class ReplayAttributor:
         for 32). Both are exact; they differ by rounding only.
         """
         m = next(iter(bar_g.values())).shape[0]
-        if self._vmap_ok is not False and m >= self._jvp_min_block:
+        if not self._keeps_graphs(m):
             try:
                 result = self._pullback_jvp(theta, rows, bar_g)
             except RuntimeError as exc:
@@ -701,6 +723,10 @@ class ReplayAttributor:
                 self._vmap_ok = True
                 return result
         return self._pullback_autograd(theta, rows, bar_g)
+
+    def _keeps_graphs(self, m: int) -> bool:
+        """Whether a block of ``m`` queries is pulled back by reverse-over-reverse."""
+        return m < self._jvp_min_block or self._vmap_ok is False
 
     def _pullback_jvp(
         self, theta: Params, rows: tuple[Tensor, ...], bar_g: Params
@@ -722,24 +748,35 @@ class ReplayAttributor:
     ) -> tuple[Params, Tensor]:
         """The same pull-back by reverse-over-reverse, vmapping only the second backward.
 
-        For models whose forward ``vmap`` cannot trace (data-dependent control
-        flow, as transformers' attention-mask checks): the forward and first
-        backward run once, plainly; ``is_grads_batched`` vmaps the backward
-        of the gradient over the block.
+        For small blocks and for models whose forward ``vmap`` cannot trace
+        (data-dependent control flow, as transformers' attention-mask checks):
+        the forward and first backward run once, plainly; ``is_grads_batched``
+        vmaps the backward of the gradient over the block.
         """
+        return self._second_backward(self._first_backward(theta, rows), bar_g)
+
+    def _first_backward(self, theta: Params, rows: tuple[Tensor, ...]) -> _StepGraph:
+        """One step's forward and gradient, with the graph the second backward needs."""
         names = list(theta)
         with torch.enable_grad():
             params = {n: theta[n].detach().requires_grad_(True) for n in names}
             w = self._run_weights(rows[0].shape[0]).requires_grad_(True)
             loss = self._batch_loss(params, w, rows)
             grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
-            live = [i for i, g in enumerate(grads) if g.requires_grad]
-            single = next(iter(bar_g.values())).shape[0] == 1
+        return _StepGraph(params, w, grads)
+
+    def _second_backward(self, graph: _StepGraph, bar_g: Params) -> tuple[Params, Tensor]:
+        """``(H d̄, ∂g/∂w ᵀ d̄)`` from a kept step graph (which it frees)."""
+        names = list(graph.params)
+        grads, w = graph.grads, graph.weights
+        live = [i for i, g in enumerate(grads) if g.requires_grad]
+        single = next(iter(bar_g.values())).shape[0] == 1
+        with torch.enable_grad():
             try:
                 # One cotangent: a plain second backward (vmap's overhead buys nothing).
                 pulled = torch.autograd.grad(
                     [grads[i] for i in live],
-                    [*(params[n] for n in names), w],
+                    [*(graph.params[n] for n in names), w],
                     grad_outputs=[bar_g[names[i]][0] if single else bar_g[names[i]] for i in live],
                     is_grads_batched=not single,
                     allow_unused=True,
@@ -887,22 +924,33 @@ class ReplayAttributor:
         per = sum(p.numel() * p.element_size() for p in self.params0.values())
         return per * (1 + len(self.settings.state_names))
 
-    def _measure_activations(self) -> int:
+    def _measure_activations(self) -> tuple[int, int]:
+        """Bytes autograd saves for one step: a plain backward, and one kept for a second."""
         if self._activation_bytes is None:
-            total = 0
-
-            def pack(t: Tensor) -> Tensor:
-                nonlocal total
-                total += t.numel() * t.element_size()
-                return t
-
+            measured = []
             idx = self.order[0]
-            params = {n: p.detach().requires_grad_(True) for n, p in self.params0.items()}
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                weights = self._run_weights(idx.numel())
-                loss = self._batch_loss(params, weights, _rows(self.data, idx))
-                torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-            self._activation_bytes = total
+            for create_graph in (False, True):
+                total = 0
+
+                def pack(t: Tensor) -> Tensor:
+                    nonlocal total
+                    total += t.numel() * t.element_size()
+                    return t
+
+                params = {n: p.detach().requires_grad_(True) for n, p in self.params0.items()}
+                with (
+                    torch.enable_grad(),
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                ):
+                    weights = self._run_weights(idx.numel()).requires_grad_(create_graph)
+                    loss = self._batch_loss(params, weights, _rows(self.data, idx))
+                    grads = torch.autograd.grad(
+                        loss, list(params.values()), create_graph=create_graph
+                    )
+                # A kept graph also holds its gradients.
+                total += sum(g.numel() * g.element_size() for g in grads) if create_graph else 0
+                measured.append(total)
+            self._activation_bytes = (measured[0], measured[1])
         return self._activation_bytes
 
     def memory_estimate(self, num_queries: int) -> MemoryEstimate:
@@ -916,7 +964,12 @@ class ReplayAttributor:
             segment=min(self.every, steps) * s,
             adjoints=num_queries * s,
             scores=num_queries * self.n_train * item,
-            activations=(num_queries + 2) * self._measure_activations(),
+            activations=(num_queries + 2) * self._measure_activations()[0],
+            graphs=(
+                min(self.every, steps) * self._measure_activations()[1]
+                if self._keeps_graphs(num_queries)
+                else 0
+            ),
         )
 
     def _block_size(self, num_queries: int, block: int | None) -> int:
@@ -975,12 +1028,29 @@ class ReplayAttributor:
         blocks = [self._reverse(tuple(t[j : j + size] for t in batch)) for j in range(0, m, size)]
         return torch.cat(blocks, dim=1)
 
-    def _segment(self, start: int, stop: int) -> list[tuple[Params, dict[str, Params]]]:
-        """The pre-step states of steps ``start..stop-1``, recomputed from the checkpoint."""
-        saved: list[tuple[Params, dict[str, Params]]] = []
+    def _segment(
+        self, start: int, stop: int, graphs: bool = False
+    ) -> list[tuple[Params, dict[str, Params], _StepGraph | None]]:
+        """The pre-step states of steps ``start..stop-1``, recomputed from the checkpoint.
+
+        With ``graphs`` each step's forward and first backward are kept with
+        their graph, so that reverse-over-reverse pulls back without running
+        them again (memory: the segment's graphs, ``k`` steps' activations).
+        """
+        saved: list[tuple[Params, dict[str, Params], _StepGraph | None]] = []
         theta, state = self.checkpoints[start]
-        with torch.no_grad():
-            self._forward(start, stop, theta, state, None, lambda t, p, o: saved.append((p, o)))
+        if not graphs:
+            with torch.no_grad():
+                self._forward(
+                    start, stop, theta, state, None, lambda t, p, o: saved.append((p, o, None))
+                )
+            return saved
+        for t in range(start, stop):
+            graph = self._first_backward(theta, _rows(self.data, self.order[t]))
+            saved.append((theta, state, graph))
+            grad = {n: g.detach() for n, g in zip(graph.params, graph.grads, strict=True)}
+            with torch.no_grad():
+                theta, state = _opt_step(self.settings, t, theta, state, grad)
         return saved
 
     def _reverse(self, batch: tuple[Tensor, ...]) -> Tensor:
@@ -1005,20 +1075,27 @@ class ReplayAttributor:
         bar = tqdm(total=s.num_steps, desc="replay (reverse)", disable=not self.progress)
         for start in starts:
             stop = min(start + self.every, s.num_steps)
-            saved = self._segment(start, stop)
+            saved = self._segment(start, stop, graphs=self._keeps_graphs(m))
             for t in range(stop - 1, start - 1, -1):
-                theta, state = saved[t - start]
+                theta, state, graph = saved.pop()
                 idx = self.order[t]
                 rows = _rows(self.data, idx)
                 # SGD's reverse rule does not read the gradient; Adam's recomputes m and v.
                 grad = theta
                 if s.optimizer != "sgd":
-                    with torch.no_grad():
-                        grad = self._grad(theta, self._run_weights(idx.numel()), rows)
+                    if graph is not None:
+                        grad = {n: g.detach() for n, g in zip(theta, graph.grads, strict=True)}
+                    else:
+                        with torch.no_grad():
+                            grad = self._grad(theta, self._run_weights(idx.numel()), rows)
                 bar_g, direct, bar_state = _reverse_step(
                     s, t, theta, state, grad, bar_theta, bar_state
                 )
-                hess, w_part = self._pullback(theta, rows, bar_g)
+                if graph is None:
+                    hess, w_part = self._pullback(theta, rows, bar_g)
+                else:
+                    hess, w_part = self._second_backward(graph, bar_g)
+                    del graph
                 bar_theta = {n: direct[n].add_(hess[n]) for n in direct}
                 bar_w.index_add_(1, idx.to(ref.device), w_part)
                 bar.update(1)

@@ -106,7 +106,9 @@ def test_training_matches_torch_optimizers(optimizer, kw):
         torch.testing.assert_close(r.final[name], p.detach(), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("jvp_min_block", [1, 16], ids=["forward-over-reverse", "autograd"])
+@pytest.mark.parametrize(
+    "jvp_min_block", [1, JVP_MIN_BLOCK], ids=["forward-over-reverse", "autograd"]
+)
 @pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS[::2])
 def test_a_block_of_queries_equals_one_query_at_a_time(optimizer, kw, jvp_min_block):
     """Carrying m cotangents through one pass equals m passes, within a derived bound.

@@ -70,8 +70,9 @@ from gradsketch.attribution._scores import MemoryBudgetError
 from gradsketch.attribution._topk import TopK, TopKCollector
 
 #: Query blocks of at least this many are pulled back by ``vmap`` over forward-over-reverse
-#: ``jvp``; smaller ones by reverse-over-reverse (measured crossover on CPU, one thread).
-JVP_MIN_BLOCK = 16
+#: ``jvp``; smaller ones by reverse-over-reverse from the recomputation's kept graphs
+#: (crossover measured between 16 and 32 on the digits MLP, CPU, one thread).
+JVP_MIN_BLOCK = 24
 
 #: Optimizers the replay can reverse, and how many state tensors each keeps per parameter.
 REPLAY_OPTIMIZERS: dict[str, str] = {
@@ -707,9 +708,11 @@ class ReplayAttributor:
 
         Blocks smaller than :data:`JVP_MIN_BLOCK` take the reverse-over-reverse
         path instead: forward-mode AD under ``vmap`` carries a fixed overhead
-        per operation that a few tangents do not amortize (digits MLP, one
-        thread: 12 ms against 7 ms a step for one query, 67 ms against 79 ms
-        for 32). Both are exact; they differ by rounding only.
+        per operation that a few tangents do not amortize, and the segment's
+        recomputation keeps each step's graph for the second backward (digits
+        MLP, one thread, whole reverse pass: 2.8 against 6.8 training runs for
+        one query, 17 against 19 for 16, but 36 against 30 for 32). Both are
+        exact; they differ by rounding only.
         """
         m = next(iter(bar_g.values())).shape[0]
         if not self._keeps_graphs(m):

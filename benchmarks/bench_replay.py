@@ -105,7 +105,7 @@ SIZES: dict[str, dict[bool, Sizes]] = {
     },
     "lm": {
         False: Sizes(
-            epochs=3, num_targets=16, lds_models=20, seeds=2, cost_m=(1, 16), num_train=384
+            epochs=2, num_targets=16, lds_models=20, seeds=2, cost_m=(1, 16), num_train=192
         ),
         True: Sizes(
             epochs=1,

@@ -198,8 +198,11 @@ class ReplaySettings:
             rows (datamodels, LDS over halves), use ``a = α``: the centre of
             the subsets' weight vectors, where the first-order expansion
             ``f(w_S) ≈ f(α·1) + Σ_i (∂f / ∂w_i) (w_S,i - α)`` is most accurate
-            on average. The trained model (:meth:`ReplayAttributor.load_final`)
-            is then the run at those weights, every loss scaled by ``a``.
+            on average (digits MLP, random halves, same-run LDS: 0.52 at
+            ``a = 1``, 0.85 at 0.5; a little below α can score higher still,
+            0.89 at 0.25 but 0.72 at 0.1). The trained model
+            (:meth:`ReplayAttributor.load_final`) is then the run at those
+            weights, every loss scaled by ``a``.
     """
 
     optimizer: str = "sgd"

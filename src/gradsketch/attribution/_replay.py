@@ -71,8 +71,9 @@ from gradsketch.attribution._topk import TopK, TopKCollector
 
 #: Query blocks of at least this many are pulled back by ``vmap`` over forward-over-reverse
 #: ``jvp``; smaller ones by reverse-over-reverse from the recomputation's kept graphs
-#: (crossover measured between 16 and 32 on the digits MLP, CPU, one thread).
-JVP_MIN_BLOCK = 24
+#: (on the digits MLP, CPU, one thread, the two tie at 16 queries; the jvp path keeps
+#: no graphs, so ties go to it).
+JVP_MIN_BLOCK = 16
 
 #: Optimizers the replay can reverse, and how many state tensors each keeps per parameter.
 REPLAY_OPTIMIZERS: dict[str, str] = {
@@ -714,8 +715,8 @@ class ReplayAttributor:
         per operation that a few tangents do not amortize, and the segment's
         recomputation keeps each step's graph for the second backward (digits
         MLP, one thread, whole reverse pass: 2.8 against 6.8 training runs for
-        one query, 17 against 19 for 16, but 36 against 30 for 32). Both are
-        exact; they differ by rounding only.
+        one query, 11 against 13 for 8, a tie at 16, 36 against 30 for 32).
+        Both are exact; they differ by rounding only.
         """
         m = next(iter(bar_g.values())).shape[0]
         if not self._keeps_graphs(m):

@@ -108,21 +108,6 @@ def _train(tmp_path, arch: str = "bert", **overrides) -> tuple[object, ReplayCal
     return trainer, callback
 
 
-def _outputs(replay: ReplayAttributor, queries: dict, params: dict) -> torch.Tensor:
-    """``[m]`` query margins one example at a time (``replay.outputs`` vmaps, and BERT's mask
-    code branches on tensor values, which vmap cannot trace)."""
-    keys = ("input_ids", "token_type_ids", "attention_mask", "labels")
-    with torch.no_grad():
-        return torch.stack(
-            [
-                replay.task.get_output(
-                    replay.model, params, replay.buffers, *(queries[k][j] for k in keys)
-                )
-                for j in range(len(queries["labels"]))
-            ]
-        )
-
-
 @pytest.mark.parametrize(
     ("arch", "overrides"),
     [
@@ -176,8 +161,8 @@ def test_sequence_classifier_trainer_run_replays_and_metagradient_is_a_derivativ
     plus[i] += h
     minus[i] -= h
     fd = (
-        _outputs(replay, queries, replay.retrain(plus))
-        - _outputs(replay, queries, replay.retrain(minus))
+        replay.outputs(queries, replay.retrain(plus))
+        - replay.outputs(queries, replay.retrain(minus))
     ) / (2 * h)
     torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
     assert fd.abs().max() > 1e-3

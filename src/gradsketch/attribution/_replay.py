@@ -918,7 +918,15 @@ class ReplayAttributor:
             return self.task.get_output(self.model, theta, self.buffers, *example)
 
         with torch.no_grad():
-            return torch.func.vmap(one)(*batch)
+            if self._vmap_ok is not False:
+                try:
+                    return torch.func.vmap(one)(*batch)
+                except RuntimeError as exc:
+                    if "vmap" not in str(exc):
+                        raise
+                    self._vmap_ok = False
+            # Models vmap cannot trace (transformers' mask checks branch on values).
+            return torch.stack([one(*(t[j] for t in batch)) for j in range(len(batch[0]))])
 
     def _require_trained(self) -> Params:
         if self.final is None:

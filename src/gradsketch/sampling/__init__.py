@@ -15,6 +15,7 @@ from gradsketch.sampling._calibrate import (
     calibrated_lr,
     estimate_learning_coeff_calibrated,
 )
+from gradsketch.sampling._chain import DrawSchedule, run_chain
 from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
 from gradsketch.sampling._llc import (
     default_nbeta,
@@ -58,6 +59,9 @@ __all__ = [
     "NoseHooverThermostat",
     "DevinterpSGNHTNoise",
     "register_preconditioner",
+    # the one chain loop every sampler runs
+    "run_chain",
+    "DrawSchedule",
     # local learning coefficient
     "estimate_learning_coeff_with_summary",
     "estimate_learning_coeff",

@@ -16,36 +16,19 @@ from gradsketch.attribution import (
     batch_order,
 )
 from gradsketch.attribution._replay import JVP_MIN_BLOCK
-from helpers.attribution import replay_data, replay_mlp
+from helpers.attribution import (
+    REPLAY_BATCH,
+    REPLAY_N,
+    REPLAY_OPTIMIZERS,
+    REPLAY_STEPS,
+    replay_data,
+    replay_mlp,
+    trained_replay,
+)
 
-N, STEPS, BATCH = 12, 10, 4
-
-#: (optimizer, keywords) of each replayed optimizer, with momentum, weight decay, schedules.
-OPTIMIZERS = [
-    pytest.param("sgd", {"lr": 0.3, "momentum": 0.9, "weight_decay": 0.01}, id="sgd-momentum-wd"),
-    pytest.param(
-        "sgd", {"lr": [0.3 * 0.9**t for t in range(STEPS)]}, id="sgd-schedule-no-momentum"
-    ),
-    pytest.param("adam", {"lr": 0.05, "weight_decay": 0.01, "eps": 1e-6}, id="adam-l2"),
-    pytest.param("adamw", {"lr": lambda t: 0.05 / (1 + t), "weight_decay": 0.1}, id="adamw-sched"),
-]
-
-
-def _replay(optimizer: str, kw: dict, **extra: object) -> ReplayAttributor:
-    x, y = replay_data(N)
-    r = ReplayAttributor(
-        replay_mlp(),
-        "image_classification",
-        (x, y),
-        optimizer=optimizer,
-        num_steps=STEPS,
-        batch_size=BATCH,
-        progress=False,
-        **kw,
-        **extra,
-    )
-    r.train()
-    return r
+N, STEPS, BATCH = REPLAY_N, REPLAY_STEPS, REPLAY_BATCH
+OPTIMIZERS = REPLAY_OPTIMIZERS
+_replay = trained_replay
 
 
 @pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from gradsketch.attribution import ReplayAttributor, ReplayCallback
+from helpers.attribution import replay_trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,43 +37,8 @@ def _rows() -> list[dict[str, torch.Tensor]]:
 
 
 def _train(tmp_path, model: torch.nn.Module, **overrides) -> tuple[object, ReplayCallback]:
-    """A few Trainer steps on CPU: AdamW (fused, the Trainer's default), weight decay with
-    the Trainer's no-decay group, linear warmup then decay, accumulation over two
-    micro-batches, and more steps than one epoch holds (the sampler is drawn twice)."""
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=5,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        warmup_steps=2,
-        lr_scheduler_type="linear",
-        max_grad_norm=0.0,
-        adam_epsilon=1e-3,
-        seed=7,
-    )
-    make_optimizer = overrides.pop("optimizer", None)  # model -> a torch optimizer of one's own
-    settings.update(overrides)
-    optimizers = (None, None) if make_optimizer is None else (make_optimizer(model), None)
-    callback = ReplayCallback()
-    with warnings.catch_warnings():
-        # transformers' own notices about CPU runs and unused features, nothing of ours.
-        warnings.simplefilter("ignore")
-        trainer = transformers.Trainer(
-            model=model,
-            args=transformers.TrainingArguments(**settings),
-            train_dataset=_rows(),
-            callbacks=[callback],
-            optimizers=optimizers,
-        )
-        trainer.train()
-    return trainer, callback
+    """Five Trainer steps (``helpers.attribution.replay_trainer``) on the causal-LM rows."""
+    return replay_trainer(tmp_path, model, _rows(), **overrides)
 
 
 def test_trainer_run_replays_to_the_trainers_final_weights(tmp_path):

@@ -3,12 +3,11 @@ and its metagradients are derivatives of the query margin through that run."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from gradsketch.attribution import ReplayAttributor, ReplayCallback
+from helpers.attribution import replay_trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,40 +71,10 @@ def _rows() -> list[dict[str, torch.Tensor]]:
 
 
 def _train(tmp_path, arch: str = "bert", **overrides) -> tuple[object, ReplayCallback]:
-    """Five Trainer steps on CPU in float64: two micro-batches of two per step (accumulation),
+    """Five float64 Trainer steps (``helpers.attribution.replay_trainer``: accumulation,
     more steps than one epoch holds, warmup then linear decay, weight decay with the
-    Trainer's no-decay group."""
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=5,
-        learning_rate=5e-2,
-        weight_decay=0.1,
-        warmup_steps=2,
-        lr_scheduler_type="linear",
-        max_grad_norm=0.0,
-        adam_epsilon=1e-3,
-        seed=7,
-    )
-    settings.update(overrides)
-    callback = ReplayCallback()
-    with warnings.catch_warnings():
-        # transformers' own notices about CPU runs and unused features, nothing of ours.
-        warnings.simplefilter("ignore")
-        trainer = transformers.Trainer(
-            model=MODELS[arch](),
-            args=transformers.TrainingArguments(**settings),
-            train_dataset=_rows(),
-            callbacks=[callback],
-        )
-        trainer.train()
-    return trainer, callback
+    Trainer's no-decay group) at a larger rate, so that the weights move."""
+    return replay_trainer(tmp_path, MODELS[arch](), _rows(), **{"learning_rate": 5e-2, **overrides})
 
 
 @pytest.mark.parametrize(

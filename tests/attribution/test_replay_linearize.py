@@ -3,40 +3,26 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 
 from gradsketch._settings import SettingsMismatchError
-from gradsketch.attribution import ReplayAttributor, ReplaySettings
-from helpers.attribution import replay_data, replay_mlp
+from gradsketch.attribution import ReplaySettings
+from helpers.attribution import (
+    REPLAY_BATCH,
+    REPLAY_N,
+    REPLAY_OPTIMIZERS,
+    REPLAY_STEPS,
+    replay_data,
+    trained_replay,
+)
 
-N, STEPS, BATCH = 12, 10, 4
+N, STEPS, BATCH = REPLAY_N, REPLAY_STEPS, REPLAY_BATCH
 
-#: (optimizer, keywords): SGD with momentum and weight decay, Adam with L2, AdamW with a schedule.
-OPTIMIZERS = [
-    pytest.param("sgd", {"lr": 0.3, "momentum": 0.9, "weight_decay": 0.01}, id="sgd-momentum-wd"),
-    pytest.param("adam", {"lr": 0.05, "weight_decay": 0.01, "eps": 1e-6}, id="adam-l2"),
-    pytest.param("adamw", {"lr": lambda t: 0.05 / (1 + t), "weight_decay": 0.1}, id="adamw-sched"),
-]
-
-
-def _replay(optimizer: str, kw: dict[str, Any], **extra: Any) -> ReplayAttributor:
-    x, y = replay_data(N)
-    r = ReplayAttributor(
-        replay_mlp(),
-        "image_classification",
-        (x, y),
-        optimizer=optimizer,
-        num_steps=STEPS,
-        batch_size=BATCH,
-        progress=False,
-        **kw,
-        **extra,
-    )
-    r.train()
-    return r
+#: SGD with momentum and weight decay, Adam with L2, AdamW with a schedule.
+OPTIMIZERS = [p for p in REPLAY_OPTIMIZERS if p.id != "sgd-schedule-no-momentum"]
+_replay = trained_replay
 
 
 @pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS)

@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
+
+from gradsketch.attribution import ReplayAttributor
+
+#: Rows, steps and batch size of the replay tests' run (two passes over the rows and more).
+REPLAY_N, REPLAY_STEPS, REPLAY_BATCH = 12, 10, 4
+
+#: (optimizer, keywords) of each replayed optimizer, with momentum, weight decay, schedules.
+REPLAY_OPTIMIZERS = [
+    pytest.param("sgd", {"lr": 0.3, "momentum": 0.9, "weight_decay": 0.01}, id="sgd-momentum-wd"),
+    pytest.param(
+        "sgd", {"lr": [0.3 * 0.9**t for t in range(REPLAY_STEPS)]}, id="sgd-schedule-no-momentum"
+    ),
+    pytest.param("adam", {"lr": 0.05, "weight_decay": 0.01, "eps": 1e-6}, id="adam-l2"),
+    pytest.param("adamw", {"lr": lambda t: 0.05 / (1 + t), "weight_decay": 0.1}, id="adamw-sched"),
+]
 
 
 def replay_mlp() -> torch.nn.Module:
@@ -55,3 +73,74 @@ def margin_grad_reference(state, x, y):
 def q_reference(state, x, y):
     z = x @ state["weight"].T + state["bias"]
     return 1 - torch.softmax(z, dim=1)[torch.arange(len(y)), y]
+
+
+def trained_replay(optimizer: str, kw: dict[str, Any], **extra: Any) -> ReplayAttributor:
+    """:func:`replay_mlp` on :func:`replay_data`, trained by the replay's own loop."""
+    x, y = replay_data(REPLAY_N)
+    r = ReplayAttributor(
+        replay_mlp(),
+        "image_classification",
+        (x, y),
+        optimizer=optimizer,
+        num_steps=REPLAY_STEPS,
+        batch_size=REPLAY_BATCH,
+        progress=False,
+        **kw,
+        **extra,
+    )
+    r.train()
+    return r
+
+
+def replay_trainer(
+    tmp_path: Any, model: torch.nn.Module, rows: list[dict[str, torch.Tensor]], **overrides: Any
+) -> tuple[Any, Any]:
+    """Five ``transformers.Trainer`` steps on CPU recorded by a ``ReplayCallback``.
+
+    AdamW (the Trainer's default), weight decay with the Trainer's no-decay
+    group, linear warmup then decay, two micro-batches of two per step
+    (accumulation) and more steps than one epoch holds. ``overrides`` are
+    ``TrainingArguments``; ``optimizer=`` (model -> a torch optimizer) gives
+    the Trainer an optimizer of one's own. Returns ``(trainer, callback)``.
+    """
+    import warnings
+
+    import transformers
+
+    from gradsketch.attribution import ReplayCallback
+
+    settings: dict[str, Any] = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=5,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        max_grad_norm=0.0,
+        adam_epsilon=1e-3,
+        seed=7,
+    )
+    make_optimizer = overrides.pop("optimizer", None)
+    settings.update(overrides)
+    optimizers = (None, None) if make_optimizer is None else (make_optimizer(model), None)
+    callback = ReplayCallback()
+    with warnings.catch_warnings():
+        # transformers' own notices about CPU runs and unused features, nothing of ours.
+        warnings.simplefilter("ignore")
+        trainer = transformers.Trainer(
+            model=model,
+            args=transformers.TrainingArguments(**settings),
+            train_dataset=rows,
+            callbacks=[callback],
+            optimizers=optimizers,
+        )
+        trainer.train()
+    return trainer, callback

@@ -918,15 +918,27 @@ class ReplayAttributor:
             return self.task.get_output(self.model, theta, self.buffers, *example)
 
         with torch.no_grad():
-            if self._vmap_ok is not False:
-                try:
-                    return torch.func.vmap(one)(*batch)
-                except RuntimeError as exc:
-                    if "vmap" not in str(exc):
-                        raise
-                    self._vmap_ok = False
-            # Models vmap cannot trace (transformers' mask checks branch on values).
-            return torch.stack([one(*(t[j] for t in batch)) for j in range(len(batch[0]))])
+            out: Tensor = self._each_example(one, batch)
+            return out
+
+    def _each_example(self, fn: Callable[..., Any], batch: tuple[Tensor, ...]) -> Any:
+        """``fn`` of each example of ``batch``, stacked: ``vmap``, or a loop where it fails.
+
+        Models ``vmap`` cannot trace (transformers' mask checks branch on
+        values) are remembered (``_vmap_ok``), so that the pull-backs skip
+        forward-mode AD under ``vmap`` for them too.
+        """
+        if self._vmap_ok is not False:
+            try:
+                return torch.func.vmap(fn)(*batch)
+            except RuntimeError as exc:
+                if "vmap" not in str(exc):
+                    raise
+                self._vmap_ok = False
+        rows = [fn(*(t[j] for t in batch)) for j in range(len(batch[0]))]
+        if isinstance(rows[0], dict):
+            return {n: torch.stack([r[n] for r in rows]) for n in rows[0]}
+        return torch.stack(rows)
 
     def _require_trained(self) -> Params:
         if self.final is None:
@@ -1012,19 +1024,8 @@ class ReplayAttributor:
         def out(params: Params, *example: Tensor) -> Tensor:
             return self.task.get_output(self.model, params, self.buffers, *example)
 
-        if self._vmap_ok is not False:
-            try:
-                in_dims = (None,) + (0,) * len(batch)
-                grads: Params = torch.func.vmap(torch.func.grad(out), in_dims=in_dims)(
-                    theta, *batch
-                )
-                return grads
-            except RuntimeError as exc:
-                if "vmap" not in str(exc):
-                    raise
-                self._vmap_ok = False
-        rows = [torch.func.grad(out)(theta, *(t[j] for t in batch)) for j in range(len(batch[0]))]
-        return {n: torch.stack([r[n] for r in rows]) for n in theta}
+        grads: Params = self._each_example(functools.partial(torch.func.grad(out), theta), batch)
+        return grads
 
     def metagradients(self, queries: Any, *, query_block: int | None = None) -> Tensor:
         """``[n_train, m]`` exact metagradients ``∂f_j(θ_T) / ∂w_i`` at ``w = a·1``.

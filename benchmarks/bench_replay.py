@@ -30,8 +30,11 @@ random halves, in two settings:
   ``--seeds`` replayed runs with different seeds.
 
 The metagradients are taken at ``w = a·1`` for each ``--linearize-at`` value
-``a`` (0.5, the centre of random halves, and 1.0, the ordinary run, by
-default); the averages over seeds use the first. TRAK (``lambda_reg=0`` on
+``a`` (0.5, the centre of random halves, 0.25 and 1.0, the ordinary run, by
+default); the averages over seeds use the first. Two more averages of one
+run's metagradients: over the points ``--mean-of`` (0.25 and 0.5), and over
+``--bases`` random halves' 0/1 masks given as per-row ``linearize_at`` (drawn
+apart from the evaluation's halves). TRAK (``lambda_reg=0`` on
 digits, ``"auto"`` on lm) and EK-FAC (``lambda_reg="auto"``) score the
 ordinary run's final model (one checkpoint) in the same run, against the same
 ground truths (``--no-others`` skips them).
@@ -173,7 +176,7 @@ class Protocol:
     def n_train(self) -> int:
         return int(self.train_data[0].shape[0])
 
-    def run(self, seed: int, linearize_at: float = 1.0, progress: bool = False) -> ReplayAttributor:
+    def run(self, seed: int, linearize_at: Any = 1.0, progress: bool = False) -> ReplayAttributor:
         settings = dataclasses.replace(self.settings(seed), linearize_at=linearize_at)
         return ReplayAttributor(
             self.build(seed), self.task, self.train_data, settings, progress=progress
@@ -362,42 +365,73 @@ def same_run_truth(
 
 
 def run_lds(
-    p: Protocol, linearize_at: tuple[float, ...], *, others: bool, progress: bool
+    p: Protocol,
+    linearize_at: tuple[float, ...],
+    *,
+    mean_of: tuple[float, ...] = (),
+    bases: int = 0,
+    others: bool,
+    progress: bool,
 ) -> dict[str, Any]:
-    """LDS of the replay at each linearization point, its seed average and the others."""
+    """LDS of the replay at each linearization point, its averages and the others.
+
+    Averages: over ``sizes.seeds`` seeds at the first point; over the points
+    ``mean_of`` (the same run's metagradients at each, averaged); over
+    ``bases`` random halves' 0/1 masks as per-row ``linearize_at`` (drawn
+    independently of the evaluation's halves).
+    """
     sizes = p.sizes
     summary: dict[str, Any] = {}
     methods: dict[str, np.ndarray] = {}
+    at_point: dict[float, np.ndarray] = {}
     first: ReplayAttributor | None = None
-    for a in linearize_at:
-        runs = []
-        for k in range(sizes.seeds if a == linearize_at[0] else 1):
-            seed = p.base_seed + k
-            r = p.run(seed, a, progress=progress)
-            t_train, c_train, _ = timed(r.train)
-            t_rev, c_rev, g = timed(lambda r=r: r.metagradients(p.targets).numpy())
-            runs.append(g)
-            first = r if first is None else first
-            emit(
-                {
-                    "bench": "replay",
-                    "protocol": p.name,
-                    "part": "run",
-                    "seed": seed,
-                    "linearize_at": a,
-                    "steps": r.settings.num_steps,
-                    "checkpoint_every": r.every,
-                    "train_s": t_train,
-                    "train_cpu_s": c_train,
-                    "reverse_s": t_rev,
-                    "reverse_cpu_s": c_rev,
-                    "queries": sizes.num_targets,
-                    "memory_bytes": r.memory_estimate(sizes.num_targets).total,
-                }
-            )
-        methods[f"replay@{a:g}"] = runs[0]
+
+    def metagradients(seed: int, at: Any, label: Any) -> np.ndarray:
+        nonlocal first
+        r = p.run(seed, at, progress=progress)
+        t_train, c_train, _ = timed(r.train)
+        t_rev, c_rev, g = timed(lambda: r.metagradients(p.targets).numpy())
+        first = r if first is None else first
+        emit(
+            {
+                "bench": "replay",
+                "protocol": p.name,
+                "part": "run",
+                "seed": seed,
+                "linearize_at": label,
+                "steps": r.settings.num_steps,
+                "checkpoint_every": r.every,
+                "train_s": t_train,
+                "train_cpu_s": c_train,
+                "reverse_s": t_rev,
+                "reverse_cpu_s": c_rev,
+                "queries": sizes.num_targets,
+                "memory_bytes": r.memory_estimate(sizes.num_targets).total,
+            }
+        )
+        return g
+
+    for a in dict.fromkeys((*linearize_at, *mean_of)):
+        runs = [
+            metagradients(p.base_seed + k, a, a)
+            for k in range(sizes.seeds if a == linearize_at[0] else 1)
+        ]
+        at_point[a] = runs[0]
+        if a in linearize_at:
+            methods[f"replay@{a:g}"] = runs[0]
         if len(runs) > 1:
             methods[f"replay@{a:g}-mean{len(runs)}"] = np.mean(runs, axis=0)
+    if mean_of:
+        label = ",".join(f"{a:g}" for a in mean_of)
+        methods[f"replay@mean({label})"] = np.mean([at_point[a] for a in mean_of], axis=0)
+    if bases:
+        rng = np.random.default_rng(20_000)
+        masks = []
+        for k in range(bases):
+            mask = np.zeros(p.n_train)
+            mask[rng.choice(p.n_train, size=round(p.n_train / 2), replace=False)] = 1.0
+            masks.append(metagradients(p.base_seed, mask, f"half {k}"))
+        methods[f"replay@halves-mean{bases}"] = np.mean(masks, axis=0)
     assert first is not None
     ordinary = first.retrain(torch.ones(first.n_train))
     reference = p.torch_train(p.base_seed)
@@ -647,9 +681,9 @@ def format_table(summary: dict[str, Any]) -> str:
     """The closing table: LDS per method and setting, cost per query, bergson."""
     lines = [f"protocol {summary['protocol']}"]
     if "lds" in summary:
-        lines.append(f"{'method':<22}{'LDS same-run':>14}{'LDS fresh-seeds':>17}")
+        lines.append(f"{'method':<26}{'LDS same-run':>14}{'LDS fresh-seeds':>17}")
         for name, row in summary["lds"].items():
-            lines.append(f"{name:<22}{row['same-run']:>14.3f}{row['fresh-seeds']:>17.3f}")
+            lines.append(f"{name:<26}{row['same-run']:>14.3f}{row['fresh-seeds']:>17.3f}")
     if "cost" in summary:
         c = summary["cost"]
         lines.append(
@@ -690,8 +724,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--linearize-at",
         type=float,
         nargs="+",
-        default=[0.5, 1.0],
+        default=[0.5, 0.25, 1.0],
         help="data weights a at which runs are trained and reversed (first: the seed average)",
+    )
+    parser.add_argument(
+        "--mean-of",
+        type=float,
+        nargs="*",
+        default=[0.25, 0.5],
+        help="points a whose metagradients are averaged (one run each)",
+    )
+    parser.add_argument(
+        "--bases",
+        type=int,
+        default=4,
+        help="random halves whose 0/1 masks (per-row linearize_at) are averaged; 0: none",
     )
     parser.add_argument("--bergson-queries", type=int, default=None)
     parser.add_argument("--no-others", action="store_true", help="skip TRAK and EK-FAC")
@@ -717,10 +764,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "protocol": p.name,
         "sizes": dataclasses.asdict(sizes),
         "linearize_at": at,
+        "mean_of": args.mean_of,
+        "bases": args.bases,
         "machine": machine_info(),
     }
     if args.part in ("all", "lds"):
-        summary.update(run_lds(p, at, others=not args.no_others, progress=args.progress))
+        summary.update(
+            run_lds(
+                p,
+                at,
+                mean_of=tuple(args.mean_of),
+                bases=args.bases,
+                others=not args.no_others,
+                progress=args.progress,
+            )
+        )
     if args.part in ("all", "cost"):
         summary["cost"] = run_cost(p, at[0])
     if args.part == "bergson":

@@ -38,9 +38,20 @@ def test_replay_run_is_the_demos_training_loop():
 def test_quick_run_reports_every_method_in_both_settings(capsys):
     sizes = br.Sizes(epochs=1, num_targets=3, lds_models=3, seeds=2, cost_m=(1, 2))
     p = br.digits_protocol(sizes)
-    summary = {"protocol": "digits", **br.run_lds(p, (0.5, 1.0), others=True, progress=False)}
+    summary = {
+        "protocol": "digits",
+        **br.run_lds(p, (0.5, 1.0), mean_of=(0.25, 0.5), bases=2, others=True, progress=False),
+    }
     summary["cost"] = br.run_cost(p, 0.5)
-    assert set(summary["lds"]) == {"replay@0.5", "replay@0.5-mean2", "replay@1", "trak", "ekfac"}
+    assert set(summary["lds"]) == {
+        "replay@0.5",
+        "replay@0.5-mean2",
+        "replay@1",
+        "replay@mean(0.25,0.5)",
+        "replay@halves-mean2",
+        "trak",
+        "ekfac",
+    }
     for row in summary["lds"].values():
         assert set(row) == {"same-run", "fresh-seeds"}
         assert all(np.isfinite(v) for v in row.values())

@@ -121,3 +121,73 @@ def test_a_store_written_at_another_point_is_refused(tmp_path):
 def test_invalid_linearize_at_is_refused(value, match):
     with pytest.raises(ValueError, match=match):
         ReplaySettings(linearize_at=value)
+
+
+@pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS)
+def test_per_row_weights_give_the_central_difference_at_those_weights(optimizer, kw):
+    """Per-row ``linearize_at`` (a random half's 0/1 mask): ∂f/∂w_i there, by both pull-backs.
+
+    The same float64 bound as at ½·1 (truncation and rounding below 4e-10 at
+    ``h = 1e-5``). Row 0 is in the mask and row 11 out of it, so the check
+    covers a derivative at weight 1 and at weight 0; the values differ from
+    those at ``w = ½·1`` by far more than the tolerance.
+    """
+    mask = torch.zeros(N, dtype=torch.float64)
+    mask[torch.randperm(N, generator=torch.Generator().manual_seed(5))[: N // 2]] = 1.0
+    mask[0], mask[11] = 1.0, 0.0
+    r = _replay(optimizer, kw, linearize_at=mask.tolist())
+    x, y = replay_data(N)
+    queries = (x[:3], y[:3])
+    scores = r.metagradients(queries)
+    r._jvp_min_block = 1
+    by_jvp = r.metagradients(queries)
+    at_half = _replay(optimizer, kw, linearize_at=0.5).metagradients(queries)
+    assert all(torch.equal(r.retrain()[n], p) for n, p in r.retrain(mask).items())
+    h = 1e-5
+    for i in (0, 11):
+        plus, minus = mask.clone(), mask.clone()
+        plus[i] += h
+        minus[i] -= h
+        fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
+        torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
+        torch.testing.assert_close(by_jvp[i], fd, rtol=0, atol=1e-8)
+        assert fd.abs().max() > 1e-3
+        assert (scores[i] - at_half[i]).abs().max() > 1e-4
+
+
+def test_per_row_weights_are_recorded_by_fingerprint_and_refused_when_changed(tmp_path):
+    x, y = replay_data(N)
+    queries = (x[:2], y[:2])
+    mask = [1.0 if i % 2 else 0.0 for i in range(N)]
+    r = _replay("sgd", {"lr": 0.2}, save_dir=tmp_path, linearize_at=mask)
+    assert r.settings.record()["linearize_at"].startswith(f"{N} rows, sha256 ")
+    r.score(queries, exp_name="q")
+    again = _replay("sgd", {"lr": 0.2}, save_dir=tmp_path, linearize_at=mask)
+    assert torch.equal(again.score(queries, exp_name="q"), r.score(queries, exp_name="q"))
+    other = _replay("sgd", {"lr": 0.2}, save_dir=tmp_path, linearize_at=mask[::-1])
+    with pytest.raises(SettingsMismatchError, match=r"linearize_at: stored .*rows, sha256"):
+        other.score(queries, exp_name="q")
+
+
+@pytest.mark.parametrize(
+    ("value", "match", "error"),
+    [
+        (
+            [0.5] * (N - 1),
+            rf"gives {N - 1} per-row weights but the training set has {N} rows",
+            ValueError,
+        ),
+        ([0.0] * N, r"weighs every row 0: nothing trains", ValueError),
+        (
+            [0.5] * (N - 1) + [1.5],
+            rf"row {N - 1} is 1.5; per-row weights must be finite and in \[0, 1\]",
+            ValueError,
+        ),
+        ([0.5] * (N - 1) + [math.nan], rf"row {N - 1} is nan", ValueError),
+        ([[0.5]] * N, r"non-empty 1-d sequence of numbers, got shape \(\d+, 1\)", ValueError),
+        ([], r"non-empty 1-d sequence", ValueError),
+    ],
+)
+def test_invalid_per_row_weights_are_refused(value, match, error):
+    with pytest.raises(error, match=match):
+        _replay("sgd", {"lr": 0.2}, linearize_at=value)

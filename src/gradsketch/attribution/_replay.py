@@ -192,18 +192,22 @@ class ReplaySettings:
             clips (the global norm stays under the threshold, so torch's
             ``clip_grad_norm_`` multiplies by exactly 1) and refuses a run
             where one does.
-        linearize_at: the data weight ``a`` of every training row in the run
-            that is trained, checkpointed and reversed: the metagradients are
-            ``∂f / ∂w_i`` at ``w = a·1`` (default 1: the ordinary run). To
-            predict retrains on random subsets holding a fraction ``α`` of the
-            rows (datamodels, LDS over halves), use ``a = α``: the centre of
-            the subsets' weight vectors, where the first-order expansion
-            ``f(w_S) ≈ f(α·1) + Σ_i (∂f / ∂w_i) (w_S,i - α)`` is most accurate
-            on average (digits MLP, random halves, same-run LDS: 0.52 at
-            ``a = 1``, 0.85 at 0.5; a little below α can score higher still,
-            0.89 at 0.25 but 0.72 at 0.1). The trained model
-            (:meth:`ReplayAttributor.load_final`) is then the run at those
-            weights, every loss scaled by ``a``.
+        linearize_at: the data weights of the run that is trained,
+            checkpointed and reversed: a number ``a`` for ``w = a·1`` (default
+            1: the ordinary run), or one weight per training row (a sequence
+            of ``n_train`` numbers in [0, 1], e.g. a random subset's 0/1
+            mask). The metagradients are ``∂f / ∂w_i`` there. To predict
+            retrains on random subsets holding a fraction ``α`` of the rows
+            (datamodels, LDS over halves), expand near the subsets' weights:
+            with SGD, ``a = α`` or below (digits MLP, random halves, same-run
+            LDS: 0.52 at ``a = 1``, 0.85 at 0.5, 0.89 at 0.25, 0.72 at 0.1;
+            the mean of the metagradients at ``α/2`` and ``α`` scores about
+            0.90); with Adam / AdamW the update is nearly invariant to the
+            gradient's scale, so ``a·1`` barely moves the run, and the mean
+            of the metagradients at a few random subsets' masks does better
+            (standard-library GPT-2: about 0.27 at any ``a``, about 0.5 for
+            the mean over 2-4 random halves). The trained model
+            (:meth:`ReplayAttributor.load_final`) is the run at those weights.
     """
 
     optimizer: str = "sgd"
@@ -218,7 +222,7 @@ class ReplaySettings:
     checkpoint_every: int | None = None
     no_decay: list[str] = dataclasses.field(default_factory=list)
     max_grad_norm: float | None = None
-    linearize_at: float = 1.0
+    linearize_at: Any = 1.0
 
     def __post_init__(self) -> None:
         if self.optimizer not in REPLAY_OPTIMIZERS:
@@ -257,8 +261,30 @@ class ReplaySettings:
             raise ValueError(f"`momentum` must be in [0, 1), got {self.momentum!r}.")
         fix = (
             "pass the fraction of rows the predicted retrains keep (e.g. linearize_at=0.5 for "
-            "halves), or 1.0 for the ordinary run"
+            "halves), 1.0 for the ordinary run, or one weight in [0, 1] per training row"
         )
+        if isinstance(self.linearize_at, (list, tuple, np.ndarray, Tensor)):
+            per_row = np.asarray(
+                self.linearize_at.detach().cpu()
+                if isinstance(self.linearize_at, Tensor)
+                else self.linearize_at
+            )
+            if per_row.ndim != 1 or per_row.size == 0 or per_row.dtype.kind not in "biuf":
+                raise ValueError(
+                    f"`linearize_at` as per-row weights must be a non-empty 1-d sequence of "
+                    f"numbers, got shape {per_row.shape} of {per_row.dtype}; {fix}."
+                )
+            per_row = per_row.astype(np.float64)
+            bad = np.flatnonzero(~np.isfinite(per_row) | (per_row < 0) | (per_row > 1))
+            if bad.size:
+                raise ValueError(
+                    f"`linearize_at` row {int(bad[0])} is {float(per_row[bad[0]])!r}; per-row "
+                    f"weights must be finite and in [0, 1]; {fix}."
+                )
+            if not per_row.any():
+                raise ValueError(f"`linearize_at` weighs every row 0: nothing trains; {fix}.")
+            self.linearize_at = per_row.tolist()
+            return
         at = check_number("linearize_at", self.linearize_at, low=0.0, strict=True, fix=fix)
         if at > 1.0:
             raise ValueError(
@@ -266,6 +292,14 @@ class ReplaySettings:
                 f"{fix}."
             )
         self.linearize_at = float(at)
+
+    def record(self) -> dict[str, Any]:
+        """The settings as a stored record (per-row ``linearize_at`` by its fingerprint)."""
+        out = dataclasses.asdict(self)
+        if isinstance(self.linearize_at, list):
+            weights = torch.tensor(self.linearize_at, dtype=torch.float64)
+            out["linearize_at"] = f"{weights.numel()} rows, sha256 {_fingerprint([weights])}"
+        return out
 
     def lr_at(self, step: int) -> float:
         """The learning rate of step ``step``."""
@@ -524,14 +558,15 @@ class ReplayAttributor:
     """Train a replayable run, then score queries by exact metagradients (MAGIC).
 
     Scores are ``[n_train, m]``: entry ``(i, j)`` is ``∂f_j(θ_T) / ∂w_i`` at
-    ``w = 1``, the derivative of query ``j``'s output (the task's, e.g. the
+    ``w = 1`` (or ``linearize_at``), the derivative of query ``j``'s output (the task's, e.g. the
     classification margin) with respect to training example ``i``'s weight in
     the loss. Positive: up-weighting ``i`` raises the output (a proponent);
     leaving ``i`` out changes the output by about ``-scores[i, j]``. To
     predict retrains on subsets keeping a fraction ``α`` of the rows, set
     ``linearize_at=α``: the run is trained and reversed at ``w = α·1``, where
     the expansion is centred on the subsets (removing half the data is far
-    from ``w = 1``'s linear regime).
+    from ``w = 1``'s linear regime); ``linearize_at`` also takes one weight per
+    row (see :class:`ReplaySettings`).
 
     Args:
         model: the model; its current parameters are the run's initialization
@@ -616,6 +651,14 @@ class ReplayAttributor:
                 f"`lr` lists {len(settings.lr)} rates for {settings.num_steps} steps; give one "
                 "per step."
             )
+        self._base_weights: Tensor | None = None
+        if isinstance(settings.linearize_at, list):
+            if len(settings.linearize_at) != self.n_train:
+                raise ValueError(
+                    f"`linearize_at` gives {len(settings.linearize_at)} per-row weights but the "
+                    f"training set has {self.n_train} rows; give one weight per training row."
+                )
+            self._base_weights = torch.tensor(settings.linearize_at, dtype=torch.float64)
         steps = settings.num_steps
         self.every = settings.checkpoint_every or max(1, math.ceil(math.sqrt(steps)))
         self.params0: Params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -701,9 +744,7 @@ class ReplayAttributor:
         )
         return out
 
-    def _pullback(
-        self, theta: Params, rows: tuple[Tensor, ...], bar_g: Params
-    ) -> tuple[Params, Tensor]:
+    def _pullback(self, theta: Params, idx: Tensor, bar_g: Params) -> tuple[Params, Tensor]:
         """``(H d̄, ∂g/∂w ᵀ d̄)`` for a ``[m, ...]`` block ``d̄``, by forward-over-reverse.
 
         ``g = ∇L`` so ``(∂g/∂θ)ᵀ = H`` is symmetric and ``H d̄`` is a
@@ -721,7 +762,7 @@ class ReplayAttributor:
         m = next(iter(bar_g.values())).shape[0]
         if not self._keeps_graphs(m):
             try:
-                result = self._pullback_jvp(theta, rows, bar_g)
+                result = self._pullback_jvp(theta, idx, bar_g)
             except RuntimeError as exc:
                 if "vmap" not in str(exc):
                     raise
@@ -729,17 +770,16 @@ class ReplayAttributor:
             else:
                 self._vmap_ok = True
                 return result
-        return self._pullback_autograd(theta, rows, bar_g)
+        return self._pullback_autograd(theta, idx, bar_g)
 
     def _keeps_graphs(self, m: int) -> bool:
         """Whether a block of ``m`` queries is pulled back by reverse-over-reverse."""
         return m < self._jvp_min_block or self._vmap_ok is False
 
-    def _pullback_jvp(
-        self, theta: Params, rows: tuple[Tensor, ...], bar_g: Params
-    ) -> tuple[Params, Tensor]:
+    def _pullback_jvp(self, theta: Params, idx: Tensor, bar_g: Params) -> tuple[Params, Tensor]:
         _load_forward_ad_rules()
-        weights = self._run_weights(rows[0].shape[0])
+        rows = _rows(self.data, idx)
+        weights = self._run_weights(idx)
 
         def tangents(d: Params) -> tuple[Params, Tensor]:
             fn = functools.partial(self._grad_and_losses, weights=weights, batch=rows)
@@ -751,7 +791,7 @@ class ReplayAttributor:
         return out
 
     def _pullback_autograd(
-        self, theta: Params, rows: tuple[Tensor, ...], bar_g: Params
+        self, theta: Params, idx: Tensor, bar_g: Params
     ) -> tuple[Params, Tensor]:
         """The same pull-back by reverse-over-reverse, vmapping only the second backward.
 
@@ -760,15 +800,15 @@ class ReplayAttributor:
         the forward and first backward run once, plainly; ``is_grads_batched``
         vmaps the backward of the gradient over the block.
         """
-        return self._second_backward(self._first_backward(theta, rows), bar_g)
+        return self._second_backward(self._first_backward(theta, idx), bar_g)
 
-    def _first_backward(self, theta: Params, rows: tuple[Tensor, ...]) -> _StepGraph:
+    def _first_backward(self, theta: Params, idx: Tensor) -> _StepGraph:
         """One step's forward and gradient, with the graph the second backward needs."""
         names = list(theta)
         with torch.enable_grad():
             params = {n: theta[n].detach().requires_grad_(True) for n in names}
-            w = self._run_weights(rows[0].shape[0]).requires_grad_(True)
-            loss = self._batch_loss(params, w, rows)
+            w = self._run_weights(idx).requires_grad_(True)
+            loss = self._batch_loss(params, w, _rows(self.data, idx))
             grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
         return _StepGraph(params, w, grads)
 
@@ -810,10 +850,12 @@ class ReplayAttributor:
         w_part = w.new_zeros(m, w.shape[0]) if dw is None else dw.detach()
         return hess, w_part
 
-    def _run_weights(self, count: int) -> Tensor:
-        """``[count]`` data weights of the run's own rows: ``linearize_at`` each."""
+    def _run_weights(self, idx: Tensor) -> Tensor:
+        """The run's own data weights of rows ``idx`` (``linearize_at``)."""
+        if self._base_weights is not None:
+            return self._base_weights[idx].to(dtype=self._dtype, device=self._device)
         return torch.full(
-            (count,), self.settings.linearize_at, dtype=self._dtype, device=self._device
+            (idx.numel(),), self.settings.linearize_at, dtype=self._dtype, device=self._device
         )
 
     def _init_state(self) -> dict[str, Params]:
@@ -836,7 +878,7 @@ class ReplayAttributor:
                 keep(t, theta, state)
             idx = self.order[t]
             if weights is None:
-                w = self._run_weights(idx.numel())
+                w = self._run_weights(idx)
             else:
                 w = weights[idx].to(dtype=self._dtype, device=self._device)
             grad = self._grad(theta, w, _rows(self.data, idx))
@@ -882,7 +924,7 @@ class ReplayAttributor:
         MAGIC's leave-out model: same initialization, same batch order, only
         those rows' losses removed. The weights are taken as given, whatever
         ``linearize_at`` is; ``None`` means the run's own weights,
-        ``linearize_at`` on every row (the trained run itself).
+        ``linearize_at`` (the trained run itself).
         """
         if weights is not None:
             weights = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
@@ -900,8 +942,8 @@ class ReplayAttributor:
     def load_final(self) -> nn.Module:
         """Copy the trained parameters into ``model`` (and return it).
 
-        They are the run at weights ``linearize_at`` on every row: with
-        ``linearize_at < 1`` not the ordinary run's model.
+        They are the run at weights ``linearize_at``: with any weight under 1
+        not the ordinary run's model.
         """
         final = self._require_trained()
         with torch.no_grad():
@@ -969,7 +1011,7 @@ class ReplayAttributor:
                     torch.enable_grad(),
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
                 ):
-                    weights = self._run_weights(idx.numel()).requires_grad_(create_graph)
+                    weights = self._run_weights(idx).requires_grad_(create_graph)
                     loss = self._batch_loss(params, weights, _rows(self.data, idx))
                     grads = torch.autograd.grad(
                         loss, list(params.values()), create_graph=create_graph
@@ -1028,9 +1070,10 @@ class ReplayAttributor:
         return grads
 
     def metagradients(self, queries: Any, *, query_block: int | None = None) -> Tensor:
-        """``[n_train, m]`` exact metagradients ``∂f_j(θ_T) / ∂w_i`` at ``w = a·1``.
+        """``[n_train, m]`` exact metagradients ``∂f_j(θ_T) / ∂w_i`` at the run's weights.
 
-        ``a`` is ``settings.linearize_at`` (default 1, the ordinary run).
+        Those are ``settings.linearize_at`` (default 1 on every row, the
+        ordinary run).
 
         Args:
             queries: the query examples, in any form ``train_data`` takes.
@@ -1062,7 +1105,7 @@ class ReplayAttributor:
                 )
             return saved
         for t in range(start, stop):
-            graph = self._first_backward(theta, _rows(self.data, self.order[t]))
+            graph = self._first_backward(theta, self.order[t])
             saved.append((theta, state, graph))
             grad = {n: g.detach() for n, g in zip(graph.params, graph.grads, strict=True)}
             with torch.no_grad():
@@ -1103,12 +1146,12 @@ class ReplayAttributor:
                         grad = {n: g.detach() for n, g in zip(theta, graph.grads, strict=True)}
                     else:
                         with torch.no_grad():
-                            grad = self._grad(theta, self._run_weights(idx.numel()), rows)
+                            grad = self._grad(theta, self._run_weights(idx), rows)
                 bar_g, direct, bar_state = _reverse_step(
                     s, t, theta, state, grad, bar_theta, bar_state
                 )
                 if graph is None:
-                    hess, w_part = self._pullback(theta, rows, bar_g)
+                    hess, w_part = self._pullback(theta, idx, bar_g)
                 else:
                     hess, w_part = self._second_backward(graph, bar_g)
                     del graph
@@ -1122,7 +1165,7 @@ class ReplayAttributor:
     def _record(self, batch: tuple[Tensor, ...], tokens: int = 0) -> dict[str, Any]:
         """Everything that fixes the scores: settings, data, order, initialization, queries."""
         return {
-            **dataclasses.asdict(self.settings),
+            **self.settings.record(),
             "method": "replay",
             "task": type(self.task).__name__,
             "n_train": self.n_train,

@@ -19,7 +19,6 @@ unless left at their defaults: the metagradient projects and inverts nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import shutil
@@ -209,7 +208,7 @@ class ReplayTRAKer(TRAKer):
             "train_set_size": n,
             "model": model_fingerprint(model),
             "task": type(self.task).__name__,
-            "replay": dataclasses.asdict(settings),
+            "replay": settings.record(),
         }
         self.store = RowStore(self.save_dir, self.record, what="TRAK store")
         self._columns: list[Tensor] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -25,6 +26,9 @@ from gradsketch.demos._digits import (
 def test_demo_replay_replays_train_model_and_scores_through_the_trak_loop(tmp_path):
     """One epoch (23 steps), 3 targets: the replayed run is train_digits_model's.
 
+    The demo linearizes at ``replay_linearize_at`` (0.5): its scores are the
+    replay's at that point, and the same replay at 1 trains the ordinary run.
+
     Tolerance of the weights: the same steps, rows and rates, computed by
     torch.optim.SGD on the model's backward against the replay's functional
     step on torch.func.grad; both in float32 on one thread, differing only in
@@ -44,20 +48,24 @@ def test_demo_replay_replays_train_model_and_scores_through_the_trak_loop(tmp_pa
         progress=False,
     )
     assert scores.shape == (split.n_train, 3) and set(timings) >= {"featurize", "score"}
-    reference = ReplayAttributor(
-        build_model(settings.arch, seed=0),
-        "image_classification",
-        (split.x_train, split.y_train),
-        replay_settings(split.n_train, settings.train, seed=0),
-        progress=False,
-    )
-    reference.train()
+    assert settings.replay_linearize_at == 0.5
+    run = replay_settings(split.n_train, settings.train, seed=0)
+    references = {}
+    for at in (0.5, 1.0):
+        references[at] = ReplayAttributor(
+            build_model(settings.arch, seed=0),
+            "image_classification",
+            (split.x_train, split.y_train),
+            dataclasses.replace(run, linearize_at=at),
+            progress=False,
+        )
+        references[at].train()
     np.testing.assert_array_equal(
-        scores, reference.score((split.x_test[:3], split.y_test[:3])).double().numpy()
+        scores, references[0.5].score((split.x_test[:3], split.y_test[:3])).double().numpy()
     )
     trained = train_digits_model(split.x_train, split.y_train, seed=0, settings=settings.train)
     for name, p in trained.named_parameters():
-        torch.testing.assert_close(reference.final[name], p.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(references[1.0].final[name], p.detach(), rtol=0, atol=1e-5)
 
 
 def test_replay_settings_follow_train_model():

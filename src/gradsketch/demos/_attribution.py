@@ -98,6 +98,9 @@ class DemoSettings:
         replay_targets: test digits the replay scores (the first ones; its
             reverse pass grows with them); its LDS, and EK-FAC's beside it,
             are over these.
+        replay_linearize_at: the data weight at which the replay trains and
+            differentiates (``ReplaySettings.linearize_at``): 0.5, the centre
+            of the random halves the LDS retrains on.
         seed: seeds the split, the checkpoints, the projector and the subsets.
         arch: ``"mlp"`` (64-256-256-10) or ``"cnn"``.
         batch_size: rows per featurize / score call.
@@ -113,6 +116,7 @@ class DemoSettings:
     report_ekfac: bool = True
     report_replay: bool = False
     replay_targets: int = 16
+    replay_linearize_at: float = 0.5
     seed: int = 0
     arch: str = "mlp"
     batch_size: int = 256
@@ -439,7 +443,9 @@ def attribute_digits(
         "lambda_reg": lambda_reg,
     }
     if method == "replay":
-        features = {"replay": replay_settings(split.n_train, settings.train, seed=settings.seed)}
+        run = replay_settings(split.n_train, settings.train, seed=settings.seed)
+        run = dataclasses.replace(run, linearize_at=settings.replay_linearize_at)
+        features = {"replay": run}
     traker = TRAKer(
         model=build_model(settings.arch, seed=settings.seed),
         task="image_classification",

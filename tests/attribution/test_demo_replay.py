@@ -91,7 +91,7 @@ def test_report_names_the_replay_and_its_gallery():
         "files": {"gallery": "g.png", "gallery_replay": "r.png", "summary": "s.json"},
     }
     report = format_report(summary)
-    assert "LDS (replay metagradients, checkpoint 0's run, its targets): 0.400" in report
+    assert "LDS (replay metagradients through checkpoint 0's run, its targets): 0.400" in report
     assert "replay gallery: r.png" in report
 
 

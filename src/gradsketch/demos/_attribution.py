@@ -64,7 +64,7 @@ QUICK: dict[str, Any] = {
 #: How the report names the LDS entries that are not TRAK dampings.
 _METHOD_NAMES = {
     "ekfac": "EK-FAC influence",
-    "replay": "replay metagradients, checkpoint 0's run, its targets",
+    "replay": "replay metagradients through checkpoint 0's run, its targets",
     "ekfac_replay_targets": "EK-FAC influence, the replay's targets",
 }
 

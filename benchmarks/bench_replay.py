@@ -39,6 +39,11 @@ digits, ``"auto"`` on lm) and EK-FAC (``lambda_reg="auto"``) score the
 ordinary run's final model (one checkpoint) in the same run, against the same
 ground truths (``--no-others`` skips them).
 
+Removal (``--part removal``): the same-run LDS when the retrains keep a
+fraction ``α`` of the rows (``--keep``, default 0.5, 0.9, 0.99), the run
+linearized at ``w = α·1``: how far from ``w = 1`` the metagradient stays
+linear.
+
 Cost (``--part cost``): wall and process CPU time of training (with
 checkpoints), and of the reverse pass per query as the block of queries ``m``
 grows (``--cost-m``), in units of one plain training run.
@@ -83,7 +88,7 @@ from gradsketch.attribution import ReplayAttributor, ReplaySettings, linear_data
 from gradsketch.attribution._lm import LanguageModelingModelOutput, _call_model
 
 PROTOCOLS = ("digits", "lm")
-PARTS = ("all", "lds", "cost", "bergson")
+PARTS = ("all", "lds", "cost", "bergson", "removal")
 
 
 @dataclass(frozen=True)
@@ -350,15 +355,22 @@ def lm_protocol(sizes: Sizes) -> Protocol:
 
 # -- LDS ----------------------------------------------------------------------------------
 def same_run_truth(
-    run: ReplayAttributor, targets: tuple[Tensor, ...], num_models: int, seed: int
+    run: ReplayAttributor,
+    targets: tuple[Tensor, ...],
+    num_models: int,
+    seed: int,
+    keep: float = 0.5,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Setting (a): the replayed run with random halves' complements weighted 0."""
+    """Setting (a): the replayed run with random subsets' complements weighted 0.
+
+    Each subset keeps ``round(keep · n)`` rows (halves by default).
+    """
     rng = np.random.default_rng(seed)
     n = run.n_train
     masks = np.zeros((num_models, n), dtype=bool)
     outputs = []
     for i in range(num_models):
-        masks[i, rng.choice(n, size=round(n / 2), replace=False)] = True
+        masks[i, rng.choice(n, size=round(keep * n), replace=False)] = True
         weights = torch.from_numpy(masks[i].astype(np.float32))
         outputs.append(run.outputs(targets, run.retrain(weights)).double().numpy())
     return masks, np.stack(outputs)
@@ -470,6 +482,33 @@ def run_lds(
         for name, s in scores.items():
             report(name, s)
     return summary
+
+
+def run_removal(p: Protocol, keeps: tuple[float, ...]) -> dict[str, float]:
+    """Same-run LDS as the retrains keep more of the data: the metagradient's linear range.
+
+    For each fraction ``α`` in ``keeps``: the run's metagradients at
+    ``w = α·1`` against ``lds_models`` same-run retrains on random subsets of
+    ``α·n`` rows (setting (a) with smaller removals than halves).
+    """
+    table: dict[str, float] = {}
+    for keep in keeps:
+        r = p.run(p.base_seed, keep)
+        r.train()
+        scores = r.metagradients(p.targets).numpy()
+        truth = same_run_truth(r, p.targets, p.sizes.lds_models, seed=10_000, keep=keep)
+        table[f"{keep:g}"] = lds(scores, truth)
+        emit(
+            {
+                "bench": "replay",
+                "protocol": p.name,
+                "part": "removal",
+                "keep": keep,
+                "linearize_at": keep,
+                "same-run": table[f"{keep:g}"],
+            }
+        )
+    return table
 
 
 # -- cost ---------------------------------------------------------------------------------
@@ -684,6 +723,9 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(f"{'method':<26}{'LDS same-run':>14}{'LDS fresh-seeds':>17}")
         for name, row in summary["lds"].items():
             lines.append(f"{name:<26}{row['same-run']:>14.3f}{row['fresh-seeds']:>17.3f}")
+    if "removal" in summary:
+        for keep, value in summary["removal"].items():
+            lines.append(f"same-run LDS, subsets keeping {keep} of the rows: {value:.3f}")
     if "cost" in summary:
         c = summary["cost"]
         lines.append(
@@ -740,6 +782,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=4,
         help="random halves whose 0/1 masks (per-row linearize_at) are averaged; 0: none",
     )
+    parser.add_argument(
+        "--keep",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.9, 0.99],
+        help="removal part: fractions of rows the same-run retrains keep",
+    )
     parser.add_argument("--bergson-queries", type=int, default=None)
     parser.add_argument("--no-others", action="store_true", help="skip TRAK and EK-FAC")
     parser.add_argument("--threads", type=int, default=1)
@@ -781,6 +830,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     if args.part in ("all", "cost"):
         summary["cost"] = run_cost(p, at[0])
+    if args.part == "removal":
+        summary["removal"] = run_removal(p, tuple(args.keep))
     if args.part == "bergson":
         summary["bergson"] = run_bergson(p, at[-1])
     print(format_table(summary), flush=True)

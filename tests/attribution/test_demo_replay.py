@@ -101,3 +101,23 @@ def test_cli_demo_has_the_replay_flag_and_refuses_it_with_lm(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--lm", "--replay", "--out", str(tmp_path / "o")])
     text = re.sub(r"[│╭╮╰╯─\s]+", " ", result.output)  # rich's box, unwrapped
     assert result.exit_code == 2 and "the --lm job has no replay" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"), [([], True), (["--replay"], True), (["--no-replay"], False)]
+)
+def test_cli_demo_runs_the_replay_unless_told_not_to(tmp_path, monkeypatch, flags, expected):
+    """``make demo`` (no flag) includes the replay; ``--no-replay`` leaves it out."""
+    import gradsketch.demos._attribution as demo_module
+
+    seen = {}
+
+    def fake_run_demo(out, **kwargs):
+        seen.update(kwargs)
+        return {"report": "ok"}
+
+    monkeypatch.setattr(demo_module, "run_demo", fake_run_demo)
+    args = ["demo", *flags, "--no-verbose", "--out", str(tmp_path / "o")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert seen == {"quick": False, "report_replay": expected}

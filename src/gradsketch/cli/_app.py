@@ -145,12 +145,12 @@ def demo(
     lm: bool = typer.Option(
         False, "--lm", help="The language-model job: GPT-2 on the stdlib's sources, HTML report."
     ),
-    replay: bool = typer.Option(
-        False,
-        "--replay",
+    replay: bool | None = typer.Option(
+        None,
+        "--replay/--no-replay",
         help="Digits demo: also attribute by exact metagradients through checkpoint 0's "
-        "training run (MAGIC; its gallery and LDS beside EK-FAC's). Adds several training "
-        "runs' worth of time.",
+        "training run (MAGIC; its gallery and LDS beside EK-FAC's); on by default (about "
+        "15 s on 2 cores). The --lm job has none.",
     ),
     verbose: bool = typer.Option(True, help="Log progress."),
 ) -> None:
@@ -170,7 +170,7 @@ def demo(
         return
     from gradsketch.demos._attribution import format_report, run_demo
 
-    summary = run_demo(out, quick=quick, report_replay=replay)
+    summary = run_demo(out, quick=quick, report_replay=replay is not False)
     typer.echo(summary.get("report") or format_report(summary))
 
 

@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/gradsketch demo --out demo_out
 
-# The digits demo plus exact metagradients through a replayed run (MAGIC) -> demo_replay_out/
+# The digits demo with its replay (MAGIC; make demo includes it too) -> demo_replay_out/
 demo-replay: $(VENV)/.installed
 	$(VENV)/bin/gradsketch demo --replay --out demo_replay_out
 

@@ -35,23 +35,29 @@ def test_metagradient_at_half_equals_central_difference_around_half(optimizer, k
     differ from the one at 1 by far more than that (the check is not vacuous).
     """
     r = _replay(optimizer, kw, linearize_at=0.5)
+    at_one = _replay(optimizer, kw)
+    _check_central_difference(r, torch.full((N,), 0.5, dtype=torch.float64), at_one)
+
+
+def _check_central_difference(r, base, other):
+    """``r``'s metagradients of rows 0 and 11, by both pull-backs, against central
+    differences around its run's weights ``base``; they must differ from ``other``'s."""
     x, y = replay_data(N)
     queries = (x[:3], y[:3])
     scores = r.metagradients(queries)  # reverse-over-reverse (a block under JVP_MIN_BLOCK)
     r._jvp_min_block = 1
     by_jvp = r.metagradients(queries)  # forward-over-reverse
-    at_one = _replay(optimizer, kw).metagradients(queries)
+    elsewhere = other.metagradients(queries)
     h = 1e-5
     for i in (0, 11):
-        plus = torch.full((N,), 0.5, dtype=torch.float64)
-        minus = plus.clone()
+        plus, minus = base.clone(), base.clone()
         plus[i] += h
         minus[i] -= h
         fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
         torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
         torch.testing.assert_close(by_jvp[i], fd, rtol=0, atol=1e-8)
         assert fd.abs().max() > 1e-3
-        assert (scores[i] - at_one[i]).abs().max() > 1e-4
+        assert (scores[i] - elsewhere[i]).abs().max() > 1e-4
 
 
 def test_the_run_is_trained_at_its_weights_and_retrain_defaults_to_them():
@@ -136,23 +142,8 @@ def test_per_row_weights_give_the_central_difference_at_those_weights(optimizer,
     mask[torch.randperm(N, generator=torch.Generator().manual_seed(5))[: N // 2]] = 1.0
     mask[0], mask[11] = 1.0, 0.0
     r = _replay(optimizer, kw, linearize_at=mask.tolist())
-    x, y = replay_data(N)
-    queries = (x[:3], y[:3])
-    scores = r.metagradients(queries)
-    r._jvp_min_block = 1
-    by_jvp = r.metagradients(queries)
-    at_half = _replay(optimizer, kw, linearize_at=0.5).metagradients(queries)
     assert all(torch.equal(r.retrain()[n], p) for n, p in r.retrain(mask).items())
-    h = 1e-5
-    for i in (0, 11):
-        plus, minus = mask.clone(), mask.clone()
-        plus[i] += h
-        minus[i] -= h
-        fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
-        torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
-        torch.testing.assert_close(by_jvp[i], fd, rtol=0, atol=1e-8)
-        assert fd.abs().max() > 1e-3
-        assert (scores[i] - at_half[i]).abs().max() > 1e-4
+    _check_central_difference(r, mask, _replay(optimizer, kw, linearize_at=0.5))
 
 
 def test_per_row_weights_are_recorded_by_fingerprint_and_refused_when_changed(tmp_path):

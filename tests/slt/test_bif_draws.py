@@ -177,3 +177,49 @@ def test_invalid_inputs_and_statistics():
         bif_from_draws(LossDraws(torch.zeros(2, 3, 3), torch.zeros(2, 2, 2)))
     with pytest.raises(ValueError, match="`checkpoints` is empty"):
         bayesian_influence(model, (x, y), (x, y), _loss, checkpoints=[], **SAMPLER)
+
+
+def test_a_diverging_chain_is_refused_naming_the_chain_and_the_fix():
+    """A squared output under a step size of 1e60 grows by ~1e60 a step and overflows
+    float64 (1.8e308) within a few steps: the sampler stops there instead of filling the
+    draws with NaN."""
+    from gradsketch.slt import NonFiniteLossError
+
+    def squared(model, batch):
+        return model(batch[0]).pow(2).sum(1)
+
+    model, x, y = _setup()
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"chain 0: .* is NaN or infinite after \d+ steps: the chain diverged; lower "
+        r"`lr` \(try lr=1e\+59\) or raise `localization`",
+    ):
+        sample_loss_draws(model, (x, y), (x[:M], y[:M]), squared, seed=3, **{**SAMPLER, "lr": 1e60})
+
+
+def test_a_non_finite_loss_at_the_start_is_refused():
+    from gradsketch.slt import NonFiniteLossError
+
+    def nan_loss(model, batch):
+        return _loss(model, batch) * float("nan")
+
+    model, x, y = _setup()
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"chain 0: the minibatch loss is NaN or "
+        r"infinite at the model's own weights: check them and `loss_fn`",
+    ):
+        sample_loss_draws(model, (x, y), (x[:M], y[:M]), nan_loss, seed=3, **SAMPLER)
+
+
+def test_a_non_finite_query_value_is_refused_at_its_draw():
+    from gradsketch.slt import NonFiniteLossError
+
+    def inf_query(model, batch):
+        return _margin(model, batch) + float("inf")
+
+    model, x, y = _setup()
+    with pytest.raises(NonFiniteLossError, match=r"chain 0: `query_fn` at draw 0 is NaN"):
+        sample_loss_draws(
+            model, (x, y), (x[:M], y[:M]), _loss, query_fn=inf_query, seed=3, **SAMPLER
+        )

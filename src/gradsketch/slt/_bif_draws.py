@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from gradsketch.sampling import SGMCMC, default_nbeta
 from gradsketch.sampling._chain import DrawSchedule, run_chain
+from gradsketch.slt._data import NonFiniteLossError
 
 __all__ = ["LossDraws", "bayesian_influence", "bif_from_draws", "sample_loss_draws"]
 
@@ -158,13 +159,26 @@ def _sample_chain(
     fns: tuple[PerExampleFn, PerExampleFn],
     out: tuple[Tensor, Tensor],
     tick: Callable[[], object],
+    chain: int = 0,
+    lr: float = 1e-4,
 ) -> None:
     """One chain of :func:`sample_loss_draws`: ``gen`` draws its minibatches and its noise.
 
     Fills ``out`` (``[draws, n_train]``, ``[draws, n_query]``) with the
-    per-example values of ``rows`` under ``fns`` at every draw.
+    per-example values of ``rows`` under ``fns`` at every draw. A NaN or
+    infinite minibatch loss or drawn value raises :class:`NonFiniteLossError`
+    naming the chain and the step, before the sampler steps on it.
     """
     batches = steps.shuffled(gen)
+
+    def diverged(step: int, what: str) -> NonFiniteLossError:
+        cause = (
+            "at the model's own weights: check them and `loss_fn`"
+            if step == 0
+            else f"after {step} steps: the chain diverged; lower `lr` (try lr={lr / 10:.2g}) "
+            "or raise `localization`"
+        )
+        return NonFiniteLossError(f"chain {chain}: {what} is NaN or infinite {cause}.")
 
     def step_loss(step: int) -> Tensor:
         with torch.enable_grad():
@@ -173,10 +187,21 @@ def _sample_chain(
         return loss.detach()
 
     def on_draw(draw: int, step: int, loss: Tensor) -> None:
-        out[0][draw] = _evaluate(sampler, rows[0], fns[0], "loss_fn")
-        out[1][draw] = _evaluate(sampler, rows[1], fns[1], "query_fn")
+        for k, (name, rows_k) in enumerate(zip(("loss_fn", "query_fn"), rows, strict=True)):
+            values = _evaluate(sampler, rows_k, fns[k], name)
+            if not bool(torch.isfinite(values).all()):
+                raise diverged(step + 1, f"`{name}` at draw {draw}")
+            out[k][draw] = values
 
-    run_chain(opt, step_loss, schedule, noise_generator=gen, on_draw=on_draw, tick=tick)
+    run_chain(
+        opt,
+        step_loss,
+        schedule,
+        noise_generator=gen,
+        nonfinite_error=lambda step, loss: diverged(step, "the minibatch loss"),
+        on_draw=on_draw,
+        tick=tick,
+    )
 
 
 def sample_loss_draws(
@@ -261,6 +286,8 @@ def sample_loss_draws(
             fns=(loss_fn, query_fn),
             out=(train_out[chain], query_out[chain]),
             tick=bar.update,
+            chain=chain,
+            lr=lr,
         )
     bar.close()
     return LossDraws(train_out, query_out)

@@ -643,7 +643,7 @@ _SGNHT_DOC = """SGNHT (Ding et al. 2014), thermostat applied (see :class:`NoseHo
         ``exp(-U / (2 a))`` (the posterior at temperature ``2 a``, i.e. ``nbeta``
         times ``1 / (2 a)`` = 50 at the default ``a``), with no momentum and no
         thermostat. So the default keeps the SGNHT step, and the switch is
-        there to reproduce devinterp's numbers (README, "Compatibility").
+        there to reproduce devinterp's numbers (docs/compatibility.md).
         ``diffusion_factor=0`` is allowed in both (no injected noise).
         """
 

@@ -199,15 +199,12 @@ class ReplaySettings:
             mask). The metagradients are ``∂f / ∂w_i`` there. To predict
             retrains on random subsets holding a fraction ``α`` of the rows
             (datamodels, LDS over halves), expand near the subsets' weights:
-            with SGD, ``a = α`` or below (digits MLP, random halves, same-run
-            LDS: 0.52 at ``a = 1``, 0.85 at 0.5, 0.89 at 0.25, 0.72 at 0.1;
-            the mean of the metagradients at ``α/2`` and ``α`` scores about
-            0.90); with Adam / AdamW the update is nearly invariant to the
-            gradient's scale, so ``a·1`` barely moves the run, and the mean
-            of the metagradients at a few random subsets' masks does better
-            (standard-library GPT-2: about 0.27 at any ``a``, about 0.5 for
-            the mean over 2-4 random halves). The trained model
-            (:meth:`ReplayAttributor.load_final`) is the run at those weights.
+            with SGD, ``a = α`` or a little below (or the mean of the
+            metagradients at ``α/2`` and ``α``); with Adam / AdamW the update
+            is nearly invariant to the loss's scale, so ``a·1`` barely moves
+            the run. What each choice scored: ``docs/attribution.md``. The
+            trained model (:meth:`ReplayAttributor.load_final`) is the run at
+            those weights.
     """
 
     optimizer: str = "sgd"

@@ -648,7 +648,7 @@ class ReplayAttributor:
                 f"`lr` lists {len(settings.lr)} rates for {settings.num_steps} steps; give one "
                 "per step."
             )
-        self._base_weights: Tensor | None = None
+        # The run's own data weights, one per row (``linearize_at``).
         if isinstance(settings.linearize_at, list):
             if len(settings.linearize_at) != self.n_train:
                 raise ValueError(
@@ -656,6 +656,10 @@ class ReplayAttributor:
                     f"training set has {self.n_train} rows; give one weight per training row."
                 )
             self._base_weights = torch.tensor(settings.linearize_at, dtype=torch.float64)
+        else:
+            self._base_weights = torch.full(
+                (self.n_train,), settings.linearize_at, dtype=torch.float64
+            )
         steps = settings.num_steps
         self.every = settings.checkpoint_every or max(1, math.ceil(math.sqrt(steps)))
         self.params0: Params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -847,13 +851,10 @@ class ReplayAttributor:
         w_part = w.new_zeros(m, w.shape[0]) if dw is None else dw.detach()
         return hess, w_part
 
-    def _run_weights(self, idx: Tensor) -> Tensor:
-        """The run's own data weights of rows ``idx`` (``linearize_at``)."""
-        if self._base_weights is not None:
-            return self._base_weights[idx].to(dtype=self._dtype, device=self._device)
-        return torch.full(
-            (idx.numel(),), self.settings.linearize_at, dtype=self._dtype, device=self._device
-        )
+    def _run_weights(self, idx: Tensor, weights: Tensor | None = None) -> Tensor:
+        """Data weights of rows ``idx``: ``weights``, or the run's own (``linearize_at``)."""
+        base = self._base_weights if weights is None else weights
+        return base[idx].to(dtype=self._dtype, device=self._device)
 
     def _init_state(self) -> dict[str, Params]:
         return {
@@ -874,11 +875,7 @@ class ReplayAttributor:
             if keep is not None:
                 keep(t, theta, state)
             idx = self.order[t]
-            if weights is None:
-                w = self._run_weights(idx)
-            else:
-                w = weights[idx].to(dtype=self._dtype, device=self._device)
-            grad = self._grad(theta, w, _rows(self.data, idx))
+            grad = self._grad(theta, self._run_weights(idx, weights), _rows(self.data, idx))
             if weights is None and self.settings.max_grad_norm is not None:
                 self._check_unclipped(t, grad)
             theta, state = _opt_step(self.settings, t, theta, state, grad)

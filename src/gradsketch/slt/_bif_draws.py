@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from gradsketch.sampling import SGMCMC, default_nbeta
 from gradsketch.sampling._chain import DrawSchedule, run_chain
-from gradsketch.slt._data import NonFiniteLossError
+from gradsketch.slt._data import NonFiniteLossError, nonfinite_cause
 
 __all__ = ["LossDraws", "bayesian_influence", "bif_from_draws", "sample_loss_draws"]
 
@@ -172,13 +172,9 @@ def _sample_chain(
     batches = steps.shuffled(gen)
 
     def diverged(step: int, what: str) -> NonFiniteLossError:
-        cause = (
-            "at the model's own weights: check them and `loss_fn`"
-            if step == 0
-            else f"after {step} steps: the chain diverged; lower `lr` (try lr={lr / 10:.2g}) "
-            "or raise `localization`"
+        return NonFiniteLossError(
+            f"chain {chain}: {what} is NaN or infinite {nonfinite_cause(step, lr)}."
         )
-        return NonFiniteLossError(f"chain {chain}: {what} is NaN or infinite {cause}.")
 
     def step_loss(step: int) -> Tensor:
         with torch.enable_grad():

@@ -40,6 +40,21 @@ class NonFiniteLossError(GradsketchError, ValueError):
     """A chain's per-token loss was NaN or infinite."""
 
 
+def nonfinite_cause(step: int, lr: float) -> str:
+    """Why a chain's loss is NaN or infinite at ``step``, and the fix, for the error text.
+
+    Example:
+        >>> nonfinite_cause(3, 1e-4)
+        'after 3 steps: the chain diverged; lower `lr` (try lr=1e-05) or raise `localization`'
+    """
+    if step == 0:
+        return "at the model's own weights: check them and `loss_fn`"
+    return (
+        f"after {step} steps: the chain diverged; lower `lr` (try lr={lr / 10:.2g}) or raise "
+        "`localization`"
+    )
+
+
 def as_token_tensor(dataset: Any, *, name: str = "dataset") -> torch.Tensor:
     """The ``input_ids`` of a dataset as one ``[n, seq]`` int64 CPU tensor.
 

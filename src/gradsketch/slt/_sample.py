@@ -82,6 +82,7 @@ from gradsketch.slt._data import (
     as_token_tensor,
     check_finite_weights,
     check_token_range,
+    nonfinite_cause,
     per_token_loss,
     token_digest,
     vocab_size,
@@ -1340,12 +1341,7 @@ class _Run:
         def nonfinite(step: int, acc: torch.Tensor) -> NonFiniteLossError:
             bad = ~np.isfinite(micro_loss[step]).all(axis=1)
             where = sorted(set(micro_rows[step][bad].tolist()))
-            cause = (
-                "at the model's own weights: check them and `loss_fn` on these rows"
-                if step == 0
-                else f"after {step} steps: the chain diverged; lower `lr` (try "
-                f"lr={s.lr / 10:.2g}) or raise `localization`"
-            )
+            cause = nonfinite_cause(step, s.lr) + (" on these rows" if step == 0 else "")
             return NonFiniteLossError(
                 f"chain {chain}: the loss is NaN or infinite at step {step} on rows "
                 f"{where[:10]} of `dataset`, {cause}"

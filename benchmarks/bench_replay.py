@@ -354,6 +354,13 @@ def lm_protocol(sizes: Sizes) -> Protocol:
 
 
 # -- LDS ----------------------------------------------------------------------------------
+def subset_mask(rng: np.random.Generator, n: int, keep: float = 0.5) -> np.ndarray:
+    """``[n]`` bool mask of a random subset of ``round(keep · n)`` rows."""
+    mask = np.zeros(n, dtype=bool)
+    mask[rng.choice(n, size=round(keep * n), replace=False)] = True
+    return mask
+
+
 def same_run_truth(
     run: ReplayAttributor,
     targets: tuple[Tensor, ...],
@@ -367,10 +374,9 @@ def same_run_truth(
     """
     rng = np.random.default_rng(seed)
     n = run.n_train
-    masks = np.zeros((num_models, n), dtype=bool)
+    masks = np.stack([subset_mask(rng, n, keep) for _ in range(num_models)])
     outputs = []
     for i in range(num_models):
-        masks[i, rng.choice(n, size=round(keep * n), replace=False)] = True
         weights = torch.from_numpy(masks[i].astype(np.float32))
         outputs.append(run.outputs(targets, run.retrain(weights)).double().numpy())
     return masks, np.stack(outputs)
@@ -440,8 +446,7 @@ def run_lds(
         rng = np.random.default_rng(20_000)
         masks = []
         for k in range(bases):
-            mask = np.zeros(p.n_train)
-            mask[rng.choice(p.n_train, size=round(p.n_train / 2), replace=False)] = 1.0
+            mask = subset_mask(rng, p.n_train).astype(np.float64)
             masks.append(metagradients(p.base_seed, mask, f"half {k}"))
         methods[f"replay@halves-mean{bases}"] = np.mean(masks, axis=0)
     assert first is not None

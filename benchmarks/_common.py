@@ -130,6 +130,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "cpu": cpu_model(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 

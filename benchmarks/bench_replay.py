@@ -133,10 +133,17 @@ def lds(scores: Any, truth: tuple[np.ndarray, np.ndarray]) -> float:
     return round(float(linear_datamodeling_score(np.asarray(scores), *truth)), 4)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
-    """``(wall seconds, process CPU seconds, result)`` of one call."""
+    """``(wall seconds, process CPU seconds, result)`` of one call (CUDA work finished)."""
+    _sync()
     t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
+    _sync()
     return time.perf_counter() - t0, time.process_time() - c0, out
 
 
@@ -176,6 +183,8 @@ class Protocol:
     others: Callable[[dict[str, Tensor], Path, bool], dict[str, np.ndarray]]
     per_example_loss: Callable[..., Tensor]
     base_seed: int = 0
+    #: Where the replays (and bergson) train: the model goes there, the rows follow it.
+    device: str = "cpu"
 
     @property
     def n_train(self) -> int:
@@ -184,7 +193,11 @@ class Protocol:
     def run(self, seed: int, linearize_at: Any = 1.0, progress: bool = False) -> ReplayAttributor:
         settings = dataclasses.replace(self.settings(seed), linearize_at=linearize_at)
         return ReplayAttributor(
-            self.build(seed), self.task, self.train_data, settings, progress=progress
+            self.build(seed).to(self.device),
+            self.task,
+            self.train_data,
+            settings,
+            progress=progress,
         )
 
 
@@ -378,7 +391,7 @@ def same_run_truth(
     outputs = []
     for i in range(num_models):
         weights = torch.from_numpy(masks[i].astype(np.float32))
-        outputs.append(run.outputs(targets, run.retrain(weights)).double().numpy())
+        outputs.append(run.outputs(targets, run.retrain(weights)).double().cpu().numpy())
     return masks, np.stack(outputs)
 
 
@@ -408,7 +421,7 @@ def run_lds(
         nonlocal first
         r = p.run(seed, at, progress=progress)
         t_train, c_train, _ = timed(r.train)
-        t_rev, c_rev, g = timed(lambda: r.metagradients(p.targets).numpy())
+        t_rev, c_rev, g = timed(lambda: r.metagradients(p.targets).cpu().numpy())
         first = r if first is None else first
         emit(
             {
@@ -500,7 +513,7 @@ def run_removal(p: Protocol, keeps: tuple[float, ...]) -> dict[str, float]:
     for keep in keeps:
         r = p.run(p.base_seed, keep)
         r.train()
-        scores = r.metagradients(p.targets).numpy()
+        scores = r.metagradients(p.targets).cpu().numpy()
         truth = same_run_truth(r, p.targets, p.sizes.lds_models, seed=10_000, keep=keep)
         table[f"{keep:g}"] = lds(scores, truth)
         emit(
@@ -522,8 +535,10 @@ def run_cost(p: Protocol, linearize_at: float) -> dict[str, Any]:
     r = p.run(p.base_seed, linearize_at)
     t_train, _, _ = timed(r.train)
     t_plain, c_plain, _ = timed(r.retrain)
-    t_torch, _, _ = timed(lambda: p.torch_train(p.base_seed))
+    # The protocol's own torch loop runs on the CPU: timed there only.
+    t_torch = timed(lambda: p.torch_train(p.base_seed))[0] if p.device == "cpu" else None
     summary: dict[str, Any] = {
+        "device": p.device,
         "steps": r.settings.num_steps,
         "train_with_checkpoints_s": t_train,
         "plain_train_s": t_plain,
@@ -567,10 +582,10 @@ class _WeightedLoss(nn.Module):
 class _Stream:
     """The replay's batch order as the data stream bergson's ``Trainer`` iterates."""
 
-    def __init__(self, data: tuple[Tensor, ...], order: list[Tensor]) -> None:
-        self.data, self.order = data, order
-        self.weights = nn.Parameter(torch.ones(int(data[0].shape[0])))
-        self.device = torch.device("cpu")
+    def __init__(self, data: tuple[Tensor, ...], order: list[Tensor], device: str) -> None:
+        self.device = torch.device(device)
+        self.data, self.order = tuple(t.to(self.device) for t in data), order
+        self.weights = nn.Parameter(torch.ones(int(data[0].shape[0]), device=self.device))
 
     @property
     def requires_grad(self) -> bool:
@@ -616,11 +631,12 @@ def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
     from torchopt.pytree import tree_iter
 
     model, untied = _untied(p.build(p.base_seed))
+    model.to(p.device)
     settings = dataclasses.replace(p.settings(p.base_seed), linearize_at=linearize_at)
     r = ReplayAttributor(copy.deepcopy(model), p.task, p.train_data, settings, progress=False)
     s = r.settings
     t_train, c_train, _ = timed(r.train)
-    lrs = torch.tensor(s.lr, dtype=torch.float32)
+    lrs = torch.tensor(s.lr, dtype=torch.float32, device=p.device)
 
     def schedule(count: Any) -> Tensor:
         return lrs[count]
@@ -638,10 +654,10 @@ def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
     trainer, state = Trainer.initialize(
         _WeightedLoss(copy.deepcopy(model), p.per_example_loss), opt
     )
-    stream = _Stream(p.train_data, r.order)
+    stream = _Stream(p.train_data, r.order, p.device)
     stream.weights.data.fill_(linearize_at)
     m = p.sizes.bergson_queries
-    queries = tuple(t[:m] for t in p.targets)
+    queries = tuple(t[:m].to(p.device) for t in p.targets)
     task = r.task
     with tempfile.TemporaryDirectory() as tmp:
         tb_train, cb_train, state = timed(
@@ -679,18 +695,19 @@ def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
                 )
             )
             tb, cb = tb + dt, cb + dc
-            theirs.append(bwd.weight_grads.detach().double())
+            theirs.append(bwd.weight_grads.detach().double().cpu())
     theirs_m = torch.stack(theirs, 1).numpy()
     r.metagradients(tuple(t[:1] for t in p.targets))  # warm-up, as bergson's first query
     t1, c1, g1 = timed(lambda: r.metagradients(tuple(t[:1] for t in p.targets)))
     q16 = tuple(t[:16] for t in p.targets)
     n16 = int(q16[0].shape[0])
     t16, c16, g16 = timed(lambda: r.metagradients(q16))
-    ours_m = g16[:, :m].double().numpy()
+    ours_m = g16[:, :m].double().cpu().numpy()
     corr = [float(np.corrcoef(ours_m[:, j], theirs_m[:, j])[0, 1]) for j in range(m)]
     rel = float(np.abs(ours_m - theirs_m).max() / np.abs(theirs_m).max())
     per_query_b, per_query_bc = tb / m, cb / m
     record = {
+        "device": p.device,
         "eps_root": 1e-17 if s.optimizer == "adamw" else None,
         "untied": untied,
         "bergson_version": bergson.__version__ if hasattr(bergson, "__version__") else "2.5.1",
@@ -733,9 +750,12 @@ def format_table(summary: dict[str, Any]) -> str:
             lines.append(f"same-run LDS, subsets keeping {keep} of the rows: {value:.3f}")
     if "cost" in summary:
         c = summary["cost"]
+        torch_loop = (
+            "" if c["torch_train_s"] is None else f", {c['torch_train_s']:.2f} s by the torch loop"
+        )
         lines.append(
-            f"one training run ({c['steps']} steps): {c['plain_train_s']:.2f} s by the replay's "
-            f"functional loop, {c['torch_train_s']:.2f} s by the torch loop"
+            f"one training run ({c['steps']} steps) on {c['device']}: {c['plain_train_s']:.2f} s "
+            f"by the replay's functional loop{torch_loop}"
         )
         for m, row in c["cost"].items():
             lines.append(
@@ -797,6 +817,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--bergson-queries", type=int, default=None)
     parser.add_argument("--no-others", action="store_true", help="skip TRAK and EK-FAC")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--device", default="cpu", help="where the replays and bergson train (cost, bergson)"
+    )
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
     setup_torch(args.threads)
@@ -812,7 +835,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     sizes = dataclasses.replace(sizes, **{k: v for k, v in over.items() if v is not None})
     make = digits_protocol if args.protocol == "digits" else lm_protocol
-    p = make(sizes)
+    p = dataclasses.replace(make(sizes), device=args.device)
     at = tuple(args.linearize_at)
     summary: dict[str, Any] = {
         "protocol": p.name,

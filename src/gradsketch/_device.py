@@ -1,4 +1,4 @@
-"""Moving a user's batch to a device, whatever nesting of tensors it is."""
+"""Devices: moving a user's batch there, whatever its nesting, and naming one exactly."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["exact_device", "to_device"]
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
@@ -32,3 +32,19 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+def exact_device(device: torch.device | str | int) -> torch.device:
+    """``device`` with its index filled in, so that it compares equal to a tensor's.
+
+    ``torch.device("cuda") != torch.device("cuda:0")``, yet a tensor moved to
+    ``"cuda"`` reports ``cuda:0`` (the current device); this names that one.
+
+    Example:
+        >>> exact_device("cpu") == torch.zeros(1).device
+        True
+    """
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d

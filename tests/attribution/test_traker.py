@@ -309,3 +309,18 @@ def test_constructor_errors(tmp_path, kwargs, error, match):
         TRAKer(
             torch.nn.Linear(5, 3), train_set_size=4, save_dir=tmp_path, proj_dim=8, **QUIET, **args
         )
+
+
+def test_projector_on_another_device_is_refused(tmp_path):
+    """A projector built for another device than the TRAKer's is refused at construction,
+    naming both devices (before: a device error deep inside the first featurize)."""
+    model = torch.nn.Linear(5, 3).double()
+    with pytest.raises(ValueError, match=r"`projector` lives on meta but `device`='cpu'"):
+        TRAKer(
+            model,
+            "image_classification",
+            10,
+            save_dir=tmp_path,
+            projector=NoOpProjector(device="meta"),
+            **QUIET,
+        )

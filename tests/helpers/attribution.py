@@ -75,11 +75,13 @@ def q_reference(state, x, y):
     return 1 - torch.softmax(z, dim=1)[torch.arange(len(y)), y]
 
 
-def trained_replay(optimizer: str, kw: dict[str, Any], **extra: Any) -> ReplayAttributor:
-    """:func:`replay_mlp` on :func:`replay_data`, trained by the replay's own loop."""
+def trained_replay(
+    optimizer: str, kw: dict[str, Any], *, device: str = "cpu", **extra: Any
+) -> ReplayAttributor:
+    """:func:`replay_mlp` on ``device``, :func:`replay_data` (CPU rows), trained by the replay."""
     x, y = replay_data(REPLAY_N)
     r = ReplayAttributor(
-        replay_mlp(),
+        replay_mlp().to(device),
         "image_classification",
         (x, y),
         optimizer=optimizer,

@@ -73,6 +73,34 @@ def kdev(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
 
+def _interpreter_loop_bug() -> bool:
+    """Whether Triton's interpreter fails on loops with runtime bounds here.
+
+    It turns a bound into a Python int with ``int()`` of a shape-(1,) array,
+    which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream by
+    #9172). The dense kernel's chunk loop has runtime bounds.
+    """
+    import inspect
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.array([1]))
+    except TypeError:
+        return "int(self.handle.data))" in inspect.getsource(interpreter)
+    return False
+
+
+def skip_dense_under_a_broken_interpreter(kdev: torch.device) -> None:
+    """Skip a test of the dense kernel where the interpreter cannot run its loop.
+
+    The compiled kernel runs the same test under the ``cuda`` id.
+    """
+    if kdev.type == "cpu" and _triton.interpret_mode() and _interpreter_loop_bug():
+        pytest.skip("Triton's interpreter cannot run runtime-bound loops with this NumPy (#9171)")
+
+
 @pytest.fixture
 def kernels_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route projectors to the kernels (needed for CPU tensors in the interpreter)."""
@@ -190,6 +218,7 @@ def test_count_sketch_empty_block_leaves_out(kdev: torch.device) -> None:
 @pytest.mark.parametrize("k", [1, 33, 130])
 def test_dense_rademacher_matrix_is_dense_block(kdev: torch.device, offset: int, k: int) -> None:
     """Projecting the identity gives the matrix itself: ±1 entries, bit for bit."""
+    skip_dense_under_a_broken_interpreter(kdev)
     n, key = 70, dense_key(1, 2)
     out = torch.zeros(n, k, device=kdev)
     _triton.triton_dense_project(torch.eye(n, device=kdev), key, offset, k, "rademacher", out)
@@ -207,6 +236,7 @@ def test_dense_normal_matrix_is_dense_block(kdev: torch.device, offset: int) -> 
     <= 5.8 that is <= 4 * 5.8 * 2**-23 ~ 3e-6 absolute, inside the 1e-5
     tolerance; a wrong hash or a swapped cosine/sine gives O(1) errors.
     """
+    skip_dense_under_a_broken_interpreter(kdev)
     n, k, key = 64, 130, dense_key(4, 0)
     out = torch.zeros(n, k, device=kdev)
     _triton.triton_dense_project(torch.eye(n, device=kdev), key, offset, k, "normal", out)
@@ -226,6 +256,7 @@ def test_dense_rademacher_bitwise_equal_to_torch_path(
     float32. Batches of 17 and 70 cross the 16- and 64-row tiles; k = 100
     and n = 333 are not multiples of the column and row tiles.
     """
+    skip_dense_under_a_broken_interpreter(kdev)
     n, k, offset = 333, 100, 1000
     key = dense_key(7, 3)
     x = _ints(batch, n, seed=6)
@@ -247,6 +278,7 @@ def test_dense_float_inputs_within_rounding_bound(kdev: torch.device, proj_type:
     ``out`` (s + 1 more roundings):
     |out - x M| <= sum_i |x_i| (e (1 + |m_ij|) + (n + s + 1) u |m_ij|).
     """
+    skip_dense_under_a_broken_interpreter(kdev)
     batch, n, k, offset, splits = 6, 500, 40, 3, 2
     key = dense_key(2, 0)
     gen = torch.Generator().manual_seed(8)
@@ -262,6 +294,7 @@ def test_dense_float_inputs_within_rounding_bound(kdev: torch.device, proj_type:
 
 def test_dense_half_precision_inputs(kdev: torch.device) -> None:
     """float16 / bfloat16 blocks are widened to float32 before the product."""
+    skip_dense_under_a_broken_interpreter(kdev)
     n, k, key = 200, 64, dense_key(0, 0)
     x = _ints(3, n, seed=9)
     matrix = dense_block(key, 0, n, 0, k, "rademacher", torch.float64, CPU)
@@ -274,6 +307,7 @@ def test_dense_half_precision_inputs(kdev: torch.device) -> None:
 
 def test_dense_float64_out_and_strided_block(kdev: torch.device) -> None:
     """A float64 accumulator receives the float32 kernel sums; strided blocks load."""
+    skip_dense_under_a_broken_interpreter(kdev)
     n, k, key = 150, 48, dense_key(3, 3)
     wide = _ints(n + 20, 4, seed=10).T  # [4, n + 20], column stride 4
     block = wide[:, 10 : 10 + n]
@@ -335,6 +369,8 @@ def test_projectors_use_kernels_and_match_cpu(
     }
     for name, spy in spies.items():
         monkeypatch.setattr(_triton, name, spy)
+    if isinstance(make(CPU), BasicProjector):
+        skip_dense_under_a_broken_interpreter(kdev)
     grads = {"w": _ints(5, 30, 20, seed=11), "b": _ints(5, 300, seed=12)}
     monkeypatch.setenv(_triton.ENV_VAR, "0")
     ref = make(CPU).project(grads, model_id=1)
@@ -348,6 +384,7 @@ def test_projectors_use_kernels_and_match_cpu(
 @pytest.mark.usefixtures("kernels_on")
 def test_basic_projector_normal_matches_cpu(kdev: torch.device) -> None:
     """Gaussian map through the projector: the bound of the dense float test."""
+    skip_dense_under_a_broken_interpreter(kdev)
     n, k = 700, 24
     gen = torch.Generator().manual_seed(13)
     g = torch.randn(4, n, generator=gen)
@@ -608,5 +645,10 @@ def test_interpreter_suite() -> None:
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 40, summary
-    assert "skipped" not in summary, summary
+    skipped = re.search(r"(\d+) skipped", summary)
+    if _interpreter_loop_bug():  # the dense kernel's cases skip, and only they (#9171)
+        assert passed and int(passed.group(1)) >= 25, summary
+        assert skipped and int(skipped.group(1)) <= 26, summary
+    else:
+        assert passed and int(passed.group(1)) >= 40, summary
+        assert not skipped, summary

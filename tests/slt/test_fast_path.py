@@ -14,7 +14,10 @@ from gradsketch.slt import _sample as sample_module
 from gradsketch.slt import _train_forward as tf
 from gradsketch.slt import _train_native, sample
 
+#: The fast path is CPU-only: the runs stay there on a CUDA machine too (sample's default
+#: device, as devinterp's, is CUDA when there is one).
 KW: dict[str, Any] = dict(
+    device="cpu",
     lr=1e-4,
     n_beta=20.0,
     localization=100.0,

@@ -166,7 +166,7 @@ def test_same_seed_same_chains_and_the_store_names_the_blocks(tmp_path: Path) ->
     data = token_data(16) % 64
     kw: dict[str, Any] = dict(
         lr=1e-4, n_beta=20.0, localization=100.0, num_chains=2, num_draws=3, batch_size=4,
-        batches_per_draw=1, num_init_loss_batches=2,
+        batches_per_draw=1, num_init_loss_batches=2, device="cpu",
     )  # fmt: skip
     runs = [
         sample(tiny_llama(), data, {"train": data}, output_path=tmp_path / f"{i}.zarr", **kw)

@@ -334,7 +334,7 @@ class KroneckerFeaturizer:
             g = gs if sampled and gs is not None else g
             if bases is not None:
                 q_a, q_s = bases[i]
-                a, g = a @ q_a.to(a.dtype), g @ q_s.to(g.dtype)
+                a, g = a @ q_a.to(a.device, a.dtype), g @ q_s.to(g.device, g.dtype)
             block = out[:, offset : offset + x.width].view(rows.shape[0], x.k_out, x.k_in)
             if a.shape[1] == 1:
                 torch.mul(g.transpose(1, 2), a, out=block)

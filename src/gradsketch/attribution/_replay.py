@@ -673,6 +673,8 @@ class ReplayAttributor:
             )
         ref = next(iter(self.params0.values()))
         self._dtype, self._device = ref.dtype, ref.device
+        # The replay trains where the model is: its rows go there once.
+        self.data = self._on_device(self.data)
         self.buffers: Params = {n: b.detach() for n, b in model.named_buffers()}
         self.save_dir = None if save_dir is None else Path(save_dir)
         check_int("memory_budget", memory_budget, low=1, optional=True)
@@ -948,7 +950,7 @@ class ReplayAttributor:
     def outputs(self, queries: Any, params: Params | None = None) -> Tensor:
         """``[m]`` query outputs ``f_j`` under ``params`` (default: the trained run's)."""
         theta = self._require_trained() if params is None else params
-        batch = _materialize(queries, self.task)
+        batch = self._on_device(_materialize(queries, self.task))
 
         def one(*example: Tensor) -> Tensor:
             return self.task.get_output(self.model, theta, self.buffers, *example)
@@ -975,6 +977,9 @@ class ReplayAttributor:
         if isinstance(rows[0], dict):
             return {n: torch.stack([r[n] for r in rows]) for n in rows[0]}
         return torch.stack(rows)
+
+    def _on_device(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return tuple(t.to(self._device) for t in batch)
 
     def _require_trained(self) -> Params:
         if self.final is None:
@@ -1064,7 +1069,7 @@ class ReplayAttributor:
         return grads
 
     def metagradients(self, queries: Any, *, query_block: int | None = None) -> Tensor:
-        """``[n_train, m]`` exact metagradients ``∂f_j(θ_T) / ∂w_i`` at the run's weights.
+        """``[n_train, m]`` exact metagradients ``∂f_j(θ_T) / ∂w_i``, on the model's device.
 
         Those are ``settings.linearize_at`` (default 1 on every row, the
         ordinary run).
@@ -1075,7 +1080,7 @@ class ReplayAttributor:
                 all, or as many as fit ``memory_budget``).
         """
         self._require_trained()
-        batch = _materialize(queries, self.task)
+        batch = self._on_device(_materialize(queries, self.task))
         m = int(batch[0].shape[0])
         size = self._block_size(m, query_block)
         blocks = [self._reverse(tuple(t[j : j + size] for t in batch)) for j in range(0, m, size)]
@@ -1210,7 +1215,8 @@ class ReplayAttributor:
         self._tokens[exp_name] = tokens
         m = int(batch[0].shape[0])
         if self.save_dir is None:
-            self._scores[exp_name] = self.metagradients(batch, query_block=query_block)
+            scores = self.metagradients(batch, query_block=query_block)
+            self._scores[exp_name] = scores.cpu()
             return self.finalize_scores(exp_name)
         store = RowStore(
             self.save_dir / exp_name, self._record(batch, tokens), what="replay scores"

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from gradsketch._checks import positive_int
+from gradsketch._device import exact_device
 from gradsketch._settings import SettingsMismatchError, read_record, write_record
 from gradsketch._store import RowStore
 from gradsketch.attribution._integrity import check_weights
@@ -188,7 +189,7 @@ class ReplayTRAKer(TRAKer):
         self.replay_settings = settings
         ref = next(model.parameters(), None)
         device = a["device"]
-        if device is not None and ref is not None and torch.device(device) != ref.device:
+        if device is not None and ref is not None and exact_device(device) != ref.device:
             raise ValueError(
                 f"`device`={device!r} but the model's parameters are on {ref.device}; the "
                 "replay trains where the model is. Move the model, or pass device=None."
@@ -287,7 +288,7 @@ class ReplayTRAKer(TRAKer):
             )
         n = self.train_set_size
         batch, idx = _batch_rows(
-            self.task, batch, inds, num_samples, self._last_ind, n, "featurize"
+            self.task, batch, inds, num_samples, self._last_ind, n, "featurize", self.device
         )
         if num_samples is not None:
             self._last_ind += int(num_samples)
@@ -422,7 +423,7 @@ class ReplayTRAKer(TRAKer):
             )
         m = self._num_targets
         batch, idx = _batch_rows(
-            self.task, batch, inds, num_samples, self._last_ind_target, m, "score"
+            self.task, batch, inds, num_samples, self._last_ind_target, m, "score", self.device
         )
         if num_samples is not None:
             self._last_ind_target += int(num_samples)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradsketch._checks import positive_int
+from gradsketch._device import exact_device
 from gradsketch._hash import TensorDigest
 from gradsketch._settings import SettingsMismatchError, read_record, write_record
 from gradsketch._store import RowStore, StoreIntegrityError, default_chunk_rows
@@ -215,10 +216,21 @@ def _resolve_inds(inds: Any, num_samples: int | None, last: int, n: int, what: s
 
 
 def _batch_rows(
-    task: Any, batch: Any, inds: Any, num_samples: int | None, last: int, n: int, what: str
+    task: Any,
+    batch: Any,
+    inds: Any,
+    num_samples: int | None,
+    last: int,
+    n: int,
+    what: str,
+    device: torch.device,
 ) -> tuple[tuple[Tensor, ...], np.ndarray]:
-    """``batch`` as the task's tuple and its rows (``inds``, or ``num_samples`` after ``last``)."""
-    batch = as_task_batch(task, batch)
+    """``batch`` as the task's tuple on ``device``, and its rows.
+
+    The rows are ``inds``, or ``num_samples`` after ``last``. A CPU batch
+    reaches a CUDA model without the caller moving it.
+    """
+    batch = tuple(t.to(device) for t in as_task_batch(task, batch))
     idx = _resolve_inds(inds, num_samples, last, n, what)
     check_batch_rows(batch, idx, "inds" if num_samples is None else "num_samples", what)
     return batch, idx
@@ -630,6 +642,13 @@ class TRAKer:
         self.grad_dim = int(mask.numel) if mask is not None else self.num_params_for_grad
         if projector is None:
             projector = self._default_projector(proj_dim, proj_max_batch_size, mask)
+        where = getattr(projector, "device", None)
+        if where is not None and exact_device(where) != exact_device(self.device):
+            raise ValueError(
+                f"`projector` lives on {where} but `device`={str(self.device)!r}; build it "
+                f"there (e.g. {type(projector).__name__}(..., device={str(self.device)!r})) "
+                "or pass device= its device."
+            )
         self.projector = projector
         self.proj_dim = (
             self.grad_dim if isinstance(projector, NoOpProjector) else int(projector.proj_dim)
@@ -1120,7 +1139,14 @@ class TRAKer:
                 "before featurize."
             )
         batch, idx = _batch_rows(
-            self.task, batch, inds, num_samples, self._last_ind, self.train_set_size, "featurize"
+            self.task,
+            batch,
+            inds,
+            num_samples,
+            self._last_ind,
+            self.train_set_size,
+            "featurize",
+            self.device,
         )
         check_token_batch(self.task, self.model, batch, "featurize")
         if num_samples is not None:
@@ -1551,6 +1577,7 @@ class TRAKer:
             self._last_ind_target,
             self._exp_num_targets,
             "score",
+            self.device,
         )
         check_token_batch(self.task, self.model, batch, "score")
         if num_samples is not None:

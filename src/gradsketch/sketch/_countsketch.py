@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from gradsketch._checks import integer, positive_int
+from gradsketch._device import exact_device
 from gradsketch.masked import MaskLike
 from gradsketch.sketch import _backend
 from gradsketch.sketch._fingerprint import Fingerprint
@@ -260,8 +261,8 @@ class CountSketch:
 
     def to(self, device: torch.device | str | int) -> CountSketch:
         """The same map on another device (tables moved, never regenerated)."""
-        target = torch.device(device)
-        if target == self._device:
+        target = exact_device(device)
+        if target == exact_device(self._device):
             return self
         moved = CountSketch.__new__(CountSketch)
         moved.__dict__.update(self.__dict__)
@@ -388,7 +389,7 @@ class SketchBuffer:
 
     def to(self, device: torch.device | str | int) -> SketchBuffer:
         """Copy to ``device`` (returns ``self`` if already there)."""
-        if self.device == torch.device(device):
+        if self.device == exact_device(device):
             return self
         moved = {q: getattr(self, q).to(device) for q in self.QUANTITIES}
         return SketchBuffer(**moved, fingerprint=self.fingerprint)

@@ -46,7 +46,8 @@ linear.
 
 Cost (``--part cost``): wall and process CPU time of training (with
 checkpoints), and of the reverse pass per query as the block of queries ``m``
-grows (``--cost-m``), in units of one plain training run.
+grows (``--cost-m``), in units of one plain training run. ``--device cuda``
+trains the replays (and bergson, below) on the GPU; the rows follow the model.
 
 bergson (``--part bergson``, needs ``pip install --no-deps bergson==2.5.1``
 and its light dependencies, see ``requirements-refs.txt``): bergson's MAGIC

@@ -3,7 +3,7 @@
 The sketches, count sketch, masked optimizers and factorization have their own
 ``device``-parametrized tests; these cover the paths that move a user's model
 and data themselves: the replay (its rows and queries go where the model is),
-and ``TRAKer`` with a CUDA model (``slt.sample(device="cuda")``: tests/slt/test_slt_cuda.py).
+and ``TRAKer`` with a CUDA model (``slt.sample(device="cuda")``: tests/slt/test_sample.py).
 """
 
 from __future__ import annotations

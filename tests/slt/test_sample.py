@@ -202,16 +202,18 @@ def test_per_token_loss_matches_log_softmax_gather(data: torch.Tensor) -> None:
     )
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_without_noise_or_steps_observables_see_the_trained_model(
-    tmp_path: Path, data: torch.Tensor, probe: torch.Tensor
+    tmp_path: Path, data: torch.Tensor, probe: torch.Tensor, device: str
 ) -> None:
     """noise_level=0 and lr=1e-12: weights move by < 1e-9, so each draw's probe loss is
     the trained model's to float32 rounding, and the LLC is n_beta times the difference
     of the trained model's mean losses on the step batches and on the init batches
-    (float32 means of ~5.3 carry ~1e-6 relative error; 1e-5 leaves a margin)."""
+    (float32 means of ~5.3 carry ~1e-6 relative error; 1e-5 leaves a margin). On CUDA
+    (TF32 off, torch's default) the same bound holds against the CPU reference."""
     model = tiny_gpt2()
-    kw = {**BASE, "lr": 1e-12, "noise_level": 0.0}
-    tree = sample(model, data, {"probe": (probe, 3)}, output_path=tmp_path / "s.zarr", **kw)
+    kw = {**BASE, "lr": 1e-12, "noise_level": 0.0, "device": device}
+    tree = sample(tiny_gpt2(), data, {"probe": (probe, 3)}, output_path=tmp_path / "s.zarr", **kw)
     ref = reference_token_loss(model, torch.as_tensor(tree.dataset["input_ids_probe"].values))
     for chain in range(2):
         for draw in range(3):

@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # downloads gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo demo-replay demo-lm test test-avx2 test-slow test-matrix test-bench lint bench bench-setup clean
+.PHONY: demo demo-replay demo-lm test test-avx2 test-gpu test-slow test-matrix test-bench lint bench bench-setup clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ $(OLDEST_VENV)/.installed: pyproject.toml
 
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -m pytest -q tests/slt tests/attribution
+
+# The GPU cases (`gpu`-marked: each capability on CUDA against the CPU, the Triton
+# kernels) in the current environment, whose torch must be a CUDA build: there,
+# `pip install -e '.[dev,hf,gpu]'` after your torch. Without CUDA they skip.
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow

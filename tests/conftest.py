@@ -15,12 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+#: The CPU, and CUDA as a `gpu` case (skipped without CUDA; `make test-gpu` runs them all).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> torch.device:
-    """Every available device; CUDA cases only appear where CUDA exists."""
+    """Each device: the CPU always, CUDA where it exists."""
     return torch.device(request.param)
 
 

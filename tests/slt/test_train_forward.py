@@ -568,7 +568,7 @@ def test_fast_path_errors() -> None:
         pytest.param(
             torch.device("cuda"),
             id="cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+            marks=pytest.mark.gpu,
         ),
     ],
 )

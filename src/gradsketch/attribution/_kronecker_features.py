@@ -334,7 +334,7 @@ class KroneckerFeaturizer:
             g = gs if sampled and gs is not None else g
             if bases is not None:
                 q_a, q_s = bases[i]
-                a, g = a @ q_a.to(a.device, a.dtype), g @ q_s.to(g.device, g.dtype)
+                a, g = a @ q_a.to(a.dtype), g @ q_s.to(g.dtype)
             block = out[:, offset : offset + x.width].view(rows.shape[0], x.k_out, x.k_in)
             if a.shape[1] == 1:
                 torch.mul(g.transpose(1, 2), a, out=block)
@@ -400,7 +400,9 @@ class FactoredRows:
         self.featurizer = featurizer
         self.tokens = None if tokens is None else [int(t) for t in tokens]
         self.sampled = sampled
-        self.bases = bases
+        # The rows are read from the store onto the CPU: the bases (on the
+        # preconditioner's device) go there once, not once per block.
+        self.bases = None if bases is None else [(q_a.cpu(), q_s.cpu()) for q_a, q_s in bases]
         self.dtype = np.dtype(factored.dtype)
         self.chunks = (int(factored.chunks[0]), featurizer.feature_dim)
 

@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradsketch._checks import check_int, check_number, positive_int
+from gradsketch._device import to_device
 from gradsketch._settings import read_record
 from gradsketch._store import RowStore
 from gradsketch.attribution._lm import IGNORE_INDEX, LanguageModelingModelOutput, _call_model
@@ -674,7 +675,7 @@ class ReplayAttributor:
         ref = next(iter(self.params0.values()))
         self._dtype, self._device = ref.dtype, ref.device
         # The replay trains where the model is: its rows go there once.
-        self.data = self._on_device(self.data)
+        self.data = to_device(self.data, self._device)
         self.buffers: Params = {n: b.detach() for n, b in model.named_buffers()}
         self.save_dir = None if save_dir is None else Path(save_dir)
         check_int("memory_budget", memory_budget, low=1, optional=True)
@@ -950,7 +951,7 @@ class ReplayAttributor:
     def outputs(self, queries: Any, params: Params | None = None) -> Tensor:
         """``[m]`` query outputs ``f_j`` under ``params`` (default: the trained run's)."""
         theta = self._require_trained() if params is None else params
-        batch = self._on_device(_materialize(queries, self.task))
+        batch = to_device(_materialize(queries, self.task), self._device)
 
         def one(*example: Tensor) -> Tensor:
             return self.task.get_output(self.model, theta, self.buffers, *example)
@@ -977,9 +978,6 @@ class ReplayAttributor:
         if isinstance(rows[0], dict):
             return {n: torch.stack([r[n] for r in rows]) for n in rows[0]}
         return torch.stack(rows)
-
-    def _on_device(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        return tuple(t.to(self._device) for t in batch)
 
     def _require_trained(self) -> Params:
         if self.final is None:
@@ -1080,7 +1078,7 @@ class ReplayAttributor:
                 all, or as many as fit ``memory_budget``).
         """
         self._require_trained()
-        batch = self._on_device(_materialize(queries, self.task))
+        batch = to_device(_materialize(queries, self.task), self._device)
         m = int(batch[0].shape[0])
         size = self._block_size(m, query_block)
         blocks = [self._reverse(tuple(t[j : j + size] for t in batch)) for j in range(0, m, size)]

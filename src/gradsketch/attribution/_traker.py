@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradsketch._checks import positive_int
-from gradsketch._device import exact_device
+from gradsketch._device import exact_device, to_device
 from gradsketch._hash import TensorDigest
 from gradsketch._settings import SettingsMismatchError, read_record, write_record
 from gradsketch._store import RowStore, StoreIntegrityError, default_chunk_rows
@@ -230,7 +230,7 @@ def _batch_rows(
     The rows are ``inds``, or ``num_samples`` after ``last``. A CPU batch
     reaches a CUDA model without the caller moving it.
     """
-    batch = tuple(t.to(device) for t in as_task_batch(task, batch))
+    batch = to_device(as_task_batch(task, batch), device)
     idx = _resolve_inds(inds, num_samples, last, n, what)
     check_batch_rows(batch, idx, "inds" if num_samples is None else "num_samples", what)
     return batch, idx

@@ -90,6 +90,67 @@ def test_training_matches_torch_optimizers(optimizer, kw):
 
 
 @pytest.mark.parametrize(
+    ("optimizer", "kw"),
+    [
+        ("sgd", {"lr": 0.3, "momentum": 0.9, "weight_decay": 0.05}),
+        ("adam", {"lr": 0.05, "weight_decay": 0.05, "eps": 1e-6}),
+        ("adamw", {"lr": 0.05, "weight_decay": 0.1}),
+    ],
+    ids=["sgd-momentum", "adam-l2", "adamw"],
+)
+def test_parameters_without_weight_decay_train_and_reverse_exactly(optimizer, kw):
+    """``no_decay`` splits the flat buffers into two decay groups; both are exact.
+
+    Training equals torch's optimizer with two parameter groups (rounding
+    only: 1e-12 relative, as above), and the metagradients of both pull-backs
+    equal the central difference within the first test's 1e-8.
+    """
+    no_decay = ["0.bias", "2.bias"]
+    r = _replay(optimizer, kw, no_decay=no_decay)
+    assert [g[2] for g in r._layout.groups] == [kw["weight_decay"], 0.0]
+    model = replay_mlp()
+    x, y = replay_data(N)
+    params = dict(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in params.items() if n not in no_decay]},
+        {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
+    ]
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    args = {"weight_decay": kw["weight_decay"]}
+    if optimizer == "sgd":
+        args["momentum"] = kw["momentum"]
+    else:
+        args["eps"] = r.settings.eps
+    opt = cls[optimizer](groups, lr=kw["lr"], **args)
+    for idx in r.order:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    for name, p in params.items():
+        torch.testing.assert_close(r.final[name], p.detach(), rtol=1e-12, atol=1e-14)
+    queries = (x[:3], y[:3])
+    by_autograd = r.metagradients(queries)
+    r._jvp_min_block = 1
+    by_jvp = r.metagradients(queries)
+    h, i = 1e-5, 7
+    plus, minus = torch.ones(N, dtype=torch.float64), torch.ones(N, dtype=torch.float64)
+    plus[i] += h
+    minus[i] -= h
+    fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
+    assert fd.abs().max() > 1e-3
+    torch.testing.assert_close(by_autograd[i], fd, rtol=0, atol=1e-8)
+    torch.testing.assert_close(by_jvp[i], fd, rtol=0, atol=1e-8)
+
+
+def test_a_model_of_two_dtypes_is_refused():
+    x, y = replay_data(N)
+    model = replay_mlp()
+    model[2].float()
+    with pytest.raises(ValueError, match=r"2 dtypes or devices.*model\.to\(torch\.float64\)"):
+        ReplayAttributor(model, "image_classification", (x, y), num_steps=2, progress=False)
+
+
+@pytest.mark.parametrize(
     "jvp_min_block", [1, JVP_MIN_BLOCK], ids=["forward-over-reverse", "autograd"]
 )
 @pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS[::2])
@@ -128,9 +189,10 @@ def test_memory_estimate_follows_the_formula_and_the_budget_sizes_blocks():
     s = params * 8 * 3  # θ, exp_avg, exp_avg_sq in float64
     est = r.memory_estimate(4)
     assert r.state_bytes() == s
+    # The segment also keeps each step's gradient for Adam's reverse rules.
     assert (est.checkpoints, est.segment, est.adjoints, est.scores) == (
         3 * s,
-        4 * s,
+        4 * (s + params * 8),
         4 * s,
         4 * N * 8,
     )

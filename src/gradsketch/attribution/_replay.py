@@ -27,12 +27,14 @@ cotangents (``vmap`` over the step's product), so the recomputation, the
 forward and the first backward are shared by the block; the FLOPs of the
 products still grow with ``m``.
 
-Memory: ``(⌈T/k⌉ + k) · S`` for checkpoints and one segment's states, plus
-``m · S`` for the adjoints and ``m · n_train`` scores, plus one step's
-activations (times ``m + 2`` for the batched double backward; blocks under
-:data:`JVP_MIN_BLOCK` also keep the segment's ``k`` step graphs), where
-``S = P · (1 + s) · bytes`` for ``P`` parameters and ``s`` optimizer state
-tensors per parameter (SGD 0, SGD with momentum 1, Adam / AdamW 2).
+Memory: ``⌈T/k⌉ · S + k · (S + G)`` for checkpoints and one segment's states
+and gradients, plus ``m · S`` for the adjoints and ``m · n_train`` scores,
+plus one step's activations (times ``m + 2`` for the batched double backward;
+blocks under :data:`JVP_MIN_BLOCK` also keep the segment's ``k`` step
+graphs), where ``S = P · (1 + s) · bytes`` for ``P`` parameters and ``s``
+optimizer state tensors per parameter (SGD 0, SGD with momentum 1, Adam /
+AdamW 2), and ``G = P · bytes`` for Adam / AdamW (each step's gradient, kept
+for the reverse rules) and 0 for SGD.
 """
 
 from __future__ import annotations
@@ -380,23 +382,99 @@ def _fingerprint(tensors: Iterable[Tensor]) -> str:
 Params = dict[str, Tensor]
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where each parameter lives in one flat ``[P]`` buffer.
+
+    The run's parameters, optimizer state, gradients and ``[m, P]`` adjoints
+    are flat buffers, so that the optimizer and its reverse rules are a few
+    whole-buffer operations per step, not a few per parameter tensor (a
+    small model on a GPU is bound by the number of kernel launches).
+    Parameters with weight decay come first and those in ``no_decay`` after
+    them, so each decay is one contiguous ``group``; the model sees views.
+    """
+
+    names: tuple[str, ...]  # the model's order (the views' dict order)
+    shapes: dict[str, torch.Size]
+    spans: dict[str, tuple[int, int]]  # flat order: decayed, then not decayed
+    flat_order: tuple[str, ...]
+    groups: tuple[tuple[int, int, float], ...]  # (start, stop, weight decay)
+    size: int
+
+    @classmethod
+    def of(cls, params: Params, settings: ReplaySettings) -> _Layout:
+        kinds = {(p.dtype, p.device) for p in params.values()}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"`model` holds parameters of {len(kinds)} dtypes or devices "
+                f"({sorted(str(k) for k in kinds)}); the replay trains them as one buffer. "
+                "Move and cast the model to one, e.g. model.to(torch.float64)."
+            )
+        no_decay = set(settings.no_decay)
+        wd = settings.weight_decay
+        decayed = [n for n in params if wd and n not in no_decay]
+        rest = [n for n in params if not (wd and n not in no_decay)]
+        spans: dict[str, tuple[int, int]] = {}
+        groups: list[tuple[int, int, float]] = []
+        at = 0
+        for names, decay in ((decayed, wd), (rest, 0.0)):
+            first = at
+            for n in names:
+                spans[n] = (at, at + params[n].numel())
+                at += params[n].numel()
+            if at > first:
+                groups.append((first, at, decay))
+        return cls(
+            names=tuple(params),
+            shapes={n: p.shape for n, p in params.items()},
+            spans=spans,
+            flat_order=(*decayed, *rest),
+            groups=tuple(groups),
+            size=at,
+        )
+
+    def flat(self, tensors: Params, batch: int | None = None) -> Tensor:
+        """One ``[P]`` (or ``[batch, P]``) buffer of per-parameter ``tensors`` (a copy)."""
+        lead = () if batch is None else (batch,)
+        return torch.cat([tensors[n].reshape(*lead, -1) for n in self.flat_order], dim=-1)
+
+    def views(self, flat: Tensor) -> Params:
+        """Per-parameter views of a ``[..., P]`` buffer, in the model's order."""
+        lead = flat.shape[:-1]
+        return {
+            n: flat[..., self.spans[n][0] : self.spans[n][1]].view(*lead, *self.shapes[n])
+            for n in self.names
+        }
+
+
+def _joined(pieces: list[Tensor]) -> Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+
 def _opt_step(
-    s: ReplaySettings, step: int, theta: Params, state: dict[str, Params], grad: Params
-) -> tuple[Params, dict[str, Params]]:
-    """One optimizer step, written as torch's single-tensor paths (float ops in the same order)."""
+    s: ReplaySettings,
+    layout: _Layout,
+    step: int,
+    theta: Tensor,
+    state: dict[str, Tensor],
+    grad: Tensor,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One optimizer step on flat buffers, written as torch's single-tensor paths.
+
+    The float operations of every element are torch's, in the same order.
+    """
     lr = s.lr_at(step)
-    new_theta: Params = {}
-    new_state: dict[str, Params] = {k: {} for k in s.state_names}
-    for name, p in theta.items():
-        g = grad[name]
-        wd = 0.0 if name in s.no_decay else s.weight_decay
+    new_theta: list[Tensor] = []
+    new_state: dict[str, list[Tensor]] = {k: [] for k in s.state_names}
+    for a, b, wd in layout.groups:
+        p, g = theta[a:b], grad[a:b]
         if s.optimizer == "sgd":
             d = g.add(p, alpha=wd) if wd else g
             if s.momentum > 0:
-                buf = state["momentum_buffer"][name] * s.momentum + d if step > 0 else d
-                new_state["momentum_buffer"][name] = buf
+                buf = state["momentum_buffer"][a:b] * s.momentum + d if step > 0 else d
+                new_state["momentum_buffer"].append(buf)
                 d = buf
-            new_theta[name] = p.add(d, alpha=-lr)
+            new_theta.append(p.add(d, alpha=-lr))
             continue
         b1, b2 = s.betas
         if s.optimizer == "adamw":
@@ -404,65 +482,65 @@ def _opt_step(
             d = g
         else:
             d = g.add(p, alpha=wd) if wd else g
-        m = state["exp_avg"][name].lerp(d, 1 - b1)
-        v = state["exp_avg_sq"][name] * b2 + d * d * (1 - b2)
+        m = state["exp_avg"][a:b].lerp(d, 1 - b1)
+        v = state["exp_avg_sq"][a:b] * b2 + d * d * (1 - b2)
         c1, c2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
         denom = v.sqrt() / math.sqrt(c2) + s.eps
-        new_theta[name] = p - (lr / c1) * m / denom
-        new_state["exp_avg"][name], new_state["exp_avg_sq"][name] = m, v
-    return new_theta, new_state
+        new_theta.append(p - (lr / c1) * m / denom)
+        new_state["exp_avg"].append(m)
+        new_state["exp_avg_sq"].append(v)
+    return _joined(new_theta), {k: _joined(v) for k, v in new_state.items()}
 
 
 def _reverse_step(
     s: ReplaySettings,
+    layout: _Layout,
     step: int,
-    theta: Params,
-    state: dict[str, Params],
-    grad: Params,
-    bar_theta: Params,
-    bar_state: dict[str, Params],
-) -> tuple[Params, Params, dict[str, Params]]:
-    """Adjoints through one step, for ``[m, ...]`` cotangent blocks, in place.
+    theta: Tensor,
+    state: dict[str, Tensor],
+    grad: Tensor | None,
+    bar_theta: Tensor,
+    bar_state: dict[str, Tensor],
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Adjoints through one step, for ``[m, P]`` cotangent blocks, in place.
 
-    Given the pre-step parameters and state, the step's gradient, and the
-    adjoints of the step's outputs (``bar_theta`` of θ_{t+1}, ``bar_state`` of
-    the state after the step), returns ``(d̄, θ̄_direct, statē_before)``: the
-    adjoint ``d̄`` of the loss gradient (to be pulled back through the double
-    backward by the caller, which adds ``H d̄`` to θ̄ and ``∂g/∂w ᵀ d̄`` to w̄),
-    the part of θ̄_t that does not pass through the gradient, and the state's
-    adjoint before the step.
+    Given the pre-step parameters and state, the step's gradient (read by
+    Adam's rules only), and the adjoints of the step's outputs (``bar_theta``
+    of θ_{t+1}, ``bar_state`` of the state after the step), returns
+    ``(d̄, θ̄_direct, statē_before)``: the adjoint ``d̄`` of the loss gradient
+    (to be pulled back through the double backward by the caller, which adds
+    ``H d̄`` to θ̄ and ``∂g/∂w ᵀ d̄`` to w̄), the part of θ̄_t that does not
+    pass through the gradient, and the state's adjoint before the step.
 
-    The ``[m, ...]`` adjoints are parameter-sized times ``m``, so each
+    The ``[m, P]`` adjoints are parameter-sized times ``m``, so each
     elementwise pass over them costs memory bandwidth: ``bar_theta`` and
-    ``bar_state`` are overwritten (they must be the caller's own tensors) and
+    ``bar_state`` are overwritten (they must be the caller's own buffers) and
     the results may alias them. SGD's momentum adjoint is carried unscaled:
     ``bar_state["momentum_buffer"]`` is ``b̄``, the adjoint of the buffer the
     step wrote, and the state adjoint before the step, ``μ·b̄``, is formed
     when the step before reads it.
     """
     lr = s.lr_at(step)
-    bar_g: Params = {}
-    bar_p: Params = {}
-    before: dict[str, Params] = {k: {} for k in s.state_names}
-    for name, p in theta.items():
-        wd = 0.0 if name in s.no_decay else s.weight_decay
-        tb = bar_theta[name]
-        g = grad[name]
+    bar_g: list[Tensor] = []
+    for a, b, wd in layout.groups:
+        tb = bar_theta[:, a:b]
         if s.optimizer == "sgd":
             # θ' = θ - lr·b,  b = μ·b_prev + g + wd·θ  (b = g + wd·θ without momentum)
             if s.momentum > 0:
-                bar_b = bar_state["momentum_buffer"][name].mul_(s.momentum).add_(tb, alpha=-lr)
-                before["momentum_buffer"][name] = bar_b
+                bar_b = bar_state["momentum_buffer"][:, a:b].mul_(s.momentum).add_(tb, alpha=-lr)
             else:
                 bar_b = tb * -lr
-            bar_g[name] = bar_b
-            bar_p[name] = tb.add_(bar_b, alpha=wd) if wd else tb
+            bar_g.append(bar_b)
+            if wd:
+                tb.add_(bar_b, alpha=wd)
             continue
+        assert grad is not None
+        p, g = theta[a:b], grad[a:b]
         b1, b2 = s.betas
         decay = 1 - lr * wd if s.optimizer == "adamw" else 1.0
         d = g if s.optimizer == "adamw" or not wd else g.add(p, alpha=wd)
-        m = state["exp_avg"][name].lerp(d, 1 - b1)
-        v = state["exp_avg_sq"][name] * b2 + d * d * (1 - b2)
+        m = state["exp_avg"][a:b].lerp(d, 1 - b1)
+        v = state["exp_avg_sq"][a:b] * b2 + d * d * (1 - b2)
         c1, c2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
         root = v.sqrt() / math.sqrt(c2)
         denom = root + s.eps
@@ -473,15 +551,17 @@ def _reverse_step(
         du_dv = torch.where(
             v > 0, -(m / c1) / (denom * denom) / (2 * torch.sqrt(safe * c2)), torch.zeros_like(v)
         )
-        bar_m = bar_state["exp_avg"][name].addcmul_(tb, du_dm, value=-lr)
-        bar_v = bar_state["exp_avg_sq"][name].addcmul_(tb, du_dv, value=-lr)
+        bar_m = bar_state["exp_avg"][:, a:b].addcmul_(tb, du_dm, value=-lr)
+        bar_v = bar_state["exp_avg_sq"][:, a:b].addcmul_(tb, du_dv, value=-lr)
         bar_d = (bar_v * ((2 * (1 - b2)) * d)).add_(bar_m, alpha=1 - b1)
-        before["exp_avg"][name] = bar_m.mul_(b1)
-        before["exp_avg_sq"][name] = bar_v.mul_(b2)
-        bar_g[name] = bar_d
-        direct = tb.mul_(decay) if decay != 1.0 else tb
-        bar_p[name] = direct.add_(bar_d, alpha=wd) if (wd and s.optimizer == "adam") else direct
-    return bar_g, bar_p, before
+        bar_m.mul_(b1)
+        bar_v.mul_(b2)
+        bar_g.append(bar_d)
+        if decay != 1.0:
+            tb.mul_(decay)
+        if wd and s.optimizer == "adam":
+            tb.add_(bar_d, alpha=wd)
+    return _joined(bar_g), bar_theta, bar_state
 
 
 _FORWARD_AD_READY = False
@@ -516,12 +596,23 @@ class _StepGraph:
 
 
 @dataclass
+class _Saved:
+    """One recomputed step of a segment: flat parameters, state and gradient before it."""
+
+    theta: Tensor
+    state: dict[str, Tensor]
+    grad: Tensor | None
+    graph: _StepGraph | None
+
+
+@dataclass
 class MemoryEstimate:
     """Bytes a reverse pass needs (see the module docstring for the formula).
 
     Attributes:
         checkpoints: kept checkpoints, ``⌈T/k⌉ · S``.
-        segment: one segment's recomputed states, ``k · S``.
+        segment: one segment's recomputed states, and for Adam / AdamW their
+            gradients, ``k · (S + G)``.
         adjoints: the ``[m, ...]`` adjoints of parameters and state, ``m · S``.
         scores: the ``[m, n_train]`` metagradients.
         activations: one step's saved activations for the batched double
@@ -681,7 +772,8 @@ class ReplayAttributor:
         check_int("memory_budget", memory_budget, low=1, optional=True)
         self.memory_budget = memory_budget
         self.progress = progress
-        self.checkpoints: dict[int, tuple[Params, dict[str, Params]]] = {}
+        self._layout = _Layout.of(self.params0, settings)
+        self.checkpoints: dict[int, tuple[Tensor, dict[str, Tensor]]] = {}
         self.final: Params | None = None
         self.timings: dict[str, float] = {}
         self._scores: dict[str, Tensor] = {}
@@ -859,36 +951,47 @@ class ReplayAttributor:
         base = self._base_weights if weights is None else weights
         return base[idx].to(dtype=self._dtype, device=self._device)
 
-    def _init_state(self) -> dict[str, Params]:
-        return {
-            k: {n: torch.zeros_like(p) for n, p in self.params0.items()}
-            for k in self.settings.state_names
-        }
+    def _init_state(self) -> dict[str, Tensor]:
+        theta0 = self._theta0()
+        return {k: torch.zeros_like(theta0) for k in self.settings.state_names}
+
+    def _theta0(self) -> Tensor:
+        return self._layout.flat(self.params0)
+
+    def _flat_grad(self, theta: Tensor, idx: Tensor, weights: Tensor | None = None) -> Tensor:
+        """``∇_θ L`` of step batch ``idx`` at flat parameters ``theta``, flat."""
+        grads = self._grad(
+            self._layout.views(theta), self._run_weights(idx, weights), _rows(self.data, idx)
+        )
+        return self._layout.flat(grads)
 
     def _forward(
         self,
         start: int,
         stop: int,
-        theta: Params,
-        state: dict[str, Params],
+        theta: Tensor,
+        state: dict[str, Tensor],
         weights: Tensor | None,
-        keep: Callable[[int, Params, dict[str, Params]], None] | None = None,
-    ) -> tuple[Params, dict[str, Params]]:
+        keep: Callable[[int, Tensor, dict[str, Tensor], Tensor], None] | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Steps ``start..stop-1`` from flat ``theta`` and ``state``.
+
+        ``keep(t, θ, state, g)`` sees each step's inputs and flat gradient.
+        """
         for t in range(start, stop):
+            grad = self._flat_grad(theta, self.order[t], weights)
             if keep is not None:
-                keep(t, theta, state)
-            idx = self.order[t]
-            grad = self._grad(theta, self._run_weights(idx, weights), _rows(self.data, idx))
+                keep(t, theta, state, grad)
             if weights is None and self.settings.max_grad_norm is not None:
                 self._check_unclipped(t, grad)
-            theta, state = _opt_step(self.settings, t, theta, state, grad)
+            theta, state = _opt_step(self.settings, self._layout, t, theta, state, grad)
         return theta, state
 
-    def _check_unclipped(self, step: int, grad: Params) -> None:
+    def _check_unclipped(self, step: int, grad: Tensor) -> None:
         """Refuse a step whose gradient ``clip_grad_norm_`` would rescale (the replay cannot)."""
         limit = self.settings.max_grad_norm
         assert limit is not None
-        norms = [torch.linalg.vector_norm(g) for g in grad.values()]
+        norms = [torch.linalg.vector_norm(g) for g in self._layout.views(grad).values()]
         total = float(torch.linalg.vector_norm(torch.stack(norms)))
         # torch's clip_grad_norm_: coefficient max_norm / (total + 1e-6), clamped to 1.
         if limit / (total + 1e-6) < 1.0:
@@ -904,14 +1007,15 @@ class ReplayAttributor:
         t0 = time.perf_counter()
         self.checkpoints.clear()
 
-        def keep(t: int, theta: Params, state: dict[str, Params]) -> None:
+        def keep(t: int, theta: Tensor, state: dict[str, Tensor], grad: Tensor) -> None:
             if t % self.every == 0:
                 self.checkpoints[t] = (theta, state)
 
         with torch.no_grad():
-            self.final, _ = self._forward(
-                0, self.settings.num_steps, dict(self.params0), self._init_state(), None, keep
+            final, _ = self._forward(
+                0, self.settings.num_steps, self._theta0(), self._init_state(), None, keep
             )
+        self.final = self._layout.views(final)
         self.timings["train"] = time.perf_counter() - t0
 
     def retrain(self, weights: Tensor | None = None) -> Params:
@@ -932,9 +1036,9 @@ class ReplayAttributor:
                 )
         with torch.no_grad():
             theta, _ = self._forward(
-                0, self.settings.num_steps, dict(self.params0), self._init_state(), weights
+                0, self.settings.num_steps, self._theta0(), self._init_state(), weights
             )
-        return theta
+        return self._layout.views(theta)
 
     def load_final(self) -> nn.Module:
         """Copy the trained parameters into ``model`` (and return it).
@@ -990,6 +1094,12 @@ class ReplayAttributor:
         per = sum(p.numel() * p.element_size() for p in self.params0.values())
         return per * (1 + len(self.settings.state_names))
 
+    def _grad_bytes(self) -> int:
+        """``G``: bytes of one step's gradient kept per segment step (Adam / AdamW only)."""
+        if self.settings.optimizer == "sgd":
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.params0.values())
+
     def _measure_activations(self) -> tuple[int, int]:
         """Bytes autograd saves for one step: a plain backward, and one kept for a second."""
         if self._activation_bytes is None:
@@ -1027,7 +1137,7 @@ class ReplayAttributor:
         item = next(iter(self.params0.values())).element_size()
         return MemoryEstimate(
             checkpoints=math.ceil(steps / self.every) * s,
-            segment=min(self.every, steps) * s,
+            segment=min(self.every, steps) * (s + self._grad_bytes()),
             adjoints=num_queries * s,
             scores=num_queries * self.n_train * item,
             activations=(num_queries + 2) * self._measure_activations()[0],
@@ -1084,76 +1194,67 @@ class ReplayAttributor:
         blocks = [self._reverse(tuple(t[j : j + size] for t in batch)) for j in range(0, m, size)]
         return torch.cat(blocks, dim=1)
 
-    def _segment(
-        self, start: int, stop: int, graphs: bool = False
-    ) -> list[tuple[Params, dict[str, Params], _StepGraph | None]]:
+    def _segment(self, start: int, stop: int, graphs: bool = False) -> list[_Saved]:
         """The pre-step states of steps ``start..stop-1``, recomputed from the checkpoint.
 
-        With ``graphs`` each step's forward and first backward are kept with
-        their graph, so that reverse-over-reverse pulls back without running
-        them again (memory: the segment's graphs, ``k`` steps' activations).
+        Each entry holds the flat parameters and state before the step and,
+        for Adam and AdamW, whose reverse rules recompute the moments, the
+        step's flat gradient (computed here anyway, so the reverse pass does
+        not run the step's forward and backward again). With ``graphs`` each
+        step's forward and first backward are kept with their graph, so that
+        reverse-over-reverse pulls back without running them again (memory:
+        the segment's graphs, ``k`` steps' activations).
         """
-        saved: list[tuple[Params, dict[str, Params], _StepGraph | None]] = []
+        saved: list[_Saved] = []
         theta, state = self.checkpoints[start]
+        keep_grad = self.settings.optimizer != "sgd"
         if not graphs:
+
+            def keep(t: int, p: Tensor, o: dict[str, Tensor], g: Tensor) -> None:
+                saved.append(_Saved(p, o, g if keep_grad else None, None))
+
             with torch.no_grad():
-                self._forward(
-                    start, stop, theta, state, None, lambda t, p, o: saved.append((p, o, None))
-                )
+                self._forward(start, stop, theta, state, None, keep)
             return saved
         for t in range(start, stop):
-            graph = self._first_backward(theta, self.order[t])
-            saved.append((theta, state, graph))
-            grad = {n: g.detach() for n, g in zip(graph.params, graph.grads, strict=True)}
+            graph = self._first_backward(self._layout.views(theta), self.order[t])
+            grad = self._layout.flat(
+                {n: g.detach() for n, g in zip(graph.params, graph.grads, strict=True)}
+            )
+            saved.append(_Saved(theta, state, grad if keep_grad else None, graph))
             with torch.no_grad():
-                theta, state = _opt_step(self.settings, t, theta, state, grad)
+                theta, state = _opt_step(self.settings, self._layout, t, theta, state, grad)
         return saved
 
     def _reverse(self, batch: tuple[Tensor, ...]) -> Tensor:
         s = self.settings
+        layout = self._layout
         final = self._require_trained()
-        # Owned, dense copies: the reverse steps update the adjoints in place.
-        bar_theta = {
-            n: g.clone(memory_format=torch.contiguous_format)
-            for n, g in self._query_grads(batch, final).items()
-        }
         m = int(batch[0].shape[0])
-        ref = next(iter(final.values()))
-        bar_state = {
-            k: {
-                n: torch.zeros((m, *p.shape), dtype=p.dtype, device=p.device)
-                for n, p in final.items()
-            }
-            for k in s.state_names
-        }
-        bar_w = torch.zeros(m, self.n_train, dtype=ref.dtype, device=ref.device)
+        # Owned flat buffers: the reverse steps update the adjoints in place.
+        bar_theta = layout.flat(self._query_grads(batch, final), batch=m)
+        bar_state = {k: torch.zeros_like(bar_theta) for k in s.state_names}
+        bar_w = bar_theta.new_zeros(m, self.n_train)
         starts = sorted(self.checkpoints, reverse=True)
         bar = tqdm(total=s.num_steps, desc="replay (reverse)", disable=not self.progress)
         for start in starts:
             stop = min(start + self.every, s.num_steps)
             saved = self._segment(start, stop, graphs=self._keeps_graphs(m))
             for t in range(stop - 1, start - 1, -1):
-                theta, state, graph = saved.pop()
+                step = saved.pop()
                 idx = self.order[t]
-                rows = _rows(self.data, idx)
-                # SGD's reverse rule does not read the gradient; Adam's recomputes m and v.
-                grad = theta
-                if s.optimizer != "sgd":
-                    if graph is not None:
-                        grad = {n: g.detach() for n, g in zip(theta, graph.grads, strict=True)}
-                    else:
-                        with torch.no_grad():
-                            grad = self._grad(theta, self._run_weights(idx), rows)
-                bar_g, direct, bar_state = _reverse_step(
-                    s, t, theta, state, grad, bar_theta, bar_state
+                bar_g, bar_theta, bar_state = _reverse_step(
+                    s, layout, t, step.theta, step.state, step.grad, bar_theta, bar_state
                 )
-                if graph is None:
-                    hess, w_part = self._pullback(theta, idx, bar_g)
+                if step.graph is None:
+                    hess, w_part = self._pullback(
+                        layout.views(step.theta), idx, layout.views(bar_g)
+                    )
                 else:
-                    hess, w_part = self._second_backward(graph, bar_g)
-                    del graph
-                bar_theta = {n: direct[n].add_(hess[n]) for n in direct}
-                bar_w.index_add_(1, idx.to(ref.device), w_part)
+                    hess, w_part = self._second_backward(step.graph, layout.views(bar_g))
+                del step
+                bar_theta.add_(layout.flat(hess, batch=m))
+                bar_w.index_add_(1, idx.to(bar_w.device), w_part)
                 bar.update(1)
         bar.close()
         return bar_w.T.contiguous()

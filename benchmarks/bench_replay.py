@@ -89,7 +89,7 @@ from gradsketch.attribution import ReplayAttributor, ReplaySettings, linear_data
 from gradsketch.attribution._lm import LanguageModelingModelOutput, _call_model
 
 PROTOCOLS = ("digits", "lm")
-PARTS = ("all", "lds", "cost", "bergson", "removal")
+PARTS = ("all", "lds", "cost", "bergson", "removal", "ops")
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,7 @@ class Sizes:
     num_train: int = 0
     chunk_len: int = 64
     bergson_queries: int = 2
+    warmup_steps: int = 0
 
 
 #: Full and ``--quick`` sizes of each protocol.
@@ -266,7 +267,7 @@ def digits_protocol(sizes: Sizes) -> Protocol:
 def lm_protocol(sizes: Sizes) -> Protocol:
     """``make demo-lm``'s GPT-2 protocol (eager attention: sdpa has no double backward)."""
     from gradsketch.demos._lm_corpus import load_corpus, split_chunks
-    from gradsketch.demos.lm import LMDemoSettings, build_lm, lds_truth, train_lm
+    from gradsketch.demos.lm import LMDemoSettings, build_lm, lds_truth, lr_multiplier, train_lm
 
     s = LMDemoSettings(
         num_train=sizes.num_train,
@@ -276,6 +277,7 @@ def lm_protocol(sizes: Sizes) -> Protocol:
         lds_models=sizes.lds_models,
         proj_dim=512 if sizes.num_train >= 512 else 128,
         num_checkpoints=1,
+        warmup_steps=sizes.warmup_steps,
     )
     corpus = load_corpus(s.modules, chunk_len=s.chunk_len)
     train_idx, query_idx = split_chunks(len(corpus), s.num_train, s.num_queries, seed=s.seed)
@@ -293,7 +295,7 @@ def lm_protocol(sizes: Sizes) -> Protocol:
         steps = math.ceil(s.num_train / s.batch_size) * s.epochs
         return ReplaySettings(
             optimizer="adamw",
-            lr=[s.lr * (1.0 - t / steps) for t in range(steps)],
+            lr=[s.lr * lr_multiplier(t, steps, s.warmup_steps) for t in range(steps)],
             num_steps=steps,
             batch_size=s.batch_size,
             weight_decay=s.weight_decay,
@@ -561,6 +563,48 @@ def run_cost(p: Protocol, linearize_at: float) -> dict[str, Any]:
     return summary
 
 
+def run_ops(p: Protocol, linearize_at: float) -> dict[str, Any]:
+    """Aten operations dispatched per step: training, and the reverse for each query block.
+
+    A proxy for CUDA kernel launches, which bound small models on a GPU;
+    views are counted too (they launch nothing but cost dispatch time).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    r = p.run(p.base_seed, linearize_at)
+    steps = r.settings.num_steps
+    with Count() as count:
+        r.train()
+    out: dict[str, Any] = {"train_ops_per_step": count.ops / steps}
+    for m in p.sizes.cost_m:
+        with Count() as count:
+            r.metagradients(tuple(t[:m] for t in p.targets))
+        out[f"reverse_ops_per_step_m{m}"] = count.ops / steps
+        emit(
+            {
+                "bench": "replay",
+                "protocol": p.name,
+                "part": "ops",
+                "m": m,
+                "train_ops_per_step": out["train_ops_per_step"],
+                "reverse_ops_per_step": count.ops / steps,
+                "ratio": count.ops / steps / out["train_ops_per_step"],
+            }
+        )
+    return out
+
+
 # -- bergson ------------------------------------------------------------------------------
 class _WeightedLoss(nn.Module):
     """``Σ w_i ℓ_i / |B|`` as a module bergson's trainer calls with one batch's keywords.
@@ -763,6 +807,14 @@ def format_table(summary: dict[str, Any]) -> str:
                 f"m={m:<4} reverse {row['reverse_s']:.2f} s ({row['reverse_cpu_s']:.2f} CPU s), "
                 f"{row['per_query_s']:.3f} s/query, {row['train_runs']:.1f} training runs"
             )
+    if "ops" in summary:
+        ops = summary["ops"]
+        lines.append(f"aten ops per step: training {ops['train_ops_per_step']:.0f}")
+        for key, value in ops.items():
+            if key.startswith("reverse_ops_per_step_m"):
+                m = key.removeprefix("reverse_ops_per_step_m")
+                ratio = value / ops["train_ops_per_step"]
+                lines.append(f"m={m:<4} reverse {value:.0f} ops per step ({ratio:.2f}x training)")
     if "bergson" in summary:
         b = summary["bergson"]
         n = next(k for k in b if k.startswith("ratio_m") and k != "ratio_m1" and "cpu" not in k)
@@ -816,6 +868,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="removal part: fractions of rows the same-run retrains keep",
     )
     parser.add_argument("--bergson-queries", type=int, default=None)
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="lm: linear learning-rate warmup steps before the decay (the demo's warmup_steps)",
+    )
     parser.add_argument("--no-others", action="store_true", help="skip TRAK and EK-FAC")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
@@ -823,6 +881,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.warmup_steps is not None and args.protocol != "lm":
+        parser.error("--warmup-steps applies to --protocol lm (the digits run uses SGD's cosine)")
     setup_torch(args.threads)
     sizes = SIZES[args.protocol][args.quick]
     over = {
@@ -833,6 +893,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seeds": args.seeds,
         "bergson_queries": args.bergson_queries,
         "cost_m": None if args.cost_m is None else tuple(args.cost_m),
+        "warmup_steps": args.warmup_steps,
     }
     sizes = dataclasses.replace(sizes, **{k: v for k, v in over.items() if v is not None})
     make = digits_protocol if args.protocol == "digits" else lm_protocol
@@ -859,6 +920,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     if args.part in ("all", "cost"):
         summary["cost"] = run_cost(p, at[0])
+    if args.part == "ops":
+        summary["ops"] = run_ops(p, at[0])
     if args.part == "removal":
         summary["removal"] = run_removal(p, tuple(args.keep))
     if args.part == "bergson":

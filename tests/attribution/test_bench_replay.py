@@ -74,3 +74,29 @@ def test_bergson_side_by_side_agrees_on_the_same_run():
         record = br.run_bergson(br.digits_protocol(sizes), 1.0)
     assert record["final_params_max_abs_diff"] < 1e-6
     assert min(record["corr"]) > 0.999999 and record["max_rel_diff"] < 1e-4
+
+
+@pytest.mark.slow
+def test_warmup_reaches_both_loops_and_the_ops_part_counts():
+    """``--warmup-steps``: the replay's rates are the demo's warmup schedule, and the run
+    equals the demo's torch loop on it (float32, a few ulps over the run); ``--part ops``
+    counts more operations per reverse step than per training step."""
+    import dataclasses
+
+    import torch
+
+    from gradsketch.demos.lm import lr_multiplier
+
+    sizes = dataclasses.replace(br.SIZES["lm"][True], warmup_steps=3)
+    p = br.lm_protocol(sizes)
+    run = p.run(p.base_seed)
+    steps = run.settings.num_steps
+    assert run.settings.lr == [1e-3 * lr_multiplier(t, steps, 3) for t in range(steps)]
+    assert run.settings.lr[0] == 0.0 < run.settings.lr[1] < run.settings.lr[3]
+    run.train()
+    for name, value in p.torch_train(p.base_seed).items():
+        torch.testing.assert_close(run.final[name], value, rtol=0, atol=1e-5)
+    ops = br.run_ops(p, 1.0)
+    for m in sizes.cost_m:
+        assert ops[f"reverse_ops_per_step_m{m}"] > ops["train_ops_per_step"] > 0
+    assert "ops per step" in br.format_table({"protocol": "lm", "ops": ops})

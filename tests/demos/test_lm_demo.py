@@ -101,8 +101,19 @@ def test_corpus_errors(call: Any, match: str) -> None:
         ({"lr": 0.0}, "`lr` must be a finite number > 0"),
         ({"lambda_reg": -1.0}, "`lambda_reg` must be a finite number >= 0 or 'auto'"),
         ({"modules": ()}, "`modules` is empty"),
+        ({"warmup_steps": -1}, "`warmup_steps` must be an integer >= 0"),
     ],
-    ids=["arch", "num-train", "epochs-float", "heads", "lds-models", "lr", "lambda", "modules"],
+    ids=[
+        "arch",
+        "num-train",
+        "epochs-float",
+        "heads",
+        "lds-models",
+        "lr",
+        "lambda",
+        "modules",
+        "warmup",
+    ],
 )
 def test_settings_errors(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(LMDemoSettingsError, match=match):
@@ -125,6 +136,24 @@ def test_training_is_seeded_and_lowers_the_loss(arch: str) -> None:
     for (n1, p1), (n2, p2) in zip(m1.state_dict().items(), m2.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2), n1
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("warmup", [0, 3, 40])
+def test_schedule_is_transformers_linear_schedule_with_warmup(warmup: int) -> None:
+    """``lr_multiplier`` equals transformers' schedule step for step (0: 1 - t/T exactly)."""
+    from transformers import get_linear_schedule_with_warmup
+
+    total = 12
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = get_linear_schedule_with_warmup(opt, warmup, total)
+    for step in range(total):
+        want = sched.get_last_lr()[0]
+        assert lm.lr_multiplier(step, total, warmup) == pytest.approx(want, rel=1e-15, abs=0)
+        opt.step()
+        sched.step()
+    assert [lm.lr_multiplier(t, total) for t in range(total)] == [
+        1.0 - t / total for t in range(total)
+    ]
 
 
 def test_log_likelihood_matches_a_float64_loop() -> None:

@@ -101,6 +101,8 @@ class LMDemoSettings:
         featurize_batch_size: chunks per featurize / score call.
         lr: AdamW learning rate (linear decay to 0 over the run).
         weight_decay: AdamW weight decay.
+        warmup_steps: optimiser steps of linear learning-rate warmup from 0 before
+            the decay (transformers' ``get_linear_schedule_with_warmup``; 0: none).
         num_checkpoints: independently seeded models TRAK ensembles over.
         proj_dim: feature dimension k (an upper bound for the factorized projector).
         lambda_reg: ridge damping of ``ΦᵀΦ``, a number >= 0 or ``"auto"``.
@@ -125,6 +127,7 @@ class LMDemoSettings:
     featurize_batch_size: int = 32
     lr: float = 1e-3
     weight_decay: float = 0.01
+    warmup_steps: int = 0
     num_checkpoints: int = 4
     proj_dim: int = 512
     lambda_reg: float | str = "auto"
@@ -152,6 +155,7 @@ class LMDemoSettings:
             "top_k": 1,
             "report_queries": 1,
             "threads": 1,
+            "warmup_steps": 0,
         }
         for name, low in lows.items():
             value = getattr(self, name)
@@ -276,13 +280,31 @@ def build_lm(settings: LMDemoSettings, *, seed: int) -> nn.Module:
     return GPTNeoXForCausalLM(neox)
 
 
+def lr_multiplier(step: int, total: int, warmup_steps: int = 0) -> float:
+    """The demo's learning rate at optimiser step ``step`` of ``total``, as a fraction of ``lr``.
+
+    A linear warmup from 0 over ``warmup_steps`` steps, then a linear decay
+    to 0 at ``total`` (transformers' ``get_linear_schedule_with_warmup``);
+    without warmup, ``1 - step / total``.
+
+    Example:
+        >>> [round(lr_multiplier(t, 8, warmup_steps=2), 3) for t in range(8)]
+        [0.0, 0.5, 1.0, 0.833, 0.667, 0.5, 0.333, 0.167]
+    """
+    if step < warmup_steps:
+        return step / warmup_steps
+    if not warmup_steps:
+        return 1.0 - step / total
+    return max(0.0, (total - step) / max(1, total - warmup_steps))
+
+
 def train_lm(
     ids: Tensor, settings: LMDemoSettings, *, seed: int, progress: bool = False
 ) -> tuple[nn.Module, list[float]]:
     """Train :func:`build_lm` on ``ids`` ``[n, T]`` with AdamW for ``settings.epochs``.
 
     The initialisation and the batch order both come from ``seed``; the
-    learning rate decays linearly to 0. Returns the model in eval mode and
+    learning rate follows :func:`lr_multiplier`. Returns the model in eval mode and
     the mean training loss of each epoch.
 
     Example:
@@ -299,7 +321,9 @@ def train_lm(
     n = int(ids.shape[0])
     steps_per_epoch = math.ceil(n / settings.batch_size)
     total = steps_per_epoch * settings.epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / total)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_multiplier(step, total, settings.warmup_steps)
+    )
     losses = []
     bar = tqdm(total=total, desc="training", disable=not progress, leave=False)
     for _ in range(settings.epochs):

@@ -18,13 +18,18 @@ from gradsketch.slt._data import per_token_loss
 SETTINGS = dict(n_beta=10.0, localization=100.0, num_chains=1, num_draws=3, batch_size=16)
 
 
-def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+def _count_calls(monkeypatch: pytest.MonkeyPatch, step: float = 2.345e-4) -> list[float]:
+    """Replace the pilot runs by a counter returning ``step``.
+
+    What is cached and shared is under test here, not the calibration, which
+    :func:`test_auto_records_the_calibrated_step` runs for real (the pilots
+    cost seconds each).
+    """
     calls: list[float] = []
-    real = gradsketch.sampling.calibrated_lr
 
     def counted(*args: Any, **kwargs: Any) -> float:
         calls.append(1.0)
-        return real(*args, **kwargs)
+        return step
 
     monkeypatch.setattr(gradsketch.sampling, "calibrated_lr", counted)
     return calls
@@ -60,11 +65,12 @@ def test_auto_store_is_reused_without_calibrating_again(
 ) -> None:
     ids = token_data(64)
     model = trained_tiny_gpt2(ids)
+    calls = _count_calls(monkeypatch)
     first = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
     step = first.attrs["metadata"]["config"]["sampler"]["lr"]
-    calls = _count_calls(monkeypatch)
+    assert len(calls) == 1 and step == 2.3e-4
     again = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
-    assert calls == []
+    assert len(calls) == 1
     assert again.attrs["metadata"]["config"]["sampler"]["lr"] == step
     # A fixed step, even the same number, is another setting than "auto".
     with pytest.raises(OutputPathMismatchError, match="lr_auto"):

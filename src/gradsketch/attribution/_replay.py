@@ -952,8 +952,8 @@ class ReplayAttributor:
         return base[idx].to(dtype=self._dtype, device=self._device)
 
     def _init_state(self) -> dict[str, Tensor]:
-        theta0 = self._theta0()
-        return {k: torch.zeros_like(theta0) for k in self.settings.state_names}
+        size, dtype, device = self._layout.size, self._dtype, self._device
+        return {k: torch.zeros(size, dtype=dtype, device=device) for k in self.settings.state_names}
 
     def _theta0(self) -> Tensor:
         return self._layout.flat(self.params0)
@@ -1091,14 +1091,14 @@ class ReplayAttributor:
     # -- memory -----------------------------------------------------------------------
     def state_bytes(self) -> int:
         """``S``: bytes of the parameters plus the optimizer's state."""
-        per = sum(p.numel() * p.element_size() for p in self.params0.values())
-        return per * (1 + len(self.settings.state_names))
+        return self._param_bytes() * (1 + len(self.settings.state_names))
+
+    def _param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params0.values())
 
     def _grad_bytes(self) -> int:
         """``G``: bytes of one step's gradient kept per segment step (Adam / AdamW only)."""
-        if self.settings.optimizer == "sgd":
-            return 0
-        return sum(p.numel() * p.element_size() for p in self.params0.values())
+        return 0 if self.settings.optimizer == "sgd" else self._param_bytes()
 
     def _measure_activations(self) -> tuple[int, int]:
         """Bytes autograd saves for one step: a plain backward, and one kept for a second."""

@@ -31,6 +31,42 @@ OPTIMIZERS = REPLAY_OPTIMIZERS
 _replay = trained_replay
 
 
+def _central_difference(r: ReplayAttributor, queries, i: int, h: float = 1e-5) -> torch.Tensor:
+    """``(f(w + h e_i) - f(w - h e_i)) / 2h`` by retraining the run twice (float64)."""
+    plus = torch.ones(r.n_train, dtype=torch.float64)
+    minus = plus.clone()
+    plus[i] += h
+    minus[i] -= h
+    return (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
+
+
+def _torch_final(r: ReplayAttributor, no_decay: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """:func:`replay_mlp` trained by torch's own optimizer on the run's batches and rates;
+    the parameters in ``no_decay`` form a second group without weight decay."""
+    model = replay_mlp()
+    x, y = replay_data(N)
+    s = r.settings
+    params = dict(model.named_parameters())
+    groups = [{"params": [p for n, p in params.items() if n not in no_decay]}]
+    if no_decay:
+        groups.append({"params": [params[n] for n in no_decay], "weight_decay": 0.0})
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    args = {"weight_decay": s.weight_decay}
+    if s.optimizer == "sgd":
+        args["momentum"] = s.momentum
+    else:
+        args.update(betas=s.betas, eps=s.eps)
+    opt = cls[s.optimizer](groups, lr=s.lr_at(0), **args)
+    for t, idx in enumerate(r.order):
+        for group in opt.param_groups:
+            group["lr"] = s.lr_at(t)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
 @pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS)
 def test_metagradient_equals_central_difference_through_the_run(optimizer, kw):
     """∂f/∂w_i equals (f(w + h e_i) - f(w - h e_i)) / 2h through all T steps, in float64.
@@ -51,12 +87,8 @@ def test_metagradient_equals_central_difference_through_the_run(optimizer, kw):
     r._jvp_min_block = 1
     by_jvp = r.metagradients(queries)
     assert r._vmap_ok is True
-    h = 1e-5
     for i in (0, 11):
-        plus, minus = torch.ones(N, dtype=torch.float64), torch.ones(N, dtype=torch.float64)
-        plus[i] += h
-        minus[i] -= h
-        fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
+        fd = _central_difference(r, queries, i)
         torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
         torch.testing.assert_close(by_jvp[i], fd, rtol=0, atol=1e-8)
         assert fd.abs().max() > 1e-3  # the check is not vacuous
@@ -69,24 +101,8 @@ def test_training_matches_torch_optimizers(optimizer, kw):
     Only rounding differs (torch fuses some ops): 1e-12 relative over 10 steps.
     """
     r = _replay(optimizer, kw)
-    model = replay_mlp()
-    x, y = replay_data(N)
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-    args = {"weight_decay": r.settings.weight_decay}
-    if optimizer == "sgd":
-        args["momentum"] = r.settings.momentum
-    else:
-        args.update(betas=r.settings.betas, eps=r.settings.eps)
-    opt = cls[optimizer](model.parameters(), lr=r.settings.lr_at(0), **args)
-    for t, idx in enumerate(r.order):
-        for group in opt.param_groups:
-            group["lr"] = r.settings.lr_at(t)
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
-        loss.backward()
-        opt.step()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(r.final[name], p.detach(), rtol=1e-12, atol=1e-14)
+    for name, p in _torch_final(r).items():
+        torch.testing.assert_close(r.final[name], p, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize(
@@ -105,38 +121,18 @@ def test_parameters_without_weight_decay_train_and_reverse_exactly(optimizer, kw
     only: 1e-12 relative, as above), and the metagradients of both pull-backs
     equal the central difference within the first test's 1e-8.
     """
-    no_decay = ["0.bias", "2.bias"]
-    r = _replay(optimizer, kw, no_decay=no_decay)
+    no_decay = ("0.bias", "2.bias")
+    r = _replay(optimizer, kw, no_decay=list(no_decay))
     assert [g[2] for g in r._layout.groups] == [kw["weight_decay"], 0.0]
-    model = replay_mlp()
+    for name, p in _torch_final(r, no_decay).items():
+        torch.testing.assert_close(r.final[name], p, rtol=1e-12, atol=1e-14)
     x, y = replay_data(N)
-    params = dict(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in params.items() if n not in no_decay]},
-        {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
-    ]
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-    args = {"weight_decay": kw["weight_decay"]}
-    if optimizer == "sgd":
-        args["momentum"] = kw["momentum"]
-    else:
-        args["eps"] = r.settings.eps
-    opt = cls[optimizer](groups, lr=kw["lr"], **args)
-    for idx in r.order:
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        opt.step()
-    for name, p in params.items():
-        torch.testing.assert_close(r.final[name], p.detach(), rtol=1e-12, atol=1e-14)
     queries = (x[:3], y[:3])
     by_autograd = r.metagradients(queries)
     r._jvp_min_block = 1
     by_jvp = r.metagradients(queries)
-    h, i = 1e-5, 7
-    plus, minus = torch.ones(N, dtype=torch.float64), torch.ones(N, dtype=torch.float64)
-    plus[i] += h
-    minus[i] -= h
-    fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
+    i = 7
+    fd = _central_difference(r, queries, i)
     assert fd.abs().max() > 1e-3
     torch.testing.assert_close(by_autograd[i], fd, rtol=0, atol=1e-8)
     torch.testing.assert_close(by_jvp[i], fd, rtol=0, atol=1e-8)
@@ -438,11 +434,8 @@ def test_language_model_metagradient_equals_central_difference():
     r.train()
     queries = {"input_ids": ids[:2]}
     scores = r.metagradients(queries)
-    h, i = 1e-5, 1
-    plus, minus = torch.ones(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
-    plus[i] += h
-    minus[i] -= h
-    fd = (r.outputs(queries, r.retrain(plus)) - r.outputs(queries, r.retrain(minus))) / (2 * h)
+    i = 1
+    fd = _central_difference(r, queries, i)
     torch.testing.assert_close(scores[i], fd, rtol=0, atol=1e-8)
     assert fd.abs().max() > 1e-3
     # Per-token queries: the output is a sum over tokens, so the scores sum to the whole's.

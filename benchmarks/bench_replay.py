@@ -34,10 +34,11 @@ The metagradients are taken at ``w = a·1`` for each ``--linearize-at`` value
 default); the averages over seeds use the first. Two more averages of one
 run's metagradients: over the points ``--mean-of`` (0.25 and 0.5), and over
 ``--bases`` random halves' 0/1 masks given as per-row ``linearize_at`` (drawn
-apart from the evaluation's halves). TRAK (``lambda_reg=0`` on
-digits, ``"auto"`` on lm) and EK-FAC (``lambda_reg="auto"``) score the
-ordinary run's final model (one checkpoint) in the same run, against the same
-ground truths (``--no-others`` skips them).
+apart from the evaluation's halves). The other methods, TRAK, identity,
+K-FAC and EK-FAC (:data:`OTHER_METHODS`; ``lambda_reg=0`` for TRAK and
+identity on digits, ``"auto"`` otherwise), score the ordinary run's final
+model (one checkpoint) in the same run, against the same ground truths, each
+timed on its own (``--no-others`` skips them).
 
 Removal (``--part removal``): the same-run LDS when the retrains keep a
 fraction ``α`` of the rows (``--keep``, default 0.5, 0.9, 0.99), the run
@@ -90,6 +91,8 @@ from gradsketch.attribution._lm import LanguageModelingModelOutput, _call_model
 
 PROTOCOLS = ("digits", "lm")
 PARTS = ("all", "lds", "cost", "bergson", "removal", "ops")
+#: The other attribution methods scored beside the replay, each timed on its own.
+OTHER_METHODS = ("trak", "identity", "kfac", "ekfac")
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,9 @@ class Protocol:
     settings: Callable[[int], ReplaySettings]
     torch_train: Callable[[int], dict[str, Tensor]]
     fresh_truth: Callable[[bool], tuple[np.ndarray, np.ndarray]]
-    others: Callable[[dict[str, Tensor], Path, bool], dict[str, np.ndarray]]
+    #: ``others(final, save_dir, progress, method)``: one of :data:`OTHER_METHODS`' scores
+    #: ``[n_train, n_targets]`` on the ordinary run's final model.
+    others: Callable[[dict[str, Tensor], Path, bool, str], np.ndarray]
     per_example_loss: Callable[..., Tensor]
     base_seed: int = 0
     #: Where the replays (and bergson) train: the model goes there, the rows follow it.
@@ -229,20 +234,18 @@ def digits_protocol(sizes: Sizes) -> Protocol:
         model = train_digits_model(split.x_train, split.y_train, seed=seed, settings=train)
         return {n: p.detach() for n, p in model.named_parameters()}
 
-    def others(final: dict[str, Tensor], tmp: Path, progress: bool) -> dict[str, np.ndarray]:
+    def others(final: dict[str, Tensor], tmp: Path, progress: bool, name: str) -> np.ndarray:
         ckpt = [{k: v.clone() for k, v in final.items()}]
-        out = {}
-        for name, lam in (("trak", 0.0), ("ekfac", "auto")):
-            out[name], _ = attribute_digits(
-                ckpt,
-                split,
-                demo,
-                save_dir=tmp / name,
-                lambda_reg=lam,
-                progress=progress,
-                method=name,
-            )
-        return out
+        scores, _ = attribute_digits(
+            ckpt,
+            split,
+            demo,
+            save_dir=tmp / name,
+            lambda_reg=0.0 if name in ("trak", "identity") else "auto",
+            progress=progress,
+            method=name,
+        )
+        return np.asarray(scores)
 
     def loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
         return nn.functional.cross_entropy(model(x), y, reduction="none")
@@ -310,43 +313,40 @@ def lm_protocol(sizes: Sizes) -> Protocol:
         truth = lds_truth(s, train_ids, query_ids, progress=progress)
         return truth.subset_masks, truth.target_outputs
 
-    def others(final: dict[str, Tensor], tmp: Path, progress: bool) -> dict[str, np.ndarray]:
+    def others(final: dict[str, Tensor], tmp: Path, progress: bool, name: str) -> np.ndarray:
         import logging
 
         from gradsketch.attribution import HookGradientComputer, TRAKer
 
-        out = {}
-        for name in ("trak", "ekfac"):
-            model = build(s.seed + 1)
-            model.load_state_dict(final, strict=False)
-            traker = TRAKer(
-                model,
-                "language_modeling",
-                s.num_train,
-                save_dir=str(tmp / name),
-                load_from_save_dir=False,
-                device="cpu",
-                gradient_computer=HookGradientComputer,
-                proj_dim=s.proj_dim,
-                projector_seed=s.seed,
-                lambda_reg="auto",
-                progress=progress,
-                logging_level=logging.WARNING,
-                method=name,
-            )
-            state = model.state_dict()
-            traker.load_checkpoint(state, model_id=0)
-            bs = s.featurize_batch_size
-            for start in range(0, s.num_train, bs):
-                batch = lm_batch(train_ids[start : start + bs])
-                traker.featurize(batch, num_samples=int(batch[0].shape[0]))
-            traker.finalize_features()
-            traker.start_scoring_checkpoint("q", state, model_id=0, num_targets=s.num_queries)
-            for start in range(0, s.num_queries, bs):
-                batch = lm_batch(query_ids[start : start + bs])
-                traker.score(batch, num_samples=int(batch[0].shape[0]))
-            out[name] = np.asarray(traker.finalize_scores("q"))
-        return out
+        model = build(s.seed + 1)
+        model.load_state_dict(final, strict=False)
+        traker = TRAKer(
+            model,
+            "language_modeling",
+            s.num_train,
+            save_dir=str(tmp / name),
+            load_from_save_dir=False,
+            device="cpu",
+            gradient_computer=HookGradientComputer,
+            proj_dim=s.proj_dim,
+            projector_seed=s.seed,
+            lambda_reg="auto",
+            progress=progress,
+            logging_level=logging.WARNING,
+            method=name,
+        )
+        state = model.state_dict()
+        traker.load_checkpoint(state, model_id=0)
+        bs = s.featurize_batch_size
+        for start in range(0, s.num_train, bs):
+            batch = lm_batch(train_ids[start : start + bs])
+            traker.featurize(batch, num_samples=int(batch[0].shape[0]))
+        traker.finalize_features()
+        traker.start_scoring_checkpoint("q", state, model_id=0, num_targets=s.num_queries)
+        for start in range(0, s.num_queries, bs):
+            batch = lm_batch(query_ids[start : start + bs])
+            traker.score(batch, num_samples=int(batch[0].shape[0]))
+        return np.asarray(traker.finalize_scores("q"))
 
     def loss(model: nn.Module, ids: Tensor, mask: Tensor, labels: Tensor) -> Tensor:
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
@@ -419,6 +419,11 @@ def run_lds(
     methods: dict[str, np.ndarray] = {}
     at_point: dict[float, np.ndarray] = {}
     first: ReplayAttributor | None = None
+    # CPU seconds of each method's scores: a replay's training and reverse pass (an
+    # average: all of its runs), another method's featurizing and scoring.
+    cpu: dict[str, float] = {}
+    run_cpu: dict[Any, float] = {}
+    summary["cpu_s"] = cpu
 
     def metagradients(seed: int, at: Any, label: Any) -> np.ndarray:
         nonlocal first
@@ -426,6 +431,7 @@ def run_lds(
         t_train, c_train, _ = timed(r.train)
         t_rev, c_rev, g = timed(lambda: r.metagradients(p.targets).cpu().numpy())
         first = r if first is None else first
+        run_cpu[seed, str(label)] = c_train + c_rev
         emit(
             {
                 "bench": "replay",
@@ -453,11 +459,16 @@ def run_lds(
         at_point[a] = runs[0]
         if a in linearize_at:
             methods[f"replay@{a:g}"] = runs[0]
+            cpu[f"replay@{a:g}"] = run_cpu[p.base_seed, str(a)]
         if len(runs) > 1:
             methods[f"replay@{a:g}-mean{len(runs)}"] = np.mean(runs, axis=0)
+            cpu[f"replay@{a:g}-mean{len(runs)}"] = sum(
+                run_cpu[p.base_seed + k, str(a)] for k in range(len(runs))
+            )
     if mean_of:
         label = ",".join(f"{a:g}" for a in mean_of)
         methods[f"replay@mean({label})"] = np.mean([at_point[a] for a in mean_of], axis=0)
+        cpu[f"replay@mean({label})"] = sum(run_cpu[p.base_seed, str(a)] for a in mean_of)
     if bases:
         rng = np.random.default_rng(20_000)
         masks = []
@@ -465,6 +476,9 @@ def run_lds(
             mask = subset_mask(rng, p.n_train).astype(np.float64)
             masks.append(metagradients(p.base_seed, mask, f"half {k}"))
         methods[f"replay@halves-mean{bases}"] = np.mean(masks, axis=0)
+        cpu[f"replay@halves-mean{bases}"] = sum(
+            run_cpu[p.base_seed, f"half {k}"] for k in range(bases)
+        )
     assert first is not None
     ordinary = first.retrain(torch.ones(first.n_train))
     reference = p.torch_train(p.base_seed)
@@ -491,17 +505,40 @@ def run_lds(
     for name, s in methods.items():
         report(name, s)
     if others:
-        with tempfile.TemporaryDirectory() as tmp:
-            t0 = time.perf_counter()
-            try:
-                scores = p.others(ordinary, Path(tmp), progress)
-            except Exception as exc:  # report the others' failure, keep the replay's
-                summary["others_error"] = repr(exc)
-                emit({"bench": "replay", "protocol": p.name, "part": "lds", "error": repr(exc)})
-                scores = {}
-            summary["others_s"] = time.perf_counter() - t0
-        for name, s in scores.items():
-            report(name, s)
+        summary["others_s"] = {}
+        for name in OTHER_METHODS:
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    t, c, scores = timed(
+                        lambda name=name: p.others(ordinary, Path(tmp), progress, name)
+                    )
+                except Exception as exc:  # report the failure, keep the other methods' rows
+                    summary.setdefault("others_error", {})[name] = repr(exc)
+                    emit(
+                        {
+                            "bench": "replay",
+                            "protocol": p.name,
+                            "part": "lds",
+                            "method": name,
+                            "error": repr(exc),
+                        }
+                    )
+                    continue
+            summary["others_s"][name] = {"s": t, "cpu_s": c}
+            cpu[name] = c
+            emit(
+                {
+                    "bench": "replay",
+                    "protocol": p.name,
+                    "part": "other-cost",
+                    "method": name,
+                    "s": t,
+                    "cpu_s": c,
+                    "queries": sizes.num_targets,
+                    "models_scored": 1,
+                }
+            )
+            report(name, scores)
     return summary
 
 
@@ -787,9 +824,11 @@ def format_table(summary: dict[str, Any]) -> str:
     """The closing table: LDS per method and setting, cost per query, bergson."""
     lines = [f"protocol {summary['protocol']}"]
     if "lds" in summary:
-        lines.append(f"{'method':<26}{'LDS same-run':>14}{'LDS fresh-seeds':>17}")
+        cpu = summary.get("cpu_s", {})
+        lines.append(f"{'method':<26}{'LDS same-run':>14}{'LDS fresh-seeds':>17}{'CPU s':>9}")
         for name, row in summary["lds"].items():
-            lines.append(f"{name:<26}{row['same-run']:>14.3f}{row['fresh-seeds']:>17.3f}")
+            cost = f"{cpu[name]:>9.1f}" if name in cpu else f"{'':>9}"
+            lines.append(f"{name:<26}{row['same-run']:>14.3f}{row['fresh-seeds']:>17.3f}{cost}")
     if "removal" in summary:
         for keep, value in summary["removal"].items():
             lines.append(f"same-run LDS, subsets keeping {keep} of the rows: {value:.3f}")
@@ -874,7 +913,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="lm: linear learning-rate warmup steps before the decay (the demo's warmup_steps)",
     )
-    parser.add_argument("--no-others", action="store_true", help="skip TRAK and EK-FAC")
+    parser.add_argument(
+        "--no-others", action="store_true", help="skip the other methods (OTHER_METHODS)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
         "--device", default="cpu", help="where the replays and bergson train (cost, bergson)"

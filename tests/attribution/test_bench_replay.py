@@ -49,15 +49,18 @@ def test_quick_run_reports_every_method_in_both_settings(capsys):
         "replay@1",
         "replay@mean(0.25,0.5)",
         "replay@halves-mean2",
-        "trak",
-        "ekfac",
+        *br.OTHER_METHODS,
     }
     for row in summary["lds"].values():
         assert set(row) == {"same-run", "fresh-seeds"}
         assert all(np.isfinite(v) for v in row.values())
+    # Every method's cost is timed; a mean over runs costs the sum of its runs.
+    assert set(summary["cpu_s"]) == set(summary["lds"])
+    assert all(v > 0 for v in summary["cpu_s"].values())
+    assert summary["cpu_s"]["replay@0.5-mean2"] > summary["cpu_s"]["replay@0.5"]
     assert set(summary["cost"]["cost"]) == {1, 2}
     table = br.format_table(summary)
-    assert "replay@0.5-mean2" in table and "s/query" in table
+    assert "replay@0.5-mean2" in table and "s/query" in table and "CPU s" in table
     assert '"part": "lds"' in capsys.readouterr().out
 
 

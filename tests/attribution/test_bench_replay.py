@@ -59,6 +59,7 @@ def test_quick_run_reports_every_method_in_both_settings(capsys):
     assert all(v > 0 for v in summary["cpu_s"].values())
     assert summary["cpu_s"]["replay@0.5-mean2"] > summary["cpu_s"]["replay@0.5"]
     assert set(summary["cost"]["cost"]) == {1, 2}
+    assert all(row["train_runs_cpu"] > 0 for row in summary["cost"]["cost"].values())
     table = br.format_table(summary)
     assert "replay@0.5-mean2" in table and "s/query" in table and "CPU s" in table
     assert '"part": "lds"' in capsys.readouterr().out

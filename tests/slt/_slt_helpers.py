@@ -122,3 +122,22 @@ def loss_on_two_threads_with_global_dropout(
     process, so ``sample(cores=k)`` runs them in worker processes.
     """
     return torch.nn.functional.dropout(loss_on_two_threads(model, ids), p=0.1, training=True)
+
+
+def count_calibrations(monkeypatch: pytest.MonkeyPatch, step: float = 2.345e-4) -> list[int]:
+    """Replace ``lr="auto"``'s pilot runs by a counter returning ``step``; the calls list.
+
+    For tests of what is cached, shared and recorded, not of the calibration,
+    which ``tests/slt/test_auto_lr.py::test_auto_records_the_calibrated_step``
+    runs for real (the pilots cost seconds each).
+    """
+    import gradsketch.sampling
+
+    calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> float:
+        calls.append(1)
+        return step
+
+    monkeypatch.setattr(gradsketch.sampling, "calibrated_lr", counted)
+    return calls

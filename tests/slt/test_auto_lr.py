@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from _slt_helpers import tiny_gpt2, token_data, trained_tiny_gpt2
+from _slt_helpers import count_calibrations, tiny_gpt2, token_data, trained_tiny_gpt2
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradsketch.sampling
@@ -16,23 +16,6 @@ from gradsketch.slt import _sample as sample_module
 from gradsketch.slt._data import per_token_loss
 
 SETTINGS = dict(n_beta=10.0, localization=100.0, num_chains=1, num_draws=3, batch_size=16)
-
-
-def _count_calls(monkeypatch: pytest.MonkeyPatch, step: float = 2.345e-4) -> list[float]:
-    """Replace the pilot runs by a counter returning ``step``.
-
-    What is cached and shared is under test here, not the calibration, which
-    :func:`test_auto_records_the_calibrated_step` runs for real (the pilots
-    cost seconds each).
-    """
-    calls: list[float] = []
-
-    def counted(*args: Any, **kwargs: Any) -> float:
-        calls.append(1.0)
-        return step
-
-    monkeypatch.setattr(gradsketch.sampling, "calibrated_lr", counted)
-    return calls
 
 
 def test_auto_records_the_calibrated_step(tmp_path: Path) -> None:
@@ -65,7 +48,7 @@ def test_auto_store_is_reused_without_calibrating_again(
 ) -> None:
     ids = token_data(64)
     model = trained_tiny_gpt2(ids)
-    calls = _count_calls(monkeypatch)
+    calls = count_calibrations(monkeypatch)
     first = sample(model, ids, {"train": ids}, lr="auto", output_path=tmp_path / "s", **SETTINGS)
     step = first.attrs["metadata"]["config"]["sampler"]["lr"]
     assert len(calls) == 1 and step == 2.3e-4
@@ -84,7 +67,7 @@ def test_susceptibilities_calibrate_once_for_every_restriction(
 
     ids = token_data(64)
     model = trained_tiny_gpt2(ids)
-    calls = _count_calls(monkeypatch)
+    calls = count_calibrations(monkeypatch)
     susceptibilities(
         model,
         ids,

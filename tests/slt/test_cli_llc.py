@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _slt_helpers import tiny_gpt2, tiny_llama, token_data
+from _slt_helpers import count_calibrations, tiny_gpt2, tiny_llama, token_data
 
 from gradsketch.cli._slt import load_tokens, run_llc_command
 from gradsketch.slt import FewChainsWarning
@@ -110,16 +110,9 @@ def test_gradsketch_llc_lr_auto_records_the_calibrated_step(
     """
     from typer.testing import CliRunner
 
-    import gradsketch.sampling
     from gradsketch.cli._app import app
 
-    calls: list[int] = []
-
-    def pilots(*args: object, **kwargs: object) -> float:
-        calls.append(1)
-        return 3.456e-4
-
-    monkeypatch.setattr(gradsketch.sampling, "calibrated_lr", pilots)
+    calls = count_calibrations(monkeypatch, step=3.456e-4)
 
     text = tmp_path / "corpus.txt"
     text.write_text("import os\nprint(os.getcwd())\n" * 40)

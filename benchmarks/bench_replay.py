@@ -417,21 +417,20 @@ def run_lds(
     sizes = p.sizes
     summary: dict[str, Any] = {}
     methods: dict[str, np.ndarray] = {}
-    at_point: dict[float, np.ndarray] = {}
-    first: ReplayAttributor | None = None
-    # CPU seconds of each method's scores: a replay's training and reverse pass (an
-    # average: all of its runs), another method's featurizing and scoring.
+    # CPU seconds of each method's scores: a replay's training and reverse pass (all
+    # of its runs for an average), another method's featurizing and scoring.
     cpu: dict[str, float] = {}
-    run_cpu: dict[Any, float] = {}
     summary["cpu_s"] = cpu
+    at_point: dict[float, tuple[np.ndarray, float]] = {}
+    first: ReplayAttributor | None = None
 
-    def metagradients(seed: int, at: Any, label: Any) -> np.ndarray:
+    def metagradients(seed: int, at: Any, label: Any) -> tuple[np.ndarray, float]:
+        """One replayed run's metagradients and its CPU seconds (training and reverse)."""
         nonlocal first
         r = p.run(seed, at, progress=progress)
         t_train, c_train, _ = timed(r.train)
         t_rev, c_rev, g = timed(lambda: r.metagradients(p.targets).cpu().numpy())
         first = r if first is None else first
-        run_cpu[seed, str(label)] = c_train + c_rev
         emit(
             {
                 "bench": "replay",
@@ -449,7 +448,12 @@ def run_lds(
                 "memory_bytes": r.memory_estimate(sizes.num_targets).total,
             }
         )
-        return g
+        return g, c_train + c_rev
+
+    def add(name: str, runs: list[tuple[np.ndarray, float]]) -> None:
+        """Method ``name``: the mean of ``runs``' metagradients, at the sum of their cost."""
+        methods[name] = np.mean([g for g, _ in runs], axis=0)
+        cpu[name] = sum(c for _, c in runs)
 
     for a in dict.fromkeys((*linearize_at, *mean_of)):
         runs = [
@@ -458,27 +462,19 @@ def run_lds(
         ]
         at_point[a] = runs[0]
         if a in linearize_at:
-            methods[f"replay@{a:g}"] = runs[0]
-            cpu[f"replay@{a:g}"] = run_cpu[p.base_seed, str(a)]
+            add(f"replay@{a:g}", runs[:1])
         if len(runs) > 1:
-            methods[f"replay@{a:g}-mean{len(runs)}"] = np.mean(runs, axis=0)
-            cpu[f"replay@{a:g}-mean{len(runs)}"] = sum(
-                run_cpu[p.base_seed + k, str(a)] for k in range(len(runs))
-            )
+            add(f"replay@{a:g}-mean{len(runs)}", runs)
     if mean_of:
         label = ",".join(f"{a:g}" for a in mean_of)
-        methods[f"replay@mean({label})"] = np.mean([at_point[a] for a in mean_of], axis=0)
-        cpu[f"replay@mean({label})"] = sum(run_cpu[p.base_seed, str(a)] for a in mean_of)
+        add(f"replay@mean({label})", [at_point[a] for a in mean_of])
     if bases:
         rng = np.random.default_rng(20_000)
         masks = []
         for k in range(bases):
             mask = subset_mask(rng, p.n_train).astype(np.float64)
             masks.append(metagradients(p.base_seed, mask, f"half {k}"))
-        methods[f"replay@halves-mean{bases}"] = np.mean(masks, axis=0)
-        cpu[f"replay@halves-mean{bases}"] = sum(
-            run_cpu[p.base_seed, f"half {k}"] for k in range(bases)
-        )
+        add(f"replay@halves-mean{bases}", masks)
     assert first is not None
     ordinary = first.retrain(torch.ones(first.n_train))
     reference = p.torch_train(p.base_seed)
@@ -505,7 +501,6 @@ def run_lds(
     for name, s in methods.items():
         report(name, s)
     if others:
-        summary["others_s"] = {}
         for name in OTHER_METHODS:
             with tempfile.TemporaryDirectory() as tmp:
                 try:
@@ -524,7 +519,6 @@ def run_lds(
                         }
                     )
                     continue
-            summary["others_s"][name] = {"s": t, "cpu_s": c}
             cpu[name] = c
             emit(
                 {

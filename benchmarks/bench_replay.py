@@ -15,6 +15,13 @@ Protocols (``--protocol``):
   decaying linearly to 0, weight decay 0.01, batch 8); query output the
   summed log-likelihood of a held-out chunk, the quantity the demo's LDS
   measures (a ``language_modeling`` task whose output is that sum).
+- ``lm-finetune``: the same GPT-2, rows, queries and loop as a fine-tune,
+  MAGIC's setting: the model first trains on ``--pretrain-chunks`` other
+  chunks of the corpus (``--pretrain-epochs`` epochs of the demo's AdamW at
+  ``lr=1e-3``), then every run (the replayed one, every retrain, the model the
+  other methods score) starts from those weights and trains on the
+  protocol's rows at ``--lr`` (1e-4 by default, a tenth of the pretraining
+  rate). A fresh seed there changes the batch order only.
 
 Either way the replayed run is exactly the protocol's torch loop
 (:class:`~gradsketch.attribution.ReplayAttributor` with the protocol's seed
@@ -89,7 +96,7 @@ from _common import emit, machine_info, setup_torch
 from gradsketch.attribution import ReplayAttributor, ReplaySettings, linear_datamodeling_score
 from gradsketch.attribution._lm import LanguageModelingModelOutput, _call_model
 
-PROTOCOLS = ("digits", "lm")
+PROTOCOLS = ("digits", "lm", "lm-finetune")
 PARTS = ("all", "lds", "cost", "bergson", "removal", "ops")
 #: The other attribution methods scored beside the replay, each timed on its own.
 OTHER_METHODS = ("trak", "identity", "kfac", "ekfac")
@@ -97,7 +104,11 @@ OTHER_METHODS = ("trak", "identity", "kfac", "ekfac")
 
 @dataclass(frozen=True)
 class Sizes:
-    """Sizes of one benchmark run (``num_train`` and ``chunk_len``: lm only)."""
+    """Sizes of one benchmark run (``num_train`` onwards: the language-model protocols only).
+
+    ``pretrain_chunks`` > 0 makes the run a fine-tune of a model pretrained on
+    that many other chunks; ``lr`` 0 keeps the demo's rate.
+    """
 
     epochs: int = 20
     num_targets: int = 32
@@ -108,6 +119,9 @@ class Sizes:
     chunk_len: int = 64
     bergson_queries: int = 2
     warmup_steps: int = 0
+    pretrain_chunks: int = 0
+    pretrain_epochs: int = 3
+    lr: float = 0.0
 
 
 #: Full and ``--quick`` sizes of each protocol.
@@ -130,6 +144,12 @@ SIZES: dict[str, dict[bool, Sizes]] = {
             chunk_len=32,
         ),
     },
+}
+SIZES["lm-finetune"] = {
+    quick: dataclasses.replace(
+        sizes, pretrain_chunks=128 if quick else 1024, pretrain_epochs=1 if quick else 3, lr=1e-4
+    )
+    for quick, sizes in SIZES["lm"].items()
 }
 
 
@@ -268,11 +288,17 @@ def digits_protocol(sizes: Sizes) -> Protocol:
 
 
 def lm_protocol(sizes: Sizes) -> Protocol:
-    """``make demo-lm``'s GPT-2 protocol (eager attention: sdpa has no double backward)."""
+    """``make demo-lm``'s GPT-2 protocol (eager attention: sdpa has no double backward).
+
+    With ``sizes.pretrain_chunks``, the fine-tune of a model pretrained on
+    other chunks of the corpus (``lm-finetune``).
+    """
     from gradsketch.demos._lm_corpus import load_corpus, split_chunks
     from gradsketch.demos.lm import LMDemoSettings, build_lm, lds_truth, lr_multiplier, train_lm
 
+    demo = LMDemoSettings()
     s = LMDemoSettings(
+        lr=sizes.lr or demo.lr,
         num_train=sizes.num_train,
         num_queries=sizes.num_targets,
         chunk_len=sizes.chunk_len,
@@ -285,12 +311,25 @@ def lm_protocol(sizes: Sizes) -> Protocol:
     corpus = load_corpus(s.modules, chunk_len=s.chunk_len)
     train_idx, query_idx = split_chunks(len(corpus), s.num_train, s.num_queries, seed=s.seed)
     train_ids, query_ids = corpus.token_ids(train_idx), corpus.token_ids(query_idx)
+    base: dict[str, Tensor] | None = None
+    if sizes.pretrain_chunks:
+        rest = np.setdiff1d(np.arange(len(corpus)), np.concatenate([train_idx, query_idx]))
+        pick = np.random.default_rng(s.seed + 7).choice(
+            rest, size=min(sizes.pretrain_chunks, len(rest)), replace=False
+        )
+        pre = dataclasses.replace(
+            s, lr=demo.lr, epochs=sizes.pretrain_epochs, warmup_steps=0, num_train=len(pick)
+        )
+        pretrained = train_lm(corpus.token_ids(np.sort(pick)), pre, seed=s.seed + 100)[0]
+        base = {k: v.detach().clone() for k, v in pretrained.state_dict().items()}
 
     def lm_batch(ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return ids, torch.ones_like(ids), ids.clone()
 
     def build(seed: int) -> nn.Module:
         model = build_lm(s, seed=seed)
+        if base is not None:
+            model.load_state_dict(base)
         model.set_attn_implementation("eager")
         return model
 
@@ -306,11 +345,11 @@ def lm_protocol(sizes: Sizes) -> Protocol:
         )
 
     def torch_train(seed: int) -> dict[str, Tensor]:
-        model = train_lm(train_ids, s, seed=seed)[0]
+        model = train_lm(train_ids, s, seed=seed, init_state=base)[0]
         return {n: p.detach() for n, p in model.named_parameters()}
 
     def fresh_truth(progress: bool) -> tuple[np.ndarray, np.ndarray]:
-        truth = lds_truth(s, train_ids, query_ids, progress=progress)
+        truth = lds_truth(s, train_ids, query_ids, progress=progress, init_state=base)
         return truth.subset_masks, truth.target_outputs
 
     def others(final: dict[str, Tensor], tmp: Path, progress: bool, name: str) -> np.ndarray:
@@ -354,7 +393,7 @@ def lm_protocol(sizes: Sizes) -> Protocol:
         return -logp.mean(1)
 
     return Protocol(
-        name="lm",
+        name="lm-finetune" if base is not None else "lm",
         sizes=sizes,
         train_data=lm_batch(train_ids),
         targets=lm_batch(query_ids),
@@ -905,6 +944,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--bergson-queries", type=int, default=None)
     parser.add_argument(
+        "--pretrain-chunks", type=int, default=None, help="lm-finetune: chunks pretrained on"
+    )
+    parser.add_argument("--pretrain-epochs", type=int, default=None, help="lm-finetune")
+    parser.add_argument("--lr", type=float, default=None, help="lm protocols: the run's AdamW rate")
+    parser.add_argument(
         "--warmup-steps",
         type=int,
         default=None,
@@ -919,8 +963,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
-    if args.warmup_steps is not None and args.protocol != "lm":
-        parser.error("--warmup-steps applies to --protocol lm (the digits run uses SGD's cosine)")
+    lm_only = ("warmup_steps", "pretrain_chunks", "pretrain_epochs", "lr")
+    given = [f"--{k.replace('_', '-')}" for k in lm_only if getattr(args, k) is not None]
+    if given and args.protocol == "digits":
+        parser.error(f"{', '.join(given)}: the language-model protocols only (digits runs SGD)")
+    pretrain = [f"--{k}" for k in ("pretrain-chunks", "pretrain-epochs") if f"--{k}" in given]
+    if pretrain and args.protocol != "lm-finetune":
+        parser.error(f"{', '.join(pretrain)}: --protocol lm-finetune only")
+    if args.pretrain_chunks == 0 and args.protocol == "lm-finetune":
+        parser.error(
+            "--pretrain-chunks 0 is --protocol lm; lm-finetune needs chunks to pretrain on"
+        )
     setup_torch(args.threads)
     sizes = SIZES[args.protocol][args.quick]
     over = {
@@ -932,8 +985,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bergson_queries": args.bergson_queries,
         "cost_m": None if args.cost_m is None else tuple(args.cost_m),
         "warmup_steps": args.warmup_steps,
+        "pretrain_chunks": args.pretrain_chunks,
+        "pretrain_epochs": args.pretrain_epochs,
+        "lr": args.lr,
     }
     sizes = dataclasses.replace(sizes, **{k: v for k, v in over.items() if v is not None})
+    if max(sizes.cost_m) > sizes.num_targets:
+        parser.error(
+            f"--cost-m {max(sizes.cost_m)} exceeds the {sizes.num_targets} queries: a block "
+            f"holds at most --num-targets queries; pass --num-targets {max(sizes.cost_m)}"
+        )
     make = digits_protocol if args.protocol == "digits" else lm_protocol
     p = dataclasses.replace(make(sizes), device=args.device)
     at = tuple(args.linearize_at)

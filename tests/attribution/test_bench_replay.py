@@ -104,3 +104,40 @@ def test_warmup_reaches_both_loops_and_the_ops_part_counts():
     for m in sizes.cost_m:
         assert ops[f"reverse_ops_per_step_m{m}"] > ops["train_ops_per_step"] > 0
     assert "ops per step" in br.format_table({"protocol": "lm", "ops": ops})
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--protocol", "digits", "--lr", "1e-4"], "--lr: the language-model protocols only"),
+        (["--protocol", "lm", "--pretrain-chunks", "64"], "--protocol lm-finetune only"),
+        (["--protocol", "lm-finetune", "--pretrain-chunks", "0"], "lm-finetune needs chunks"),
+        (["--protocol", "lm", "--cost-m", "1", "64"], "--cost-m 64 exceeds the 16 queries"),
+    ],
+)
+def test_protocol_arguments_are_refused_where_they_do_not_apply(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        br.main(argv)
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_finetune_protocol_replays_a_finetune_of_the_pretrained_model():
+    """``lm-finetune``: every run starts from one pretrained model (a fresh seed changes the
+    order only), and the replay equals the demo's torch loop from those weights (float32)."""
+    import torch
+
+    from gradsketch.demos.lm import LMDemoSettings, build_lm
+
+    p = br.lm_protocol(br.SIZES["lm-finetune"][True])
+    assert p.name == "lm-finetune"
+    first, second = p.build(0).state_dict(), p.build(5).state_dict()
+    scratch = build_lm(LMDemoSettings(chunk_len=p.sizes.chunk_len), seed=0).state_dict()
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name
+    assert not torch.equal(first["lm_head.weight"], scratch["lm_head.weight"])
+    run = p.run(p.base_seed)
+    assert run.settings.lr[0] == pytest.approx(1e-4)
+    run.train()
+    for name, value in p.torch_train(p.base_seed).items():
+        torch.testing.assert_close(run.final[name], value, rtol=0, atol=1e-5)

@@ -138,6 +138,32 @@ def test_training_is_seeded_and_lowers_the_loss(arch: str) -> None:
     assert losses[-1] < losses[0]
 
 
+def test_fine_tune_starts_from_init_state_and_seeds_only_the_order() -> None:
+    """``init_state`` replaces the initialisation: a run whose one step has rate 0 (a
+    warmup longer than the run) returns those weights exactly; with steps, two seeds
+    differ only through the batch order."""
+    torch.set_num_threads(1)
+    ids = load_corpus(["bisect.py"]).token_ids(range(16))
+    base = lm.train_lm(ids, LMDemoSettings(epochs=1, batch_size=8), seed=9)[0].state_dict()
+    frozen = LMDemoSettings(epochs=1, batch_size=16, warmup_steps=2)
+    still, _ = lm.train_lm(ids, frozen, seed=3, init_state=base)
+    for name, value in still.state_dict().items():
+        assert torch.equal(value, base[name]), name
+    assert not torch.equal(
+        lm.build_lm(frozen, seed=3).state_dict()["lm_head.weight"], base["lm_head.weight"]
+    )
+    s = LMDemoSettings(epochs=1, batch_size=4, lr=1e-4)
+    a = lm.train_lm(ids, s, seed=3, init_state=base)[0].state_dict()
+    b = lm.train_lm(ids, s, seed=4, init_state=base)[0].state_dict()
+    one_batch = LMDemoSettings(epochs=1, batch_size=16, lr=1e-4)
+    c = lm.train_lm(ids, one_batch, seed=3, init_state=base)[0].state_dict()
+    d = lm.train_lm(ids, one_batch, seed=4, init_state=base)[0].state_dict()
+    # One batch of every row: the order cannot matter, and the runs agree to float32 sums.
+    for name in base:
+        torch.testing.assert_close(c[name], d[name], rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-6) for n in base)
+
+
 @pytest.mark.parametrize("warmup", [0, 3, 40])
 def test_schedule_is_transformers_linear_schedule_with_warmup(warmup: int) -> None:
     """``lr_multiplier`` equals transformers' schedule step for step (0: 1 - t/T exactly)."""

@@ -33,7 +33,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,13 +299,20 @@ def lr_multiplier(step: int, total: int, warmup_steps: int = 0) -> float:
 
 
 def train_lm(
-    ids: Tensor, settings: LMDemoSettings, *, seed: int, progress: bool = False
+    ids: Tensor,
+    settings: LMDemoSettings,
+    *,
+    seed: int,
+    progress: bool = False,
+    init_state: Mapping[str, Tensor] | None = None,
 ) -> tuple[nn.Module, list[float]]:
     """Train :func:`build_lm` on ``ids`` ``[n, T]`` with AdamW for ``settings.epochs``.
 
     The initialisation and the batch order both come from ``seed``; the
-    learning rate follows :func:`lr_multiplier`. Returns the model in eval mode and
-    the mean training loss of each epoch.
+    learning rate follows :func:`lr_multiplier`. ``init_state`` (a state dict of
+    the same architecture) replaces the initialisation, which makes the run a
+    fine-tune: ``seed`` then fixes only the batch order. Returns the model in
+    eval mode and the mean training loss of each epoch.
 
     Example:
         >>> s = LMDemoSettings(epochs=2, batch_size=8)
@@ -315,6 +322,8 @@ def train_lm(
         True
     """
     model = build_lm(settings, seed=seed)
+    if init_state is not None:
+        model.load_state_dict(init_state)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     gen = torch.Generator().manual_seed(seed)
@@ -606,13 +615,19 @@ def run_lm_demo(
 
 
 def lds_truth(
-    s: LMDemoSettings, train_ids: Tensor, query_ids: Tensor, *, progress: bool = False
+    s: LMDemoSettings,
+    train_ids: Tensor,
+    query_ids: Tensor,
+    *,
+    progress: bool = False,
+    init_state: Mapping[str, Tensor] | None = None,
 ) -> Any:
     """Retrain on ``s.lds_models`` random halves; each query's summed log-likelihood.
 
     Model ``i`` is :func:`train_lm` on subset ``i`` with seed ``s.seed + 1 + i``
     (the subsets come from ``s.seed``; see
-    :func:`~gradsketch.attribution.lds_ground_truth`).
+    :func:`~gradsketch.attribution.lds_ground_truth`), from ``init_state``
+    where one is given (fine-tunes of one model that differ in data and order).
 
     Returns:
         :class:`~gradsketch.attribution.LDSGroundTruth`: ``[lds_models, n]``
@@ -626,7 +641,7 @@ def lds_truth(
         )
 
     def train(idx: np.ndarray, seed: int) -> nn.Module:
-        return train_lm(train_ids[torch.as_tensor(idx)], s, seed=seed)[0]
+        return train_lm(train_ids[torch.as_tensor(idx)], s, seed=seed, init_state=init_state)[0]
 
     def evaluate(model: nn.Module) -> np.ndarray:
         return sequence_log_likelihood(model, query_ids)

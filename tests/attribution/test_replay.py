@@ -477,3 +477,32 @@ def test_reverse_over_reverse_fallback_equals_forward_over_reverse():
     slow = r.metagradients((x[:3], y[:3]))
     bound = STEPS * 5 * torch.finfo(torch.float64).eps * float(fast.abs().max())
     assert float((fast - slow).abs().max()) <= bound
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "lr", "noted"),
+    [
+        ("adamw", 1e-2, True),
+        ("adam", [1e-2] * STEPS, True),
+        ("adamw", [0.0] + [1e-2] * (STEPS - 1), False),  # warmed up from 0
+        ("sgd", 0.1, False),
+    ],
+)
+def test_an_unwarmed_adam_run_is_noted_once(monkeypatch, caplog, optimizer, lr, noted):
+    """An Adam run whose first step has a nonzero rate logs one warning per process that
+    names the cause (the sign step) and the fix (a warmup from 0); other runs log none."""
+    import gradsketch.attribution._replay as replay_module
+
+    monkeypatch.setattr(replay_module, "_ADAM_NOTED", False)
+    x, y = replay_data(N)
+    with caplog.at_level("WARNING", logger="gradsketch.attribution._replay"):
+        for _ in range(2):
+            ReplayAttributor(
+                replay_mlp(), "image_classification", (x, y), optimizer=optimizer, lr=lr,
+                num_steps=STEPS, batch_size=BATCH, progress=False,
+            )  # fmt: skip
+    notes = [r.getMessage() for r in caplog.records if "sign of the gradient" in r.getMessage()]
+    assert len(notes) == (1 if noted else 0)
+    if noted:
+        assert f"replaying {optimizer} whose first step has lr=0.01" in notes[0]
+        assert "warmup from 0" in notes[0]

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import math
 import time
 import warnings
@@ -71,6 +72,8 @@ from gradsketch.attribution._modelout import (
 )
 from gradsketch.attribution._scores import MemoryBudgetError
 from gradsketch.attribution._topk import TopK, TopKCollector
+
+logger = logging.getLogger(__name__)
 
 #: Query blocks of at least this many are pulled back by ``vmap`` over forward-over-reverse
 #: ``jvp``; smaller ones by reverse-over-reverse from the recomputation's kept graphs
@@ -643,6 +646,34 @@ class MemoryEstimate:
         )
 
 
+def _note_unwarmed_adam(settings: ReplaySettings) -> None:
+    """Log once per process when an Adam run's first step has a nonzero rate.
+
+    That step is ``lr · g / (|g| + ε)``, the sign of the gradient: its exact
+    derivative spikes (height ``lr / ε``) wherever a gradient entry is near 0,
+    and those spikes are in the metagradients although finite removals,
+    which flip signs, do not follow them. A warmup from 0 removes them.
+    """
+    global _ADAM_NOTED
+    first = settings.lr[0] if isinstance(settings.lr, list) else settings.lr
+    if _ADAM_NOTED or settings.optimizer not in ("adam", "adamw") or first == 0.0:
+        return
+    _ADAM_NOTED = True
+    logger.warning(
+        "replaying %s whose first step has lr=%g: that step is the sign of the gradient, "
+        "and its exact derivative spikes where a gradient entry is near 0, so these "
+        "metagradients predict removals of many examples poorly. To predict retrains "
+        "(LDS, datamodels), train the run with a learning-rate warmup from 0 (e.g. "
+        "transformers' get_linear_schedule_with_warmup); measured effect: "
+        "docs/attribution.md, 'Adam runs: warm the rate up'.",
+        settings.optimizer,
+        first,
+    )
+
+
+_ADAM_NOTED = False
+
+
 class ReplayAttributor:
     """Train a replayable run, then score queries by exact metagradients (MAGIC).
 
@@ -752,6 +783,7 @@ class ReplayAttributor:
             self._base_weights = torch.full(
                 (self.n_train,), settings.linearize_at, dtype=torch.float64
             )
+        _note_unwarmed_adam(settings)
         steps = settings.num_steps
         self.every = settings.checkpoint_every or max(1, math.ceil(math.sqrt(steps)))
         self.params0: Params = {n: p.detach().clone() for n, p in model.named_parameters()}

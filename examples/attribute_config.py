@@ -34,3 +34,6 @@ proj_dim = 256  # below the 600 training rows, so lambda_reg = 0 is well posed
 lambda_reg = 0.0
 # gradients = "hooks"  # per-example gradients from one hooked forward and backward
 # method = "ekfac"  # or "trak" (default), "identity", "kfac"
+# Or replay a training run (MAGIC): drop checkpoints, proj_dim and lambda_reg, set
+# method = "replay"
+# replay = dict(optimizer="sgd", lr=0.05, momentum=0.9, num_steps=100, batch_size=64, seed=0)

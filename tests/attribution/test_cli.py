@@ -328,3 +328,89 @@ def test_attribute_command_keeps_scores_over_budget_on_disk(tmp_path):
     ref = np.load(tmp_path / "mem" / "scores.npy")
     np.testing.assert_allclose(on_disk, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
     assert summary["top_proponents"]["0"] == np.argsort(-on_disk[:, 0], kind="stable")[:5].tolist()
+
+
+# -- method = "replay" ----------------------------------------------------------
+
+REPLAY_CONFIG = """
+from gradsketch.demos import build_mlp, load_digits_split, make_loader
+
+_split = load_digits_split(seed=0)
+model = build_mlp(hidden=16, seed=0)
+train_loader = make_loader(_split.x_train[:40], _split.y_train[:40], batch_size=16)
+target_loader = make_loader(_split.x_test[:6], _split.y_test[:6], batch_size=4)
+task = "image_classification"
+method = "replay"
+replay = dict(optimizer="sgd", lr=0.1, momentum=0.9, num_steps=6, batch_size=8, seed=3)
+"""
+
+
+def test_attribute_command_replays_the_run(tmp_path):
+    """`method = "replay"`: the command trains the run from the model's weights on every
+    training row and scores by its metagradients, as ReplayAttributor does by hand; a rerun
+    reads the finished store back."""
+    path = write_config(tmp_path, REPLAY_CONFIG)
+    summary = attribute_command(path, tmp_path / "out", progress=False)
+    scores = np.load(tmp_path / "out" / "scores.npy")
+    assert scores.shape == (40, 6) == tuple(summary["scores_shape"])
+    settings = summary["settings"]
+    assert settings["method"] == "replay" and settings["replay"]["num_steps"] == 6
+    assert not {"proj_dim", "lambda_reg", "gradients"} & set(settings)
+    assert "by replaying one run (6 sgd steps)" in summary["report"]
+
+    split = load_digits_split(seed=0)
+    direct = attribution.ReplayAttributor(
+        build_mlp(hidden=16, seed=0),
+        "image_classification",
+        (split.x_train[:40], split.y_train[:40]),
+        attribution.ReplaySettings(
+            optimizer="sgd", lr=0.1, momentum=0.9, num_steps=6, batch_size=8, seed=3
+        ),
+        progress=False,
+    )
+    direct.train()
+    want = direct.score((split.x_test[:6], split.y_test[:6])).numpy().astype(np.float32)
+    np.testing.assert_allclose(scores, want, rtol=1e-6, atol=1e-7 * np.abs(want).max())
+    attribute_command(path, tmp_path / "out", progress=False)
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "scores.npy"), scores)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"method": "replay"}, r'`method = "replay"` needs `replay`, the run to train'),
+        (
+            {"method": "replay", "replay": {"optimizer": "sgd"}, "proj_dim": 64},
+            r'`method = "replay"` does not use `proj_dim` \(`proj_dim`: the metagradient is '
+            r"exact, nothing is projected\)",
+        ),
+        (
+            {
+                "method": "replay",
+                "replay": {"optimizer": "sgd"},
+                "checkpoints": [build_mlp(hidden=4).state_dict()] * 2,
+            },
+            r"trains one run, from one state, but `checkpoints` holds 2",
+        ),
+        (
+            {"method": "replay", "replay": {"optimizer": "lbfgs"}},
+            r"`replay` is not valid ReplaySettings: `optimizer`='lbfgs' cannot be replayed",
+        ),
+        ({"replay": {"optimizer": "sgd"}}, r"`replay` is the run of `method = \"replay\"`"),
+    ],
+    ids=["no-replay", "proj-dim", "two-checkpoints", "bad-settings", "not-replay-method"],
+)
+def test_replay_config_errors_name_the_fix(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        read_config(minimal(**overrides))
+
+
+def test_replay_config_needs_no_checkpoints():
+    """Without `checkpoints` the run starts from the model's own weights."""
+    config = read_config(
+        minimal(checkpoints=..., method="replay", replay={"optimizer": "adamw", "lr": 0.01})
+    )
+    model_state = config["model"].state_dict()
+    (start,) = config["checkpoints"]
+    assert all(torch.equal(start[k], v) for k, v in model_state.items())
+    assert config["settings"].replay == attribution.ReplaySettings(optimizer="adamw", lr=0.01)

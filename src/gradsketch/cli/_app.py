@@ -189,7 +189,11 @@ def sketch_demo(
 
 @app.command()
 def attribute(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
-    """Run TRAK for your own model, checkpoints and loaders defined in CONFIG.py."""
+    """Attribute with your own model, checkpoints and loaders defined in CONFIG.py.
+
+    TRAK by default; `method = "ekfac"` (or another method) in the config picks
+    another, and `method = "replay"` trains and replays the run it describes.
+    """
     _setup_logging(verbose)
     from gradsketch._distributed import process_group_from_env, rank
     from gradsketch.cli._attribute import attribute_command

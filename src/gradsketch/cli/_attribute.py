@@ -10,6 +10,8 @@ name                required  meaning
 ``build_model()``             checkpoints are (or a function returning one)
 ``checkpoints``     yes       list of state dicts or paths to ``torch.save``-d
                               state dicts, one per independently trained model
+                              (``method = "replay"``: optional, the one state
+                              the run starts from; default the model's own)
 ``train_loader``    yes       iterable of training batches, in row order
 ``target_loader``   yes       iterable of target batches, in row order
 ``task``            yes       ``"image_classification"``,
@@ -25,8 +27,14 @@ name                required  meaning
 ``memory_budget``   no        bytes of working memory for the finalize steps
                               (default ``None``: unbounded)
 ``method``          no        ``"trak"`` (default), ``"identity"``,
-                              ``"kfac"``, ``"ekfac"`` or a registered
-                              preconditioner (``TRAKer(method=...)``)
+                              ``"kfac"``, ``"ekfac"``, a registered
+                              preconditioner (``TRAKer(method=...)``) or
+                              ``"replay"``: exact metagradients through a
+                              training run the CLI trains and replays
+``replay``          replay    how that run trains: a ``ReplaySettings`` or a
+                              dict of its fields (optimizer, lr, num_steps,
+                              batch_size, seed, ...); the rows are
+                              ``train_loader``'s
 ``curvature``       no        per-layer methods: ``"loss"`` (default),
                               ``"output"`` or ``"sampled"``
 ``gradients``       no        ``"vmap"`` (per-example gradients by
@@ -42,7 +50,11 @@ the first targets) and the resumable TRAK store under ``trak_store/``: a
 rerun after an interruption featurizes only the rows that are missing. When
 the score matrix is larger than ``memory_budget`` it is never loaded into
 memory: it stays in the zarr array ``trak_store/scores/targets`` (no
-``scores.npy``), and the summary and report say so.
+``scores.npy``), and the summary and report say so. With ``method =
+"replay"`` the store is the replay's (``trak_store/replay/``, resumable in
+the same way) and the run is trained once, from the checkpoint, on every
+row of ``train_loader``; the options of projected features (``proj_dim``,
+``lambda_reg``, ``projector_seed``, ``gradients``, ``curvature``) are refused.
 """
 
 from __future__ import annotations
@@ -95,6 +107,15 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
     "curvature": "loss",
 }
 
+#: Config names that do not apply to ``method = "replay"``, and why.
+REPLAY_REFUSED: dict[str, str] = {
+    "proj_dim": "the metagradient is exact, nothing is projected",
+    "projector_seed": "the metagradient is exact, nothing is projected",
+    "lambda_reg": "the metagradient inverts no curvature, so there is nothing to damp",
+    "gradients": "the replay differentiates the whole training run itself",
+    "curvature": "no curvature is fitted",
+}
+
 #: Values of the config's ``gradients`` name and the gradient computers they pick.
 GRADIENTS: dict[str, type[AbstractGradientComputer]] = {
     "vmap": FunctionalGradientComputer,
@@ -125,6 +146,8 @@ class AttributeSettings:
         gradients: ``"vmap"`` or ``"hooks"`` (see :data:`GRADIENTS`).
         method: the attribution method (``TRAKer``'s ``method``).
         curvature: per-layer methods' curvature (``TRAKer``'s ``curvature``).
+        replay: with ``method="replay"``, the run's
+            :class:`~gradsketch.attribution.ReplaySettings` (``None`` otherwise).
     """
 
     proj_dim: int
@@ -137,14 +160,27 @@ class AttributeSettings:
     gradients: str = "vmap"
     method: str = "trak"
     curvature: str = "loss"
+    replay: Any = None
 
     def __post_init__(self) -> None:
-        from gradsketch.attribution import CURVATURES, PRECONDITIONERS
+        from gradsketch.attribution import CURVATURES, PRECONDITIONERS, ReplaySettings
 
-        if self.method not in PRECONDITIONERS:
+        methods = [*sorted(PRECONDITIONERS), "replay"]
+        if self.method not in methods:
             raise ConfigError(
-                f"`method` must be one of {sorted(PRECONDITIONERS)}, got {self.method!r}; "
+                f"`method` must be one of {methods}, got {self.method!r}; "
                 'set e.g. `method = "ekfac"` in the config, or leave it out.'
+            )
+        if self.method == "replay" and not isinstance(self.replay, ReplaySettings):
+            raise ConfigError(
+                f'`method = "replay"` needs `replay`, the run to train and replay, got '
+                f'{self.replay!r}; set e.g. `replay = dict(optimizer="sgd", lr=0.1, '
+                "num_steps=100, batch_size=32, seed=0)` or a ReplaySettings."
+            )
+        if self.method != "replay" and self.replay is not None:
+            raise ConfigError(
+                f'`replay` is the run of `method = "replay"`, but method is {self.method!r}; '
+                'set `method = "replay"`, or drop `replay`.'
             )
         if self.curvature not in CURVATURES:
             raise ConfigError(
@@ -174,8 +210,15 @@ class AttributeSettings:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON."""
-        return dataclasses.asdict(self)
+        """Plain dict for JSON (the replay's settings as their stored record)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.replay is not None:
+            out["replay"] = self.replay.record()
+            for name in REPLAY_REFUSED:
+                out.pop(name)
+        else:
+            out.pop("replay")
+        return out
 
 
 def load_config(config_path: str | Path) -> ModuleType:
@@ -213,11 +256,13 @@ def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
         gradsketch.errors.ConfigError: the config does not define `checkpoints`, ...
     """
     names = dict(config) if isinstance(config, Mapping) else vars(config)
-    missing = [n for n in REQUIRED_NAMES if n not in names]
+    replaying = names.get("method") == "replay"
+    needed = [n for n in REQUIRED_NAMES if not (replaying and n == "checkpoints")]
+    missing = [n for n in needed if n not in names]
     has_model = any(n in names for n in MODEL_NAMES)
     if missing or not has_model:
         absent = missing + ([] if has_model else [" or ".join(f"`{n}`" for n in MODEL_NAMES)])
-        required = ", ".join(f"`{n}`" for n in REQUIRED_NAMES)
+        required = ", ".join(f"`{n}`" for n in needed)
         one_of = ", ".join(f"`{n}`" for n in MODEL_NAMES)
         listed = ", ".join(a if a.startswith("`") else f"`{a}`" for a in absent)
         raise ConfigError(
@@ -230,7 +275,10 @@ def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
             f"`model` must be a torch.nn.Module, got {type(model).__name__}; define `model = "
             "MyNet()` or `def build_model(): return MyNet()`."
         )
-    checkpoints = _load_checkpoints(names["checkpoints"])
+    if replaying:
+        checkpoints, replay = _replay_config(names, model)
+    else:
+        checkpoints, replay = _load_checkpoints(names["checkpoints"]), None
     for name in ("train_loader", "target_loader"):
         if not isinstance(names[name], Iterable):
             raise ConfigError(
@@ -243,6 +291,7 @@ def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
     if options["num_targets"] is None:
         options["num_targets"] = _dataset_len("target_loader", names["target_loader"])
     options["device"] = str(options["device"])
+    options["replay"] = replay if replaying else names.get("replay")
     return {
         "model": model,
         "checkpoints": checkpoints,
@@ -292,24 +341,30 @@ def attribute_command(
     timings: dict[str, float] = {}
     start = time.perf_counter()
 
-    traker = TRAKer(
+    common: dict[str, Any] = dict(
         model=config["model"],
         task=config["task"],
-        gradient_computer=GRADIENTS[settings.gradients],
         train_set_size=settings.train_set_size,
         save_dir=str(out / "trak_store"),
         load_from_save_dir=True,
         device=settings.device,
-        proj_dim=settings.proj_dim,
-        use_half_precision=False,
-        projector_seed=settings.projector_seed,
-        lambda_reg=settings.lambda_reg,
         logging_level=logging.WARNING,
         progress=progress,
         memory_budget=settings.memory_budget,
         method=settings.method,
-        curvature=settings.curvature,
     )
+    if settings.method == "replay":
+        traker = TRAKer(**common, replay=settings.replay)
+    else:
+        traker = TRAKer(
+            **common,
+            gradient_computer=GRADIENTS[settings.gradients],
+            proj_dim=settings.proj_dim,
+            use_half_precision=False,
+            projector_seed=settings.projector_seed,
+            lambda_reg=settings.lambda_reg,
+            curvature=settings.curvature,
+        )
     checkpoints = config["checkpoints"]
     t0 = time.perf_counter()
     bar = tqdm(
@@ -386,10 +441,18 @@ def attribute_command(
         },
         "files": {"scores": str(scores_path), "summary": str(out / "summary.json")},
     }
+    if settings.method == "replay":
+        how = (
+            f"by replaying one run ({settings.replay.num_steps} {settings.replay.optimizer} steps)"
+        )
+    else:
+        how = (
+            f"with {len(checkpoints)} checkpoint(s) (method={settings.method}, "
+            f"k={settings.proj_dim}, lambda_reg={settings.lambda_reg})"
+        )
     summary["report"] = (
         f"gradsketch attribute: scored {settings.num_targets} targets against "
-        f"{settings.train_set_size} training rows with {len(checkpoints)} checkpoint(s) "
-        f"(k={settings.proj_dim}, lambda_reg={settings.lambda_reg}) in {timings['total']:.1f} s\n"
+        f"{settings.train_set_size} training rows {how} in {timings['total']:.1f} s\n"
         f"  scores: {scores_where} {tuple(int(s) for s in result.shape)}\n"
         f"  summary: {out / 'summary.json'}"
     )
@@ -415,6 +478,42 @@ def batch_size(batch: Any) -> int:
             f"batch dimension; got a batch whose first entry is {type(first).__name__}."
         )
     return int(first.shape[0])
+
+
+def _replay_config(
+    names: Mapping[str, Any], model: nn.Module
+) -> tuple[list[dict[str, Tensor]], Any]:
+    """``method = "replay"``: the one start state and the run's :class:`ReplaySettings`.
+
+    Refuses the names of projected features (:data:`REPLAY_REFUSED`), more than
+    one checkpoint and a ``replay`` that is not settings.
+    """
+    from gradsketch.attribution import ReplaySettings
+
+    refused = [n for n in REPLAY_REFUSED if n in names]
+    if refused:
+        why = "; ".join(f"`{n}`: {REPLAY_REFUSED[n]}" for n in refused)
+        raise ConfigError(
+            f'`method = "replay"` does not use {", ".join(f"`{n}`" for n in refused)} ({why}); '
+            "remove them from the config."
+        )
+    value = names.get("replay")
+    if isinstance(value, Mapping):
+        try:
+            value = ReplaySettings(**value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"`replay` is not valid ReplaySettings: {exc}") from exc
+    if "checkpoints" in names:
+        checkpoints = _load_checkpoints(names["checkpoints"])
+        if len(checkpoints) != 1:
+            raise ConfigError(
+                f'`method = "replay"` trains one run, from one state, but `checkpoints` holds '
+                f"{len(checkpoints)}; give the one the run starts from, or leave `checkpoints` "
+                "out to start from the model's own weights."
+            )
+    else:
+        checkpoints = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
+    return checkpoints, value
 
 
 def _load_checkpoints(value: Any) -> list[dict[str, Tensor]]:

@@ -67,7 +67,7 @@ _USED = frozenset(
 )
 
 #: Why an argument cannot apply (shown in the refusal).
-_WHY = {
+WHY_NOT_USED = {
     "proj_dim": "the metagradient is exact, nothing is projected",
     "projector": "the metagradient is exact, nothing is projected",
     "projector_seed": "the metagradient is exact, nothing is projected",
@@ -143,7 +143,7 @@ class ReplayTRAKer(TRAKer):
             if value is not default and value != default:
                 raise ValueError(
                     f"`{name}`={value!r} does not apply to method='replay' "
-                    f"({_WHY.get(name, 'the replay does not use it')}); leave it at its "
+                    f"({WHY_NOT_USED.get(name, 'the replay does not use it')}); leave it at its "
                     f"default ({default!r})."
                 )
         bound.apply_defaults()

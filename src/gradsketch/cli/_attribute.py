@@ -83,6 +83,7 @@ from gradsketch.attribution import (
     FunctionalGradientComputer,
     HookGradientComputer,
 )
+from gradsketch.attribution._replay_traker import WHY_NOT_USED
 from gradsketch.cli._paths import check_folder, output_folder
 from gradsketch.demos._attribution import to_numpy
 from gradsketch.errors import ConfigError
@@ -107,13 +108,17 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
     "curvature": "loss",
 }
 
-#: Config names that do not apply to ``method = "replay"``, and why.
+#: Config names that do not apply to ``method = "replay"``, and why (TRAKer's reasons for
+#: the arguments they set).
 REPLAY_REFUSED: dict[str, str] = {
-    "proj_dim": "the metagradient is exact, nothing is projected",
-    "projector_seed": "the metagradient is exact, nothing is projected",
-    "lambda_reg": "the metagradient inverts no curvature, so there is nothing to damp",
-    "gradients": "the replay differentiates the whole training run itself",
-    "curvature": "no curvature is fitted",
+    name: WHY_NOT_USED[arg]
+    for name, arg in {
+        "proj_dim": "proj_dim",
+        "projector_seed": "projector_seed",
+        "lambda_reg": "lambda_reg",
+        "gradients": "gradient_computer",
+        "curvature": "curvature",
+    }.items()
 }
 
 #: Values of the config's ``gradients`` name and the gradient computers they pick.

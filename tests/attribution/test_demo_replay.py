@@ -26,7 +26,7 @@ from gradsketch.demos._digits import (
 def test_demo_replay_replays_train_model_and_scores_through_the_trak_loop(tmp_path):
     """One epoch (23 steps), 3 targets: the replayed run is train_digits_model's.
 
-    The demo linearizes at ``replay_linearize_at`` (0.5): its scores are the
+    The demo linearizes at ``replay_linearize_at`` (0.25): its scores are the
     replay's at that point, and the same replay at 1 trains the ordinary run.
 
     Tolerance of the weights: the same steps, rows and rates, computed by
@@ -48,10 +48,10 @@ def test_demo_replay_replays_train_model_and_scores_through_the_trak_loop(tmp_pa
         progress=False,
     )
     assert scores.shape == (split.n_train, 3) and set(timings) >= {"featurize", "score"}
-    assert settings.replay_linearize_at == 0.5
+    assert settings.replay_linearize_at == 0.25
     run = replay_settings(split.n_train, settings.train, seed=0)
     references = {}
-    for at in (0.5, 1.0):
+    for at in (0.25, 1.0):
         references[at] = ReplayAttributor(
             build_model(settings.arch, seed=0),
             "image_classification",
@@ -61,7 +61,7 @@ def test_demo_replay_replays_train_model_and_scores_through_the_trak_loop(tmp_pa
         )
         references[at].train()
     np.testing.assert_array_equal(
-        scores, references[0.5].score((split.x_test[:3], split.y_test[:3])).double().numpy()
+        scores, references[0.25].score((split.x_test[:3], split.y_test[:3])).double().numpy()
     )
     trained = train_digits_model(split.x_train, split.y_train, seed=0, settings=settings.train)
     for name, p in trained.named_parameters():

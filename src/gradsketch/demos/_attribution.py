@@ -99,8 +99,10 @@ class DemoSettings:
             reverse pass grows with them); its LDS, and EK-FAC's beside it,
             are over these.
         replay_linearize_at: the data weight at which the replay trains and
-            differentiates (``ReplaySettings.linearize_at``): 0.5, the centre
-            of the random halves the LDS retrains on.
+            differentiates (``ReplaySettings.linearize_at``): 0.25, below the
+            centre (0.5) of the random halves the LDS retrains on, where this
+            run's metagradients predict those retrains best (both same-run
+            and fresh-seed; ``benchmarks/RESULTS.md``).
         seed: seeds the split, the checkpoints, the projector and the subsets.
         arch: ``"mlp"`` (64-256-256-10) or ``"cnn"``.
         batch_size: rows per featurize / score call.
@@ -116,7 +118,7 @@ class DemoSettings:
     report_ekfac: bool = True
     report_replay: bool = False
     replay_targets: int = 16
-    replay_linearize_at: float = 0.5
+    replay_linearize_at: float = 0.25
     seed: int = 0
     arch: str = "mlp"
     batch_size: int = 256

@@ -370,7 +370,8 @@ def test_quick_demo_uses_quick_sizes(tmp_path):
         "lds_models": 5,
     }
     assert settings["train"]["epochs"] == 5
-    assert set(summary["lds"]) == {"0.0"}
+    # EK-FAC is reported by default; report_auto=False leaves out the "auto" TRAK run.
+    assert set(summary["lds"]) == {"0.0", "ekfac"}
     assert not (tmp_path / "scores_auto.npy").exists()
 
 

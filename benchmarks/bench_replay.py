@@ -968,7 +968,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     given = [f"--{k.replace('_', '-')}" for k in lm_only if getattr(args, k) is not None]
     if given and args.protocol == "digits":
         parser.error(f"{', '.join(given)}: the language-model protocols only (digits runs SGD)")
-    pretrain = [f"--{k}" for k in ("pretrain-chunks", "pretrain-epochs") if f"--{k}" in given]
+    pretrain = [flag for flag in given if flag.startswith("--pretrain-")]
     if pretrain and args.protocol != "lm-finetune":
         parser.error(f"{', '.join(pretrain)}: --protocol lm-finetune only")
     if args.pretrain_chunks == 0 and args.protocol == "lm-finetune":

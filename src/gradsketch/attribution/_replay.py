@@ -655,7 +655,7 @@ def _note_unwarmed_adam(settings: ReplaySettings) -> None:
     which flip signs, do not follow them. A warmup from 0 removes them.
     """
     global _ADAM_NOTED
-    first = settings.lr[0] if isinstance(settings.lr, list) else settings.lr
+    first = settings.lr_at(0)
     if _ADAM_NOTED or settings.optimizer not in ("adam", "adamw") or first == 0.0:
         return
     _ADAM_NOTED = True

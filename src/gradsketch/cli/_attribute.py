@@ -283,7 +283,8 @@ def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
     if replaying:
         checkpoints, replay = _replay_config(names, model)
     else:
-        checkpoints, replay = _load_checkpoints(names["checkpoints"]), None
+        # A `replay` without the method is refused by AttributeSettings, naming the fix.
+        checkpoints, replay = _load_checkpoints(names["checkpoints"]), names.get("replay")
     for name in ("train_loader", "target_loader"):
         if not isinstance(names[name], Iterable):
             raise ConfigError(
@@ -296,7 +297,7 @@ def read_config(config: ModuleType | Mapping[str, Any]) -> dict[str, Any]:
     if options["num_targets"] is None:
         options["num_targets"] = _dataset_len("target_loader", names["target_loader"])
     options["device"] = str(options["device"])
-    options["replay"] = replay if replaying else names.get("replay")
+    options["replay"] = replay
     return {
         "model": model,
         "checkpoints": checkpoints,

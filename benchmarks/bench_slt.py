@@ -4,7 +4,8 @@ A tiny GPT-2 (2 layers, width 64, byte vocabulary) over the Python standard
 library's own source files (``sysconfig.get_paths()["stdlib"]``: present on
 every machine, nothing downloaded), cut into byte-level chunks. Both
 libraries get identical arguments (``save_metrics=True``, fresh output
-paths) and run in turn inside one loop, so both see the same machine load.
+paths; with ``--store none`` ``llc`` gets no output path, as it is most
+often called) and run in turn inside one loop, so both see the same machine load.
 Both run with torch on ``--threads`` threads; gradsketch also samples
 ``--cores`` chains at once in worker processes (``cores=``, each worker on
 ``threads // cores`` threads; devinterp 2.0.1 has no such option and runs its
@@ -20,7 +21,7 @@ the CPU model.
 
 Run: ``.venv/bin/python benchmarks/bench_slt.py [--repeats 3] [--draws 100]
 [--chains 2] [--chunks 512] [--threads 2] [--cores 2] [--workers cold]
-[--tasks llc bif susceptibilities]``.
+[--tasks llc bif susceptibilities] [--store kept|none]``.
 """
 
 from __future__ import annotations
@@ -138,6 +139,14 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["llc", "bif", "susceptibilities"])
     parser.add_argument("--model", choices=MODELS, default="gpt2")
     parser.add_argument(
+        "--store",
+        choices=["kept", "none"],
+        default="kept",
+        help="kept: both libraries write to an output_path; none: llc as called without one "
+        "(gradsketch then skips the observables, whose values nothing reads; devinterp "
+        "evaluates them into its temporary store). bif and susceptibilities always keep one",
+    )
+    parser.add_argument(
         "--train-epochs",
         type=int,
         default=3,
@@ -188,7 +197,9 @@ def main() -> None:
 
     def _task_fns(task: str, lib: str, out: Path) -> Callable[[], Any]:
         # The sampling arguments are identical; gradsketch also gets cores=.
-        kw: dict[str, Any] = {**common, "output_path": out}
+        kw: dict[str, Any] = dict(common)
+        if task != "llc" or args.store == "kept":
+            kw["output_path"] = out
         if lib == "gradsketch":
             kw["cores"] = args.cores
         if task == "llc":
@@ -286,6 +297,7 @@ def main() -> None:
                 "chunks": args.chunks,
                 "seq": args.seq,
                 "save_metrics": True,
+                "store": args.store if task == "llc" else "kept",
                 # The machine is shared: its 1, 5 and 15-minute load averages after the task.
                 "load_avg": [round(x, 2) for x in os.getloadavg()],
                 **info,

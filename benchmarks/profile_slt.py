@@ -8,7 +8,8 @@ the cumulative seconds of the parts of a step (the model's forward calls,
 autograd's backward, the sampler's step, the observables' evaluation, the
 initial loss).
 
-Run: ``.venv/bin/python benchmarks/profile_slt.py --model llama [--draws 30]``.
+Run: ``.venv/bin/python benchmarks/profile_slt.py --model llama [--draws 30]
+[--store kept|none]``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument("--train-epochs", type=int, default=1)
     parser.add_argument("--libs", nargs="+", default=["devinterp", "gradsketch"])
     parser.add_argument("--fast-path", default="auto")
+    parser.add_argument(
+        "--store", choices=["kept", "none"], default="kept", help="none: no output_path"
+    )
     parser.add_argument("--top", type=int, default=0, help="also print the top tottime rows")
     args = parser.parse_args()
     setup_torch(args.threads)
@@ -89,7 +93,9 @@ def main() -> None:
         prof = cProfile.Profile(time.process_time)  # CPU seconds: the machine is shared
         cpu = cpu_seconds()
         prof.enable()
-        fn(model, train, {"train": train}, output_path=out, **kw, **extra)
+        if args.store == "kept":
+            extra["output_path"] = out
+        fn(model, train, {"train": train}, **kw, **extra)
         prof.disable()
         cpu = cpu_seconds() - cpu
         stats = pstats.Stats(prof)

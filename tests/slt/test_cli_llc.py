@@ -173,3 +173,32 @@ def test_gradsketch_llc_fast_path_switch(model_dir: Path, tmp_path: Path) -> Non
     assert "applies to a Hugging Face model directory" in _plain(refused.output)
     with pytest.raises(ValueError, match=r"`fast_path` must be one of \['auto', 'off'\], got 'on'"):
         run_llc_command(model_dir, text, out=tmp_path / "q", fast_path="on")
+
+
+def test_gradsketch_llc_observables_switch(model_dir: Path, tmp_path: Path) -> None:
+    """The command's store holds no observables unless `--observables` asks (the LLC reads
+    only the sampling losses): the same estimate either way; refused with a config file."""
+    import xarray as xr
+    from typer.testing import CliRunner
+
+    from gradsketch.cli._app import app
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("import os\nprint(os.getcwd())\n" * 40)
+    base = ["llc", str(model_dir), "--dataset", str(text), "--context-length", "16"]
+    small = ["--num-chains", "1", "--num-draws", "2", "--batch-size", "4", "--no-verbose"]
+    summaries, stored = [], []
+    for flag, out in (("--no-observables", tmp_path / "a"), ("--observables", tmp_path / "b")):
+        with pytest.warns(FewChainsWarning):
+            result = CliRunner().invoke(app, [*base, *small, flag, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        summaries.append(json.loads((out / "llc_summary.json").read_text()))
+        tree = xr.open_datatree(str(out / "samples.zarr"), engine="zarr", consolidated=False)
+        stored.append(set(tree.dataset.data_vars))
+    assert summaries[0]["llc_per_chain"] == summaries[1]["llc_per_chain"]
+    assert stored[1] - stored[0] == {"loss_train", "input_ids_train"}
+    config = tmp_path / "config.py"
+    config.write_text("raise SystemExit('the config must not be loaded')\n")
+    refused = CliRunner().invoke(app, ["llc", str(config), "--observables"])
+    assert refused.exit_code != 0
+    assert "--observables applies to a Hugging Face model directory" in _plain(refused.output)

@@ -16,6 +16,7 @@ from _slt_helpers import (
     loss_on_two_threads_with_global_dropout,
     reference_token_loss,
     tiny_gpt2,
+    tiny_llama,
     token_data,
 )
 from torch.utils.data import DataLoader
@@ -26,6 +27,7 @@ from gradsketch.slt import (
     OutputPathMismatchError,
     compute_llc,
     create_param_masks,
+    llc,
     per_token_loss,
     sample,
 )
@@ -596,3 +598,88 @@ def test_the_initial_loss_is_computed_once_per_cache_for_the_same_inputs(
 def test_cache_must_be_a_sampling_cache(data: torch.Tensor, bad: Any) -> None:
     with pytest.raises(TypeError, match=r"`cache` must be a gradsketch.slt.SamplingCache or None"):
         sample(tiny_gpt2(), data, {"d": data}, cache=bad, **BASE)
+
+
+def _global_dropout_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.dropout(per_token_loss(model, ids), p=0.1, training=True)
+
+
+@pytest.mark.parametrize(
+    ("make", "loss_fn", "skipped"),
+    [
+        (lambda: tiny_gpt2(dropout=0.1), None, True),
+        (tiny_llama, None, True),
+        (tiny_gpt2, _global_dropout_loss, False),
+    ],
+    ids=["gpt2-dropout", "llama", "global-generator-loss"],
+)
+def test_skipped_observables_leave_the_chains_as_they_were(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make: Any,
+    loss_fn: Any,
+    skipped: bool,
+) -> None:
+    """``evaluate_observables=False``: the store holds every variable of the full run but the
+    observables', bit for bit the same. Under dropout the skipped forward pass's seeds are
+    drawn all the same (counted, not zero); a loss drawing from torch's global generator
+    cannot be skipped so, and its observables are evaluated. The two stores' settings
+    differ, so neither is reused for the other."""
+    model = make()
+    ids = token_data(32, seed=2) % 64  # tiny_llama's vocabulary
+    kw = {**BASE, "save_metrics": True, "loss_fn": loss_fn}
+    drawn: list[int] = []
+    real = sample_module.skip_seeds
+
+    def spy(generator: torch.Generator, count: int) -> None:
+        drawn.append(count)
+        real(generator, count)
+
+    monkeypatch.setattr(sample_module, "skip_seeds", spy)
+    full = sample(model, ids, {"d": ids}, output_path=tmp_path / "full", **kw).dataset
+    assert drawn == []
+    part = sample(
+        model, ids, {"d": ids}, output_path=tmp_path / "part", evaluate_observables=False, **kw
+    ).dataset
+    observed = {"loss_d", "input_ids_d"}
+    assert set(part.data_vars) == set(full.data_vars) - (observed if skipped else set())
+    for var in part.data_vars:
+        np.testing.assert_array_equal(part[var].values, full[var].values, err_msg=str(var))
+    draws = BASE["num_chains"] * BASE["num_draws"]
+    if not skipped:
+        assert drawn == []
+    elif make is tiny_llama:
+        assert drawn == [0] * draws
+    else:  # embedding, 2 × (attention, residual x 2), per forward pass
+        assert len(drawn) == draws and drawn[0] > 0 and set(drawn) == {drawn[0]}
+    with pytest.raises(OutputPathMismatchError, match=r"evaluate_observables"):
+        sample(model, ids, {"d": ids}, output_path=tmp_path / "part", **kw)
+
+
+def test_llc_without_a_store_skips_the_observables(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Nothing reads the observables of a store nobody keeps: ``llc`` skips them unless an
+    ``output_path`` keeps the store (or the caller asks), with the same estimate."""
+    model, ids = tiny_gpt2(dropout=0.1), token_data(32, seed=3)
+    asked: list[bool] = []
+    real = sample_module._Run._decide_observables
+
+    def spy(self: Any) -> None:
+        asked.append(self.evaluate_observables)
+        real(self)
+
+    monkeypatch.setattr(sample_module._Run, "_decide_observables", spy)
+    kw = {**BASE, "num_chains": 4}
+    kept = llc(model, ids, {"d": ids}, output_path=tmp_path / "s", **kw)
+    bare = llc(model, ids, {"d": ids}, **kw)
+    asked_for = llc(model, ids, {"d": ids}, evaluate_observables=True, **kw)
+    assert asked == [True, False, True]
+    for out in (bare, asked_for):
+        np.testing.assert_array_equal(out["llc_per_chain"].values, kept["llc_per_chain"].values)
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_evaluate_observables_must_be_a_bool(data: torch.Tensor, bad: Any) -> None:
+    with pytest.raises(TypeError, match=r"`evaluate_observables` must be True or False, got"):
+        sample(tiny_gpt2(), data, {"d": data}, evaluate_observables=bad, **BASE)

@@ -461,6 +461,26 @@ def test_global_generator_detection() -> None:
     assert not model.training
 
 
+def test_stream_draws_counts_whole_seeds_and_nothing_else() -> None:
+    """The count of seeds leaves a stream where the forward pass would; a pass that takes
+    other than whole seeds from it, or draws from torch's global generator, has none."""
+    model = tiny_gpt2(dropout=0.1)
+    ids = _ids(model, rows=2)
+    work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=ids)
+    count = tf.stream_draws(lambda: per_token_loss(work.train(), ids))
+    assert count is not None and count > 0
+    ran, skipped = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    with tf.dropout_stream(ran), torch.inference_mode():
+        per_token_loss(work, ids)
+    tf.skip_seeds(skipped, count)
+    assert torch.equal(ran.get_state(), skipped.get_state())
+    state = torch.random.get_rng_state()
+    assert tf.stream_draws(lambda: per_token_loss(model.train(), ids)) is None
+    assert torch.equal(state, torch.random.get_rng_state())  # restored
+    assert tf.stream_draws(lambda: torch.rand(3, generator=tf._stream())) is None
+    assert tf.stream_draws(lambda: [tf._seed(tf._stream()) for _ in range(9)], limit=8) is None
+
+
 def test_a_model_whose_mask_code_disagrees_keeps_its_attention(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

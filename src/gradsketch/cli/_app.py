@@ -234,6 +234,11 @@ def llc(
         "own modules and torch's operations (model directories).",
         callback=_fast_path,
     ),
+    observables: bool = typer.Option(
+        False,
+        help="Also record, at every draw, the per-token losses of 3 fixed batches (devinterp's "
+        "'train' observable) in samples.zarr; the LLC does not read them (model directories).",
+    ),
     verbose: bool = True,
 ) -> None:
     """Estimate the local learning coefficient: of the model in CONFIG.py, or of a local HF LM.
@@ -265,9 +270,16 @@ def llc(
             context_length=context_length,
             progress=verbose,
             fast_path=fast_path,
+            observables=observables,
         )
         typer.echo(json.dumps(result, indent=2, default=str))
         return
+    if observables:
+        raise typer.BadParameter(
+            f"--observables applies to a Hugging Face model directory (gradsketch.slt); {target} "
+            "is a config file, whose LLC records no observables: drop --observables.",
+            param_hint="--observables",
+        )
     if fast_path != "auto":
         raise typer.BadParameter(
             f"--fast-path {fast_path} applies to a Hugging Face model directory (gradsketch.slt); "

@@ -135,6 +135,7 @@ def run_llc_command(
     device: str | None = None,
     progress: bool = True,
     fast_path: str = "auto",
+    observables: bool = False,
 ) -> dict[str, Any]:
     """Estimate a local HF model's LLC on a local dataset; write samples, summary and plot.
 
@@ -166,6 +167,11 @@ def run_llc_command(
         fast_path: ``"auto"`` or ``"off"``: :func:`~gradsketch.slt.sample`'s
             ``fast_path`` (``"off"`` runs the model's own modules with torch's
             operations). What engaged is the summary's ``fast_path``.
+        observables: Also record in the store the per-token losses of
+            ``3 * batch_size`` fixed sequences at every draw (devinterp's
+            ``train`` observable; :func:`~gradsketch.slt.sample`'s
+            ``evaluate_observables``). The LLC does not read them, and they
+            cost about half of each draw; the chains are the same either way.
 
     Returns:
         The summary written to ``llc_summary.json``: ``llc_mean``, ``llc_std``,
@@ -219,6 +225,7 @@ def run_llc_command(
         output_path=out_dir / SAMPLES_DIR,
         progress=progress,
         fast_path=fast_path,
+        evaluate_observables=observables,
     )
     est = compute_llc(samples)
     trace = np.asarray(est["loss_trace"].values, dtype=float)

@@ -93,6 +93,8 @@ from gradsketch.slt._train_forward import (
     dropout_stream,
     engaged,
     fast_kernels,
+    skip_seeds,
+    stream_draws,
     train_copy,
     uses_global_generator,
 )
@@ -578,6 +580,7 @@ def sample(
     progress: bool | None = None,
     fast_path: str = "auto",
     cache: SamplingCache | None = None,
+    evaluate_observables: bool = True,
 ) -> Any:
     """Run SGMCMC chains from ``model``'s weights; record per-token losses of every observable.
 
@@ -672,6 +675,15 @@ def sample(
             restrictions). None (the default): a fresh one for this call. The
             store's bits are the same either way: what ran earlier, in this
             process or with this cache, changes nothing.
+        evaluate_observables: False skips the observables' forward pass at
+            every draw (about half of a draw's time on a small language
+            model): the store then holds no ``loss_<name>`` or
+            ``input_ids_<name>`` variables, only the sampling losses and
+            ``init_loss`` that :func:`~gradsketch.slt.compute_llc` reads, and
+            its settings record the choice (a store made without them is not
+            reused by a call that wants them). The chains are the same
+            either way (gradsketch only; :func:`~gradsketch.slt.llc` passes
+            False when no ``output_path`` keeps the store).
 
     Returns:
         ``xarray.DataTree`` read lazily from the store.
@@ -700,6 +712,10 @@ def sample(
         raise ValueError(
             f"`fast_path` must be one of {list(FAST_PATHS)}, got {fast_path!r}; 'off' runs "
             "the model's own modules with torch's operations."
+        )
+    if not isinstance(evaluate_observables, bool):
+        raise TypeError(
+            f"`evaluate_observables` must be True or False, got {evaluate_observables!r}."
         )
     lr_auto = isinstance(lr, str)
     if lr_auto and lr != "auto":
@@ -819,6 +835,8 @@ def sample(
         "loss_fn": loss_name,
         "sketch_dim": sketch_dim,
         **({"lr_auto": True} if lr_auto else {}),
+        # Only when skipped, so that the records of stores with observables are unchanged.
+        **({} if evaluate_observables else {"evaluate_observables": False}),
     }
     if output_path is None:
         total = num_chains * settings.num_steps * batch_size
@@ -856,6 +874,7 @@ def sample(
                 progress=progress,
                 fast_path=fast_path,
                 cache=cache,
+                evaluate_observables=evaluate_observables,
             ).run()
         except OSError as exc:
             # A full disk, a quota, a lost mount: say which store, and that a rerun resumes it.
@@ -1020,6 +1039,7 @@ class _Run:
         progress: bool | None = None,
         fast_path: str = "auto",
         cache: SamplingCache | None = None,
+        evaluate_observables: bool = True,
     ) -> None:
         self.model = model
         self.data = data
@@ -1038,6 +1058,11 @@ class _Run:
         self.fast_path = fast_path
         # L(w*) of the calls sharing it (read and written by run(), in this process only).
         self.cache = cache if cache is not None else SamplingCache()
+        self.evaluate_observables = evaluate_observables
+        # With evaluate_observables=False: the dropout-stream seeds the observables'
+        # forward pass draws, drawn without it at each draw (run() decides; None: it
+        # runs, as the chains could not be kept the same without it).
+        self.skipped_seeds: int | None = None
         # Chains in threads of this process (run() decides): no global seeding then.
         self.threaded = False
         # Per process (dropped when pickled to a worker): the working copies, the step counter.
@@ -1055,6 +1080,36 @@ class _Run:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local = threading.local()
+
+    def observed(self) -> list[Observable]:
+        """The observables evaluated at each draw: none when :attr:`skipped_seeds` is set."""
+        return [] if self.skipped_seeds is not None else self.obs
+
+    def _decide_observables(self) -> None:
+        """Set :attr:`skipped_seeds` for ``evaluate_observables=False``, where the chains allow.
+
+        The observables' train-mode forward pass draws its dropout seeds from
+        the chain's stream; skipped, the same number is drawn at each draw, so
+        the chains and their sampling losses are those of the run that
+        evaluates them. Where that count cannot be found (the pass draws from
+        torch's global generator, or other than whole seeds), they are
+        evaluated as usual.
+        """
+        self.skipped_seeds = None
+        if self.evaluate_observables:
+            return
+        work = self.work()
+        obs_ids = torch.cat([o.input_ids for o in self.obs]).to(self.device)
+        with fast_kernels(self.fast_path != "off"):
+            count = stream_draws(
+                lambda: self._forward_rows(work.train(), obs_ids, check=False), self.device
+            )
+        if count is None:
+            logger.info(
+                "sample(evaluate_observables=False): the observables' forward pass draws "
+                "from torch's global generator; they are evaluated, to keep the chains"
+            )
+        self.skipped_seeds = count
 
     def work(self) -> nn.Module:
         """The working copy of the model in this thread (each chain resets its weights).
@@ -1109,7 +1164,7 @@ class _Run:
             (s.num_chains, s.num_steps, micro, ctx + 1),
             "int64",
         )
-        for o in self.obs:
+        for o in self.observed():
             dim = f"batch_{o.obs_id}"
             arrays.create(
                 f"loss_{o.obs_id}",
@@ -1145,7 +1200,7 @@ class _Run:
                             "obs_id": o.obs_id,
                             "batches_per_draw": o.batches_per_draw,
                         }
-                        for o in self.obs
+                        for o in self.observed()
                     ],
                     "chain_buffer_size": min(50, s.num_draws),
                     "shared_observable_dims": ["token", "token_pos"],
@@ -1159,7 +1214,7 @@ class _Run:
             attrs["metrics_numel"] = self.mask.numel
         if SETTINGS_ATTR not in root.attrs:
             root.update_attributes(attrs)
-        for o in self.obs:
+        for o in self.observed():
             _array(root, f"input_ids_{o.obs_id}")[...] = o.input_ids.numpy()
 
     # --------------------------------------------------------------- helpers
@@ -1308,7 +1363,9 @@ class _Run:
         micro_loss = np.full((steps, gas * bs, ctx), np.nan, dtype=np.float32)
         micro_rows = np.zeros((steps, gas * bs), dtype=np.int64)
         draw_loss = np.full((draws, bs, ctx), np.nan, dtype=np.float32)
-        obs_loss = [np.full((draws, o.n_samples, ctx), np.nan, dtype=np.float32) for o in self.obs]
+        obs_loss = [
+            np.full((draws, o.n_samples, ctx), np.nan, dtype=np.float32) for o in self.observed()
+        ]
         obs_ids = torch.cat([o.input_ids for o in self.obs]).to(self.device)
         obs_split = np.cumsum([o.n_samples for o in self.obs])[:-1]
         fields = (*Metrics.NORM_FIELDS, *Metrics.DOT_FIELDS)
@@ -1357,6 +1414,10 @@ class _Run:
 
         def on_draw(draw: int, step: int, acc: torch.Tensor) -> None:
             draw_loss[draw] = acc.cpu().numpy()
+            if self.skipped_seeds is not None:
+                # Not evaluated: its dropout seeds are drawn, so that the chain goes on as with it.
+                skip_seeds(gen, self.skipped_seeds)
+                return
             with torch.inference_mode():
                 values = self._forward_rows(work, obs_ids, check=False).numpy()
             for buf_, part_ in zip(obs_loss, np.split(values, obs_split)):
@@ -1383,7 +1444,7 @@ class _Run:
             "sampling_loss_micro": micro_loss[None],
             "sampling_input_ids_micro": self.data.numpy()[micro_rows][None],
         }
-        for o, buf_ in zip(self.obs, obs_loss):
+        for o, buf_ in zip(self.observed(), obs_loss):
             out[f"loss_{o.obs_id}"] = buf_[None]
         if s.save_metrics:
             for i, f in enumerate(fields):
@@ -1398,11 +1459,12 @@ class _Run:
     def run(self) -> None:
         s = self.s
         root = zarr.open_group(str(self.path), mode="a")
-        self._layout(root)
-        writer = _ChainWriter(root)
         # With cores > 1 this process also runs on the workers' thread count, so
         # that init_loss too is the bits of cores=1 on that many threads.
         with threads_for(self.cores) as threads:
+            self._decide_observables()
+            self._layout(root)
+            writer = _ChainWriter(root)
             done = np.asarray(_array(root, "progress/chain_done")[:], dtype=bool)
             todo = [c for c in range(s.num_chains) if not done[c]]
             parallel = self.cores > 1 and len(todo) > 1

@@ -943,6 +943,51 @@ def engaged(model: nn.Module) -> dict[str, Any]:
     return {"modules": sorted(names), "kernels": "native" if native else "torch"}
 
 
+def skip_seeds(generator: torch.Generator, count: int) -> None:
+    """Draw ``count`` dropout seeds from ``generator`` and drop them (see :func:`stream_draws`)."""
+    for _ in range(count):
+        _seed(generator)
+
+
+def stream_draws(
+    forward: Callable[[], Any], device: torch.device | str = "cpu", *, limit: int = 4096
+) -> int | None:
+    """How many dropout seeds ``forward()`` draws from the thread's :func:`dropout_stream`.
+
+    None when it draws from torch's global generator, or takes from the
+    stream other than whole seeds (or more than ``limit``): then no count of
+    :func:`skip_seeds` leaves the stream where ``forward()`` would.
+
+    Example:
+        >>> net = nn.Sequential(nn.Embedding(4, 4), SeededDropout(0.5), SeededDropout(0.5))
+        >>> stream_draws(lambda: net.train()(torch.zeros(1, 3, dtype=torch.long)))
+        2
+        >>> stream_draws(lambda: nn.Dropout(0.5).train()(torch.ones(3)))  # global generator
+    """
+    before = torch.random.get_rng_state()
+    cuda = torch.cuda.is_available() and torch.device(device).type == "cuda"
+    before_cuda = torch.cuda.get_rng_state() if cuda else None
+    probe = torch.Generator(device=device).manual_seed(0)
+    try:
+        with dropout_stream(probe), torch.inference_mode():
+            forward()
+        if not torch.equal(before, torch.random.get_rng_state()) or (
+            before_cuda is not None and not torch.equal(before_cuda, torch.cuda.get_rng_state())
+        ):
+            return None
+    finally:
+        torch.random.set_rng_state(before)
+        if before_cuda is not None:
+            torch.cuda.set_rng_state(before_cuda)
+    after = probe.get_state()
+    replay = torch.Generator(device=device).manual_seed(0)
+    for count in range(limit + 1):
+        if torch.equal(replay.get_state(), after):
+            return count
+        _seed(replay)
+    return None
+
+
 def uses_global_generator(
     model: nn.Module,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],

@@ -683,3 +683,26 @@ def test_llc_without_a_store_skips_the_observables(
 def test_evaluate_observables_must_be_a_bool(data: torch.Tensor, bad: Any) -> None:
     with pytest.raises(TypeError, match=r"`evaluate_observables` must be True or False, got"):
         sample(tiny_gpt2(), data, {"d": data}, evaluate_observables=bad, **BASE)
+
+
+def test_estimates_that_read_the_observables_refuse_to_skip_them(data: torch.Tensor) -> None:
+    """bif and susceptibilities are computed from the observables' losses; a store without
+    them is refused by compute_bif with the fix."""
+    from gradsketch.slt import bif, compute_bif, susceptibilities
+
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=r"`bif` is computed from the observables' losses"):
+        bif(model, data, {"d": data}, evaluate_observables=False, **BASE)
+    with pytest.raises(ValueError, match=r"`susceptibilities` is computed from the obs"):
+        susceptibilities(
+            model,
+            data,
+            {"d": data, "p": data},
+            {"full": None},
+            sampling_task="d",
+            evaluate_observables=False,
+            **BASE,
+        )
+    bare = sample(model, data, {"d": data}, evaluate_observables=False, **BASE)
+    with pytest.raises(ValueError, match=r"hold no observable .*\(evaluate_observables=True"):
+        compute_bif(bare)

@@ -273,7 +273,10 @@ def compute_bif(
     ds = _dataset(samples)
     keys = _resolve_keys(ds, loss_keys)
     if not keys:
-        raise ValueError("`samples` hold no observable (no loss_* variable) to correlate.")
+        raise ValueError(
+            "`samples` hold no observable (no loss_* variable) to correlate; sample with "
+            "observables evaluated (evaluate_observables=True, the default)."
+        )
     losses = _stacked_losses(ds, keys).astype(np.float64)  # [chain, draw, batch, tok]
     if correlation_method == "sequence":
         losses = losses.mean(axis=3, keepdims=True)
@@ -443,6 +446,15 @@ def compute_susceptibilities(
     return xr.DataTree.from_dict({"/susceptibilities": sus_ds, "/context": ctx_ds})
 
 
+def _needs_observables(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``evaluate_observables=False`` for an estimate read from the observables."""
+    if kwargs.get("evaluate_observables", True) is not True:
+        raise ValueError(
+            f"`{name}` is computed from the observables' losses, so they must be evaluated; "
+            f"got evaluate_observables={kwargs['evaluate_observables']!r}: drop the argument."
+        )
+
+
 def llc(
     model: nn.Module,
     dataset: Any,
@@ -503,6 +515,7 @@ def bif(
     ``cores > 1`` samples that many chains at once
     (:func:`~gradsketch.slt.sample`'s ``cores``).
     """
+    _needs_observables("bif", kwargs)
     samples = sample(
         model,
         dataset,
@@ -565,6 +578,7 @@ def susceptibilities(
             "`observables` needs a probe besides the sampling task (or pass "
             "include_sampling_task=True)."
         )
+    _needs_observables("susceptibilities", kwargs)
     base = kwargs.pop("output_path", None)
     progress = kwargs.get("progress")
     # One for this call's restrictions, never left over from an earlier call.

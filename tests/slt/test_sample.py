@@ -623,8 +623,8 @@ def test_skipped_observables_leave_the_chains_as_they_were(
     """``evaluate_observables=False``: the store holds every variable of the full run but the
     observables', bit for bit the same. Under dropout the skipped forward pass's seeds are
     drawn all the same (counted, not zero); a loss drawing from torch's global generator
-    cannot be skipped so, and its observables are evaluated. The two stores' settings
-    differ, so neither is reused for the other."""
+    cannot be skipped so, and its observables are evaluated. A store without them is not
+    reused by a call that wants them; one with them is reused by a call that does not."""
     model = make()
     ids = token_data(32, seed=2) % 64  # tiny_llama's vocabulary
     kw = {**BASE, "save_metrics": True, "loss_fn": loss_fn}
@@ -654,6 +654,12 @@ def test_skipped_observables_leave_the_chains_as_they_were(
         assert len(drawn) == draws and drawn[0] > 0 and set(drawn) == {drawn[0]}
     with pytest.raises(OutputPathMismatchError, match=r"evaluate_observables"):
         sample(model, ids, {"d": ids}, output_path=tmp_path / "part", **kw)
+    # The store with them holds more than a call without them asks for: reused as it is.
+    monkeypatch.setattr(sample_module._Run, "run", _fail)
+    again = sample(
+        model, ids, {"d": ids}, output_path=tmp_path / "full", evaluate_observables=False, **kw
+    ).dataset
+    np.testing.assert_array_equal(again["loss_d"].values, full["loss_d"].values)
 
 
 def test_llc_without_a_store_skips_the_observables(
@@ -706,3 +712,30 @@ def test_estimates_that_read_the_observables_refuse_to_skip_them(data: torch.Ten
     bare = sample(model, data, {"d": data}, evaluate_observables=False, **BASE)
     with pytest.raises(ValueError, match=r"hold no observable .*\(evaluate_observables=True"):
         compute_bif(bare)
+
+
+def test_a_killed_store_with_observables_resumes_them_when_asked_to_skip_them(
+    tmp_path: Path, data: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resuming a store made with its observables, a call that skips them evaluates them
+    for the remaining chains too: every chain of the store is alike, the uninterrupted run."""
+    kw = {**BASE, "num_chains": 3, "num_draws": 2}
+    model = tiny_gpt2(dropout=0.1)
+    whole = sample(model, data, {"d": data}, output_path=tmp_path / "whole", **kw).dataset
+    original = sample_module._Run.sample_chain
+
+    def killed(self: Any, chain: int) -> Any:
+        if chain == 1:
+            raise KeyboardInterrupt
+        return original(self, chain)
+
+    monkeypatch.setattr(sample_module._Run, "sample_chain", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sample(model, data, {"d": data}, output_path=tmp_path / "cut", **kw)
+    monkeypatch.setattr(sample_module._Run, "sample_chain", original)
+    resumed = sample(
+        model, data, {"d": data}, output_path=tmp_path / "cut", evaluate_observables=False, **kw
+    ).dataset
+    assert set(resumed.data_vars) == set(whole.data_vars)
+    for var in whole.data_vars:
+        np.testing.assert_array_equal(resumed[var].values, whole[var].values, err_msg=str(var))

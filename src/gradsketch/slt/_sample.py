@@ -426,6 +426,17 @@ def _clear_half_created(path: Path) -> None:
             entry.unlink()
 
 
+def _holds_observables(path: Path) -> bool:
+    """Whether ``path`` is a gradsketch sample store made with its observables evaluated."""
+    if not path.is_dir() or not any(path.iterdir()):
+        return False
+    try:
+        stored = dict(zarr.open_group(str(path), mode="r").attrs).get(SETTINGS_ATTR)
+    except Exception:  # not a store: _check_existing says so
+        return False
+    return isinstance(stored, Mapping) and stored.get("evaluate_observables", True) is True
+
+
 def _check_existing(path: Path, record: dict[str, Any], sampler: dict[str, Any]) -> str:
     """``"new"``, ``"resume"`` or ``"done"`` for an existing ``output_path``; refuse mismatches.
 
@@ -681,8 +692,9 @@ def sample(
             ``input_ids_<name>`` variables, only the sampling losses and
             ``init_loss`` that :func:`~gradsketch.slt.compute_llc` reads, and
             its settings record the choice (a store made without them is not
-            reused by a call that wants them). The chains are the same
-            either way (gradsketch only; :func:`~gradsketch.slt.llc` passes
+            reused by a call that wants them; one made with them is reused,
+            or resumed evaluating them, by a call that skips them). The
+            chains are the same either way (gradsketch only; :func:`~gradsketch.slt.llc` passes
             False when no ``output_path`` keeps the store).
 
     Returns:
@@ -851,6 +863,11 @@ def sample(
     else:
         path = Path(output_path)
     with _store_lock(path):
+        if not evaluate_observables and _holds_observables(path):
+            # A store made with them holds more than asked for, the same chains: reuse it,
+            # or resume it evaluating them, so that its chains are all alike.
+            evaluate_observables = True
+            del record["evaluate_observables"]
         state = _check_existing(path, record, settings.metadata())
         if state == "done":
             logger.info("sample(): reusing the completed samples at %s", path)

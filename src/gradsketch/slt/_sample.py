@@ -694,8 +694,9 @@ def sample(
             its settings record the choice (a store made without them is not
             reused by a call that wants them; one made with them is reused,
             or resumed evaluating them, by a call that skips them). The
-            chains are the same either way (gradsketch only; :func:`~gradsketch.slt.llc` passes
-            False when no ``output_path`` keeps the store).
+            chains are the same either way (gradsketch only;
+            :func:`~gradsketch.slt.llc` passes False when no ``output_path``
+            keeps the store).
 
     Returns:
         ``xarray.DataTree`` read lazily from the store.
@@ -1124,7 +1125,8 @@ class _Run:
         if count is None:
             logger.info(
                 "sample(evaluate_observables=False): the observables' forward pass draws "
-                "from torch's global generator; they are evaluated, to keep the chains"
+                "from torch's global generator (or other than whole dropout seeds); they are "
+                "evaluated, so that the chains stay those of a run that evaluates them"
             )
         self.skipped_seeds = count
 

@@ -426,22 +426,14 @@ def _clear_half_created(path: Path) -> None:
             entry.unlink()
 
 
-def _holds_observables(path: Path) -> bool:
-    """Whether ``path`` is a gradsketch sample store made with its observables evaluated."""
-    if not path.is_dir() or not any(path.iterdir()):
-        return False
-    try:
-        stored = dict(zarr.open_group(str(path), mode="r").attrs).get(SETTINGS_ATTR)
-    except Exception:  # not a store: _check_existing says so
-        return False
-    return isinstance(stored, Mapping) and stored.get("evaluate_observables", True) is True
-
-
 def _check_existing(path: Path, record: dict[str, Any], sampler: dict[str, Any]) -> str:
     """``"new"``, ``"resume"`` or ``"done"`` for an existing ``output_path``; refuse mismatches.
 
     A store half-created by an interrupted run (:func:`_half_created`) is
-    cleared and made again (``"new"``).
+    cleared and made again (``"new"``). A request without the observables
+    (``"evaluate_observables": False``) takes a store made with them, which
+    holds more, the same chains: ``record`` then loses that key, and the run
+    evaluates them (resuming, all the store's chains stay alike).
     """
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return "new"
@@ -456,6 +448,10 @@ def _check_existing(path: Path, record: dict[str, Any], sampler: dict[str, Any])
             "another path or delete it."
         ) from exc
     if SETTINGS_ATTR in attrs:
+        if record.get("evaluate_observables", True) is False and attrs[SETTINGS_ATTR].get(
+            "evaluate_observables", True
+        ):
+            del record["evaluate_observables"]
         diffs = settings_diff(attrs[SETTINGS_ATTR], record)
         if diffs:
             raise OutputPathMismatchError(
@@ -864,11 +860,6 @@ def sample(
     else:
         path = Path(output_path)
     with _store_lock(path):
-        if not evaluate_observables and _holds_observables(path):
-            # A store made with them holds more than asked for, the same chains: reuse it,
-            # or resume it evaluating them, so that its chains are all alike.
-            evaluate_observables = True
-            del record["evaluate_observables"]
         state = _check_existing(path, record, settings.metadata())
         if state == "done":
             logger.info("sample(): reusing the completed samples at %s", path)
@@ -892,7 +883,8 @@ def sample(
                 progress=progress,
                 fast_path=fast_path,
                 cache=cache,
-                evaluate_observables=evaluate_observables,
+                # False unless _check_existing took a store made with them.
+                evaluate_observables=record.get("evaluate_observables", True),
             ).run()
         except OSError as exc:
             # A full disk, a quota, a lost mount: say which store, and that a rerun resumes it.
@@ -1103,6 +1095,10 @@ class _Run:
         """The observables evaluated at each draw: none when :attr:`skipped_seeds` is set."""
         return [] if self.skipped_seeds is not None else self.obs
 
+    def _observable_ids(self) -> torch.Tensor:
+        """Every observable's fixed sequences, in order, on the device: one forward pass's rows."""
+        return torch.cat([o.input_ids for o in self.obs]).to(self.device)
+
     def _decide_observables(self) -> None:
         """Set :attr:`skipped_seeds` for ``evaluate_observables=False``, where the chains allow.
 
@@ -1117,7 +1113,7 @@ class _Run:
         if self.evaluate_observables:
             return
         work = self.work()
-        obs_ids = torch.cat([o.input_ids for o in self.obs]).to(self.device)
+        obs_ids = self._observable_ids()
         with fast_kernels(self.fast_path != "off"):
             count = stream_draws(
                 lambda: self._forward_rows(work.train(), obs_ids, check=False), self.device
@@ -1385,7 +1381,7 @@ class _Run:
         obs_loss = [
             np.full((draws, o.n_samples, ctx), np.nan, dtype=np.float32) for o in self.observed()
         ]
-        obs_ids = torch.cat([o.input_ids for o in self.obs]).to(self.device)
+        obs_ids = self._observable_ids()
         obs_split = np.cumsum([o.n_samples for o in self.obs])[:-1]
         fields = (*Metrics.NORM_FIELDS, *Metrics.DOT_FIELDS)
         metrics = np.full((steps, len(fields)), np.nan, dtype=np.float32)

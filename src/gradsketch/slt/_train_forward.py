@@ -964,21 +964,10 @@ def stream_draws(
         2
         >>> stream_draws(lambda: nn.Dropout(0.5).train()(torch.ones(3)))  # global generator
     """
-    before = torch.random.get_rng_state()
-    cuda = torch.cuda.is_available() and torch.device(device).type == "cuda"
-    before_cuda = torch.cuda.get_rng_state() if cuda else None
     probe = torch.Generator(device=device).manual_seed(0)
-    try:
-        with dropout_stream(probe), torch.inference_mode():
-            forward()
-        if not torch.equal(before, torch.random.get_rng_state()) or (
-            before_cuda is not None and not torch.equal(before_cuda, torch.cuda.get_rng_state())
-        ):
-            return None
-    finally:
-        torch.random.set_rng_state(before)
-        if before_cuda is not None:
-            torch.cuda.set_rng_state(before_cuda)
+    cuda = torch.cuda.is_available() and torch.device(device).type == "cuda"
+    if _draws_globally(forward, probe, cuda=cuda):
+        return None
     after = probe.get_state()
     replay = torch.Generator(device=device).manual_seed(0)
     for count in range(limit + 1):
@@ -986,6 +975,26 @@ def stream_draws(
             return count
         _seed(replay)
     return None
+
+
+def _draws_globally(forward: Callable[[], Any], stream: torch.Generator, *, cuda: bool) -> bool:
+    """Whether ``forward()`` on ``stream`` draws from torch's global generator.
+
+    Run in inference mode; the CPU generator is checked, and the current CUDA
+    one with ``cuda``. Their states are restored.
+    """
+    before = torch.random.get_rng_state()
+    before_cuda = torch.cuda.get_rng_state() if cuda else None
+    try:
+        with dropout_stream(stream), torch.inference_mode():
+            forward()
+        return not torch.equal(before, torch.random.get_rng_state()) or (
+            before_cuda is not None and not torch.equal(before_cuda, torch.cuda.get_rng_state())
+        )
+    finally:
+        torch.random.set_rng_state(before)
+        if before_cuda is not None:
+            torch.cuda.set_rng_state(before_cuda)
 
 
 def uses_global_generator(
@@ -1007,12 +1016,9 @@ def uses_global_generator(
         ...                       torch.zeros(1, 3, dtype=torch.long))
         True
     """
-    before = torch.random.get_rng_state()
     was_training = model.training
     try:
-        with dropout_stream(torch.Generator(device=probe.device)), torch.inference_mode():
-            loss_fn(model.train(), probe)
-        return not torch.equal(before, torch.random.get_rng_state())
+        stream = torch.Generator(device=probe.device)
+        return _draws_globally(lambda: loss_fn(model.train(), probe), stream, cuda=False)
     finally:
-        torch.random.set_rng_state(before)
         model.train(was_training)

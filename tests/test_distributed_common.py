@@ -59,7 +59,7 @@ proj_dim = 16
 @pytest.fixture
 def no_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """An environment without torchrun's variables, whatever launched pytest."""
-    for name in (*common.TORCHRUN_VARIABLES, "LOCAL_RANK"):
+    for name in (*common.TORCHRUN_VARIABLES, "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -248,6 +248,44 @@ def test_bad_local_rank_is_refused(no_torchrun_env):
     no_torchrun_env.setenv("LOCAL_RANK", "-1")
     with pytest.raises(ValueError, match=r"`LOCAL_RANK` must be an integer >= 0, got '-1'"):
         common.local_rank()
+
+
+def _one_gpu_with_nccl(patch: pytest.MonkeyPatch, ranks_here: int, rank: int) -> list[str]:
+    """A machine of one GPU with NCCL, as torchrun sets it up for ``ranks_here`` local ranks;
+    returns the list the backend of ``init_process_group`` is recorded in."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(ranks_here), "LOCAL_RANK": str(rank)}
+    env |= {"LOCAL_WORLD_SIZE": str(ranks_here), **_MASTER}
+    for name, value in env.items():
+        patch.setenv(name, value)
+    patch.setattr(torch.cuda, "is_available", lambda: True)
+    patch.setattr(torch.cuda, "device_count", lambda: 1)
+    patch.setattr(torch.cuda, "set_device", lambda device: None)
+    patch.setattr(dist, "is_nccl_available", lambda: True)
+    chosen: list[str] = []
+    patch.setattr(dist, "init_process_group", lambda backend, **_: chosen.append(backend))
+    return chosen
+
+
+@pytest.mark.parametrize(("ranks_here", "backend"), [(1, "nccl"), (2, "gloo")])
+def test_automatic_backend_is_nccl_only_with_a_gpu_per_local_rank(
+    no_torchrun_env, ranks_here, backend
+):
+    """Two ranks on a one-GPU machine: NCCL cannot put both on the GPU (CUDA's "invalid
+    device ordinal" on rank 1, seen under torchrun on an H200), so both ranks take gloo."""
+    chosen = _one_gpu_with_nccl(no_torchrun_env, ranks_here, rank=ranks_here - 1)
+    assert common.init_from_env() is True
+    assert chosen == [backend]
+
+
+def test_nccl_without_a_gpu_for_the_rank_is_refused(no_torchrun_env):
+    chosen = _one_gpu_with_nccl(no_torchrun_env, ranks_here=2, rank=1)
+    with pytest.raises(
+        ValueError,
+        match=r"LOCAL_RANK=1 and this machine has 1 GPU\(s\).*"
+        r"backend='gloo'",
+    ):
+        common.init_from_env(backend="nccl")
+    assert chosen == []
 
 
 def test_unknown_backend_lists_the_allowed_ones():

@@ -227,7 +227,7 @@ def test_a_non_finite_initial_loss_names_the_rows(tmp_path: Path, data: torch.Te
 
     def nan_on_row_zero(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         loss = per_token_loss(model, ids)
-        hit = (ids == data[0]).all(dim=1)
+        hit = (ids == data[0].to(ids.device)).all(dim=1)
         return torch.where(hit[:, None], torch.full_like(loss, float("nan")), loss)
 
     kw = {**KW, "num_init_loss_batches": 4}  # every row of the data

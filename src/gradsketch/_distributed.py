@@ -231,8 +231,10 @@ def init_from_env(backend: str | None = None) -> bool:
     first selects GPU ``LOCAL_RANK``, which NCCL's object collectives use.
 
     Args:
-        backend: one of :data:`BACKENDS`; default ``"nccl"`` when CUDA and
-            NCCL are available, else ``"gloo"``.
+        backend: one of :data:`BACKENDS`; default ``"nccl"`` when NCCL is
+            available and the machine has a GPU for each of its ranks
+            (``LOCAL_WORLD_SIZE``), else ``"gloo"`` (two ranks on one GPU
+            cannot share it under NCCL).
 
     Returns:
         Whether this call created the group (the caller then owns it and
@@ -241,7 +243,8 @@ def init_from_env(backend: str | None = None) -> bool:
     Raises:
         ValueError: ``backend`` is unknown, or the environment is incomplete
             or malformed (only one of ``RANK``/``WORLD_SIZE``, no
-            ``MASTER_ADDR``, ``RANK >= WORLD_SIZE``, non-integers).
+            ``MASTER_ADDR``, ``RANK >= WORLD_SIZE``, non-integers), or
+            ``"nccl"`` is asked for a rank without a GPU of its own.
 
     Example:
         >>> import os
@@ -271,10 +274,19 @@ def init_from_env(backend: str | None = None) -> bool:
             f"environment variable `RANK` must lie in range(0, {world}) for WORLD_SIZE={world}, "
             f"got {me}; let torchrun set both."
         )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend is None:
-        use_nccl = torch.cuda.is_available() and dist.is_nccl_available()
+        # Every rank of a machine decides alike: NCCL only with a GPU for each of them.
+        ranks_here = _env_int("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE", "1"), low=1)
+        use_nccl = dist.is_nccl_available() and ranks_here <= gpus
         backend = "nccl" if use_nccl else "gloo"
     if backend == "nccl":
+        if local_rank() >= gpus:
+            raise ValueError(
+                f"`backend`='nccl' needs one GPU per rank of a machine, but LOCAL_RANK="
+                f"{local_rank()} and this machine has {gpus} GPU(s); launch at most {gpus} "
+                "ranks per machine (`torchrun --nproc_per_node`), or pass backend='gloo'."
+            )
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend, rank=me, world_size=world)
     logger.info("initialised a %s process group: rank %d of %d", backend, me, world)

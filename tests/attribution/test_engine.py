@@ -286,7 +286,11 @@ def test_resuming_accumulated_state_with_another_world_size_is_refused(tmp_path)
 
 
 def _mlp_ekfac(save_dir, curvature, **kw):
+    # float64 throughout: the rank-one rows expand g aᵀ in float64, the dense rows are the
+    # model's own per-example gradients, equal to 1e-9 only when the model computes in float64
+    # too (float32 products differ in their last bits between CPUs' BLAS kernels).
     model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model = model.double()
     traker = TRAKer(
         model,
         "image_classification",
@@ -326,7 +330,7 @@ def test_ekfac_rank_one_rows_equal_the_dense_rotation(tmp_path, curvature):
     they read. That equals the dense rows and their rotation (the path taken when a
     layer sees several positions, forced here: dense rows from row 0, then NaN
     rank-one rows), and a store that turns dense half-way (rows 0-8 filled in)."""
-    x = torch.randn(20, 5, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(20, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     y = torch.arange(20) % 3
     model, compact = _mlp_ekfac(tmp_path / "compact", curvature)
     scores = _ekfac_run(compact, model, x, y)

@@ -36,7 +36,10 @@ from gradsketch.slt._data import as_token_tensor
 
 pytest.importorskip("xarray")
 
+#: The CPU runs (sample's default device, as devinterp's, is CUDA where there is one, and
+#: the working copy's seeded dropout, threads and skipped observables are CPU-only).
 BASE: dict[str, Any] = dict(
+    device="cpu",
     lr=1e-4,
     n_beta=20.0,
     localization=100.0,

@@ -16,7 +16,9 @@ from gradsketch.slt import _sample as sample_module
 from gradsketch.slt._data import per_token_loss
 
 # On the CPU, where the pilots by hand run (sample defaults to CUDA where there is one).
-SETTINGS = dict(device="cpu", n_beta=10.0, localization=100.0, num_chains=1, num_draws=3, batch_size=16)
+SETTINGS = dict(
+    device="cpu", n_beta=10.0, localization=100.0, num_chains=1, num_draws=3, batch_size=16
+)
 
 
 def test_auto_records_the_calibrated_step(tmp_path: Path) -> None:

@@ -117,7 +117,7 @@ def test_train_copy_engages_the_blocks_and_matches_the_model_in_float32() -> Non
     model = tiny_llama().train()
     ids = token_data(8) % 64
     work = tf.train_copy(model, torch.device("cpu"), loss_fn=per_token_loss, probe=ids[:1])
-    assert tf.engaged(work) == {"modules": ["rmsnorm", "swiglu"], "kernels": "native"}
+    assert tf.engaged(work) == {"modules": ["rmsnorm", "rotary", "swiglu"], "kernels": "native"}
     with torch.inference_mode():
         want, got = per_token_loss(model, ids), per_token_loss(work, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

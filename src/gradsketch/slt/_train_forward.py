@@ -31,6 +31,10 @@ with fewer passes over memory:
 * Llama-style RMSNorm and SwiGLU MLP modules become
   :mod:`gradsketch.slt._fused_blocks`' one-pass versions (where a probe
   gives the module's own output).
+* The rotary embedding of queries and keys (transformers'
+  ``apply_rotary_pos_emb``) runs :mod:`gradsketch.slt._rotary`'s one-pass
+  kernel, the same bits as the model's own (where the train-mode probe
+  shows them).
 * :func:`token_cross_entropy` (used by
   :func:`~gradsketch.slt.per_token_loss`) reads the logits once.
 
@@ -190,6 +194,10 @@ def _native_kernels() -> dict[str, Any] | None:
             "swiglu": ("gs_swiglu_f32", [ptr, ptr, size, ptr, size, size]),
             "swiglu_backward": (
                 "gs_swiglu_backward_f32", [ptr, ptr, ptr, size, ptr, ptr, size, size, size]
+            ),
+            "rotary": (
+                "gs_rotary_f32",
+                [ptr, ptr, ptr, ptr, ptr, ptr, ptr, size, size, size, size, size, ctypes.c_int],
             ),
         }  # fmt: skip
         kernels = {}
@@ -884,27 +892,36 @@ def train_copy(
     if fast_path == "off" or device.type != "cpu":
         return work
     _swap_modules(work, dropout_modules=True)
-    from gradsketch.slt._fused_blocks import swap_blocks  # it builds on this module
+    # They build on this module.
+    from gradsketch.slt._fused_blocks import swap_blocks
+    from gradsketch.slt._rotary import swap_rotary
 
     swap_blocks(work)
-    config: Any = getattr(work, "config", None)
-    if getattr(config, "_attn_implementation", None) == "sdpa" and _register():
-        was_training = work.training
-        checks: list[bool] = []
+
+    def train_mode_probe() -> None:
         # The probe's masks come from a generator of its own: torch's global one is
         # left as it was found (a loss_fn may still draw from it).
+        was_training = work.training
         state = torch.random.get_rng_state()
-        config._attn_implementation = ATTENTION_NAME
-        _STREAM.probe = checks
         try:
             with dropout_stream(torch.Generator().manual_seed(0)), torch.inference_mode():
                 loss_fn(work.train(), probe.to(device))
+        finally:
+            torch.random.set_rng_state(state)
+            work.train(was_training)
+
+    swap_rotary(work, train_mode_probe)
+    config: Any = getattr(work, "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa" and _register():
+        checks: list[bool] = []
+        config._attn_implementation = ATTENTION_NAME
+        _STREAM.probe = checks
+        try:
+            train_mode_probe()
         except Exception:  # any failure keeps the model's own attention
             checks.append(False)
         finally:
             _STREAM.probe = None
-            torch.random.set_rng_state(state)
-            work.train(was_training)
         if not checks or not all(checks):
             config._attn_implementation = "sdpa"
     return work
@@ -914,7 +931,7 @@ def engaged(model: nn.Module) -> dict[str, Any]:
     """What of the fast path a working copy runs: ``{"modules": [...], "kernels": ...}``.
 
     ``modules``: the pieces :func:`train_copy` swapped in (``"attention"``,
-    ``"dropout"``, ``"gelu"``, ``"rmsnorm"``, ``"swiglu"``); ``kernels``:
+    ``"dropout"``, ``"gelu"``, ``"rmsnorm"``, ``"rotary"``, ``"swiglu"``); ``kernels``:
     ``"native"`` when the train library is loaded and the copy is on CPU
     (float32 tensors then run it, and so does :func:`token_cross_entropy`),
     else ``"torch"``.
@@ -923,7 +940,9 @@ def engaged(model: nn.Module) -> dict[str, Any]:
         >>> engaged(nn.Sequential(SeededDropout(0.1)))["modules"]
         ['dropout']
     """
-    from gradsketch.slt._fused_blocks import FusedRMSNorm, SwiGLU  # they build on this module
+    # They build on this module.
+    from gradsketch.slt._fused_blocks import FusedRMSNorm, SwiGLU
+    from gradsketch.slt._rotary import swapped
 
     names = set()
     for module in model.modules():
@@ -938,6 +957,8 @@ def engaged(model: nn.Module) -> dict[str, Any]:
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
         names.add("attention")
+    if swapped(model):
+        names.add("rotary")
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     native = on_cpu and not getattr(_STREAM, "plain", False) and train_library() is not None
     return {"modules": sorted(names), "kernels": "native" if native else "torch"}

@@ -2,7 +2,7 @@
 
 Seeded dropout, GELU's tanh form, attention's softmax with dropout (and the
 fused attention through the caller's BLAS ``sgemm``), the per-token
-cross-entropy, RMSNorm and SwiGLU, forward and backward, for
+cross-entropy, RMSNorm, SwiGLU and the rotary embedding, forward and backward, for
 :mod:`gradsketch.slt._train_forward`. Compiled at first use and cached by
 :mod:`gradsketch._native_build`, separately from the sketch kernels:
 ``GRADSKETCH_NATIVE_TRAIN=0`` turns these off alone, ``GRADSKETCH_NATIVE=0``
@@ -27,7 +27,7 @@ from gradsketch._native_build import NativeStatus, blas_sgemm
 __all__ = ["ABI_VERSION", "SPEC", "blas_sgemm", "train_library", "train_status"]
 
 #: Must equal ``gs_train_abi_version()`` in ``csrc/gs_train.c``.
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: The library's source (package data) and the kernels it must export.
 SPEC = _native_build.NativeSpec(
     name="train",
@@ -48,6 +48,7 @@ SPEC = _native_build.NativeSpec(
         "gs_rmsnorm_backward_f32",
         "gs_swiglu_f32",
         "gs_swiglu_backward_f32",
+        "gs_rotary_f32",
     ),
     abi_symbol="gs_train_abi_version",
 )

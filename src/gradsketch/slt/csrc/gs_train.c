@@ -1,7 +1,8 @@
 /*
  * Train-mode kernels of the SLT sampler's working copy (gradsketch.slt._train_forward):
  * seeded dropout, the tanh form of GELU, attention weights' softmax with dropout, the
- * per-token cross-entropy, RMSNorm and SwiGLU, each forward and backward in one memory pass.
+ * per-token cross-entropy, RMSNorm, SwiGLU and the rotary embedding, each forward and backward
+ * in one memory pass.
  * A library of its own, compiled at first use by gradsketch._native_build and loaded by
  * gradsketch.slt._train_native (GRADSKETCH_NATIVE_TRAIN=0 turns it off). Every loop is
  * written so that the compiler vectorizes it.
@@ -436,5 +437,66 @@ void gs_swiglu_backward_f32(const float *g, const float *a, const float *u, int6
     }
 }
 
+/* ------------------------------------------------------------------ rotary embedding */
+
+/* Rotary position embedding (Su et al. 2021) as transformers applies it: of each head's d
+ * values the first r rotate in two halves of h = r / 2,
+ *     y[j] = x[j] c[j] - x[j + h] s[j],   y[j + h] = x[j + h] c[j + h] + x[j] s[j + h],
+ * and the rest pass through; with `backward` set it applies the transpose to a gradient,
+ *     y[j] = x[j] c[j] + x[j + h] s[j + h],   y[j + h] = x[j + h] c[j + h] - x[j] s[j].
+ * x and y are [batch, heads, tokens, d] with element strides xs and ys (batch, head, token;
+ * unit along d); c and s are [batch or 1, tokens, r] with strides cs (batch, token; 0 for a
+ * broadcast batch) and unit along r. Each element is one rounded product per term and one
+ * rounded sum, never contracted to a fused multiply-add: the bits of torch's
+ * x * c + rotate_half(x) * s and of its autograd transpose. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#define GS_NO_CONTRACT
+#elif defined(__GNUC__)
+#define GS_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define GS_NO_CONTRACT
+#endif
+
+/* One row's rotation (h a constant where inlined, so that its loop is whole vectors). */
+static inline __attribute__((always_inline)) GS_NO_CONTRACT void
+gs_rotary_row(const float *x, const float *c, const float *s, float *y, int64_t h, int backward) {
+    if (!backward) {
+        for (int64_t j = 0; j < h; j++) {
+            y[j] = x[j] * c[j] - x[j + h] * s[j];
+            y[j + h] = x[j + h] * c[j + h] + x[j] * s[j + h];
+        }
+    } else {
+        for (int64_t j = 0; j < h; j++) {
+            y[j] = x[j] * c[j] + x[j + h] * s[j + h];
+            y[j + h] = x[j + h] * c[j + h] - x[j] * s[j];
+        }
+    }
+}
+
+GS_NO_CONTRACT
+void gs_rotary_f32(const float *x, const int64_t *xs, const float *c, const float *s,
+                   const int64_t *cs, float *y, const int64_t *ys, int64_t batch, int64_t heads,
+                   int64_t tokens, int64_t d, int64_t r, int backward) {
+    int64_t h = r / 2;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t t = 0; t < tokens; t++) {
+            /* one row of cos and sin serves every head of the token */
+            const float *cr = c + b * cs[0] + t * cs[1], *sr = s + b * cs[0] + t * cs[1];
+            for (int64_t n = 0; n < heads; n++) {
+                const float *xr = x + b * xs[0] + n * xs[1] + t * xs[2];
+                float *yr = y + b * ys[0] + n * ys[1] + t * ys[2];
+                switch (h) { /* the head widths of 16, 32, 64 and 128 rotated whole */
+                case 8: gs_rotary_row(xr, cr, sr, yr, 8, backward); break;
+                case 16: gs_rotary_row(xr, cr, sr, yr, 16, backward); break;
+                case 32: gs_rotary_row(xr, cr, sr, yr, 32, backward); break;
+                case 64: gs_rotary_row(xr, cr, sr, yr, 64, backward); break;
+                default: gs_rotary_row(xr, cr, sr, yr, h, backward);
+                }
+                for (int64_t j = r; j < d; j++) yr[j] = xr[j];
+            }
+        }
+}
+
 /* The interface version; gradsketch.slt._train_native refuses a library that reports another. */
-int gs_train_abi_version(void) { return 2; }
+int gs_train_abi_version(void) { return 3; }

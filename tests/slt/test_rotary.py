@@ -102,6 +102,30 @@ def _grads(work: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list
     return loss.detach(), [p.grad.clone() for p in work.parameters() if p.grad is not None]
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per call of the rotary kernel (forward or backward) during the test."""
+    calls: list[int] = []
+    real = _rotary._rotary_kernel
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_rotary, "_rotary_kernel", counting)
+    return calls
+
+
+def _assert_same(
+    fused: tuple[torch.Tensor, list[torch.Tensor]], own: tuple[torch.Tensor, list[torch.Tensor]]
+) -> None:
+    """The same loss and the same gradients, bit for bit."""
+    assert torch.equal(fused[0], own[0])
+    assert len(fused[1]) == len(own[1])
+    for a, b in zip(fused[1], own[1]):
+        assert torch.equal(a, b)
+
+
 def _without_rotary(work: torch.nn.Module) -> list[tuple[dict[int, Any], dict[int, Any]]]:
     """Take the copy's rotary switch (its two forward hooks) off; :func:`_put_back` restores."""
     taken = []
@@ -125,38 +149,28 @@ def _put_back(taken: list[tuple[dict[int, Any], dict[int, Any]]]) -> None:
 @pytest.mark.parametrize(
     "build", [tiny_llama, tiny_qwen2, tiny_neox], ids=["llama", "qwen2", "neox"]
 )
-def test_the_working_copy_rotates_with_the_kernel_and_the_models_bits(build: Any) -> None:
+def test_the_working_copy_rotates_with_the_kernel_and_the_models_bits(
+    build: Any, kernel_calls: list[int]
+) -> None:
     """Train mode, float32: the copy's loss and every gradient with the kernel equal those
     with transformers' own rotation bit for bit, and the kernel did run."""
     model = build().train()
     ids = token_data(6) % 64
     work = tf.train_copy(model, torch.device("cpu"), loss_fn=per_token_loss, probe=ids[:1])
     assert "rotary" in tf.engaged(work)["modules"]
-    calls: list[int] = []
-    real = _rotary._rotary_kernel
-
-    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    _rotary._rotary_kernel = counting  # type: ignore[assignment]
-    try:
-        fused = _grads(work, ids)
-    finally:
-        _rotary._rotary_kernel = real  # type: ignore[assignment]
-    assert calls  # forward and backward of q and k in each layer
+    kernel_calls.clear()  # the probe's
+    fused = _grads(work, ids)
+    assert len(kernel_calls) == 8  # forward and backward of q and k in 2 layers
     taken = _without_rotary(work)
     assert "rotary" not in tf.engaged(work)["modules"]
-    own = _grads(work, ids)
+    _assert_same(fused, _grads(work, ids))
     _put_back(taken)
-    assert torch.equal(fused[0], own[0])
-    assert len(fused[1]) == len(own[1])
-    for a, b in zip(fused[1], own[1]):
-        assert torch.equal(a, b)
 
 
 @native
-def test_only_the_accepted_copy_in_its_own_forward_takes_the_kernel() -> None:
+def test_only_the_accepted_copy_in_its_own_forward_takes_the_kernel(
+    kernel_calls: list[int],
+) -> None:
     """The wrapper in transformers' module calls the original for the model itself, for a
     copy under ``fast_kernels(False)`` and in another thread's plain forward."""
     model = tiny_llama().train()
@@ -164,29 +178,19 @@ def test_only_the_accepted_copy_in_its_own_forward_takes_the_kernel() -> None:
     work = tf.train_copy(model, torch.device("cpu"), loss_fn=per_token_loss, probe=ids[:1])
     module = sys.modules[type(model.model.layers[0].self_attn).__module__]
     assert getattr(module, _rotary.FUNCTION).__gradsketch_original__ is not None
-    calls: list[int] = []
-    real = _rotary._rotary_kernel
-
-    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    _rotary._rotary_kernel = counting  # type: ignore[assignment]
-    try:
-        with torch.no_grad():
-            per_token_loss(model, ids)
-            assert calls == []
-            with tf.fast_kernels(False):
-                per_token_loss(work, ids)
-            assert calls == []
-            thread = threading.Thread(target=lambda: per_token_loss(model, ids))
-            thread.start()
-            thread.join()
-            assert calls == []
+    kernel_calls.clear()  # the probe's
+    with torch.no_grad():
+        per_token_loss(model, ids)
+        assert kernel_calls == []
+        with tf.fast_kernels(False):
             per_token_loss(work, ids)
-            assert len(calls) == 4  # q and k of 2 layers
-    finally:
-        _rotary._rotary_kernel = real  # type: ignore[assignment]
+        assert kernel_calls == []
+        thread = threading.Thread(target=lambda: per_token_loss(model, ids))
+        thread.start()
+        thread.join()
+        assert kernel_calls == []
+        per_token_loss(work, ids)
+        assert len(kernel_calls) == 4  # q and k of 2 layers
 
 
 def test_a_model_without_rotary_keeps_its_own_and_gets_no_hooks() -> None:
@@ -229,8 +233,5 @@ def test_every_decoder_family_rotates_with_its_own_bits(name: str) -> None:
     assert engaged == (name in HALF_SPLIT)
     fused = _grads(work, ids)
     taken = _without_rotary(work)
-    own = _grads(work, ids)
+    _assert_same(fused, _grads(work, ids))
     _put_back(taken)
-    assert torch.equal(fused[0], own[0])
-    for a, b in zip(fused[1], own[1]):
-        assert torch.equal(a, b)

@@ -118,6 +118,7 @@ def _fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_dim: int)
 def _torch_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_dim: int
 ) -> torch.Tensor:
+    """:func:`rotary` in torch's operations, as transformers writes it (the kernel's twin)."""
     cos, sin = cos.unsqueeze(heads_dim), sin.unsqueeze(heads_dim)
     rot = cos.shape[-1]
     part, rest = x[..., :rot], x[..., rot:]

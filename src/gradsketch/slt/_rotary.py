@@ -48,8 +48,6 @@ FUNCTION = "apply_rotary_pos_emb"
 
 _LOCAL = threading.local()  # .depth: accepted copies' forwards running; .checks: probe results
 _INSTALL_LOCK = threading.Lock()
-#: transformers module name -> the function its wrapper stands in front of.
-_ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
 def _strides(t: torch.Tensor, heads_dim: int) -> Any:
@@ -147,9 +145,17 @@ def rotary(
     kernels = _train_forward._native_kernels() if _fits(x, cos, sin, unsqueeze_dim) else None
     if kernels is None:
         return _torch_rotary(x, cos, sin, unsqueeze_dim)
+    return _native(x, cos, sin, unsqueeze_dim, kernels)
+
+
+def _native(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_dim: int,
+    kernels: dict[str, Any],
+) -> torch.Tensor:  # fmt: skip
+    """The kernel on arguments :func:`_fits` took: an autograd node only where one records."""
     if not _train_forward._tracked(x):
-        return _rotary_kernel(x, cos, sin, unsqueeze_dim, False, kernels)
-    return _NativeRotary.apply(x, cos, sin, unsqueeze_dim, kernels)  # type: ignore[no-any-return]
+        return _rotary_kernel(x, cos, sin, heads_dim, False, kernels)
+    return _NativeRotary.apply(x, cos, sin, heads_dim, kernels)  # type: ignore[no-any-return]
 
 
 def _arguments(
@@ -201,12 +207,13 @@ def _fused(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kernel's ``(q, k)`` for a call it takes with the native kernels on, else None."""
     found = _arguments(signature, args, kwargs)
-    if found is None or _train_forward._native_kernels() is None:
+    kernels = None if found is None else _train_forward._native_kernels()
+    if found is None or kernels is None:
         return None
     (q, k, cos, sin), heads_dim = found
     if not (_fits(q, cos, sin, heads_dim) and _fits(k, cos, sin, heads_dim)):
         return None
-    return rotary(q, cos, sin, heads_dim), rotary(k, cos, sin, heads_dim)
+    return _native(q, cos, sin, heads_dim, kernels), _native(k, cos, sin, heads_dim, kernels)
 
 
 def _takes_four(function: Callable[..., Any]) -> bool:
@@ -222,15 +229,13 @@ def _takes_four(function: Callable[..., Any]) -> bool:
 def _install(module_name: str) -> bool:
     """Wrap ``module_name``'s ``apply_rotary_pos_emb`` (once per process); False without one."""
     with _INSTALL_LOCK:
-        if module_name in _ORIGINALS:
-            return True
         module = sys.modules.get(module_name)
         function = getattr(module, FUNCTION, None)
+        if getattr(function, "__gradsketch_original__", None) is not None:
+            return True  # wrapped already
         if not callable(function) or not _takes_four(function):
             return False
-        if getattr(function, "__gradsketch_original__", None) is None:
-            setattr(module, FUNCTION, _wrap(function))
-        _ORIGINALS[module_name] = function
+        setattr(module, FUNCTION, _wrap(function))
         return True
 
 

@@ -458,22 +458,6 @@ void gs_swiglu_backward_f32(const float *g, const float *a, const float *u, int6
 #define GS_NO_CONTRACT
 #endif
 
-/* One row's rotation (h a constant where inlined, so that its loop is whole vectors). */
-static inline __attribute__((always_inline)) GS_NO_CONTRACT void
-gs_rotary_row(const float *x, const float *c, const float *s, float *y, int64_t h, int backward) {
-    if (!backward) {
-        for (int64_t j = 0; j < h; j++) {
-            y[j] = x[j] * c[j] - x[j + h] * s[j];
-            y[j + h] = x[j + h] * c[j + h] + x[j] * s[j + h];
-        }
-    } else {
-        for (int64_t j = 0; j < h; j++) {
-            y[j] = x[j] * c[j] + x[j + h] * s[j + h];
-            y[j + h] = x[j + h] * c[j + h] - x[j] * s[j];
-        }
-    }
-}
-
 GS_NO_CONTRACT
 void gs_rotary_f32(const float *x, const int64_t *xs, const float *c, const float *s,
                    const int64_t *cs, float *y, const int64_t *ys, int64_t batch, int64_t heads,
@@ -486,12 +470,16 @@ void gs_rotary_f32(const float *x, const int64_t *xs, const float *c, const floa
             for (int64_t n = 0; n < heads; n++) {
                 const float *xr = x + b * xs[0] + n * xs[1] + t * xs[2];
                 float *yr = y + b * ys[0] + n * ys[1] + t * ys[2];
-                switch (h) { /* the head widths of 16, 32, 64 and 128 rotated whole */
-                case 8: gs_rotary_row(xr, cr, sr, yr, 8, backward); break;
-                case 16: gs_rotary_row(xr, cr, sr, yr, 16, backward); break;
-                case 32: gs_rotary_row(xr, cr, sr, yr, 32, backward); break;
-                case 64: gs_rotary_row(xr, cr, sr, yr, 64, backward); break;
-                default: gs_rotary_row(xr, cr, sr, yr, h, backward);
+                if (!backward) {
+                    for (int64_t j = 0; j < h; j++) {
+                        yr[j] = xr[j] * cr[j] - xr[j + h] * sr[j];
+                        yr[j + h] = xr[j + h] * cr[j + h] + xr[j] * sr[j + h];
+                    }
+                } else {
+                    for (int64_t j = 0; j < h; j++) {
+                        yr[j] = xr[j] * cr[j] + xr[j + h] * sr[j + h];
+                        yr[j + h] = xr[j + h] * cr[j + h] - xr[j] * sr[j];
+                    }
                 }
                 for (int64_t j = r; j < d; j++) yr[j] = xr[j];
             }

@@ -26,8 +26,9 @@ Protocols (``--protocol``):
 Either way the replayed run is exactly the protocol's torch loop
 (:class:`~gradsketch.attribution.ReplayAttributor` with the protocol's seed
 fixes the same initialization and batch order). LDS over ``--lds-models``
-random halves (digits 100 by default: 30, the demo's number, resolve the
-LDS to about ±0.01; the language models 20), in two settings:
+random halves (100 by default: on the digits 30, the demo's number, resolve
+the LDS to about ±0.01; on the GPT-2 trained from scratch 20 halves scored
+the replay 0.82 where 1,200 others gave 0.72), in two settings:
 
 - (a) ``same-run``: MAGIC's setting. Each half is the replayed run itself
   with the left-out rows' weights set to 0 (same initialization, same batch
@@ -42,11 +43,19 @@ The metagradients are taken at ``w = a·1`` for each ``--linearize-at`` value
 default); the averages over seeds use the first. Two more averages of one
 run's metagradients: over the points ``--mean-of`` (0.25 and 0.5), and over
 ``--bases`` random halves' 0/1 masks given as per-row ``linearize_at`` (drawn
-apart from the evaluation's halves). The other methods, TRAK, identity,
-K-FAC and EK-FAC (:data:`OTHER_METHODS`; ``lambda_reg=0`` for TRAK and
-identity on digits, ``"auto"`` otherwise), score the ordinary run's final
-model (one checkpoint) in the same run, against the same ground truths, each
-timed on its own (``--no-others`` skips them).
+apart from the evaluation's halves); and a mean over ``--seed-bases`` runs, each
+with a fresh seed and its own random half's mask, aimed at setting (b). The
+other methods, TRAK, identity, K-FAC and EK-FAC (:data:`OTHER_METHODS`;
+``lambda_reg=0`` for TRAK and identity on digits, ``"auto"`` otherwise),
+score the ordinary run's final model (one checkpoint) in the same run,
+against the same ground truths, each timed on its own (``--no-others`` skips them).
+
+Ceiling (``--part ceiling``): how high any linear attribution can score. In
+each setting a ridge datamodel fitted to ``--fit-models`` other retrains on
+random halves, scored beside the replay (at the first ``--linearize-at``)
+on the evaluation's halves and on halves held out of the fit; and the seed
+noise of setting (b): ``--seed-pairs`` halves each trained from two fresh
+seeds, whose outputs' correlation bounds every predictor's.
 
 Removal (``--part removal``): the same-run LDS when the retrains keep a
 fraction ``α`` of the rows (``--keep``, default 0.5, 0.9, 0.99), the run
@@ -98,7 +107,7 @@ from gradsketch.attribution import ReplayAttributor, ReplaySettings, linear_data
 from gradsketch.attribution._lm import LanguageModelingModelOutput, _call_model
 
 PROTOCOLS = ("digits", "lm", "lm-finetune")
-PARTS = ("all", "lds", "cost", "bergson", "removal", "ops")
+PARTS = ("all", "lds", "cost", "bergson", "removal", "ops", "ceiling")
 #: The other attribution methods scored beside the replay, each timed on its own.
 OTHER_METHODS = ("trak", "identity", "kfac", "ekfac")
 
@@ -133,7 +142,7 @@ SIZES: dict[str, dict[bool, Sizes]] = {
     },
     "lm": {
         False: Sizes(
-            epochs=2, num_targets=16, lds_models=20, seeds=2, cost_m=(1, 16), num_train=192
+            epochs=2, num_targets=16, lds_models=100, seeds=2, cost_m=(1, 16), num_train=192
         ),
         True: Sizes(
             epochs=1,
@@ -210,6 +219,9 @@ class Protocol:
     #: ``[n_train, n_targets]`` on the ordinary run's final model.
     others: Callable[[dict[str, Tensor], Path, bool, str], np.ndarray]
     per_example_loss: Callable[..., Tensor]
+    #: ``fresh_train(rows, seed)``: the protocol's torch loop on ``rows`` from ``seed``;
+    #: the queries' outputs ``[n_targets]`` (the ceiling part's datamodels and seed pairs).
+    fresh_train: Callable[[np.ndarray, int], np.ndarray]
     base_seed: int = 0
     #: Where the replays (and bergson) train: the model goes there, the rows follow it.
     device: str = "cpu"
@@ -235,6 +247,7 @@ def digits_protocol(sizes: Sizes) -> Protocol:
         DemoSettings,
         attribute_digits,
         digits_lds_ground_truth,
+        margins,
     )
     from gradsketch.demos._digits import (
         TrainSettings,
@@ -285,6 +298,17 @@ def digits_protocol(sizes: Sizes) -> Protocol:
         ),
         others=others,
         per_example_loss=loss,
+        fresh_train=lambda rows, seed: np.asarray(
+            margins(
+                train_digits_model(
+                    split.x_train[torch.as_tensor(rows)],
+                    split.y_train[torch.as_tensor(rows)],
+                    seed=seed,
+                    settings=train,
+                ),
+                *targets,
+            )
+        ),
     )
 
 
@@ -295,7 +319,14 @@ def lm_protocol(sizes: Sizes) -> Protocol:
     other chunks of the corpus (``lm-finetune``).
     """
     from gradsketch.demos._lm_corpus import load_corpus, split_chunks
-    from gradsketch.demos.lm import LMDemoSettings, build_lm, lds_truth, lr_multiplier, train_lm
+    from gradsketch.demos.lm import (
+        LMDemoSettings,
+        build_lm,
+        lds_truth,
+        lr_multiplier,
+        sequence_log_likelihood,
+        train_lm,
+    )
 
     demo = LMDemoSettings()
     s = LMDemoSettings(
@@ -405,6 +436,9 @@ def lm_protocol(sizes: Sizes) -> Protocol:
         fresh_truth=fresh_truth,
         others=others,
         per_example_loss=loss,
+        fresh_train=lambda rows, seed: sequence_log_likelihood(
+            train_lm(train_ids[torch.as_tensor(rows)], s, seed=seed, init_state=base)[0], query_ids
+        ),
         base_seed=s.seed + 1,
     )
 
@@ -444,6 +478,7 @@ def run_lds(
     *,
     mean_of: tuple[float, ...] = (),
     bases: int = 0,
+    seed_bases: int = 0,
     others: bool,
     progress: bool,
 ) -> dict[str, Any]:
@@ -452,7 +487,8 @@ def run_lds(
     Averages: over ``sizes.seeds`` seeds at the first point; over the points
     ``mean_of`` (the same run's metagradients at each, averaged); over
     ``bases`` random halves' 0/1 masks as per-row ``linearize_at`` (drawn
-    independently of the evaluation's halves).
+    independently of the evaluation's halves); over ``seed_bases`` runs that
+    each take a fresh seed and their own random half's mask.
     """
     sizes = p.sizes
     summary: dict[str, Any] = {}
@@ -515,6 +551,13 @@ def run_lds(
             mask = subset_mask(rng, p.n_train).astype(np.float64)
             masks.append(metagradients(p.base_seed, mask, f"half {k}"))
         add(f"replay@halves-mean{bases}", masks)
+    if seed_bases:
+        rng = np.random.default_rng(30_000)
+        runs = []
+        for k in range(seed_bases):
+            mask = subset_mask(rng, p.n_train).astype(np.float64)
+            runs.append(metagradients(p.base_seed + 1 + k, mask, f"seed {k}, half {k}"))
+        add(f"replay@seeds-halves-mean{seed_bases}", runs)
     assert first is not None
     ordinary = first.retrain(torch.ones(first.n_train))
     reference = p.torch_train(p.base_seed)
@@ -601,6 +644,112 @@ def run_removal(p: Protocol, keeps: tuple[float, ...]) -> dict[str, float]:
             }
         )
     return table
+
+
+def ridge_datamodel(masks: np.ndarray, outputs: np.ndarray) -> tuple[np.ndarray, float]:
+    """A linear datamodel ``[n_train, n_targets]`` fitted to ``(masks, outputs)`` by ridge.
+
+    The ridge ``λ`` is chosen from :data:`RIDGES` on the last fifth of the
+    rows (fitted on the rest), then the model is refitted on all of them.
+    Halves of one size leave the coefficients' common offset free (every
+    mask sums to the same count); the ridge takes the smallest, which no
+    LDS sees.
+    """
+    if len(masks) < 15:
+        raise ValueError(
+            f"a datamodel needs at least 15 retrains (its held-out fifth ranks 3), got "
+            f"{len(masks)}; pass --fit-models 20 or more"
+        )
+    x, y = masks.astype(np.float64), outputs.astype(np.float64)
+
+    def fit(x: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
+        xc, yc = x - x.mean(0), y - y.mean(0)
+        beta: np.ndarray = np.linalg.solve(xc.T @ xc + lam * np.eye(x.shape[1]), xc.T @ yc)
+        return beta
+
+    cut = len(x) * 4 // 5
+    held = (masks[cut:], outputs[cut:])
+    best = max(RIDGES, key=lambda lam: lds(fit(x[:cut], y[:cut], lam), held))
+    return fit(x, y, best), best
+
+
+def seed_noise_bound(first: np.ndarray, second: np.ndarray) -> tuple[float, float]:
+    """``(mean ρ, mean √ρ)`` over targets of two seeds' outputs ``[halves, n_targets]``.
+
+    Write one seed's output on half ``S`` as ``f(S) + ε`` with ``ε`` the
+    seed's part, independent across seeds, mean 0. Across halves the two
+    seeds' outputs then have covariance ``Var f`` and correlation
+    ``ρ = Var f / (Var f + Var ε)``. Any predictor ``p(S)`` of one seed's
+    output has ``corr(p, f + ε) = corr(p, f) · √ρ ≤ √ρ``, the seed average
+    ``f`` itself included. Negative ``ρ`` (noise) counts as 0.
+    """
+    rho = np.array([np.corrcoef(first[:, j], second[:, j])[0, 1] for j in range(first.shape[1])])
+    return float(rho.mean()), float(np.sqrt(np.clip(rho, 0.0, 1.0)).mean())
+
+
+#: Ridge strengths the ceiling's datamodels choose from.
+RIDGES = (0.1, 1.0, 10.0, 100.0, 1000.0)
+
+
+def run_ceiling(p: Protocol, linearize_at: float, fit_models: int, pairs: int) -> dict[str, Any]:
+    """How high any linear attribution can score on the protocol, beside the replay.
+
+    Per setting, a linear datamodel (:func:`ridge_datamodel`) fitted to
+    ``fit_models`` retrains on random halves other than the evaluation's,
+    scored on the evaluation's halves and on a fifth of its own halves held
+    out of the fit: what ``fit_models`` retrains buy, the empirical ceiling of
+    a linear method. Setting (a) retrains the replayed run with 0/1 weights;
+    setting (b) trains fresh seeds by the protocol's torch loop. For (b) also
+    the seed noise: ``pairs`` halves each trained from two fresh seeds, whose
+    outputs' correlation ``ρ`` bounds every predictor's (Pearson) correlation
+    with one seed's outputs by ``√ρ`` (:func:`seed_noise_bound`); the LDS is
+    Spearman's, which the bound describes only roughly.
+    """
+    sizes = p.sizes
+    r = p.run(p.base_seed, linearize_at)
+    r.train()
+    replay = r.metagradients(p.targets).cpu().numpy()
+    rng = np.random.default_rng(40_000)
+
+    def fresh(num: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        masks = np.stack([subset_mask(rng, p.n_train) for _ in range(num)])
+        outs = [p.fresh_train(np.flatnonzero(mk), seed + i) for i, mk in enumerate(masks)]
+        return masks, np.stack(outs)
+
+    truths = {
+        "same-run": (
+            same_run_truth(r, p.targets, sizes.lds_models, seed=10_000),
+            same_run_truth(r, p.targets, fit_models, seed=20_000),
+        ),
+        "fresh-seeds": (p.fresh_truth(False), fresh(fit_models, 50_000)),
+    }
+    summary: dict[str, Any] = {"linearize_at": linearize_at, "fit_models": fit_models}
+    for setting, (evaluation, (masks, outputs)) in truths.items():
+        beta, lam = ridge_datamodel(masks, outputs)
+        cut = len(masks) * 4 // 5
+        held = (masks[cut:], outputs[cut:])
+        own, _ = ridge_datamodel(masks[:cut], outputs[:cut])
+        row = {
+            "replay": lds(replay, evaluation),
+            "datamodel": lds(beta, evaluation),
+            "ridge": lam,
+            # On the fit set's held-out fifth, more halves than the evaluation's.
+            "replay_held_out": lds(replay, held),
+            "datamodel_held_out": lds(own, held),
+        }
+        summary[setting] = row
+        emit({"bench": "replay", "protocol": p.name, "part": "ceiling", "setting": setting, **row})
+    rng_pairs = np.random.default_rng(60_000)
+    outs = np.zeros((2, pairs, sizes.num_targets))
+    for h in range(pairs):
+        rows = np.flatnonzero(subset_mask(rng_pairs, p.n_train))
+        for k in range(2):
+            outs[k, h] = p.fresh_train(rows, 70_000 + 2 * h + k)
+    rho, bound = seed_noise_bound(outs[0], outs[1])
+    noise = {"pairs": pairs, "seed_pair_pearson": round(rho, 4), "bound": round(bound, 4)}
+    summary["seed_noise"] = noise
+    emit({"bench": "replay", "protocol": p.name, "part": "ceiling", "setting": "noise", **noise})
+    return summary
 
 
 # -- cost ---------------------------------------------------------------------------------
@@ -891,6 +1040,20 @@ def format_table(summary: dict[str, Any]) -> str:
                 m = key.removeprefix("reverse_ops_per_step_m")
                 ratio = value / ops["train_ops_per_step"]
                 lines.append(f"m={m:<4} reverse {value:.0f} ops per step ({ratio:.2f}x training)")
+    if "ceiling" in summary:
+        c = summary["ceiling"]
+        for setting in ("same-run", "fresh-seeds"):
+            row = c[setting]
+            lines.append(
+                f"{setting}: replay {row['replay']:.3f}, datamodel of {c['fit_models']} retrains "
+                f"{row['datamodel']:.3f} (on held-out halves of the fit: replay "
+                f"{row['replay_held_out']:.3f}, datamodel {row['datamodel_held_out']:.3f})"
+            )
+        n = c["seed_noise"]
+        lines.append(
+            f"two seeds of one half correlate {n['seed_pair_pearson']:.3f} over {n['pairs']} "
+            f"halves: no predictor of one seed's outputs correlates above {n['bound']:.3f}"
+        )
     if "bergson" in summary:
         b = summary["bergson"]
         n = next(k for k in b if k.startswith("ratio_m") and k != "ratio_m1" and "cpu" not in k)
@@ -937,11 +1100,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="random halves whose 0/1 masks (per-row linearize_at) are averaged; 0: none",
     )
     parser.add_argument(
+        "--seed-bases",
+        type=int,
+        default=0,
+        help="runs, each with a fresh seed and its own random half's 0/1 mask, averaged",
+    )
+    parser.add_argument(
         "--keep",
         type=float,
         nargs="+",
         default=[0.5, 0.9, 0.99],
         help="removal part: fractions of rows the same-run retrains keep",
+    )
+    parser.add_argument(
+        "--fit-models", type=int, default=600, help="ceiling: retrains each datamodel fits"
+    )
+    parser.add_argument(
+        "--seed-pairs", type=int, default=60, help="ceiling: halves trained from two seeds"
     )
     parser.add_argument("--bergson-queries", type=int, default=None)
     parser.add_argument(
@@ -1014,6 +1189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 at,
                 mean_of=tuple(args.mean_of),
                 bases=args.bases,
+                seed_bases=args.seed_bases,
                 others=not args.no_others,
                 progress=args.progress,
             )
@@ -1022,6 +1198,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary["cost"] = run_cost(p, at[0])
     if args.part == "ops":
         summary["ops"] = run_ops(p, at[0])
+    if args.part == "ceiling":
+        summary["ceiling"] = run_ceiling(p, at[0], args.fit_models, args.seed_pairs)
     if args.part == "removal":
         summary["removal"] = run_removal(p, tuple(args.keep))
     if args.part == "bergson":

@@ -141,3 +141,56 @@ def test_finetune_protocol_replays_a_finetune_of_the_pretrained_model():
     run.train()
     for name, value in p.torch_train(p.base_seed).items():
         torch.testing.assert_close(run.final[name], value, rtol=0, atol=1e-5)
+
+
+def test_ridge_datamodel_recovers_an_exactly_linear_datamodel():
+    """Outputs exactly linear in the 0/1 masks of halves: the datamodel equals the true
+    coefficients up to their common offset (every half holds 6 of the 12 rows, so the
+    offset is not identified) and up to the ridge's shrinkage, a factor ``λ/(λ + e)``
+    with ``e`` near ``N/4 = 100`` for the ``λ = 0.1`` the held-out fifth picks (0.1 %
+    of coefficients of size about 1: within 0.01), and ranks new halves perfectly."""
+    rng = np.random.default_rng(0)
+    masks = np.stack([br.subset_mask(rng, 12) for _ in range(400)])
+    beta = rng.normal(size=(12, 3))
+    fitted, lam = br.ridge_datamodel(masks, masks @ beta + 5.0)
+    assert lam == 0.1
+    np.testing.assert_allclose(fitted - fitted.mean(0), beta - beta.mean(0), atol=0.01)
+    new = np.stack([br.subset_mask(rng, 12) for _ in range(50)])
+    assert br.lds(fitted, (new, new @ beta)) == 1.0
+    with pytest.raises(ValueError, match=r"at least 15 retrains.*--fit-models 20"):
+        br.ridge_datamodel(masks[:14], (masks @ beta)[:14])
+
+
+def test_seed_noise_bound_measures_the_share_of_variance_the_half_explains():
+    """Outputs ``f(S) + ε_seed`` with ``Var f = 1`` and ``Var ε = 3``: ``ρ = 1/4``.
+
+    With ``N = 4000`` halves and 8 targets the mean of the 8 sample correlations has
+    standard error about ``(1 − ρ²)/√N/√8 = 0.0052``; the test allows 5 of them
+    (0.026) for ``ρ`` and the same, times ``d√ρ/dρ = 1`` at ``ρ = 1/4``, for ``√ρ``.
+    A predictor equal to ``f`` itself reaches the bound: its correlation with one
+    seed's outputs is ``√ρ = 0.5`` within the same tolerance.
+    """
+    rng = np.random.default_rng(1)
+    f = rng.normal(size=(4000, 8))
+    first = f + np.sqrt(3.0) * rng.normal(size=f.shape)
+    second = f + np.sqrt(3.0) * rng.normal(size=f.shape)
+    rho, bound = br.seed_noise_bound(first, second)
+    assert rho == pytest.approx(0.25, abs=0.026)
+    assert bound == pytest.approx(0.5, abs=0.026)
+    reached = np.mean([np.corrcoef(f[:, j], first[:, j])[0, 1] for j in range(8)])
+    assert reached == pytest.approx(bound, abs=0.026)
+
+
+@pytest.mark.slow
+def test_ceiling_part_reports_both_settings_and_the_seed_noise():
+    sizes = br.Sizes(epochs=1, num_targets=3, lds_models=4)
+    summary = br.run_ceiling(br.digits_protocol(sizes), 0.5, fit_models=20, pairs=3)
+    for setting in ("same-run", "fresh-seeds"):
+        row = summary[setting]
+        assert row["ridge"] in br.RIDGES
+        for key in ("replay", "datamodel", "replay_held_out", "datamodel_held_out"):
+            assert np.isfinite(row[key]) and -1.0 <= row[key] <= 1.0
+    assert summary["seed_noise"]["pairs"] == 3
+    assert 0.0 <= summary["seed_noise"]["bound"] <= 1.0
+    table = br.format_table({"protocol": "digits", "ceiling": summary})
+    assert "datamodel of 20 retrains" in table and "two seeds of one half" in table

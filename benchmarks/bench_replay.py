@@ -544,20 +544,25 @@ def run_lds(
     if mean_of:
         label = ",".join(f"{a:g}" for a in mean_of)
         add(f"replay@mean({label})", [at_point[a] for a in mean_of])
-    if bases:
-        rng = np.random.default_rng(20_000)
-        masks = []
-        for k in range(bases):
-            mask = subset_mask(rng, p.n_train).astype(np.float64)
-            masks.append(metagradients(p.base_seed, mask, f"half {k}"))
-        add(f"replay@halves-mean{bases}", masks)
-    if seed_bases:
-        rng = np.random.default_rng(30_000)
+
+    def at_halves(count: int, draws: int, fresh_seeds: bool) -> list[tuple[np.ndarray, float]]:
+        """``count`` runs, each at its own random half's 0/1 mask (drawn from ``draws``),
+        from the base seed or, with ``fresh_seeds``, from a fresh seed each."""
+        rng = np.random.default_rng(draws)
         runs = []
-        for k in range(seed_bases):
+        for k in range(count):
             mask = subset_mask(rng, p.n_train).astype(np.float64)
-            runs.append(metagradients(p.base_seed + 1 + k, mask, f"seed {k}, half {k}"))
-        add(f"replay@seeds-halves-mean{seed_bases}", runs)
+            seed = p.base_seed + 1 + k if fresh_seeds else p.base_seed
+            label = f"seed {k}, half {k}" if fresh_seeds else f"half {k}"
+            runs.append(metagradients(seed, mask, label))
+        return runs
+
+    if bases:
+        add(f"replay@halves-mean{bases}", at_halves(bases, 20_000, fresh_seeds=False))
+    if seed_bases:
+        add(
+            f"replay@seeds-halves-mean{seed_bases}", at_halves(seed_bases, 30_000, fresh_seeds=True)
+        )
     assert first is not None
     ordinary = first.retrain(torch.ones(first.n_train))
     reference = p.torch_train(p.base_seed)
@@ -667,10 +672,17 @@ def ridge_datamodel(masks: np.ndarray, outputs: np.ndarray) -> tuple[np.ndarray,
         beta: np.ndarray = np.linalg.solve(xc.T @ xc + lam * np.eye(x.shape[1]), xc.T @ yc)
         return beta
 
-    cut = len(x) * 4 // 5
-    held = (masks[cut:], outputs[cut:])
-    best = max(RIDGES, key=lambda lam: lds(fit(x[:cut], y[:cut], lam), held))
+    (x_fit, y_fit), held = held_out_fifth(x, y)
+    best = max(RIDGES, key=lambda lam: lds(fit(x_fit, y_fit, lam), held))
     return fit(x, y, best), best
+
+
+def held_out_fifth(
+    masks: np.ndarray, outputs: np.ndarray
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """``(masks, outputs)`` split into its first four fifths and its last fifth."""
+    cut = len(masks) * 4 // 5
+    return (masks[:cut], outputs[:cut]), (masks[cut:], outputs[cut:])
 
 
 def seed_noise_bound(first: np.ndarray, second: np.ndarray) -> tuple[float, float]:
@@ -726,9 +738,8 @@ def run_ceiling(p: Protocol, linearize_at: float, fit_models: int, pairs: int) -
     summary: dict[str, Any] = {"linearize_at": linearize_at, "fit_models": fit_models}
     for setting, (evaluation, (masks, outputs)) in truths.items():
         beta, lam = ridge_datamodel(masks, outputs)
-        cut = len(masks) * 4 // 5
-        held = (masks[cut:], outputs[cut:])
-        own, _ = ridge_datamodel(masks[:cut], outputs[:cut])
+        fit, held = held_out_fifth(masks, outputs)
+        own, _ = ridge_datamodel(*fit)
         row = {
             "replay": lds(replay, evaluation),
             "datamodel": lds(beta, evaluation),

@@ -207,8 +207,10 @@ def _fused(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kernel's ``(q, k)`` for a call it takes with the native kernels on, else None."""
     found = _arguments(signature, args, kwargs)
-    kernels = None if found is None else _train_forward._native_kernels()
-    if found is None or kernels is None:
+    if found is None:
+        return None
+    kernels = _train_forward._native_kernels()
+    if kernels is None:
         return None
     (q, k, cos, sin), heads_dim = found
     if not (_fits(q, cos, sin, heads_dim) and _fits(k, cos, sin, heads_dim)):

@@ -49,6 +49,9 @@ other methods, TRAK, identity, K-FAC and EK-FAC (:data:`OTHER_METHODS`;
 ``lambda_reg=0`` for TRAK and identity on digits, ``"auto"`` otherwise),
 score the ordinary run's final model (one checkpoint) in the same run,
 against the same ground truths, each timed on its own (``--no-others`` skips them).
+Every LDS comes with a bootstrap 95 % interval over the retrains, and each
+replay row with its paired difference to the best other method of each
+setting (:func:`~gradsketch.attribution.linear_datamodeling_interval`).
 
 Ceiling (``--part ceiling``): how high any linear attribution can score. In
 each setting a ridge datamodel fitted to ``--fit-models`` other retrains on
@@ -103,7 +106,12 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_info, setup_torch
 
-from gradsketch.attribution import ReplayAttributor, ReplaySettings, linear_datamodeling_score
+from gradsketch.attribution import (
+    ReplayAttributor,
+    ReplaySettings,
+    linear_datamodeling_interval,
+    linear_datamodeling_score,
+)
 from gradsketch.attribution._lm import LanguageModelingModelOutput, _call_model
 
 PROTOCOLS = ("digits", "lm", "lm-finetune")
@@ -579,11 +587,18 @@ def run_lds(
     )
     truth_a = same_run_truth(first, p.targets, sizes.lds_models, seed=10_000)
     _, _, truth_b = timed(lambda: p.fresh_truth(progress))
-    table: dict[str, dict[str, float]] = {}
+    table: dict[str, dict[str, Any]] = {}
     summary["lds"] = table
+    scored: dict[str, np.ndarray] = {}
+    truths = {"same-run": truth_a, "fresh-seeds": truth_b}
 
     def report(name: str, s: np.ndarray) -> None:
-        table[name] = {"same-run": lds(s, truth_a), "fresh-seeds": lds(s, truth_b)}
+        scored[name] = s
+        table[name] = {}
+        for setting, truth in truths.items():
+            est, low, high = linear_datamodeling_interval(s, *truth)
+            table[name][setting] = round(est, 4)
+            table[name][f"{setting}_ci95"] = [round(low, 4), round(high, 4)]
         emit({"bench": "replay", "protocol": p.name, "part": "lds", "method": name, **table[name]})
 
     for name, s in methods.items():
@@ -621,7 +636,46 @@ def run_lds(
                 }
             )
             report(name, scores)
+        summary["lds_diff"] = compare_with_best_other(p.name, table, scored, truths)
     return summary
+
+
+def compare_with_best_other(
+    protocol: str,
+    table: dict[str, dict[str, Any]],
+    scored: dict[str, np.ndarray],
+    truths: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> dict[str, dict[str, Any]]:
+    """Each replay row minus the best other method, per setting, with a paired 95 % interval.
+
+    The interval resamples the retrains (the queries kept): one that holds 0
+    means these retrains do not tell the two apart.
+    """
+    diffs: dict[str, dict[str, Any]] = {}
+    for setting, truth in truths.items():
+        others = [m for m in OTHER_METHODS if m in scored]
+        if not others:
+            continue
+        best = max(others, key=lambda m: table[m][setting])
+        for name in scored:
+            if name in OTHER_METHODS:
+                continue
+            est, low, high = linear_datamodeling_interval(
+                scored[name], *truth, baseline_scores=scored[best]
+            )
+            row = {"minus": best, "diff": round(est, 4), "ci95": [round(low, 4), round(high, 4)]}
+            diffs.setdefault(name, {})[setting] = row
+            emit(
+                {
+                    "bench": "replay",
+                    "protocol": protocol,
+                    "part": "lds-diff",
+                    "method": name,
+                    "setting": setting,
+                    **row,
+                }
+            )
+    return diffs
 
 
 def run_removal(p: Protocol, keeps: tuple[float, ...]) -> dict[str, float]:
@@ -1016,15 +1070,33 @@ def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
 
 
 # -- report -------------------------------------------------------------------------------
+def _with_interval(value: float, interval: list[float] | None) -> str:
+    """``0.470 [0.41, 0.52]``, or the value alone when no interval was measured."""
+    if interval is None:
+        return f"{value:.3f}"
+    return f"{value:.3f} [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """The closing table: LDS per method and setting, cost per query, bergson."""
     lines = [f"protocol {summary['protocol']}"]
     if "lds" in summary:
         cpu = summary.get("cpu_s", {})
-        lines.append(f"{'method':<26}{'LDS same-run':>14}{'LDS fresh-seeds':>17}{'CPU s':>9}")
+        lines.append(
+            f"{'method':<26}{'LDS same-run [95 %]':>24}{'LDS fresh-seeds [95 %]':>26}{'CPU s':>9}"
+        )
         for name, row in summary["lds"].items():
             cost = f"{cpu[name]:>9.1f}" if name in cpu else f"{'':>9}"
-            lines.append(f"{name:<26}{row['same-run']:>14.3f}{row['fresh-seeds']:>17.3f}{cost}")
+            cells = "".join(
+                f"{_with_interval(row[k], row.get(k + '_ci95')):>{w}}"
+                for k, w in (("same-run", 24), ("fresh-seeds", 26))
+            )
+            lines.append(f"{name:<26}{cells}{cost}")
+        for name, settings in summary.get("lds_diff", {}).items():
+            for setting, d in settings.items():
+                lines.append(
+                    f"{name} minus {d['minus']}, {setting}: {_with_interval(d['diff'], d['ci95'])}"
+                )
     if "removal" in summary:
         for keep, value in summary["removal"].items():
             lines.append(f"same-run LDS, subsets keeping {keep} of the rows: {value:.3f}")

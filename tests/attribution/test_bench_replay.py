@@ -51,9 +51,22 @@ def test_quick_run_reports_every_method_in_both_settings(capsys):
         "replay@halves-mean2",
         *br.OTHER_METHODS,
     }
+    settings = ("same-run", "fresh-seeds")
     for row in summary["lds"].values():
-        assert set(row) == {"same-run", "fresh-seeds"}
-        assert all(np.isfinite(v) for v in row.values())
+        assert set(row) == {*settings, *(f"{s}_ci95" for s in settings)}
+        for setting in settings:
+            low, high = row[f"{setting}_ci95"]
+            assert np.isfinite([row[setting], low, high]).all() and low <= high
+    # Each replay row is compared with the best other method of each setting, paired.
+    diffs = summary["lds_diff"]
+    assert set(diffs) == set(summary["lds"]) - set(br.OTHER_METHODS)
+    for name, by_setting in diffs.items():
+        for setting in settings:
+            d = by_setting[setting]
+            best = max(br.OTHER_METHODS, key=lambda m: summary["lds"][m][setting])
+            assert d["minus"] == best
+            expected = summary["lds"][name][setting] - summary["lds"][best][setting]
+            assert d["diff"] == pytest.approx(expected, abs=2e-4)  # both rounded to 1e-4
     # Every method's cost is timed; a mean over runs costs the sum of its runs.
     assert set(summary["cpu_s"]) == set(summary["lds"])
     assert all(v > 0 for v in summary["cpu_s"].values())
@@ -62,6 +75,7 @@ def test_quick_run_reports_every_method_in_both_settings(capsys):
     assert all(row["train_runs_cpu"] > 0 for row in summary["cost"]["cost"].values())
     table = br.format_table(summary)
     assert "replay@0.5-mean2" in table and "s/query" in table and "CPU s" in table
+    assert "minus" in table and "[95 %]" in table
     assert '"part": "lds"' in capsys.readouterr().out
 
 

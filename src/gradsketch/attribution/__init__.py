@@ -41,7 +41,13 @@ from gradsketch.attribution._layers import (
     register_row_sparse_sampler,
     register_whole_module,
 )
-from gradsketch.attribution._lds import LDSGroundTruth, lds_ground_truth, linear_datamodeling_score
+from gradsketch.attribution._lds import (
+    LDSGroundTruth,
+    LDSInterval,
+    lds_ground_truth,
+    linear_datamodeling_interval,
+    linear_datamodeling_score,
+)
 from gradsketch.attribution._lm import (
     BatchFormatError,
     LanguageModelingModelOutput,
@@ -139,6 +145,8 @@ __all__ = [
     "batch_order",
     # evaluation
     "linear_datamodeling_score",
+    "linear_datamodeling_interval",
+    "LDSInterval",
     "lds_ground_truth",
     "LDSGroundTruth",
     # errors

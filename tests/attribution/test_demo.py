@@ -303,6 +303,10 @@ def test_tiny_demo_writes_outputs(tiny_demo):
     assert ekfac.shape == (summary["n_train"], 12) and np.isfinite(ekfac).all()
     for value in stored["lds"].values():
         assert -1.0 <= value <= 1.0
+    # Each LDS has its bootstrap interval over the retrains.
+    assert set(stored["lds_ci95"]) == set(stored["lds"])
+    assert all(-1.0 <= low <= high <= 1.0 for low, high in stored["lds_ci95"].values())
+    assert "bootstrap 95 % intervals" in summary["report"]
     for phase in ("featurize", "finalize_features", "score", "lds_retrain", "total"):
         assert stored["timings_s"][phase] >= 0
     assert len(stored["checkpoint_test_accuracy"]) == 2

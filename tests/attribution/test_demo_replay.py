@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from gradsketch.attribution import ReplayAttributor
 from gradsketch.cli import app
-from gradsketch.demos._attribution import DemoSettings, attribute_digits, format_report
+from gradsketch.demos._attribution import DemoSettings, attribute_digits, format_report, run_demo
 from gradsketch.demos._digits import (
     TrainSettings,
     build_model,
@@ -93,6 +93,33 @@ def test_report_names_the_replay_and_its_gallery():
     report = format_report(summary)
     assert "LDS (replay metagradients through checkpoint 0's run, its targets): 0.400" in report
     assert "replay gallery: r.png" in report
+    assert "minus EK-FAC" not in report and "[" not in report  # no intervals measured
+    summary["lds"]["ekfac_replay_targets"] = 0.3
+    summary["lds_ci95"] = {"replay": [0.2, 0.6], "replay_minus_ekfac": [-0.05, 0.25]}
+    report = format_report(summary)
+    assert "its targets): 0.400 [0.20, 0.60]" in report
+    assert "replay minus EK-FAC on the replay's targets: +0.100 [-0.05, 0.25]" in report
+
+
+@pytest.mark.slow
+def test_demo_with_the_replay_reports_its_paired_difference_to_ekfac(tmp_path):
+    """The demo's summary gives the replay's LDS and its lead over EK-FAC with intervals."""
+    summary = run_demo(
+        tmp_path,
+        num_checkpoints=1,
+        num_targets=6,
+        lds_models=5,
+        proj_dim=32,
+        train=TrainSettings(epochs=1),
+        report_auto=False,
+        report_replay=True,
+        replay_targets=3,
+        progress=False,
+    )
+    ci = summary["lds_ci95"]
+    assert set(ci) == {"0.0", "ekfac", "replay", "ekfac_replay_targets", "replay_minus_ekfac"}
+    assert all(low <= high for low, high in ci.values())
+    assert "replay minus EK-FAC on the replay's targets" in summary["report"]
 
 
 def test_cli_demo_has_the_replay_flag_and_refuses_it_with_lm(tmp_path):

@@ -120,6 +120,15 @@ def test_interval_identities():
     assert wider.low <= low and wider.high >= high
 
 
+def test_interval_of_constant_outputs_is_undefined_without_warnings():
+    scores, masks, _ = _noisy_lds_problem(7)
+    result = linear_datamodeling_interval(scores, masks, np.ones((masks.shape[0], 4)))
+    assert np.isnan(result).all()
+    # Three models: some resamples repeat one model and have no LDS; the others decide.
+    est, low, high = linear_datamodeling_interval(scores, masks[:3], masks[:3] @ scores)
+    assert est == 1.0 and low <= high <= 1.0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -288,6 +288,8 @@ def test_run_writes_consistent_outputs(tiny_run: tuple[Path, dict[str, Any]]) ->
     assert saved["settings"]["lds_models"] == 3
     assert saved["lds_protocol"]["measurement"] == "summed log-likelihood of the query chunk"
     assert saved["lds"] is None or -1.0 <= saved["lds"] <= 1.0
+    low, high = saved["lds_protocol"]["ci95"]  # bootstrap interval over the 3 retrains
+    assert -1.0 <= low <= high <= 1.0
     assert set(saved["corpus"]["files"]) == set(TINY["modules"])
     assert summary["lds"] == saved["lds"]
     truth = np.load(out / "lds_truth.npz")

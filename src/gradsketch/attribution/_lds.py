@@ -217,6 +217,8 @@ def linear_datamodeling_interval(
             f"`confidence_level` must be in (0, 1), got {confidence_level!r}; 0.95 is usual."
         )
     check_int("n_resamples", n_resamples, low=100, fix="use 1,000 or more for a 95 % interval")
+    if np.isnan(estimate):  # every target constant: no correlation to resample
+        return LDSInterval(estimate, np.nan, np.nan)
 
     # SciPy resamples one-dimensional observations; a model's observation is
     # a row of every array, so the bootstrap resamples model indices.
@@ -244,8 +246,10 @@ def linear_datamodeling_interval(
         )
     low, high = result.confidence_interval
     if not (np.isfinite(low) and np.isfinite(high)):
+        # Resamples whose every target is constant have no LDS; the rest decide.
+        values = result.bootstrap_distribution[np.isfinite(result.bootstrap_distribution)]
         tail = (1 - confidence_level) / 2
-        low, high = np.nanquantile(result.bootstrap_distribution, [tail, 1 - tail])
+        low, high = np.quantile(values, [tail, 1 - tail]) if values.size else (np.nan, np.nan)
     return LDSInterval(float(estimate), float(low), float(high))
 
 

@@ -572,7 +572,11 @@ def run_lm_demo(
             ]
         )
     )
-    lds_text = "not computed (lds_models=0)" if lds is None else f"{lds:.3f}"
+    if lds is None:
+        lds_text = "not computed (lds_models=0)"
+    else:
+        low, high = lds_record["ci95"]
+        lds_text = f"{lds:.3f} (bootstrap 95 % interval {low:.2f} to {high:.2f})"
     facts = {
         "model": f"{s.arch}, {s.n_layer} layers, width {s.width}, byte vocabulary, "
         f"{sum(p.numel() for p in models[0].parameters()):,} parameters",
@@ -665,7 +669,7 @@ def _lds(
     scores: np.ndarray,
     progress: bool,
 ) -> tuple[float | None, list[float | None], dict[str, Any]]:
-    from gradsketch.attribution import linear_datamodeling_score
+    from gradsketch.attribution import linear_datamodeling_interval, linear_datamodeling_score
 
     record: dict[str, Any] = {
         "num_models": s.lds_models,
@@ -681,6 +685,8 @@ def _lds(
     lds, per_query = linear_datamodeling_score(
         scores, truth.subset_masks, truth.target_outputs, return_per_target=True
     )
+    _, low, high = linear_datamodeling_interval(scores, truth.subset_masks, truth.target_outputs)
+    record["ci95"] = [round(low, 4), round(high, 4)]
     return (
         float(lds),
         [None if math.isnan(v) else float(v) for v in per_query],

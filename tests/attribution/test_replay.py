@@ -506,3 +506,19 @@ def test_an_unwarmed_adam_run_is_noted_once(monkeypatch, caplog, optimizer, lr, 
     if noted:
         assert f"replaying {optimizer} whose first step has lr=0.01" in notes[0]
         assert "warmup from 0" in notes[0]
+        assert "linearize_at=0.0001 makes Adam's ε act as 0.0001" in notes[0]
+
+
+def test_an_unwarmed_adam_run_linearized_low_is_not_noted(monkeypatch, caplog):
+    """``linearize_at=α`` with ``eps / α`` ≥ 1e-4 smooths the sign step: no warning."""
+    import gradsketch.attribution._replay as replay_module
+
+    monkeypatch.setattr(replay_module, "_ADAM_NOTED", False)
+    x, y = replay_data(N)
+    with caplog.at_level("WARNING", logger="gradsketch.attribution._replay"):
+        for at, eps in ((1e-4, 1e-8), (1e-2, 1e-6)):
+            ReplayAttributor(
+                replay_mlp(), "image_classification", (x, y), optimizer="adam", lr=0.01,
+                num_steps=STEPS, batch_size=BATCH, linearize_at=at, eps=eps, progress=False,
+            )  # fmt: skip
+    assert not [r for r in caplog.records if "sign of the gradient" in r.getMessage()]

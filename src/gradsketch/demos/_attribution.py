@@ -352,9 +352,8 @@ def run_demo(
                 top=GALLERY_TOP,
             )
 
-    # Intervals over the retrained models: 30 retrains resolve an LDS to about
-    # ±0.05-0.1, and the replay's lead over EK-FAC is measured on the same
-    # targets and retrains (a paired interval).
+    # Intervals over the retrained models (30 retrains leave an LDS ±0.03-0.07),
+    # and the replay's lead over EK-FAC paired on the same targets and retrains.
     evaluated = {key: (value, outputs) for key, value in candidates.items()}
     if settings.report_replay:
         evaluated["replay"] = (replay_scores, outputs[:, :r])

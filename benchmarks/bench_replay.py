@@ -652,10 +652,10 @@ def compare_with_best_other(
     means these retrains do not tell the two apart.
     """
     diffs: dict[str, dict[str, Any]] = {}
+    others = [m for m in OTHER_METHODS if m in scored]
+    if not others:
+        return diffs
     for setting, truth in truths.items():
-        others = [m for m in OTHER_METHODS if m in scored]
-        if not others:
-            continue
         best = max(others, key=lambda m: table[m][setting])
         for name in scored:
             if name in OTHER_METHODS:
@@ -1070,10 +1070,8 @@ def run_bergson(p: Protocol, linearize_at: float) -> dict[str, Any]:
 
 
 # -- report -------------------------------------------------------------------------------
-def _with_interval(value: float, interval: list[float] | None) -> str:
-    """``0.470 [0.41, 0.52]``, or the value alone when no interval was measured."""
-    if interval is None:
-        return f"{value:.3f}"
+def _with_interval(value: float, interval: list[float]) -> str:
+    """``0.470 [0.41, 0.52]``: a value and its 95 % interval."""
     return f"{value:.3f} [{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
@@ -1088,7 +1086,7 @@ def format_table(summary: dict[str, Any]) -> str:
         for name, row in summary["lds"].items():
             cost = f"{cpu[name]:>9.1f}" if name in cpu else f"{'':>9}"
             cells = "".join(
-                f"{_with_interval(row[k], row.get(k + '_ci95')):>{w}}"
+                f"{_with_interval(row[k], row[k + '_ci95']):>{w}}"
                 for k, w in (("same-run", 24), ("fresh-seeds", 26))
             )
             lines.append(f"{name:<26}{cells}{cost}")

@@ -661,6 +661,8 @@ def _note_unwarmed_adam(settings: ReplaySettings) -> None:
     if _ADAM_NOTED or settings.optimizer not in ("adam", "adamw") or first == 0.0:
         return
     at = settings.linearize_at
+    # The margin lets eps=1e-8 at linearize_at=1e-4 (whose quotient rounds to
+    # just under 1e-4) count as smoothed, as the warning itself advises.
     if isinstance(at, float) and settings.eps / at >= _SMOOTH_ADAM_EPS * (1 - 1e-9):
         return
     _ADAM_NOTED = True
@@ -671,7 +673,7 @@ def _note_unwarmed_adam(settings: ReplaySettings) -> None:
         "(LDS, datamodels), train the run with a learning-rate warmup from 0 (e.g. "
         "transformers' get_linear_schedule_with_warmup), or, for a run already trained, "
         "linearize it at a small weight: linearize_at=%g makes Adam's ε act as %g; "
-        "measured effect: docs/attribution.md, 'Adam runs: warm the rate up'.",
+        "measured effect: docs/attribution.md, 'Adam runs: warm the rate up, or linearize low'.",
         settings.optimizer,
         first,
         settings.eps / _SMOOTH_ADAM_EPS,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -20,15 +19,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-#: Threads every benchmark pins torch to, so numbers compare across runs.
-DEFAULT_THREADS = 2
+#: Moved to ``gradsketch.demos.protocols`` (one JSON line per measurement), which the
+#: benchmarks import them from; still served here to scripts that import them from
+#: ``_common``. Looked up on first use, so that the isolated child below
+#: (``--worker``) measures its target without gradsketch loaded.
+_SHARED = ("cpu_model", "emit", "machine_info", "setup_torch", "time_once")
 
 
-def setup_torch(threads: int = DEFAULT_THREADS) -> None:
-    """Pin torch's intra-op threads before anything is timed."""
-    import torch
+def __getattr__(name: str) -> Any:
+    if name in _SHARED:
+        from gradsketch.demos import protocols
 
-    torch.set_num_threads(threads)
+        return getattr(protocols, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
@@ -70,68 +73,6 @@ def interleaved_medians(
             fn()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in samples.items()}
-
-
-def time_once(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Wall time of one call and its result."""
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-
-def emit(record: dict[str, Any]) -> None:
-    """Print ``record`` as one JSON line (floats rounded to 4 significant digits).
-
-    Every line names the CPU it was measured on (``cpu``), so figures copied
-    elsewhere keep their origin.
-    """
-    record = {**record, "cpu": record.get("cpu", cpu_model())}
-    print(json.dumps(_rounded(record), sort_keys=False), flush=True)
-
-
-def cpu_model() -> str:
-    """The CPU's model, family and widest vector extension, e.g. ``"AMD EPYC (25/17, avx2)"``."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "cpu family", "model", "flags"):
-                    info.setdefault(key, value.strip())
-                if not line.strip():
-                    break
-    except OSError:
-        return platform.processor() or platform.machine()
-    flags = set(info.get("flags", "").split())
-    isa = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), "baseline")
-    family = f"{info.get('cpu family', '?')}/{info.get('model', '?')}"
-    return f"{info.get('model name', platform.machine())} ({family}, {isa})"
-
-
-def _rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return float(f"{value:.4g}")
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_rounded(v) for v in value]
-    return value
-
-
-def machine_info() -> dict[str, Any]:
-    """Where the numbers were measured."""
-    import torch
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "cpu": cpu_model(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
 
 
 def run_isolated(callable_path: str, *args: Any, timeout: float = 1800.0) -> dict[str, Any]:

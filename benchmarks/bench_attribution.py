@@ -9,11 +9,16 @@ torchvision, so no stub is needed).
 
 Sections (``--section`` or ``--part``):
 
-- scoring-kernel: traker's scoring (:data:`TRAKER_SCORING`) and
-  ``trak_scores`` timed round-robin in one process on the same float32 data,
-  at n, k, m = 20,000 / 2,048 / 256 and 50,000 / 1,024 / 512, on 1 and 2
-  threads (``--threads``): medians, speedup, the scores' agreement and the
-  load average.
+- scoring-kernel: traker's scoring (:data:`TRAKER_SCORING`),
+  ``trak_scores`` and the float32 floor (:data:`FLOOR_SCOPE`) timed
+  round-robin in one process on the same float32 data, at n, k, m =
+  20,000 / 2,048 / 2,000, 20,000 / 2,048 / 256 and 50,000 / 1,024 / 512
+  (``--shape N K M`` for one), on 1 and 2 threads (``--threads``): median
+  wall and CPU seconds, speedup over traker, ratio to the floor, the scores'
+  agreement, the ATen CPU capability and the load average. For AVX2-only
+  kernels run it again under ``ATEN_CPU_CAPABILITY=avx2
+  MKL_ENABLE_INSTRUCTIONS=AVX2 OPENBLAS_CORETYPE=Haswell`` (torch, MKL and
+  SciPy's OpenBLAS each pick their kernels by themselves).
 - scoring: n training rows, k features, m targets (default 50,000 / 2,048 /
   5,000). traker's ``BasicScoreComputer`` phases (get_xtx, get_x_xtx_inv,
   get_scores, plus the out-to-loss weighting of ``finalize_scores``) against
@@ -44,7 +49,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine_info, median_time, run_isolated, setup_torch, time_once
+from _common import median_time, run_isolated
+
+from gradsketch.demos.protocols import emit, machine_info, setup_torch, time_once
 
 QUIET = logging.WARNING
 
@@ -223,21 +230,31 @@ def bench_scoring(n: int, k: int, m: int, repeats: int) -> None:
 #: out-to-loss weighting; ``score`` only featurizes the targets).
 TRAKER_SCORING = "BasicScoreComputer.get_xtx + get_x_xtx_inv + get_scores, then * Q"
 
-#: ``(n_train, k, n_targets)`` of ``--section scoring-kernel``.
-KERNEL_SHAPES = ((20_000, 2048, 256), (50_000, 1024, 512))
-KERNEL_SHAPES_QUICK = ((4_000, 512, 64), (8_000, 256, 128))
+#: ``(n_train, k, n_targets)`` of ``--section scoring-kernel``; the first is
+#: the issue-48 workload (n = 20,000, k = 2,048, 2,000 targets).
+KERNEL_SHAPES = ((20_000, 2048, 2_000), (20_000, 2048, 256), (50_000, 1024, 512))
+KERNEL_SHAPES_QUICK = ((4_000, 512, 400), (8_000, 256, 128))
+
+#: The float32 floor timed next to both: the two products no TRAK scorer can
+#: skip, at the best speed this machine's BLAS gives them.
+FLOOR_SCOPE = "scipy BLAS ssyrk for XᵀX + one torch.mm [n, k] x [k, m] for the scores"
 
 
 def bench_scoring_kernel(shapes, threads: tuple[int, ...], repeats: int) -> None:
-    """traker's scoring phases against ``gradsketch.trak_scores``, interleaved in one process.
+    """traker's scoring phases, ``gradsketch.trak_scores`` and the float32 floor, interleaved.
 
     Same float32 data, λ = 0 for both, CPU, torch (and SciPy's BLAS) pinned
     to ``threads``. traker's side is :data:`TRAKER_SCORING`; gradsketch's is
     ``trak_scores(x, t, q)`` (XᵀX by syrk, certified Cholesky inverse
     applied to the targets, one ``n k m`` product, the Q weighting): the
-    same inputs to the same ``[n, m]`` scores. Each repeat runs one call of
-    each, round-robin, so load swings on a shared machine hit both; medians
-    are reported with the 1-minute load average before and after.
+    same inputs to the same ``[n, m]`` scores. The floor
+    (:data:`FLOOR_SCOPE`) is what any scorer must at least spend. Each
+    repeat runs one call of each, round-robin, so load swings on a shared
+    machine hit all three; medians of wall and CPU seconds
+    (``time.process_time``) are reported with the 1-minute load average
+    before and after. Run it under ``taskset -c <core>`` with ``--threads 1``
+    on a shared machine: CPU seconds then measure the work, wall seconds the
+    share of the core it got.
     """
     for n, k, m in shapes:
         for count in threads:
@@ -246,10 +263,30 @@ def bench_scoring_kernel(shapes, threads: tuple[int, ...], repeats: int) -> None
     setup_torch()
 
 
+def _interleaved(fns: dict, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall and CPU seconds of each function, one call of each per round (1 warmup)."""
+    import statistics
+    import time
+
+    for fn in fns.values():
+        fn()
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+    med = statistics.median
+    return {n: med(v) for n, v in wall.items()}, {n: med(v) for n, v in cpu.items()}
+
+
 def _scoring_kernel_row(n: int, k: int, m: int, repeats: int) -> dict:
     import os
 
-    from _common import interleaved_medians
+    from scipy.linalg import blas
+    from threadpoolctl import threadpool_limits
     from trak.score_computers import BasicScoreComputer
 
     from gradsketch.attribution import trak_scores
@@ -263,6 +300,7 @@ def _scoring_kernel_row(n: int, k: int, m: int, repeats: int) -> dict:
     }
     sc = BasicScoreComputer(dtype=torch.float32, device="cpu", logging_level=QUIET)
     results: dict[str, np.ndarray] = {}
+    threads = torch.get_num_threads()
 
     def theirs() -> None:
         seconds, xtx = time_once(lambda: sc.get_xtx(x))
@@ -278,8 +316,14 @@ def _scoring_kernel_row(n: int, k: int, m: int, repeats: int) -> dict:
     def ours() -> None:
         results["gradsketch"] = trak_scores(x, t, q)
 
+    def floor() -> None:
+        with threadpool_limits(threads, user_api="blas"):
+            blas.ssyrk(1.0, x.numpy().T, trans=0, lower=1)  # XᵀX, one triangle
+        torch.mm(x, t.T, out=torch.empty(n, m))
+
     load_before = os.getloadavg()[0]
-    times = interleaved_medians({"traker": theirs, "gradsketch": ours}, repeats, 0)
+    fns = {"traker": theirs, "gradsketch": ours, "floor": floor}
+    wall, cpu = _interleaved(fns, repeats)
     load_after = os.getloadavg()[0]
     # traker divides the inverse by its mean absolute entry; undo it.
     scale = float(torch.linalg.inv(x.T.double() @ x.double()).abs().mean())
@@ -291,12 +335,25 @@ def _scoring_kernel_row(n: int, k: int, m: int, repeats: int) -> dict:
         "k": k,
         "m": m,
         "dtype": "float32",
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "env": {
+            v: os.environ.get(v)
+            for v in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OPENBLAS_CORETYPE")
+        },
         "traker_scope": TRAKER_SCORING,
-        "traker_s": times["traker"],
-        **{f"traker_{p}_s": float(np.median(v)) for p, v in phases.items()},
-        "gradsketch_s": times["gradsketch"],
-        "speedup": times["traker"] / times["gradsketch"],
+        "floor_scope": FLOOR_SCOPE,
+        "traker_s": wall["traker"],
+        **{f"traker_{p}_s": float(np.median(v[1:])) for p, v in phases.items()},
+        "gradsketch_s": wall["gradsketch"],
+        "floor_s": wall["floor"],
+        "traker_cpu_s": cpu["traker"],
+        "gradsketch_cpu_s": cpu["gradsketch"],
+        "floor_cpu_s": cpu["floor"],
+        "speedup": wall["traker"] / wall["gradsketch"],
+        "speedup_cpu": cpu["traker"] / cpu["gradsketch"],
+        "over_floor": wall["gradsketch"] / wall["floor"],
+        "over_floor_cpu": cpu["gradsketch"] / cpu["floor"],
         "max_rel_diff_vs_traker": diff,
         "repeats": repeats,
         "load_1min": [load_before, load_after],
@@ -607,6 +664,13 @@ def main(argv: list[str] | None = None) -> None:
         default=[1, 2],
         help="torch / BLAS threads of the scoring-kernel section (one line per count)",
     )
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=3,
+        metavar=("N", "K", "M"),
+        help="one (n_train, k, n_targets) for the scoring-kernel section instead of its three",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
@@ -620,6 +684,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_scoring(50_000, 2048, 5_000, args.repeats)
     if args.section in ("all", "scoring-kernel"):
         shapes = KERNEL_SHAPES_QUICK if args.quick else KERNEL_SHAPES
+        if args.shape:
+            shapes = (tuple(args.shape),)
         bench_scoring_kernel(shapes, tuple(args.threads), args.repeats)
     if args.section in ("all", "featurize"):
         bench_featurize(2048, 128, args.repeats, args.quick)

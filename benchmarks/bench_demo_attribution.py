@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine_info, setup_torch
+from gradsketch.demos.protocols import emit, machine_info, setup_torch
 
 METHODS = {"trak": 0.0, "ekfac": "auto"}  # the demo's lambda_reg per method
 

@@ -47,9 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, machine_info
+from gradsketch.demos.protocols import emit, machine_info
 
 PROJ_DIM = 2048
 BATCH = 64

@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from _common import emit, interleaved_medians, machine_info, median_time, setup_torch
+from _common import interleaved_medians, median_time
 from torch import nn
 
 from gradsketch.attribution import (
@@ -49,6 +49,7 @@ from gradsketch.attribution import (
     TransformerClassifier,
 )
 from gradsketch.demos import build_mlp, load_digits_split
+from gradsketch.demos.protocols import emit, machine_info, setup_torch
 from gradsketch.sketch import CountSketchProjector, FactorizedProjector
 
 PROJ_DIM = 2048

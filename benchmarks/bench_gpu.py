@@ -27,17 +27,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
-from _common import emit, machine_info
 
+from gradsketch.demos.protocols import emit, machine_info
 from gradsketch.sketch import _triton
 from gradsketch.sketch._countsketch import accumulate_folded
 from gradsketch.sketch._tables import buckets_and_signs, dense_block, dense_key, sparse_key

@@ -62,11 +62,9 @@ import copy
 import importlib.metadata
 import logging
 import os
-import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,302 +72,31 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine_info, setup_torch, time_once
-
-N_TRAIN, N_TARGETS, HIDDEN = 1000, 100, 32
-QUIET = logging.WARNING
-
-
-def build(seed: int) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
-
-
-def train(x: torch.Tensor, y: torch.Tensor, seed: int, builder: Any = build) -> nn.Module:
-    """``builder(seed)`` trained by the digits demo's recipe (SGD, 20 epochs) on ``(x, y)``."""
-    from gradsketch.demos._digits import train_model
-
-    return train_model(builder(seed), x, y, seed=seed)
-
-
-def data(n_train: int = N_TRAIN, n_targets: int = N_TARGETS):
-    from gradsketch.demos._digits import load_digits_split
-
-    split = load_digits_split(seed=0)
-    x, y = split.x_train[:n_train], split.y_train[:n_train]
-    return x, y, split.x_test[:n_targets], split.y_test[:n_targets]
-
-
-def ground_truth(x, y, xt, yt, lds_models: int, builder: Any = build):
-    """``(masks, margins)`` of ``lds_models`` models retrained on random halves (seed 10,000)."""
-    from gradsketch.attribution import lds_ground_truth
-    from gradsketch.demos._digits import margins
-
-    def train_fn(idx: np.ndarray, seed: int) -> nn.Module:
-        t = torch.from_numpy(idx)
-        return train(x[t], y[t], seed, builder)
-
-    def eval_fn(model: nn.Module) -> torch.Tensor:
-        with torch.no_grad():
-            return margins(model, xt, yt)
-
-    truth = lds_ground_truth(train_fn, eval_fn, len(x), lds_models, seed=10_000, progress=False)
-    return truth.subset_masks, truth.target_outputs
-
-
-# -- gradsketch ------------------------------------------------------------------------
-def _rows(batch) -> int:
-    return int(batch[0].shape[0])
-
-
-def featurize_all(attributor: Any, checkpoints, train_batches) -> None:
-    """Featurize each checkpoint (state dicts, model-id order) on ``train_batches``; finalize."""
-    for model_id, ckpt in enumerate(checkpoints):
-        attributor.load_checkpoint(ckpt, model_id=model_id)
-        for batch in train_batches:
-            attributor.featurize(batch, num_samples=_rows(batch))
-    attributor.finalize_features()
-
-
-def score_targets(attributor: Any, checkpoints, query_batches, exp: str = "lds") -> None:
-    """Store the target features of experiment ``exp`` on every checkpoint."""
-    num_targets = sum(_rows(b) for b in query_batches)
-    for model_id, ckpt in enumerate(checkpoints):
-        attributor.start_scoring_checkpoint(exp, ckpt, model_id=model_id, num_targets=num_targets)
-        for batch in query_batches:
-            attributor.score(batch, num_samples=_rows(batch))
-
-
-def featurize_and_score(attributor: Any, checkpoints, x, y, xt, yt) -> np.ndarray:
-    """TRAKer's flow on the protocol (TRAKer and InfluenceComputer alike): every
-    checkpoint featurized in batches of 250, then the targets scored on each."""
-    batch = 250
-    featurize_all(
-        attributor,
-        checkpoints,
-        [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)],
-    )
-    score_targets(attributor, checkpoints, [(xt, yt)])
-    return np.asarray(attributor.finalize_scores("lds"))
-
-
-def run_traker(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
-    from gradsketch.attribution import TRAKer
-
-    traker = TRAKer(
-        build(0),
-        "image_classification",
-        len(x),
-        save_dir=tempfile.mkdtemp(dir=tmp),
-        device="cpu",
-        use_half_precision=False,
-        logging_level=QUIET,
-        lambda_reg="auto",
-        progress=False,
-        **kwargs,
-    )
-    return featurize_and_score(traker, checkpoints, x, y, xt, yt)
-
-
-def run_influence(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
-    from gradsketch.attribution import InfluenceComputer
-
-    ic = InfluenceComputer(
-        build(0),
-        "image_classification",
-        len(x),
-        tempfile.mkdtemp(dir=tmp),
-        progress=False,
-        **kwargs,
-    )
-    return featurize_and_score(ic, checkpoints, x, y, xt, yt)
-
-
-def _ce(model: nn.Module, batch) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
-
-
-def margin_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """TRAK's margin ``z_y - logsumexp_{j != y} z_j`` per row (differentiable)."""
-    labels = labels.reshape(-1, 1)
-    correct = logits.gather(1, labels).squeeze(1)
-    return correct - logits.scatter(1, labels, float("-inf")).logsumexp(1)
-
-
-def _margin(model: nn.Module, batch) -> torch.Tensor:
-    """TRAK's margin of a digits batch ``(inputs, labels)``."""
-    return margin_of(model(batch[0]), batch[1])
-
-
-def run_bif(checkpoints, x, y, xt, yt, tmp: str, **kwargs: Any) -> np.ndarray:
-    from gradsketch.slt import bayesian_influence
-
-    scores = bayesian_influence(
-        build(0),
-        (x, y),
-        (xt, yt),
-        _ce,
-        query_fn=_margin,
-        checkpoints=checkpoints,
-        progress=False,
-        **kwargs,
-    )
-    return scores.float().numpy()
+from gradsketch.demos.protocols import emit, machine_info, setup_torch, time_once
+from gradsketch.demos.protocols.influence import (
+    KRONFLUENCE_DEFAULT_DAMPING,
+    N_TARGETS,
+    N_TRAIN,
+    build,
+    data,
+    digits_kronfluence,
+    gpt2_ground_truth,
+    gpt2_settings,
+    ground_truth,
+    lm_kronfluence,
+    lm_loss,
+    lm_split,
+    run_bif,
+    run_influence,
+    run_lm_bif,
+    run_lm_influence,
+    run_lm_trak,
+    run_traker,
+    train,
+)
 
 
 # -- Kronfluence -------------------------------------------------------------------------
-#: Kronfluence 1.0.1's own default damping (``ScoreArguments().damping_factor``);
-#: ``None`` selects its heuristic, 0.1 x each module's mean eigenvalue.
-KRONFLUENCE_DEFAULT_DAMPING = 1e-8
-
-
-def kronfluence_classifier_task(forward: Any) -> Any:
-    """A Kronfluence ``Task`` for a classifier: ``forward(model, batch) -> (logits, labels)``.
-
-    Training loss: the batch's summed cross-entropy, under labels drawn from
-    the model's own predictions when Kronfluence asks for a sample (its true
-    Fisher); measurement: the summed margin (:func:`margin_of`).
-    """
-    from kronfluence.task import Task
-
-    class ClassifierTask(Task):
-        def compute_train_loss(self, batch, model, sample=False):
-            logits, labels = forward(model, batch)
-            if sample:
-                with torch.no_grad():
-                    probs = torch.softmax(logits.detach(), -1)
-                    labels = torch.multinomial(probs, 1).flatten()
-            return F.cross_entropy(logits, labels, reduction="sum")
-
-        def compute_measurement(self, batch, model):
-            return margin_of(*forward(model, batch)).sum()
-
-    return ClassifierTask()
-
-
-def _digits_forward(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    return model(batch[0]), batch[1]
-
-
-def kronfluence_pairwise(
-    model: nn.Module,
-    task: Any,
-    train_ds: Any,
-    query_ds: Any,
-    workdir: str,
-    *,
-    strategy: str,
-    dampings: tuple[float | None, ...] = (KRONFLUENCE_DEFAULT_DAMPING,),
-    train_batch: int = 250,
-    query_batch: int | None = None,
-    seed: int = 0,
-) -> dict[float | None, np.ndarray]:
-    """Kronfluence's ``[n_train, n_query]`` pairwise scores of one model, per damping factor.
-
-    The factors of ``strategy`` are fitted once (torch's generator seeded
-    with ``seed`` for the sampled labels of its true Fisher), then scored at
-    each ``damping_factor`` in ``dampings`` (``None``: its heuristic). Scores
-    are Kronfluence's own sign, ``∇f_qᵀ H⁻¹ ∇L_i``; ``model`` is prepared
-    (wrapped) in place.
-    """
-    from kronfluence.analyzer import Analyzer, prepare_model
-    from kronfluence.arguments import FactorArguments, ScoreArguments
-    from kronfluence.utils.dataset import DataLoaderKwargs
-
-    model = prepare_model(model.eval(), task)
-    analyzer = Analyzer(
-        "bench",
-        model,
-        task,
-        cpu=True,
-        disable_tqdm=True,
-        output_dir=workdir,
-        log_level=logging.ERROR,
-    )
-    analyzer.set_dataloader_kwargs(DataLoaderKwargs(num_workers=0))
-    torch.manual_seed(seed)
-    analyzer.fit_all_factors(
-        "factors",
-        train_ds,
-        per_device_batch_size=train_batch,
-        factor_args=FactorArguments(strategy=strategy),
-        overwrite_output_dir=True,
-    )
-    out: dict[float | None, np.ndarray] = {}
-    for i, damping in enumerate(dampings):
-        analyzer.compute_pairwise_scores(
-            f"scores{i}",
-            "factors",
-            query_ds,
-            train_ds,
-            per_device_query_batch_size=query_batch or len(query_ds),
-            per_device_train_batch_size=train_batch,
-            score_args=ScoreArguments(damping_factor=damping),
-            overwrite_output_dir=True,
-        )
-        scores = analyzer.load_pairwise_scores(f"scores{i}")["all_modules"]  # [queries, train]
-        out[damping] = scores.T.double().numpy()
-    return out
-
-
-def kronfluence_ensemble(
-    models: list[nn.Module],
-    task: Any,
-    train_ds: Any,
-    query_ds: Any,
-    tmp: str,
-    *,
-    strategy: str,
-    dampings: tuple[float | None, ...],
-    sign: float = 1.0,
-    prepare: Any = copy.deepcopy,
-    **kwargs: Any,
-) -> dict[float | None, np.ndarray]:
-    """``sign`` x the mean over ``models`` of :func:`kronfluence_pairwise`, per damping.
-
-    ``prepare(model)`` gives the copy Kronfluence wraps (the models stay as they are).
-    """
-    total = {d: np.zeros((len(train_ds), len(query_ds))) for d in dampings}
-    for i, model in enumerate(models):
-        workdir = str(Path(tempfile.mkdtemp(dir=tmp)) / f"kf{i}")
-        scores = kronfluence_pairwise(
-            prepare(model),
-            task,
-            train_ds,
-            query_ds,
-            workdir,
-            strategy=strategy,
-            dampings=dampings,
-            **kwargs,
-        )
-        for d in dampings:
-            total[d] += sign * scores[d] / len(models)
-    return total
-
-
-def digits_kronfluence(
-    models, x, y, xt, yt, tmp: str, strategy: str, dampings: tuple[float | None, ...]
-) -> dict[float | None, np.ndarray]:
-    """Kronfluence's ``strategy`` on a digits protocol (any architecture), per damping.
-
-    Its scores are the effect of *removing* a training row on the query's
-    margin, so they are negated ("positive = helps").
-    """
-    from torch.utils.data import TensorDataset
-
-    return kronfluence_ensemble(
-        models,
-        kronfluence_classifier_task(_digits_forward),
-        TensorDataset(x, y),
-        TensorDataset(xt, yt),
-        tmp,
-        strategy=strategy,
-        dampings=dampings,
-        sign=-1.0,
-    )
-
-
 def run_kronfluence(checkpoints, x, y, xt, yt, tmp: str, strategy: str) -> np.ndarray:
     """Kronfluence's ``strategy`` at its default damping, averaged over the MLP's checkpoints."""
     models = []
@@ -616,149 +343,6 @@ def dattri_rows(
 # -- GPT-2 protocol ----------------------------------------------------------------------
 # The issue's second protocol: the LM demo's model and ground truth at benchmark size.
 # Ground truths are cached (--cache-dir) since retraining dominates a run's time.
-LM_QUIET = {"progress": False}
-
-
-def gpt2_settings(quick: bool, lds_models: int) -> Any:
-    """The LM demo's settings for the protocol: 512 chunks, 64 queries (quick: 128, 16, 6)."""
-    from gradsketch.demos.lm import LMDemoSettings
-
-    return LMDemoSettings(
-        num_train=128 if quick else 512,
-        num_queries=16 if quick else 64,
-        epochs=3,
-        lds_models=6 if quick else lds_models,
-        num_checkpoints=3,
-        proj_dim=512,
-        lambda_reg="auto",
-    )
-
-
-def _lm_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ``language_modeling`` batch: every token real and predicted."""
-    return ids, torch.ones_like(ids), ids.clone()
-
-
-def gpt2_ground_truth(s: Any, train_ids, query_ids, cache_dir: str | None):
-    """``(masks, outputs)`` of :func:`gradsketch.demos.lm.lds_truth`, cached per settings."""
-    import hashlib
-    import json
-
-    from gradsketch.demos.lm import lds_truth
-
-    key = hashlib.sha256(json.dumps(s.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
-    path = None if cache_dir is None else Path(cache_dir) / f"gpt2_truth_{key}.npz"
-    if path is not None and path.exists():
-        with np.load(path) as z:
-            return z["masks"], z["outputs"], True
-    truth = lds_truth(s, train_ids, query_ids)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, masks=truth.subset_masks, outputs=truth.target_outputs)
-    return truth.subset_masks, truth.target_outputs, False
-
-
-def run_lm_trak(models, train_ids, query_ids, s: Any, tmp: str) -> np.ndarray:
-    from gradsketch.demos.lm import attribute
-
-    scores, _, _ = attribute(
-        models, train_ids, query_ids, s, tempfile.mkdtemp(dir=tmp), per_token=False
-    )
-    return scores
-
-
-def run_lm_influence(models, train_ids, query_ids, s: Any, tmp: str, **kwargs: Any) -> np.ndarray:
-    """``TRAKer(method=...)`` on the LM: featurize, finalize, score, ensemble."""
-    from gradsketch.attribution import TRAKer
-    from gradsketch.sketch import FactorizedProjector
-
-    projection = kwargs.pop("projection", None)
-    drop_head = kwargs.pop("drop_lm_head", False)
-    model = models[0]
-    grad_wrt = None
-    if drop_head:
-        grad_wrt = [n for n, _ in model.named_parameters() if n != "transformer.wte.weight"]
-    projector = None
-    if projection is not None:
-        projector = FactorizedProjector.from_model(
-            model, k_in=projection[0], k_out=projection[1], seed=s.seed
-        )
-    n, bs = int(train_ids.shape[0]), 64
-    traker = TRAKer(
-        copy.deepcopy(model),  # it loads every checkpoint: keep models[0] intact
-        "language_modeling",
-        n,
-        save_dir=tempfile.mkdtemp(dir=tmp),
-        device="cpu",
-        logging_level=QUIET,
-        projector=projector,
-        projector_seed=s.seed,
-        grad_wrt=grad_wrt,
-        progress=False,
-        **kwargs,
-    )
-    states = [member.state_dict() for member in models]
-    featurize_all(traker, states, lm_batches(train_ids, bs))
-    score_targets(traker, states, [_lm_rows(query_ids)], "lm")
-    return np.asarray(traker.finalize_scores("lm"))
-
-
-def lm_batches(ids: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, ...]]:
-    """``language_modeling`` batches of ``batch_size`` chunks."""
-    return [_lm_rows(ids[i : i + batch_size]) for i in range(0, int(ids.shape[0]), batch_size)]
-
-
-def _lm_loss(model: nn.Module, batch) -> torch.Tensor:
-    """``[B]`` summed next-token loss of each chunk."""
-    ids = batch[0]
-    logits = model(input_ids=ids).logits[:, :-1]
-    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
-
-
-def _lm_log_likelihood(model: nn.Module, batch) -> torch.Tensor:
-    return -_lm_loss(model, batch)
-
-
-def run_lm_bif(models, train_ids, query_ids, s: Any, tmp: str, **kwargs: Any) -> np.ndarray:
-    from gradsketch.slt import bayesian_influence
-
-    scores = bayesian_influence(
-        models[0],
-        (train_ids,),
-        (query_ids,),
-        _lm_loss,
-        query_fn=_lm_log_likelihood,
-        checkpoints=[m.state_dict() for m in models],
-        progress=False,
-        **kwargs,
-    )
-    return scores.float().numpy()
-
-
-def lm_kronfluence(
-    models, train_ids, query_ids, tmp: str, strategy: str, dampings: tuple[float | None, ...]
-) -> dict[float | None, np.ndarray]:
-    """Kronfluence's ``strategy`` on the LM (Conv1D made Linear), per damping.
-
-    The measurement is the query's summed loss and the training loss the
-    summed loss (sampled labels for its true Fisher, ``bench_lm``'s task),
-    so a positive score raises the query's log-likelihood: no sign change.
-    """
-    from bench_lm import _kronfluence_task, _Rows, conv1d_to_linear
-
-    return kronfluence_ensemble(
-        models,
-        _kronfluence_task(),
-        _Rows(train_ids),
-        _Rows(query_ids),
-        tmp,
-        strategy=strategy,
-        dampings=dampings,
-        prepare=lambda model: conv1d_to_linear(copy.deepcopy(model)),
-        train_batch=32,
-    )
-
-
 def run_lm_kronfluence(models, train_ids, query_ids, s: Any, tmp: str, strategy: str):
     """:func:`lm_kronfluence` at Kronfluence's default damping, averaged over checkpoints."""
     damping = KRONFLUENCE_DEFAULT_DAMPING
@@ -902,20 +486,19 @@ def lm_pass_floor(models, train_ids, query_ids, batch_size: int = 64) -> float:
         for ids in (train_ids, query_ids):
             for first in range(0, int(ids.shape[0]), batch_size):
                 work.zero_grad(set_to_none=True)
-                _lm_loss(work, (ids[first : first + batch_size],)).sum().backward()
+                lm_loss(work, (ids[first : first + batch_size],)).sum().backward()
     return time.perf_counter() - start
 
 
 def gpt2_protocol(args: argparse.Namespace) -> None:
     """HF GPT-2 on standard-library chunks: LDS and fit+score time of every method."""
-    from bench_lm import _split
 
     import gradsketch.attribution._lm  # noqa: F401  (registers "language_modeling")
     from gradsketch.attribution import linear_datamodeling_score
     from gradsketch.demos.lm import train_lm
 
     s = gpt2_settings(args.quick, args.lm_lds_models)
-    train_ids, query_ids = _split(s)
+    train_ids, query_ids = lm_split(s)
     seconds, (masks, outputs, cached) = time_once(
         lambda: gpt2_ground_truth(s, train_ids, query_ids, args.cache_dir)
     )

@@ -43,7 +43,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import cpu_model, emit, machine_info, run_isolated, setup_torch
+from _common import run_isolated
+
+from gradsketch.demos.protocols import cpu_model, emit, machine_info, setup_torch
 
 #: name -> (layers, width, heads, sequence length, training sequences, queries).
 SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -75,11 +77,9 @@ def gradsketch_worker(shape: list[int], out: str, projection: list[int] | None) 
     import logging
     import time
 
-    from gradsketch.attribution import TRAKer, _kfac
+    from gradsketch.attribution import TRAKer
 
     setup_torch()
-    # Kronfluence's heuristic damping: 0.1 x each module's mean eigenvalue.
-    _kfac.LAYER_AUTO_DAMPING_FRACTION = 0.1
     model, train, queries = _data(tuple(shape))
     start, cpu = time.perf_counter(), time.process_time()
     traker = TRAKer(
@@ -90,6 +90,7 @@ def gradsketch_worker(shape: list[int], out: str, projection: list[int] | None) 
         device="cpu",
         method="ekfac",
         lambda_reg="auto",
+        damping_fraction=0.1,  # Kronfluence's heuristic: 0.1 x each module's mean eigenvalue
         curvature="loss",
         projection=None if projection is None else tuple(projection),
         progress=False,
@@ -112,15 +113,20 @@ def kronfluence_worker(shape: list[int], out: str) -> dict:
     import logging
     import time
 
-    from bench_lm import _kronfluence_task, _Rows, conv1d_to_linear
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.utils.dataset import DataLoaderKwargs
 
+    from gradsketch.demos.protocols.influence import (
+        TokenRows,
+        conv1d_to_linear,
+        kronfluence_lm_task,
+    )
+
     setup_torch()
     model, train, queries = _data(tuple(shape))
     start, cpu = time.perf_counter(), time.process_time()
-    task = _kronfluence_task()
+    task = kronfluence_lm_task()
     wrapped = prepare_model(conv1d_to_linear(copy.deepcopy(model)).eval(), task)
     analyzer = Analyzer(
         "scale",
@@ -134,7 +140,7 @@ def kronfluence_worker(shape: list[int], out: str) -> dict:
     analyzer.set_dataloader_kwargs(DataLoaderKwargs(num_workers=0))
     analyzer.fit_all_factors(
         "factors",
-        _Rows(train),
+        TokenRows(train),
         per_device_batch_size=8,
         factor_args=FactorArguments(strategy="ekfac", use_empirical_fisher=True),
         overwrite_output_dir=True,
@@ -143,8 +149,8 @@ def kronfluence_worker(shape: list[int], out: str) -> dict:
     analyzer.compute_pairwise_scores(
         "scores",
         "factors",
-        _Rows(queries),
-        _Rows(train),
+        TokenRows(queries),
+        TokenRows(train),
         per_device_query_batch_size=len(queries),
         per_device_train_batch_size=8,
         score_args=ScoreArguments(damping_factor=None),

@@ -60,8 +60,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import torch
-from _common import emit, machine_info, median_time, run_isolated, setup_torch
+from _common import median_time, run_isolated
 from torch import Tensor, nn
+
+from gradsketch.demos.protocols import emit, machine_info, setup_torch
+from gradsketch.demos.protocols.influence import (
+    TokenRows,
+    conv1d_to_linear,
+    kronfluence_lm_task,
+    lm_split,
+    token_loss,
+)
 
 PROJ_DIM = 2048
 TARGET_RATIO = 1.5
@@ -89,73 +98,6 @@ def _build(arch: str, shape: str) -> tuple[nn.Module, Tensor]:
     return model, ids
 
 
-def conv1d_to_linear(model: nn.Module) -> nn.Module:
-    """Replace every Hugging Face ``Conv1D`` (``y = x W + b``, ``W`` [in, out]) by ``nn.Linear``."""
-    from transformers.pytorch_utils import Conv1D
-
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, Conv1D):
-                w = child.weight
-                linear = nn.Linear(
-                    w.shape[0],
-                    w.shape[1],
-                    bias=child.bias is not None,
-                    dtype=w.dtype,
-                    device=w.device,
-                )
-                with torch.no_grad():
-                    linear.weight.copy_(w.t())
-                    if child.bias is not None:
-                        linear.bias.copy_(child.bias)
-                setattr(module, child_name, linear)
-        del name
-    return model
-
-
-def _token_loss(logits: Tensor, ids: Tensor) -> Tensor:
-    """``[B]`` summed next-token cross-entropy of each sequence."""
-    z = logits[:, :-1]
-    logp = torch.log_softmax(z.float() if z.dtype in (torch.float16, torch.bfloat16) else z, -1)
-    return -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).sum(-1)
-
-
-def _kronfluence_task() -> Any:
-    from kronfluence.task import Task
-
-    class SummedTokenLoss(Task):
-        """Train loss and measurement: the chunk's summed token loss."""
-
-        def compute_train_loss(self, batch: Any, model: nn.Module, sample: bool = False) -> Tensor:
-            ids = batch[0] if isinstance(batch, list | tuple) else batch
-            logits = model(input_ids=ids).logits
-            if not sample:
-                return _token_loss(logits, ids).sum()
-            # The true Fisher: labels drawn from the model's own predictions.
-            with torch.no_grad():
-                probs = torch.softmax(logits[:, :-1].detach().float(), dim=-1)
-                drawn = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1)
-            drawn = drawn.reshape(ids.shape[0], -1)
-            return _token_loss(logits, torch.cat([ids[:, :1], drawn], dim=1)).sum()
-
-        def compute_measurement(self, batch: Any, model: nn.Module) -> Tensor:
-            ids = batch[0] if isinstance(batch, list | tuple) else batch
-            return _token_loss(model(input_ids=ids).logits, ids).sum()
-
-    return SummedTokenLoss()
-
-
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, ids: Tensor) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return int(self.ids.shape[0])
-
-    def __getitem__(self, i: int) -> Tensor:
-        return self.ids[i]
-
-
 def _kronfluence_scores(
     model: nn.Module,
     train_ids: Tensor,
@@ -172,7 +114,7 @@ def _kronfluence_scores(
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.utils.dataset import DataLoaderKwargs
 
-    task = _kronfluence_task()
+    task = kronfluence_lm_task()
     kf_model = prepare_model(conv1d_to_linear(copy.deepcopy(model)).eval(), task)
     analyzer = Analyzer(
         analysis_name="bench_lm",
@@ -186,7 +128,7 @@ def _kronfluence_scores(
     analyzer.set_dataloader_kwargs(DataLoaderKwargs(num_workers=0))
     analyzer.fit_all_factors(
         factors_name=strategy,
-        dataset=_Rows(train_ids),
+        dataset=TokenRows(train_ids),
         per_device_batch_size=batch_size,
         factor_args=FactorArguments(strategy=strategy),
         overwrite_output_dir=True,
@@ -194,8 +136,8 @@ def _kronfluence_scores(
     analyzer.compute_pairwise_scores(
         scores_name=f"{strategy}_scores",
         factors_name=strategy,
-        query_dataset=_Rows(query_ids),
-        train_dataset=_Rows(train_ids),
+        query_dataset=TokenRows(query_ids),
+        train_dataset=TokenRows(train_ids),
         per_device_query_batch_size=len(query_ids),
         per_device_train_batch_size=batch_size,
         score_args=ScoreArguments(),
@@ -223,7 +165,7 @@ def throughput_worker(arch: str, shape: str, method: str, repeats: int) -> dict[
 
         def fn() -> None:
             model.zero_grad(set_to_none=True)
-            _token_loss(model(input_ids=ids).logits, ids).sum().backward()
+            token_loss(model(input_ids=ids).logits, ids).sum().backward()
 
     elif method == "gradsketch hooks+factorized":
         task = lm_task.LanguageModelingModelOutput()
@@ -241,7 +183,7 @@ def throughput_worker(arch: str, shape: str, method: str, repeats: int) -> dict[
         def loss(params: dict[str, Tensor], data: Tensor) -> Tensor:
             x = data.unsqueeze(0)
             out = torch.func.functional_call(model, params, args=(), kwargs={"input_ids": x})
-            return _token_loss(out.logits, x).sum()
+            return token_loss(out.logits, x).sum()
 
         dtask = AttributionTask(loss_func=loss, model=model, checkpoints=model.state_dict())
         grad_fn = dtask.get_grad_loss_func(in_dims=(None, 0))
@@ -352,14 +294,6 @@ def _compare(
             emit({**common, "method": f"kronfluence {strategy}", "lds": value, "seconds": seconds})
 
 
-def _split(s: Any) -> tuple[Tensor, Tensor]:
-    from gradsketch.demos._lm_corpus import load_corpus, split_chunks
-
-    corpus = load_corpus(s.modules, chunk_len=s.chunk_len)
-    train_idx, query_idx = split_chunks(len(corpus), s.num_train, s.num_queries, seed=s.seed)
-    return corpus.token_ids(train_idx), corpus.token_ids(query_idx)
-
-
 def lds(arch: str, num_train: int, num_queries: int, lds_models: int, epochs: int) -> None:
     """Train one model and its LDS ground truth here, then compare the methods on them."""
     from gradsketch.demos.lm import LMDemoSettings, lds_truth, train_lm
@@ -374,7 +308,7 @@ def lds(arch: str, num_train: int, num_queries: int, lds_models: int, epochs: in
         # Below n, so that ΦᵀΦ is invertible without damping.
         proj_dim=min(512, num_train // 2),
     )
-    train_ids, query_ids = _split(s)
+    train_ids, query_ids = lm_split(s)
     start = time.perf_counter()
     model, _ = train_lm(train_ids, s, seed=s.seed + 1)
     train_s = time.perf_counter() - start
@@ -403,7 +337,7 @@ def lds_from_demo(demo_dir: str) -> None:
     summary = json.loads((folder / "summary.json").read_text())
     fields = {**summary["settings"], "modules": tuple(summary["settings"]["modules"])}
     s = LMDemoSettings(**fields)
-    train_ids, query_ids = _split(s)
+    train_ids, query_ids = lm_split(s)
     model = build_lm(s, seed=0)
     model.load_state_dict(torch.load(folder / "model_0.pt", weights_only=True))
     model.eval()

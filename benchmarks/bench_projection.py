@@ -37,7 +37,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import emit, interleaved_medians, machine_info, run_isolated, setup_torch
+from _common import interleaved_medians, run_isolated
+
+from gradsketch.demos.protocols import emit, machine_info, setup_torch
 
 D, K, BATCH, PAIRS, RHO = 1 << 18, 2048, 32, 64, 0.5
 #: Environment of the AVX2 pass of the speed rows.

@@ -74,19 +74,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import torch
-from _common import cpu_model, emit, setup_torch
 from torch import Tensor, nn
 
 from gradsketch.attribution import HookGradientComputer, trak_scores
 from gradsketch.attribution._modelout import resolve_task
 from gradsketch.demos._lm_corpus import load_corpus, split_chunks
+from gradsketch.demos.protocols import cpu_model, emit, setup_torch
 from gradsketch.sketch import (
     BasicProjector,
     CountSketchProjector,

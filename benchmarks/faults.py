@@ -19,6 +19,12 @@ problem. Classes:
   that miscount the batch, token ids out of the vocabulary, labels all
   ``-100``, a ``save_dir`` that is a file.
 
+* ``settings-lost``, ``llc-draws``, ``replay``, ``sum-order`` and more
+  ``bad-input`` (``benchmarks/faults_stores.py``): a lost settings record
+  under other settings, the recorded LLC draws and the replay's scores
+  damaged, inputs of the wrong width, dtype or label range, and EK-FAC's
+  factors summed by two writers against the bound in ``docs/stores.md``.
+
 ``benchmarks/faults_slt.py`` (the slt stores), when present, adds its
 ``cases()``. Run ``python benchmarks/faults.py`` (``--quick`` for a subset,
 ``--only CLASS``); it prints one table of cases tried, passed and failed per
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -701,6 +708,7 @@ def cases(quick: bool = False) -> list[Case]:
             out.append(("bad-input", f"mlp/{method}/{what}", bad_input_case("mlp", method, what)))
         for what in lm_inputs:
             out.append(("bad-input", f"gpt2/{method}/{what}", bad_input_case("gpt2", method, what)))
+    out += _load("faults_stores").cases(sys.modules[__name__])
     if quick:
         return out
     for every, chunk in (
@@ -746,13 +754,24 @@ def cases(quick: bool = False) -> list[Case]:
     return out
 
 
-def _slt_cases() -> list[Case]:
-    path = HERE / "faults_slt.py"
+def _load(name: str) -> Any:
+    """``benchmarks/{name}.py`` as a module, once (``None`` when the file is absent)."""
+    path = HERE / f"{name}.py"
     if not path.exists():
-        return []
-    sys.path.insert(0, str(HERE))
-    import faults_slt  # type: ignore[import-not-found]
+        return None
+    # Loaded from its file: the tests run these cases without benchmarks/ on sys.path.
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
+    if not hasattr(module, "cases"):
+        spec.loader.exec_module(module)
+    return module
 
+
+def _slt_cases() -> list[Case]:
+    faults_slt = _load("faults_slt")
+    if faults_slt is None:
+        return []
     found = []
     for entry in faults_slt.cases():
         name, fn = entry[-2], entry[-1]

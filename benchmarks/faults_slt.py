@@ -18,6 +18,13 @@ of the store, and the LLC) or a **clear error** naming the problem. Classes:
 * ``native``: a cached native library truncated, emptied, garbled,
   bit-flipped, replaced by another ELF, its record missing or torn, or no
   compiler: a fresh process neither dies nor raises, and says why.
+* ``damage``: a chunk of ``init_loss`` or ``sampling_loss_micro`` deleted,
+  bit-flipped or truncated in a complete or a resumed store (the same
+  ``llc`` call samples the chain again, bit for bit, or the estimate
+  refuses naming array, chunk and file), a torn array ``zarr.json`` (named
+  with the fix), and a torn root ``zarr.json`` (judged by the arrays' own
+  settings records: refused with both settings under other settings, nothing
+  deleted; resumed under the same).
 * ``bad-input``: token ids outside the vocabulary, NaN / inf weights, a
   NaN initial loss, a diverging chain (slt and ``estimate_learning_coeff``),
   an ``output_path`` that is a file, a foreign store, CLI errors.
@@ -234,12 +241,12 @@ def half_created_case(arrays_before_kill: int) -> Callable[[], bool]:
     """Killed while creating the ``arrays_before_kill``-th array of the layout."""
 
     def run() -> bool:
-        from gradsketch.slt import _sample as sample_module
+        from gradsketch.slt import _schema
 
         reference = _reference("local")
         path = _WORK / f"half-{arrays_before_kill}.zarr"
         shutil.rmtree(path, ignore_errors=True)
-        original = sample_module._Arrays.create
+        original = _schema.Arrays.create
         calls = [0]
 
         def killed(self: Any, name: str, *args: Any) -> None:
@@ -248,12 +255,12 @@ def half_created_case(arrays_before_kill: int) -> Callable[[], bool]:
                 raise KeyboardInterrupt
             original(self, name, *args)
 
-        sample_module._Arrays.create = killed  # type: ignore[method-assign,assignment]
+        _schema.Arrays.create = killed  # type: ignore[method-assign,assignment]
         try:
             with contextlib.suppress(KeyboardInterrupt):
                 _sample(path)
         finally:
-            sample_module._Arrays.create = original  # type: ignore[method-assign]
+            _schema.Arrays.create = original  # type: ignore[method-assign]
         if calls[0] < arrays_before_kill:
             raise AssertionError(f"the layout has only {calls[0]} arrays")
         with _fresh_init_losses():
@@ -276,6 +283,100 @@ def torn_root_case(content: str | None, partial: bool) -> Callable[[], bool]:
         with _fresh_init_losses():
             _sample(path)
         return _same(path, reference)
+
+    return run
+
+
+# -- damage ---------------------------------------------------------------------------------
+def _damage(file: Path, how: str) -> None:
+    if how == "missing":
+        file.unlink()
+    elif how == "bit-flipped":
+        raw = bytearray(file.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        file.write_bytes(bytes(raw))
+    else:
+        file.write_bytes(file.read_bytes()[: max(1, file.stat().st_size // 3)])
+
+
+def damaged_chunk_case(array: str, how: str, resumed: bool) -> Callable[[], bool]:
+    """A damaged chunk of chain 0 (``resumed``: in a store interrupted after chains 0 and 1)."""
+
+    def run() -> bool:
+        import zarr
+
+        from gradsketch.slt import llc
+
+        reference = _reference("local")
+        path = _WORK / f"damage-{array}-{how}-{resumed}.zarr"
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(reference, path)
+        if resumed:
+            progress = zarr.open_group(str(path / "progress"), mode="a")
+            for flag in ("init_done", "chain_done"):
+                progress[flag][2:] = 0  # type: ignore[index]
+            zarr.open_group(str(path), mode="a").attrs.update({"completed": 0})
+        chunk = "c/0/0" if array == "init_loss" else "c/0/0/0/0"
+        _damage(path / array / chunk, how)
+        data = token_data()
+        got = llc(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+        return _same(path, reference) and float(got.llc_mean) == _llc(reference)
+
+    return run
+
+
+def damaged_read_case(array: str, how: str) -> Callable[[], bool]:
+    """``compute_llc`` on a store opened past ``sample``: an error naming the array."""
+
+    def run() -> bool:
+        from gradsketch.errors import StoreIntegrityError
+
+        path = _WORK / f"read-{array}-{how}.zarr"
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(_reference("local"), path)
+        _damage(path / array / ("c/1/0" if array == "init_loss" else "c/1/0/0/0"), how)
+        return _raises(lambda: _llc(path), StoreIntegrityError, f"`{array}`", "Fix:")
+
+    return run
+
+
+def torn_array_metadata_case() -> bool:
+    from gradsketch.errors import StoreIntegrityError
+
+    reference = _reference("local")
+    path = _WORK / "torn-array-meta.zarr"
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(reference, path)
+    meta = path / "sampling_loss" / "zarr.json"
+    meta.write_bytes(meta.read_bytes()[:50])
+    named = _raises(
+        lambda: _sample(path), StoreIntegrityError, "`sampling_loss`", str(meta), "Delete"
+    )
+    shutil.rmtree(path / "sampling_loss")  # the fix the message gives
+    _sample(path)
+    return named and _same(path, reference)
+
+
+def torn_root_of_a_finished_store_case(lr: float) -> Callable[[], bool]:
+    def run() -> bool:
+        from gradsketch.slt import OutputPathMismatchError
+
+        reference = _reference("local")
+        path = _WORK / f"torn-finished-{lr}.zarr"
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(reference, path)
+        root = path / "zarr.json"
+        root.write_bytes(root.read_bytes()[:40])
+        if lr == KW["lr"]:
+            _sample(path)
+            return _same(path, reference)
+        files = sorted(p.relative_to(path) for p in path.rglob("*"))
+        refused = _raises(
+            lambda: _sample(path, lr=lr),
+            OutputPathMismatchError,
+            f"lr: stored {KW['lr']}, requested {lr}",
+        )
+        return refused and sorted(p.relative_to(path) for p in path.rglob("*")) == files
 
     return run
 
@@ -304,12 +405,12 @@ def held_lock_case() -> bool:
 
     from filelock import FileLock
 
-    from gradsketch.slt import _sample as sample_module
+    from gradsketch.slt import _writing
 
     reference = _reference("local")
     path = _WORK / "held.zarr"
     shutil.rmtree(path, ignore_errors=True)
-    held = FileLock(str(sample_module.lock_path(path)))
+    held = FileLock(str(_writing.lock_path(path)))
     held.acquire()
     errors: list[BaseException] = []
 
@@ -693,6 +794,18 @@ def cases(quick: bool = False) -> Iterator[Case]:
         yield ("half-created", f"{what}{' + .partial' if partial else ''}", torn_root_case(
             content, partial))  # fmt: skip
     yield ("two-writers", "lock held by another writer: waits", held_lock_case)
+    for resumed in (False, True):
+        for array in ("init_loss", "sampling_loss_micro"):
+            for how in ("missing", "bit-flipped", "truncated"):
+                store = "resumed" if resumed else "complete"
+                yield ("damage", f"{array} chunk {how}, {store} store: llc again", (
+                    damaged_chunk_case(array, how, resumed)))  # fmt: skip
+    for array, how in (("init_loss", "missing"), ("sampling_loss_micro", "bit-flipped")):
+        yield ("damage", f"compute_llc on {array} chunk {how}", damaged_read_case(array, how))
+    yield ("damage", "sampling_loss/zarr.json torn", torn_array_metadata_case)
+    for lr in (KW["lr"], 3e-4):
+        yield ("damage", f"root zarr.json torn, rerun with lr={lr}", (
+            torn_root_of_a_finished_store_case(lr)))  # fmt: skip
     for n in (0, 3, 10, 25, 35, 45):
         yield ("disk-full", f"ENOSPC after {n} files, then a rerun", disk_full_case(n))
     yield from bad_input_cases()

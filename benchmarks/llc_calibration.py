@@ -149,7 +149,6 @@ import argparse
 import itertools
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -158,9 +157,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import setup_torch
-
+from gradsketch.demos.protocols import setup_torch
 from gradsketch.sampling import (
     StepSizeDiagnostic,
     deep_linear_learning_coefficient,

@@ -8,6 +8,7 @@ which is what a kill between two writes leaves (data first, flag last).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import signal
@@ -24,8 +25,15 @@ import torch
 import zarr
 
 from gradsketch.sampling._divergence import ChainDivergenceWarning
-from gradsketch.slt import NonFiniteLossError, OutputPathMismatchError, compute_llc, llc, sample
-from gradsketch.slt import _sample as sample_module
+from gradsketch.slt import (
+    NonFiniteLossError,
+    OutputPathMismatchError,
+    _schema,
+    _writing,
+    compute_llc,
+    llc,
+    sample,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("xarray")
@@ -123,7 +131,7 @@ def test_a_half_created_store_is_completed(
     tmp_path: Path, data: torch.Tensor, whole: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Killed (or out of disk) in the layout, before the settings record: made again."""
-    original = sample_module._Arrays.create
+    original = _schema.Arrays.create
 
     def killed(self: Any, name: str, *args: Any) -> None:
         if name == "chain_done":  # the last array, before the settings record
@@ -131,11 +139,29 @@ def test_a_half_created_store_is_completed(
         original(self, name, *args)
 
     path = tmp_path / "half.zarr"
-    monkeypatch.setattr(sample_module._Arrays, "create", killed)
+    monkeypatch.setattr(_schema.Arrays, "create", killed)
     with pytest.raises(KeyboardInterrupt):
         sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
     monkeypatch.undo()
-    assert sample_module.SETTINGS_ATTR not in zarr.open_group(str(path), mode="r").attrs
+    assert _schema.SETTINGS_ATTR not in zarr.open_group(str(path), mode="r").attrs
+    sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    _assert_same(path, whole)
+
+
+def test_a_store_killed_before_its_first_array_is_made_again(
+    tmp_path: Path, data: torch.Tensor, whole: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare root (no node below it, no chunk) is provably empty: made again, not refused."""
+
+    def killed(self: Any, name: str, *args: Any) -> None:
+        raise KeyboardInterrupt
+
+    path = tmp_path / "bare.zarr"
+    monkeypatch.setattr(_schema.Arrays, "create", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    monkeypatch.undo()
+    assert [p.name for p in path.iterdir()] == ["zarr.json"]
     sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
     _assert_same(path, whole)
 
@@ -166,7 +192,7 @@ def test_a_second_writer_waits_for_the_first(
     from filelock import FileLock
 
     path = tmp_path / "locked.zarr"
-    held = FileLock(str(sample_module.lock_path(path)))
+    held = FileLock(str(_writing.lock_path(path)))
     held.acquire()
     done = threading.Event()
 
@@ -315,3 +341,160 @@ def test_a_run_killed_at_a_random_moment_resumes_bit_identical(tmp_path: Path, s
     _, err = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, err[-2000:]
     _assert_same(tmp_path / "cut.zarr", tmp_path / "ref.zarr")
+
+
+# ------------------------------------------------ damaged chunks and lost settings (issue 47)
+def _damaged_copy(whole: Path, tmp_path: Path, name: str = "damaged.zarr") -> Path:
+    path = tmp_path / name
+    shutil.copytree(whole, path)
+    return path
+
+
+def _flip_a_bit(file: Path) -> None:
+    raw = bytearray(file.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    file.write_bytes(bytes(raw))
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: max(1, file.stat().st_size // 3)])
+
+
+DAMAGE = {
+    "missing": lambda f: f.unlink(),
+    "bit-flipped": _flip_a_bit,
+    "truncated": _truncate,
+}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    # One fast case per array in the default suite; the other damages read the same path.
+    ["missing", *(pytest.param(d, marks=pytest.mark.slow) for d in ("bit-flipped", "truncated"))],
+)
+@pytest.mark.parametrize(
+    ("array", "chunk"),
+    [("init_loss", "c/1/0"), ("sampling_loss_micro", "c/2/0/0/0")],
+    ids=["init_loss", "sampling_loss_micro"],
+)
+def test_a_damaged_chunk_of_a_complete_store_is_recomputed(
+    tmp_path: Path,
+    data: torch.Tensor,
+    whole: Path,
+    caplog: pytest.LogCaptureFixture,
+    array: str,
+    chunk: str,
+    damage: str,
+) -> None:
+    """The same ``llc`` call on a store that lost (or garbled) a chunk: never a NaN LLC. The
+    damage is named (array, chunk, file) and the chain is sampled again, bit for bit."""
+    path = _damaged_copy(whole, tmp_path)
+    file = path / array / chunk
+    DAMAGE[damage](file)
+    with caplog.at_level(logging.WARNING, logger="gradsketch.slt._sample"):
+        got = llc(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    assert f"`{array}`" in caplog.text and str(file) in caplog.text
+    assert "again" in caplog.text
+    _assert_same(path, whole)
+    want = compute_llc(sample(tiny_gpt2(), data, {"d": data}, output_path=whole, **KW))
+    assert np.isfinite(float(got.llc_mean))
+    assert float(got.llc_mean) == float(want.llc_mean)
+
+
+@pytest.mark.parametrize("array", ["init_loss", "sampling_loss_micro"])
+def test_a_damaged_chunk_of_a_resumed_store_is_recomputed(
+    tmp_path: Path, data: torch.Tensor, whole: Path, array: str
+) -> None:
+    """Interrupted after chains 0 and 1, then chain 0's chunk deleted: the resume samples
+    chains 0, 2 and 3, and the store is the uninterrupted run's."""
+    path = _damaged_copy(whole, tmp_path)
+    progress = zarr.open_group(str(path / "progress"), mode="a")
+    for flag in ("init_done", "chain_done"):
+        progress[flag][2:] = 0  # type: ignore[index]
+    zarr.open_group(str(path), mode="a").attrs.update({"completed": 0})
+    chunk = "c/0/0" if array == "init_loss" else "c/0/0/0/0"
+    (path / array / chunk).unlink()
+    got = llc(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    _assert_same(path, whole)
+    want = compute_llc(sample(tiny_gpt2(), data, {"d": data}, output_path=whole, **KW))
+    assert float(got.llc_mean) == float(want.llc_mean)
+
+
+def test_a_truncated_array_metadata_is_named_with_the_fix(
+    tmp_path: Path, data: torch.Tensor, whole: Path
+) -> None:
+    """A torn ``sampling_loss/zarr.json``: not a bare JSONDecodeError but the array, the file
+    and the fix; following the fix gives the uninterrupted store."""
+    from gradsketch.errors import StoreIntegrityError
+
+    path = _damaged_copy(whole, tmp_path)
+    meta = path / "sampling_loss" / "zarr.json"
+    _truncate(meta)
+    with pytest.raises(StoreIntegrityError, match=r"`sampling_loss` its metadata") as info:
+        llc(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    assert str(meta) in str(info.value) and "Delete each named array's directory" in str(info.value)
+    shutil.rmtree(path / "sampling_loss")
+    sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    _assert_same(path, whole)
+
+
+def test_a_store_with_an_unreadable_root_is_judged_by_its_arrays(
+    tmp_path: Path, data: torch.Tensor, whole: Path
+) -> None:
+    """A finished lr=1e-4 store whose root zarr.json is torn, rerun with lr=3e-4: refused with
+    both settings, nothing deleted (it was once wiped as "half-created")."""
+    path = _damaged_copy(whole, tmp_path)
+    _truncate(path / "zarr.json")
+    before = sorted(p.relative_to(path) for p in path.rglob("*"))
+    with pytest.raises(OutputPathMismatchError, match=r"lr: stored 0\.0001, requested 0\.0003"):
+        sample(tiny_gpt2(), data, {"d": data}, output_path=path, **{**KW, "lr": 3e-4})
+    assert sorted(p.relative_to(path) for p in path.rglob("*")) == before
+    for name, want in _values(whole).items():  # each array read past the torn root
+        got = np.asarray(zarr.open_array(str(path / name), mode="r")[...])
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_a_store_with_an_unreadable_root_resumes_with_its_own_settings(
+    tmp_path: Path, data: torch.Tensor, whole: Path
+) -> None:
+    """The same settings as its arrays record: the root is written again, the chains kept."""
+    path = _damaged_copy(whole, tmp_path)
+    _truncate(path / "zarr.json")
+    tree = sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    _assert_same(path, whole)
+    attrs = zarr.open_group(str(path), mode="r").attrs
+    assert attrs["completed"] == 1 and _schema.SETTINGS_ATTR in attrs
+    assert "loss_d" in tree.dataset
+
+
+def test_an_old_store_with_an_unreadable_root_is_never_deleted(
+    tmp_path: Path, data: torch.Tensor, whole: Path
+) -> None:
+    """Arrays without settings records (written before they were recorded) and chunks on disk:
+    the settings cannot be told, so the call refuses and deletes nothing."""
+    path = _damaged_copy(whole, tmp_path)
+    for meta in path.rglob("zarr.json"):
+        if meta.parent != path:
+            record = json.loads(meta.read_text())
+            record.get("attributes", {}).pop(_schema.SETTINGS_ATTR, None)
+            meta.write_text(json.dumps(record))
+    _truncate(path / "zarr.json")
+    before = sorted(p.relative_to(path) for p in path.rglob("*"))
+    with pytest.raises(OutputPathMismatchError, match=r"nothing was deleted"):
+        sample(tiny_gpt2(), data, {"d": data}, output_path=path, **KW)
+    assert sorted(p.relative_to(path) for p in path.rglob("*")) == before
+
+
+def test_compute_llc_refuses_a_damaged_store_it_is_given(tmp_path: Path, whole: Path) -> None:
+    """A store opened past ``sample`` (no check ran): a missing ``init_loss`` chunk or a
+    bit-flipped ``sampling_loss_micro`` chunk is an error naming the array, not a NaN LLC."""
+    from gradsketch.errors import StoreIntegrityError
+
+    missing = _damaged_copy(whole, tmp_path, "missing.zarr")
+    (missing / "init_loss" / "c" / "1" / "0").unlink()
+    with pytest.raises(StoreIntegrityError, match=r"`init_loss` .* chains \[1\]"):
+        compute_llc(_schema.open_tree(missing))
+    flipped = _damaged_copy(whole, tmp_path, "flipped.zarr")
+    _flip_a_bit(flipped / "sampling_loss_micro" / "c" / "2" / "0" / "0" / "0")
+    with pytest.raises(StoreIntegrityError, match=r"`sampling_loss_micro` .* cannot be read"):
+        compute_llc(_schema.open_tree(flipped))

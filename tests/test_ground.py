@@ -15,7 +15,15 @@ import torch
 from gradsketch._checks import check_int, integer, nonnegative_int, positive_int
 from gradsketch._config import load_config
 from gradsketch._device import to_device
-from gradsketch._hash import TensorDigest
+from gradsketch._hash import (
+    DIGEST_KEY,
+    DIGEST_SCHEME,
+    TensorDigest,
+    architecture_digest,
+    model_digest,
+    state_digest,
+    tensors_digest,
+)
 from gradsketch._json import jsonable
 from gradsketch.errors import ConfigError, ConfigFileError, GradsketchError
 
@@ -192,3 +200,58 @@ def test_tensor_digest_keeps_the_bytes_stored_fingerprints_were_made_from():
     mask = torch.tensor([True, False, True])
     packed = hashlib.sha256(b"h" + np.packbits(mask.numpy()).tobytes()).hexdigest()[:16]
     assert TensorDigest("h").bits(mask).hexdigest() == packed
+
+
+def test_the_one_scheme_keeps_the_digests_stores_hold():
+    """Values computed with the pre-scheme code of each caller (TRAK's `model_fingerprint` and
+    `checkpoint_fingerprint`, the replay's raw-bytes `fingerprint`), pinned: stores written
+    before keep opening because their recorded digests come out the same."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"w": w, "b": torch.zeros(3, dtype=torch.float64), "step": 7}
+    assert state_digest(state) == "5eabe2627e84504a"
+    assert architecture_digest(torch.nn.Linear(4, 3)) == "fc87667d08c17ec1"
+    tensors = [torch.arange(5), w.t()]
+    assert tensors_digest(tensors) == "7659197aa650b241"
+    raw = hashlib.sha256()
+    for t in tensors:
+        raw.update(t.contiguous().numpy().tobytes())
+    assert tensors_digest(tensors) == raw.hexdigest()[:16]
+
+
+def test_model_digest_sees_weights_and_samples_large_tensors():
+    model = torch.nn.Linear(3, 2)
+    before = model_digest(model)
+    assert before == model_digest(model) and len(before) == 16
+    assert architecture_digest(model) != before
+    with torch.no_grad():
+        model.weight[0, 0] += 1
+    assert model_digest(model) != before
+    # Above the threshold a stride of values and the sum enter: a change off the stride
+    # still moves the sum.
+    big = torch.zeros(10)
+    digest = state_digest({"x": big}, sample_above=4)
+    big[1] = 1.0
+    assert state_digest({"x": big}, sample_above=4) != digest
+
+
+def test_a_store_of_the_old_digest_scheme_is_refused_with_version_and_fix(tmp_path):
+    """An slt sample store written before the one scheme (blake2b digests, no `digest` field)
+    cannot be compared; `sample` refuses it naming the version that wrote it and the fix."""
+    import zarr
+
+    from gradsketch.slt import OutputPathMismatchError, _schema, _writing
+
+    old = {"model": "0123456789abcdef", "dataset": "fedcba9876543210"}
+    group = zarr.open_group(str(tmp_path / "old"), mode="w")
+    group.attrs[_schema.SETTINGS_ATTR] = {**old, "versions": {"gradsketch": "0.1.0"}}
+    new = {**old, DIGEST_KEY: DIGEST_SCHEME}
+    with pytest.raises(
+        OutputPathMismatchError,
+        match=r"was written by gradsketch 0\.1\.0, whose digests of models and data "
+        r"\(blake2b/16\) this version \(sha256/16\) cannot compare with its own\. "
+        r"Pass another output_path, or delete it",
+    ):
+        _writing.check_existing(tmp_path / "old", new, {})
+    # A store of this version's scheme opens (to resume it).
+    group.attrs[_schema.SETTINGS_ATTR] = new
+    assert _writing.check_existing(tmp_path / "old", dict(new), {}) == "resume"

@@ -8,11 +8,9 @@ import from where they did.
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -110,85 +108,4 @@ def test_console_script_help():
     assert "--out" in done.stdout and "--quick" in done.stdout
 
 
-# DESIGN.md's floors: each capability package may import only the packages
-# below it, plus the ground-floor helper modules (`gradsketch._*`,
-# `gradsketch.errors`). Imports inside functions count too: a deferred import
-# still makes the lower floor depend on the upper one.
-FLOORS: dict[str, frozenset[str]] = {
-    "masked": frozenset(),
-    "sketch": frozenset({"masked"}),
-    "attribution": frozenset({"sketch", "masked"}),
-    "sampling": frozenset({"sketch", "masked"}),
-    "slt": frozenset({"sampling", "sketch", "masked"}),
-    "factorize": frozenset(),
-}
-SRC = Path(gradsketch.__file__).resolve().parent
-
-
-def _imported_packages(source: str, module: str) -> set[str]:
-    """The `gradsketch` top-level names that `module`'s source imports (relative ones resolved)."""
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".")[: -node.level]
-                names = [".".join([*base, *([node.module] if node.module else [])])]
-            else:
-                names = [node.module or ""]
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "gradsketch" and len(parts) > 1:
-                found.add(parts[1])
-    return found
-
-
-def _floor_violations(package: str, source: str, module: str) -> set[str]:
-    allowed = FLOORS[package] | {package, "errors"}
-    return {
-        name
-        for name in _imported_packages(source, module)
-        if name not in allowed and not name.startswith("_")
-    }
-
-
-@pytest.mark.parametrize("package", sorted(FLOORS))
-def test_capability_packages_import_only_their_floors(package):
-    bad = {}
-    for path in sorted((SRC / package).rglob("*.py")):
-        rel = path.relative_to(SRC).with_suffix("")
-        module = ".".join(("gradsketch", *rel.parts))
-        if path.name == "__init__.py":
-            module += ".__init__"  # relative imports resolve against the package itself
-        found = _floor_violations(package, path.read_text(encoding="utf-8"), module)
-        if found:
-            bad[str(rel)] = sorted(found)
-    assert bad == {}, f"imports above {package}'s floor (DESIGN.md): {bad}"
-
-
-def test_ground_modules_import_no_capability_package():
-    # `errors` is the index of every exception: it names the packages' errors
-    # for type checkers only and loads them lazily, so it is not walked here.
-    bad = {}
-    for path in sorted(SRC.glob("_*.py")):
-        if path.name == "__init__.py":
-            continue
-        module = f"gradsketch.{path.stem}"
-        found = _imported_packages(path.read_text(encoding="utf-8"), module)
-        found = {name for name in found if not name.startswith("_") and name != "errors"}
-        if found:
-            bad[path.name] = sorted(found)
-    assert bad == {}
-
-
-def test_the_floor_check_sees_a_deferred_and_a_relative_import():
-    # The check can fail: the import `_bif` once made inside a function, and
-    # a relative import that climbs out of the package.
-    deferred = "def f():\n    from gradsketch.sampling import SGMCMC\n"
-    assert _floor_violations("attribution", deferred, "gradsketch.attribution._x") == {"sampling"}
-    relative = "from ..slt import bif\nfrom . import _y\n"
-    assert _floor_violations("sampling", relative, "gradsketch.sampling._x") == {"slt"}
-    assert _floor_violations("slt", "import gradsketch.sampling\n", "gradsketch.slt._x") == set()
+# DESIGN.md's floors and the ground floor are checked on the import graph in test_layering.py.

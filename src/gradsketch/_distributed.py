@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from gradsketch._checks import check_int
-from gradsketch.errors import GradsketchError
+from gradsketch.errors import DistributedMismatchError
 
 __all__ = [
     # who am I
@@ -70,10 +70,6 @@ _DEFAULT_FIX = (
     "Every rank must call this with the same value: load the same checkpoint, "
     "settings and seeds on every rank."
 )
-
-
-class DistributedMismatchError(GradsketchError, RuntimeError):
-    """Ranks of one job disagree on something that must be identical (weights, sizes, seeds)."""
 
 
 def is_distributed() -> bool:

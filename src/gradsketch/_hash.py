@@ -6,8 +6,15 @@ Sketch maps (:mod:`gradsketch.sketch`) and random parameter masks
 not depend on device, chunking or call order. Both use the functions here:
 :func:`derive_key` folds (seed, stream, ...) into a key, :func:`hash_indices`
 (sketches) and :func:`entry_hash` (masks) hash coordinates under a key.
-:class:`TensorDigest` is the one way weights, checkpoints and masks are
-fingerprinted (sha256, 16 hex digits).
+
+Digests are the other half: :class:`TensorDigest` (sha256 over text, tensor
+bytes and mask bits, its first 16 hex digits) is the one scheme,
+:data:`DIGEST_SCHEME`, by which models (:func:`architecture_digest`,
+:func:`model_digest`), checkpoints (:func:`state_digest`), data
+(:func:`tensors_digest`), settings and masks are fingerprinted. A store
+whose digests came from another scheme is recognised by its record and
+refused with the version that wrote it and the fix
+(:func:`digest_scheme_refusal`).
 
 The mixer is Chris Wellons' ``lowbias32`` (xor-shift / multiply rounds, a
 bijection on 32-bit words with low avalanche bias). Values are held in
@@ -20,33 +27,49 @@ own exact reference.
 from __future__ import annotations
 
 import hashlib
-from typing import TypeVar
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = [
+    "DIGEST_KEY",
+    "DIGEST_SCHEME",
     "GOLDEN",
     "MASK32",
     "MIX_C1",
     "MIX_C2",
     "TensorDigest",
+    "architecture_digest",
     "chunk_bits",
     "derive_key",
+    "digest_scheme_refusal",
     "entry_hash",
     "hash_indices",
     "mix32",
+    "model_digest",
     "mix32_numpy_",
     "mul32",
     "name_key",
     "random_bits",
+    "state_digest",
+    "tensors_digest",
+    "text_digest",
 ]
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 MIX_C1 = 0x7FEB352D
 MIX_C2 = 0x846CA68B
+
+#: The one digest scheme (sha256, first 16 hex digits), named in the records that hold digests.
+DIGEST_SCHEME = "sha256/16"
+#: Record field naming the scheme of the record's digests (absent: the store's own legacy one).
+DIGEST_KEY = "digest"
+#: Tensors of more elements are digested from an even stride of 2**20 values and their sum.
+SAMPLE_ABOVE = 1 << 20
 
 T = TypeVar("T", int, Tensor)
 
@@ -240,3 +263,131 @@ class TensorDigest:
     def hexdigest(self) -> str:
         """The first 16 hex digits of the sha256."""
         return self._sha.hexdigest()[:16]
+
+    def value(self, value: Any) -> TensorDigest:
+        """Add a tensor's bytes, or any other value's ``repr``."""
+        return self.tensor(value) if isinstance(value, Tensor) else self.text(repr(value))
+
+
+def _sampled(t: Tensor, above: int | None) -> Tensor:
+    """``t`` flat, or for more than ``above`` elements an even stride of them and their sum."""
+    flat = t.detach().reshape(-1)
+    if above is None or flat.numel() <= above:
+        return flat
+    # Hashing every byte of a 7B-parameter model costs seconds; a stride of values and the
+    # sum still changes with any training step.
+    step = flat.numel() // above
+    return torch.cat([flat[::step], flat.float().sum().reshape(1).to(flat.dtype)])
+
+
+def tensors_digest(tensors: Iterable[Tensor], *, shapes: bool = False) -> str:
+    """Digest of tensors' bytes, in order (data, a sampling order, a weight vector).
+
+    Args:
+        tensors: the tensors.
+        shapes: digest each tensor's shape before its bytes (``[2, 3]`` and ``[3, 2]`` of the
+            same values then differ).
+
+    Example:
+        >>> a = torch.arange(6)
+        >>> tensors_digest([a]) == tensors_digest([a.view(2, 3)])
+        True
+        >>> tensors_digest([a], shapes=True) == tensors_digest([a.view(2, 3)], shapes=True)
+        False
+    """
+    digest = TensorDigest()
+    for t in tensors:
+        if shapes:
+            digest.text(repr(tuple(t.shape)))
+        digest.tensor(t)
+    return digest.hexdigest()
+
+
+def text_digest(text: str) -> str:
+    """Digest of a text (a settings record's JSON, a module's ``repr``)."""
+    return TensorDigest().text(text).hexdigest()
+
+
+def state_digest(state: Mapping[str, Any], *, sample_above: int | None = None) -> str:
+    """Digest of a checkpoint: its names in sorted order, each with its tensor's bytes (or repr).
+
+    Args:
+        state: a ``state_dict``-like mapping.
+        sample_above: digest tensors of more elements from a stride of ``2**20`` values and
+            their sum (see :func:`model_digest`); ``None`` digests every byte.
+    """
+    digest = TensorDigest()
+    for name in sorted(state):
+        value = state[name]
+        digest.text(name)
+        digest.value(_sampled(value, sample_above) if isinstance(value, Tensor) else value)
+    return digest.hexdigest()
+
+
+def architecture_digest(model: torch.nn.Module) -> str:
+    """Digest of a model's architecture: parameter and buffer names, shapes and dtypes."""
+    digest = TensorDigest()
+    for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in items:
+            digest.text(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype};")
+    return digest.hexdigest()
+
+
+def model_digest(model: torch.nn.Module, *, sample_above: int | None = SAMPLE_ABOVE) -> str:
+    """Digest of a model's class, and its parameters' and buffers' names, shapes and values.
+
+    Tensors of more than ``sample_above`` elements enter through an even stride of
+    ``2**20`` of their values and their sum (``None``: every byte).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> before = model_digest(model)
+        >>> with torch.no_grad():
+        ...     _ = model.bias.add_(1.0)
+        >>> before != model_digest(model)
+        True
+    """
+    digest = TensorDigest(type(model).__name__)
+    for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in items:
+            digest.text(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype};")
+            digest.tensor(_sampled(t, sample_above))
+    return digest.hexdigest()
+
+
+def digest_scheme_refusal(
+    record: Mapping[str, Any], *, fields: Iterable[str], where: str, legacy: str, fix: str
+) -> str | None:
+    """Why a stored record's digests cannot be compared with this version's; None if they can.
+
+    Records written before :data:`DIGEST_SCHEME` was the one scheme carry no
+    :data:`DIGEST_KEY`; their digests were made by the store's ``legacy`` scheme.
+
+    Args:
+        record: the stored record.
+        fields: the record's fields that hold digests (a record with none of them is fine).
+        where: what holds it, for the message.
+        legacy: the scheme by which the store wrote its records before they named one.
+        fix: what to do instead.
+
+    Example:
+        >>> old = {"versions": {"gradsketch": "0.1.0"}, "model": "00ff"}
+        >>> why = digest_scheme_refusal(
+        ...     old, fields=["model"], where="`out`", legacy="blake2b/16", fix="Delete it."
+        ... )
+        >>> print(why)
+        `out` was written by gradsketch 0.1.0, whose digests of models and data (blake2b/16) \
+this version (sha256/16) cannot compare with its own. Delete it.
+        >>> new = {DIGEST_KEY: DIGEST_SCHEME, "model": "00ff"}
+        >>> digest_scheme_refusal(new, fields=["model"], where="", legacy="", fix="")
+    """
+    scheme = record.get(DIGEST_KEY, legacy)
+    if scheme == DIGEST_SCHEME or not any(field in record for field in fields):
+        return None
+    versions = record.get("versions")
+    version = versions.get("gradsketch") if isinstance(versions, Mapping) else None
+    return (
+        f"{where} was written by gradsketch {version or '(version not recorded)'}, whose "
+        f"digests of models and data ({scheme}) this version ({DIGEST_SCHEME}) cannot compare "
+        f"with its own. {fix}"
+    )

@@ -3,7 +3,7 @@
 Each native library is one C file (with the headers it includes) described
 by a :class:`NativeSpec`: ``sketch`` (the count-sketch scatter and the
 sampler's Gram, :mod:`gradsketch.sketch._native`) and ``train`` (the SLT
-sampler's train-mode kernels, :mod:`gradsketch.slt._train_native`). This
+sampler's train-mode kernels, :mod:`gradsketch.slt._fast._native`). This
 module holds what they share: compiling at first use with the system C
 compiler (``$CC``, else ``cc``) and ``-O3 -march=native -fopenmp``, the way
 ``torch.compile`` builds its CPU kernels, caching under
@@ -45,7 +45,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,19 @@ class NativeSpec:
     abi_version: int
     symbols: tuple[str, ...]
     abi_symbol: str = "gs_abi_version"
+
+    @classmethod
+    def typed(
+        cls, name: str, package_file: str, sources: tuple[str, ...], abi_version: int, prefix: str
+    ) -> NativeSpec:
+        """A library in ``csrc/`` beside ``package_file`` exporting ``{prefix}_{value}_{index}``.
+
+        Those kernels are instantiated for every value and index type
+        (:func:`kernel_symbols`).
+        """
+        return cls(
+            name, Path(package_file).with_name("csrc"), sources, abi_version, kernel_symbols(prefix)
+        )
 
     @property
     def switch(self) -> str:
@@ -356,6 +370,68 @@ def _bind(spec: NativeSpec, target: Path, how: str) -> tuple[NativeStatus, ctype
         return NativeStatus(False, f"{target} lacks a kernel ({err}); delete it to rebuild"), None
     logger.info("gradsketch native %s kernels %s: %s", spec.name, how, target)
     return NativeStatus(True, how, str(target)), lib
+
+
+#: Name suffixes of the value and index types the kernels are instantiated for.
+VALUE_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+INDEX_SUFFIX = {torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
+
+
+def kernel_symbols(prefix: str) -> tuple[str, ...]:
+    """``{prefix}_{value}_{index}`` for every value and index type the kernels take."""
+    return tuple(f"{prefix}_{v}_{i}" for v in VALUE_SUFFIX.values() for i in INDEX_SUFFIX.values())
+
+
+#: Bound kernels by (value type, index type) name, as :func:`bind_kernels` returns them.
+Kernels = dict[tuple[str, str], Any]
+
+
+def bind_kernels(
+    spec: NativeSpec,
+    prefix: str,
+    values: Iterable[str],
+    indices: Iterable[str],
+    argtypes: list[Any],
+    *,
+    keep_library: bool = False,
+) -> tuple[NativeStatus, Kernels | None]:
+    """Load ``spec``'s library and bind ``{prefix}_{value}_{index}`` for every pair.
+
+    Every kernel takes ``argtypes`` and returns a C ``int``. With
+    ``keep_library`` the library itself stands under the key ``("library", "")``.
+    """
+    status, lib = load(spec)
+    if lib is None:
+        return status, None
+    kernels: Kernels = {("library", ""): lib} if keep_library else {}
+    indices = tuple(indices)
+    for value in values:
+        for index in indices:
+            fn = getattr(lib, f"{prefix}_{value}_{index}")
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+            kernels[value, index] = fn
+    return status, kernels
+
+
+def load_once(
+    lock: threading.Lock,
+    current: Callable[[], tuple[NativeStatus, Kernels | None] | None],
+    bind: Callable[[], tuple[NativeStatus, Kernels | None]],
+    spec: NativeSpec,
+    instead: str,
+) -> tuple[NativeStatus, Kernels | None]:
+    """``current()`` if another thread has loaded it, else ``bind()`` under ``lock``.
+
+    A library that is not used is reported once (:func:`report_fallback`), at
+    the load that found it missing.
+    """
+    with lock:
+        state = current()
+        if state is None:
+            state = bind()
+            report_fallback(spec, state[0], instead)
+    return state
 
 
 def report_fallback(spec: NativeSpec, status: NativeStatus, instead: str) -> None:

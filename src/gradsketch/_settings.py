@@ -29,24 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from gradsketch._json import jsonable
-from gradsketch.errors import GradsketchError
+from gradsketch.errors import SettingsMismatchError, StoreIntegrityError
 
 #: Key under which :func:`settings_record` stores package versions.
 VERSIONS_KEY = "versions"
 
 #: Packages whose versions are recorded by default.
 DEFAULT_PACKAGES: tuple[str, ...] = ("gradsketch", "torch", "numpy", "zarr")
-
-
-class SettingsMismatchError(GradsketchError, ValueError):
-    """Stored results were made with other settings than the ones requested."""
-
-
-class StoreIntegrityError(GradsketchError, RuntimeError):
-    """Stored data or a stored record is missing, damaged or fails its checksum.
-
-    The message names the file (and the rows, for row data) and how to recover.
-    """
 
 
 def package_versions(packages: Iterable[str] = DEFAULT_PACKAGES) -> dict[str, str | None]:

@@ -34,12 +34,13 @@ Rules that make runs resumable:
   each other for long.
 * **Checked data.** Every array is created with :func:`array_options`: a
   crc32c checksum on every chunk (zarr v3's ``Crc32cCodec``) and, for float
-  arrays, a NaN fill value that cannot pass for data. :meth:`RowStore.damaged_rows`
-  finds rows flagged done whose chunk is missing, fails its checksum, cannot
-  be decoded, or reads NaN; :meth:`RowStore.unflag` marks them for
-  recomputation. Arrays written by gradsketch before checksums (no
-  ``crc32c`` codec) still open and are checked for missing and undecodable
-  chunks.
+  arrays, a NaN fill value that cannot pass for data. :meth:`RowStore.damage`
+  finds, with every store's checks (:func:`gradsketch._integrity.scan_array`),
+  rows flagged done whose chunk is missing, fails its checksum, cannot be
+  decoded, or reads NaN, each named by array, chunk and file;
+  :meth:`RowStore.unflag_damaged` marks them for recomputation. Arrays
+  written by gradsketch before checksums (no ``crc32c`` codec) still open
+  and are checked for missing and undecodable chunks.
 
 Example:
     >>> import tempfile, numpy as np
@@ -59,8 +60,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
+import os
 import shutil
 import threading
 import weakref
@@ -73,11 +76,16 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
+from gradsketch._hash import text_digest
+from gradsketch._integrity import ChunkDamage, read_json, scan_array
+from gradsketch._json import jsonable
 from gradsketch._settings import (
+    VERSIONS_KEY,
     SettingsMismatchError,
     StoreIntegrityError,
     read_record,
     require_same_settings,
+    settings_diff,
     settings_record,
     write_record,
 )
@@ -102,8 +110,15 @@ MERGE_MAX_BYTES = 64 << 20
 #: File name of the advisory lock held while writing (see :class:`WriteLock`).
 LOCK_FILE = ".write.lock"
 
+#: Attribute in which every array records the fingerprint of the settings that made it.
+SETTINGS_ATTRIBUTE = "settings_fingerprint"
+#: Attribute of the root group that keeps a copy of the settings record.
+SETTINGS_COPY = "settings"
+
 __all__ = [
     "LOCK_FILE",
+    "SETTINGS_ATTRIBUTE",
+    "SETTINGS_COPY",
     "SETTINGS_FILE",
     "RowStore",
     "SettingsMismatchError",
@@ -111,7 +126,20 @@ __all__ = [
     "WriteLock",
     "array_options",
     "default_chunk_rows",
+    "settings_fingerprint",
 ]
+
+
+def settings_fingerprint(record: Mapping[str, Any]) -> str:
+    """Digest of a settings record, package versions left out.
+
+    Example:
+        >>> settings_fingerprint({"n": 1, "versions": {"torch": "2"}}) == settings_fingerprint(
+        ...     {"n": 1})
+        True
+    """
+    data = {k: v for k, v in record.items() if k != VERSIONS_KEY}
+    return text_digest(json.dumps(jsonable(data), sort_keys=True))
 
 
 def array_options(
@@ -183,27 +211,24 @@ class WriteLock:
             yield
 
 
-def _json_ok(path: Path) -> bool:
-    """Whether ``path`` is absent or holds valid JSON (zarr metadata)."""
-    if not path.is_file():
-        return True
+def _read_settings(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """The settings record at ``path``, or ``(None, what is wrong with it)``."""
+    if not path.exists():
+        return None, "is missing"
     try:
-        json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return True
+        return read_record(path), ""
+    except (StoreIntegrityError, SettingsMismatchError) as exc:
+        return None, f"is unreadable ({exc.__cause__ or 'not a JSON object'})"
 
 
-def _chunk_file(root: Path, name: str, arr: zarr.Array, chunk: int) -> Path | None:
-    """Path of row chunk ``chunk`` of a row-chunked array (``None``: not one file per row chunk)."""
-    if any(c != s for c, s in zip(arr.chunks[1:], arr.shape[1:], strict=True)):
-        return None
-    encoding = arr.metadata.to_dict().get("chunk_key_encoding", {})
-    if not isinstance(encoding, dict) or encoding.get("name") != "default":
-        return None
-    sep = encoding.get("configuration", {}).get("separator", "/")
-    key = sep.join(["c", str(chunk), *("0" * (arr.ndim - 1))])
-    return root / name / Path(*key.split("/"))
+def _unreadable(path: Path) -> bool:
+    """Whether the zarr metadata ``path`` exists but cannot be read (truncated, garbled)."""
+    return read_json(path)[1] not in (None, "missing")
+
+
+def _nan_holes(block: np.ndarray) -> tuple[np.ndarray, str]:
+    """Rows of a decoded chunk holding NaN: never written (callers store finite data only)."""
+    return np.isnan(block.reshape(block.shape[0], -1)).any(axis=1), "holds NaN (never written)"
 
 
 def default_chunk_rows(row_shape: tuple[int, ...], dtype: Any) -> int:
@@ -307,27 +332,95 @@ class RowStore:
         self.path.mkdir(parents=True, exist_ok=True)
         self.lock = WriteLock(self.path / LOCK_FILE)
         record = settings_record(settings, packages=packages)
+        self.fingerprint = settings_fingerprint(record)
         settings_path = self.path / SETTINGS_FILE
         with self.lock.held():
-            if settings_path.exists():
-                stored = read_record(
-                    settings_path,
-                    fix=(
-                        "if you know the settings it was written with are the ones you pass now, "
-                        "delete that file and rerun (it is written again); otherwise delete the "
-                        f"directory `{self.path}` and recompute."
-                    ),
-                )
+            stored, problem = _read_settings(settings_path)
+            if stored is not None:
                 require_same_settings(stored, record, where=f"{what} at `{self.path}`")
-                self.settings = stored
             else:
+                # Lost or unreadable: judged from the fingerprints the arrays carry.
+                self._check_arrays_made_by(record, problem)
                 write_record(settings_path, record)
-                self.settings = record
+                stored = record
+            self.settings = stored
             self.root = self._open_group()
+            if SETTINGS_COPY not in self.root.attrs:
+                self.root.attrs[SETTINGS_COPY] = jsonable(
+                    {k: v for k, v in record.items() if k != VERSIONS_KEY}
+                )
         # Opened arrays, by name: a lookup through the group re-reads metadata
         # from disk (~1.5 ms), and an array's shape never changes once created.
         self._arrays: dict[str, zarr.Array] = {}
         self._writer: BackgroundWriter[_Job] | None = None
+
+    # -- the settings record, kept redundantly ----------------------------------
+    def _array_fingerprints(self) -> dict[str, str | None]:
+        """Each stored array's settings fingerprint (``None``: it records none)."""
+        found: dict[str, str | None] = {}
+        for folder, dirs, files in os.walk(self.path):
+            here = Path(folder)
+            # A nested store (its own settings record) answers for its own arrays.
+            dirs[:] = [d for d in dirs if not (here / d / SETTINGS_FILE).exists()]
+            if "zarr.json" not in files:
+                continue
+            meta, _ = read_json(here / "zarr.json")
+            if meta is None:
+                meta = {"node_type": "array"}  # damaged metadata: made by unknown settings
+            if meta.get("node_type") == "array":
+                name = here.relative_to(self.path).as_posix()
+                found[name] = (meta.get("attributes") or {}).get(SETTINGS_ATTRIBUTE)
+        return found
+
+    def _settings_copy(self) -> dict[str, Any] | None:
+        """The copy of the settings record kept in the root group's attributes."""
+        meta, _ = read_json(self.path / "zarr.json")
+        if meta is None:
+            return None
+        copy = (meta.get("attributes") or {}).get(SETTINGS_COPY)
+        return copy if isinstance(copy, dict) else None
+
+    def _check_arrays_made_by(self, record: Mapping[str, Any], problem: str) -> None:
+        """Refuse to record ``record`` over arrays that other settings made.
+
+        Raises:
+            SettingsMismatchError: an array records another settings fingerprint
+                (both settings shown where the root keeps a copy).
+            StoreIntegrityError: an array records no fingerprint (written
+                before arrays recorded one), so its settings cannot be checked.
+        """
+        other = {k: v for k, v in self._array_fingerprints().items() if v != self.fingerprint}
+        where = f"the {self.what} at `{self.path}`: its settings record `{SETTINGS_FILE}` {problem}"
+        if not other:
+            if problem != "is missing" or (self.path / "zarr.json").exists():
+                logger.warning(
+                    "%s; every array in it was made with the settings requested now, so the "
+                    "record is written again.",
+                    where,
+                )
+            return
+        unknown = sorted(name for name, fp in other.items() if fp is None)
+        if unknown:
+            raise StoreIntegrityError(
+                f"{where}, and arrays {unknown[:3]} record no settings fingerprint (written by an "
+                "older gradsketch), so the settings that made them cannot be checked. Fix: "
+                "restore the record from a copy, or use another directory and recompute."
+            )
+        copy = self._settings_copy()
+        if copy is not None and settings_fingerprint(copy) in other.values():
+            shown = settings_diff(copy, record)
+        else:
+            stored = sorted({str(v) for v in other.values()})
+            shown = [
+                f"settings fingerprint: stored {stored}, requested {self.fingerprint!r} (arrays "
+                f"{sorted(other)[:3]})"
+            ]
+        raise SettingsMismatchError(
+            f"{where}, and its arrays were made with other settings:\n  "
+            + "\n  ".join(shown)
+            + "\nRerun with the settings they were made with (the record is then written "
+            "again), or use another directory for the new settings."
+        )
 
     # -- write-behind -------------------------------------------------------
     def flush(self) -> None:
@@ -392,19 +485,19 @@ class RowStore:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise self._damaged_metadata(name, exc) from exc
 
-    def _damaged_metadata(self, name: str, exc: BaseException) -> StoreIntegrityError:
+    def _damaged_metadata(self, name: str, cause: object) -> StoreIntegrityError:
         # zarr reads the metadata of every node on the way to ``name``.
         damaged = [
             p
             for p in (self.path / name).parents
-            if p.is_relative_to(self.path) and not _json_ok(p / "zarr.json")
+            if p.is_relative_to(self.path) and _unreadable(p / "zarr.json")
         ]
         where = damaged[0] if damaged else self.path / name
-        if not _json_ok(self.path / name / "zarr.json"):
+        if _unreadable(self.path / name / "zarr.json"):
             where = self.path / name
         return StoreIntegrityError(
             f"the {self.what} at `{self.path}` has a damaged zarr record `{where / 'zarr.json'}` "
-            f"({exc!r}). Fix: delete the directory `{where}` and rerun; what it held is "
+            f"({cause!r}). Fix: delete the directory `{where}` and rerun; what it held is "
             "recomputed."
         )
 
@@ -477,7 +570,12 @@ class RowStore:
             parent, _, leaf = name.rpartition("/")
             group = self.root.require_group(parent) if parent else self.root
             created = group.create_array(
-                leaf, shape=shape, dtype=dtype, chunks=chunks, **array_options(dtype, fill_value)
+                leaf,
+                shape=shape,
+                dtype=dtype,
+                chunks=chunks,
+                attributes={SETTINGS_ATTRIBUTE: self.fingerprint},
+                **array_options(dtype, fill_value),
             )
         self._arrays[name] = created
         return created
@@ -525,44 +623,56 @@ class RowStore:
                 "it flagged is recomputed."
             ) from exc
 
+    def damage(self, names: Sequence[str], done: str) -> list[ChunkDamage]:
+        """Each damaged chunk of ``names`` that holds rows flagged in ``done``, with those rows.
+
+        Every store's checks (:func:`gradsketch._integrity.scan_array`): a
+        chunk file that is missing, fails its checksum or cannot be decoded
+        (truncated, garbled); and this store's own: in a float array whose
+        fill value is NaN, a row holding NaN (never-written entries read NaN;
+        callers store finite data only). Only flagged rows are reported.
+        Reads one chunk at a time.
+
+        Raises:
+            StoreIntegrityError: an array's ``zarr.json`` is unreadable (its rows
+                cannot be rewritten; the message names the directory to delete).
+        """
+        flags = self.done_rows(done)
+        flagged = np.flatnonzero(flags)
+        found: list[ChunkDamage] = []
+        if not flagged.size:
+            return found
+        for name in names:
+            arr = self.array(name)
+            fill = arr.fill_value
+            nan_fill = arr.dtype.kind == "f" and fill is not None and bool(np.isnan(fill))
+            scanned = scan_array(
+                self.path, name, rows=flagged, inspect=_nan_holes if nan_fill else None
+            )
+            for d in scanned:
+                if not d.chunk:
+                    raise self._damaged_metadata(name, d.problem)
+                rows = tuple(r for r in d.rows if flags[r])
+                if rows:
+                    found.append(dataclasses.replace(d, rows=rows))
+        return found
+
     def damaged_rows(self, names: Sequence[str], done: str) -> dict[str, np.ndarray]:
         """Rows flagged in ``done`` whose data in an array of ``names`` is not intact.
 
-        A row is damaged when its chunk file is missing, fails its checksum or
-        cannot be decoded (truncated, garbled), or, in a float array whose
-        fill value is NaN, when it holds a NaN (never-written entries read NaN;
-        callers store finite data only). Reads one row chunk at a time.
-
-        Returns:
-            ``{array_name: sorted row indices}`` for each array with damaged rows.
+        :meth:`damage` by array: ``{array_name: sorted row indices}`` for each
+        array with damaged rows.
         """
-        flags = self.done_rows(done)
-        found: dict[str, np.ndarray] = {}
-        for name in names:
-            arr = self.array(name)
-            n, step = int(arr.shape[0]), max(1, int(arr.chunks[0]))
-            fill = arr.fill_value
-            nan_fill = arr.dtype.kind == "f" and fill is not None and bool(np.isnan(fill))
-            bad = np.zeros(n, dtype=bool)
-            for chunk, i0 in enumerate(range(0, n, step)):
-                i1 = min(n, i0 + step)
-                wanted = flags[i0:i1]
-                if not wanted.any():
-                    continue
-                chunk_path = _chunk_file(self.path, name, arr, chunk)
-                if chunk_path is not None and not chunk_path.is_file():
-                    bad[i0:i1] = wanted
-                    continue
-                try:
-                    block = np.asarray(arr[i0:i1])
-                except (ValueError, OSError, EOFError):
-                    bad[i0:i1] = wanted
-                    continue
-                if nan_fill:
-                    holes = np.isnan(block.reshape(i1 - i0, -1)).any(axis=1)
-                    bad[i0:i1] |= wanted & holes
-            if bad.any():
-                found[name] = np.nonzero(bad)[0]
+        rows: dict[str, set[int]] = {}
+        for d in self.damage(names, done):
+            rows.setdefault(d.array, set()).update(d.rows)
+        return {name: np.array(sorted(r), dtype=np.int64) for name, r in rows.items()}
+
+    def unflag_damaged(self, names: Sequence[str], done: str) -> list[ChunkDamage]:
+        """:meth:`damage`, its rows unflagged in ``done`` (so that a rerun recomputes them)."""
+        found = self.damage(names, done)
+        if found:
+            self.unflag(done, np.array([r for d in found for r in d.rows], dtype=np.int64))
         return found
 
     def unflag(self, name: str, rows: np.ndarray) -> None:

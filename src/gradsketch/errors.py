@@ -1,11 +1,13 @@
 """The exceptions gradsketch raises, all subclasses of :class:`GradsketchError`.
 
-Each keeps the built-in parent it had (``ValueError`` for bad arguments and
-settings, ``RuntimeError`` for a state the program cannot continue from), so
-``except ValueError`` still works, and ``except GradsketchError`` catches
-everything the library raises on purpose. Each class stays importable from
-its capability package too; the ones defined there load from here on first
-use, so importing this module imports no capability.
+This module is the one home of the library's exceptions (the demos keep theirs
+in :mod:`gradsketch.demos`) and imports nothing of ours, so any module may
+import from it without making an import circle. Each class keeps the built-in
+parent it had (``ValueError`` for bad arguments and settings, ``RuntimeError``
+for a state the program cannot continue from), so ``except ValueError`` still
+works, and ``except GradsketchError`` catches everything the library raises on
+purpose. The capability packages re-export the classes they raise, so
+``gradsketch.masked.MaskError is gradsketch.errors.MaskError``.
 
 Example:
     >>> from gradsketch.errors import GradsketchError, MaskError
@@ -15,43 +17,22 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from gradsketch._lazy import lazy_getattr
-
-if TYPE_CHECKING:
-    from gradsketch._distributed import DistributedMismatchError
-    from gradsketch._settings import SettingsMismatchError, StoreIntegrityError
-    from gradsketch.attribution import (
-        BatchFormatError,
-        HookComputationError,
-        MemoryBudgetError,
-        ModelIDException,
-        NonFiniteFeaturesError,
-        UnknownTaskError,
-        VmapTraceError,
-        WrappedModelError,
-    )
-    from gradsketch.demos import DemoSettingsError, DigitsSettingsError
-    from gradsketch.demos._lm_corpus import CorpusError
-    from gradsketch.demos.lm import LMDemoSettingsError
-    from gradsketch.masked import MaskError
-    from gradsketch.sketch import FactorizedLayoutError, FingerprintMismatchError
-    from gradsketch.sketch._backend import TritonUnavailableError
-    from gradsketch.slt import NonFiniteLossError, OutputPathMismatchError
-
 __all__ = [
     "GradsketchError",
+    # configuration and settings
     "ConfigError",
     "ConfigFileError",
-    # defined beside the code that raises them
-    "MaskError",
-    "FingerprintMismatchError",
-    "FactorizedLayoutError",
-    "TritonUnavailableError",
     "SettingsMismatchError",
     "StoreIntegrityError",
     "DistributedMismatchError",
+    "UnsupportedModelError",
+    # masked
+    "MaskError",
+    # sketch
+    "FingerprintMismatchError",
+    "FactorizedLayoutError",
+    "TritonUnavailableError",
+    # attribution
     "ModelIDException",
     "NonFiniteFeaturesError",
     "MemoryBudgetError",
@@ -60,17 +41,17 @@ __all__ = [
     "HookComputationError",
     "BatchFormatError",
     "VmapTraceError",
+    # slt
     "NonFiniteLossError",
     "OutputPathMismatchError",
-    "DemoSettingsError",
-    "DigitsSettingsError",
-    "CorpusError",
-    "LMDemoSettingsError",
 ]
 
 
 class GradsketchError(Exception):
     """Base class of every exception gradsketch raises on purpose."""
+
+
+# --- configuration and settings -------------------------------------------------------------
 
 
 class ConfigError(GradsketchError, ValueError):
@@ -81,29 +62,101 @@ class ConfigFileError(ConfigError, FileNotFoundError):
     """A config path that is not an existing ``.py`` file."""
 
 
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "MaskError": "gradsketch.masked",
-        "FingerprintMismatchError": "gradsketch.sketch",
-        "FactorizedLayoutError": "gradsketch.sketch",
-        "TritonUnavailableError": "gradsketch.sketch._backend",
-        "SettingsMismatchError": "gradsketch._settings",
-        "StoreIntegrityError": "gradsketch._settings",
-        "DistributedMismatchError": "gradsketch._distributed",
-        "ModelIDException": "gradsketch.attribution",
-        "NonFiniteFeaturesError": "gradsketch.attribution",
-        "MemoryBudgetError": "gradsketch.attribution",
-        "UnknownTaskError": "gradsketch.attribution",
-        "WrappedModelError": "gradsketch.attribution",
-        "HookComputationError": "gradsketch.attribution",
-        "BatchFormatError": "gradsketch.attribution",
-        "VmapTraceError": "gradsketch.attribution",
-        "NonFiniteLossError": "gradsketch.slt",
-        "OutputPathMismatchError": "gradsketch.slt",
-        "DemoSettingsError": "gradsketch.demos",
-        "DigitsSettingsError": "gradsketch.demos",
-        "CorpusError": "gradsketch.demos._lm_corpus",
-        "LMDemoSettingsError": "gradsketch.demos.lm",
-    },
-)
+class SettingsMismatchError(GradsketchError, ValueError):
+    """Stored results were made with other settings than the ones requested."""
+
+
+class StoreIntegrityError(GradsketchError, RuntimeError):
+    """Stored data or a stored record is missing, damaged or fails its checksum.
+
+    The message names the file (and the rows, for row data) and how to recover.
+    """
+
+
+class DistributedMismatchError(GradsketchError, RuntimeError):
+    """Ranks of one job disagree on something that must be identical (weights, sizes, seeds)."""
+
+
+class UnsupportedModelError(GradsketchError, ValueError):
+    """The model's architecture is not one the API serves (an encoder given to ``slt``).
+
+    Raised before any work, judged by the model's class and config; the
+    message names the model type, what is supported and what to use instead.
+    """
+
+
+# --- masked ------------------------------------------------------------------------------------
+
+
+class MaskError(GradsketchError, ValueError):
+    """A mask does not fit what it is applied to.
+
+    Raised for masks with the wrong dtype, shape or device, masks keyed by
+    tensors an optimizer does not hold, and parameter names a
+    :class:`~gradsketch.masked.ParamMask` does not know. It subclasses
+    :class:`ValueError`, so ``except ValueError`` catches it too.
+    """
+
+
+# --- sketch ------------------------------------------------------------------------------------
+
+
+class FingerprintMismatchError(GradsketchError, ValueError):
+    """Raised when sketches or stored features made by different maps are combined."""
+
+
+class FactorizedLayoutError(GradsketchError, ValueError):
+    """Raised when a model, a gradient or a factor does not fit a projector's layout."""
+
+
+class TritonUnavailableError(GradsketchError, RuntimeError):
+    """The Triton kernels were asked for where they cannot run."""
+
+
+# --- attribution -------------------------------------------------------------------------------
+
+
+class ModelIDException(GradsketchError, RuntimeError, AssertionError):
+    """A checkpoint (model id) is missing, incomplete or inconsistent.
+
+    TRAK's name; also an AssertionError, which trak 0.3.2 raises and its users catch.
+    """
+
+
+class NonFiniteFeaturesError(GradsketchError, ValueError):
+    """A NaN or inf in weights, inputs, gradients or features, refused where it appears."""
+
+
+class MemoryBudgetError(GradsketchError, ValueError):
+    """The result does not fit the memory budget and no on-disk destination was given."""
+
+
+class UnknownTaskError(GradsketchError, ValueError):
+    """``task`` names no registered model output."""
+
+
+class WrappedModelError(GradsketchError, ValueError):
+    """Raised for a model wrapped in DataParallel / DDP / FSDP."""
+
+
+class HookComputationError(GradsketchError, RuntimeError):
+    """Raised when a hooked forward / backward does not fit the per-example assumptions."""
+
+
+class BatchFormatError(GradsketchError, ValueError):
+    """A batch does not have the fields (or the tuple length) the task expects."""
+
+
+class VmapTraceError(GradsketchError, RuntimeError):
+    """``torch.func.vmap`` cannot trace the model, and layer hooks cannot stand in."""
+
+
+# --- slt ---------------------------------------------------------------------------------------
+
+
+class NonFiniteLossError(GradsketchError, ValueError):
+    """A chain's per-token loss was NaN or infinite."""
+
+
+class OutputPathMismatchError(SettingsMismatchError, RuntimeError):
+    """``output_path`` holds samples made with other settings (or is not a sample store)."""

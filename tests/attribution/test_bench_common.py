@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from _common import cpu_model, emit, median_time, run_isolated  # noqa: E402
+from helpers.benchmarks import load_benchmark
+
+common = load_benchmark("_common")
+cpu_model, emit = common.cpu_model, common.emit
+median_time, run_isolated = common.median_time, common.run_isolated
 
 
 def test_median_time_counts_warmup_and_repeats(monkeypatch):
     calls = []
     ticks = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])  # durations 1, 3, 2
-    monkeypatch.setattr("_common.time.perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(ticks))
     assert median_time(lambda: calls.append(1), repeats=3, warmup=2) == 2.0
     assert len(calls) == 5
 

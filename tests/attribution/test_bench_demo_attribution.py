@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from helpers.benchmarks import load_benchmark
 
-import bench_demo_attribution as bench  # noqa: E402
+bench = load_benchmark("bench_demo_attribution")
 
 
 @pytest.mark.slow

@@ -1,31 +1,31 @@
-"""benchmarks/bench_influence_defaults.py: five protocols at toy sizes, the grid's re-scoring."""
+"""bench_influence_defaults: its five protocols at toy sizes, the grid's re-scoring."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-import bench_influence_defaults as bd  # noqa: E402
+from gradsketch.demos.protocols import influence as ip
+from helpers.benchmarks import load_benchmark
+
+bd = load_benchmark("bench_influence_defaults")
 
 #: Toy sizes: 24 training rows, 4 queries, 3 retrained models, one checkpoint, one epoch.
-TINY = bd.Sizes(num_train=24, num_queries=4, lds_models=3, checkpoints=1, epochs=1)
+TINY = ip.Sizes(num_train=24, num_queries=4, lds_models=3, checkpoints=1, epochs=1)
 EKFAC = {"method": "ekfac", "curvature": "loss", "sample_seed": None}
 
 
 @pytest.fixture(scope="module")
-def logreg() -> bd.Protocol:
-    return bd.build_protocol("digits-logreg", TINY)
+def logreg() -> ip.Protocol:
+    return ip.build_protocol("digits-logreg", TINY)
 
 
-@pytest.mark.parametrize("name", bd.PROTOCOLS)
+@pytest.mark.parametrize("name", ip.PROTOCOLS)
 def test_every_protocol_builds_at_toy_size(name: str) -> None:
-    p = bd.build_protocol(name, TINY)
+    p = ip.build_protocol(name, TINY)
     assert p.num_train == 24
     assert sum(int(b[0].shape[0]) for b in p.query_batches) == 4
     assert p.masks.shape == (3, 24) and np.asarray(p.outputs).shape == (3, 4)
@@ -80,7 +80,7 @@ def test_run_protocol_emits_one_line_per_setting_and_tables_read_them(
 
 
 def test_grid_from_the_command_line() -> None:
-    parse = bd.argparse.Namespace
+    parse = argparse.Namespace
     given = parse(quick=False, seeds="4", absolute="", pooled_multiples=None, fractions="0.3,1")
     assert bd.Grid.from_args(given) == bd.Grid(seeds=(4,), absolute=(), fractions=(0.3, 1.0))
     quick = parse(quick=True, seeds=None, absolute=None, pooled_multiples=None, fractions=None)

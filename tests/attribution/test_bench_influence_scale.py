@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from helpers.benchmarks import load_benchmark
 
 
 @pytest.mark.bench
@@ -20,7 +17,7 @@ def test_quick_shape_scores_equal_kronfluence(capsys):
     their correlation is 1 to many digits; 0.9999 leaves room for summation order only."""
     pytest.importorskip("kronfluence")
     pytest.importorskip("transformers")
-    import bench_influence_scale
+    bench_influence_scale = load_benchmark("bench_influence_scale")
 
     bench_influence_scale.run("tiny", bench_influence_scale.QUICK["tiny"])
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
+
+from helpers.benchmarks import load_benchmark
 
 transformers = pytest.importorskip("transformers")
 # The GPT-2 classes load lazily; loading them here keeps that out of the test's own time.
 transformers.GPT2LMHeadModel
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import bench_projector_quality as bench  # noqa: E402
+bench = load_benchmark("bench_projector_quality")
 
 FIELDS = {
     "model",

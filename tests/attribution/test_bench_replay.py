@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-import bench_replay as br  # noqa: E402
+from gradsketch.demos.protocols import replay as br
+from helpers.benchmarks import load_benchmark
 
 
 @pytest.mark.slow
@@ -131,7 +128,7 @@ def test_warmup_reaches_both_loops_and_the_ops_part_counts():
 )
 def test_protocol_arguments_are_refused_where_they_do_not_apply(argv, match, capsys):
     with pytest.raises(SystemExit):
-        br.main(argv)
+        load_benchmark("bench_replay").main(argv)
     assert match in capsys.readouterr().err
 
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from helpers.benchmarks import load_benchmark
 
 
 @pytest.mark.bench
@@ -21,7 +19,7 @@ def test_scoring_kernel_row_times_the_same_scores_as_traker():
     1e-4 of their largest entry, the tolerance of test_scores.py.
     """
     pytest.importorskip("trak")
-    import bench_attribution
+    bench_attribution = load_benchmark("bench_attribution")
 
     row = bench_attribution._scoring_kernel_row(300, 16, 8, 1)
     assert row["traker_scope"] == bench_attribution.TRAKER_SCORING
@@ -30,7 +28,7 @@ def test_scoring_kernel_row_times_the_same_scores_as_traker():
 
 
 def test_dattri_rows_without_dattri_say_so(monkeypatch, capsys):
-    import bench_influence
+    bench_influence = load_benchmark("bench_influence")
 
     monkeypatch.setitem(sys.modules, "dattri.algorithm", None)
     bench_influence.dattri_rows([], None, None, None, None, None, None, 0, [])
@@ -39,7 +37,7 @@ def test_dattri_rows_without_dattri_say_so(monkeypatch, capsys):
 
 
 def test_dattri_rows_follow_only(capsys):
-    import bench_influence
+    bench_influence = load_benchmark("bench_influence")
 
     bench_influence.dattri_rows([], None, None, None, None, None, None, 0, ["kronfluence"])
     assert capsys.readouterr().out == ""

@@ -135,7 +135,7 @@ def test_cli_demo_has_the_replay_flag_and_refuses_it_with_lm(tmp_path):
 )
 def test_cli_demo_runs_the_replay_unless_told_not_to(tmp_path, monkeypatch, flags, expected):
     """``make demo`` (no flag) includes the replay; ``--no-replay`` leaves it out."""
-    import gradsketch.demos._attribution as demo_module
+    import gradsketch.demos as demo_module
 
     seen = {}
 

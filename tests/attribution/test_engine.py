@@ -21,12 +21,12 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 from gradsketch.attribution import (  # noqa: E402
-    PRECONDITIONERS,
+    CURVATURE_PRECONDITIONERS,
+    CurvaturePreconditioner,
     FeatureBatch,
-    Preconditioner,
     TrainRows,
     TRAKer,
-    register_preconditioner,
+    register_curvature_preconditioner,
 )
 from gradsketch.masked import ParamMask  # noqa: E402
 
@@ -163,8 +163,8 @@ def test_topk_is_the_top_of_the_scores(tmp_path, method):
 # -- a user-registered preconditioner ---------------------------------------------------
 @pytest.fixture
 def diagonal():
-    @register_preconditioner("test-diagonal")
-    class Diagonal(Preconditioner):
+    @register_curvature_preconditioner("test-diagonal")
+    class Diagonal(CurvaturePreconditioner):
         """``P = diag(mean_i φ_i²) + λ``, fitted in finalize; counts the rows it saw."""
 
         accumulates = True
@@ -197,7 +197,7 @@ def diagonal():
                 self.seen = np.asarray(state["seen"])
 
     yield Diagonal
-    del PRECONDITIONERS["test-diagonal"]
+    del CURVATURE_PRECONDITIONERS["test-diagonal"]
 
 
 def test_a_registered_preconditioner_runs_the_whole_flow(tmp_path, diagonal):
@@ -237,15 +237,15 @@ def test_a_registered_preconditioner_runs_the_whole_flow(tmp_path, diagonal):
 
 def test_registering_refuses_bad_classes_and_taken_names(diagonal):
     with pytest.raises(ValueError, match="is registered already"):
-        register_preconditioner("test-diagonal")(type("Other", (diagonal,), {}))
-    not_subclass = r"not a subclass of gradsketch\.attribution\.Preconditioner"
+        register_curvature_preconditioner("test-diagonal")(type("Other", (diagonal,), {}))
+    not_subclass = r"not a subclass of gradsketch\.attribution\.CurvaturePreconditioner"
     with pytest.raises(ValueError, match=not_subclass):
-        register_preconditioner("x")(int)
+        register_curvature_preconditioner("x")(int)
     bad = type("Bad", (diagonal,), {"features": "pixels"})
     with pytest.raises(ValueError, match=r"Bad.features is 'pixels'; allowed: \['projected'"):
-        register_preconditioner("bad")(bad)
+        register_curvature_preconditioner("bad")(bad)
     with pytest.raises(ValueError, match="`name` must be a non-empty string"):
-        register_preconditioner("")
+        register_curvature_preconditioner("")
 
 
 def test_unknown_method_lists_the_registry(tmp_path, diagonal):
@@ -440,3 +440,22 @@ def test_lm_rows_kept_as_token_factors_equal_dense_rows(tmp_path):
     assert switched.store.has("checkpoints/0/grads")
     _, reference = _lm_rows_run(tmp_path, "reference", longer, dense=True)
     np.testing.assert_allclose(mixed, reference, rtol=1e-10, atol=1e-12 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("Preconditioner", "CurvaturePreconditioner"),
+        ("PRECONDITIONERS", "CURVATURE_PRECONDITIONERS"),
+        ("register_preconditioner", "register_curvature_preconditioner"),
+    ],
+    ids=["class", "registry", "decorator"],
+)
+def test_old_preconditioner_names_are_deprecated_aliases(old, new):
+    """The attribution family was renamed (sampling keeps the Preconditioner names)."""
+    import gradsketch.attribution as attribution
+
+    with pytest.warns(DeprecationWarning, match=f"gradsketch.attribution.{new}"):
+        alias = getattr(attribution, old)
+    assert alias is getattr(attribution, new)
+    assert old not in attribution.__all__

@@ -29,7 +29,7 @@ from gradsketch.attribution import (  # noqa: E402
     ImageClassificationModelOutput,
     TRAKer,
 )
-from gradsketch.attribution._gradient_computers import _is_vmap_trace_failure  # noqa: E402
+from gradsketch.attribution._capture import is_vmap_trace_failure as _is_vmap_trace_failure  # noqa: E402
 from gradsketch.attribution._layer_capture import capture_layers, find_layers  # noqa: E402
 from gradsketch.attribution._layers import (  # noqa: E402
     WHOLE_MODULES,

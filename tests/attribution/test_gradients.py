@@ -134,3 +134,157 @@ def test_temperature_must_be_positive():
     with pytest.raises(ValueError, match="`temperature` must be > 0"):
         ImageClassificationModelOutput(temperature=0.0)
     assert issubclass(TextClassificationModelOutput, AbstractModelOutput)
+
+
+def test_a_task_registers_once_and_the_old_tables_are_views_of_it():
+    """register_task fills the task's record; TASK_TO_MODELOUT, BATCH_OUTPUTS... read it."""
+    from gradsketch.attribution import (
+        LOSS_GRAD_FROM_OUTPUT,
+        SAMPLED_LOSSES,
+        TASK_TO_MODELOUT,
+        TRAINING_LOSSES,
+    )
+    from gradsketch.attribution._modelout import BATCH_OUTPUTS
+    from gradsketch.attribution._task import TASKS, task_protocol, unregister_task
+
+    def batch_output(model, x, y):
+        return model(x).sum(-1)
+
+    def training_loss(task, model, x, y):
+        return model(x).pow(2).sum(-1)
+
+    @register_task("squared_task", batch_output=batch_output, training_loss=training_loss)
+    class Squared(ImageClassificationModelOutput):
+        pass
+
+    try:
+        assert TASK_TO_MODELOUT["squared_task"] is Squared
+        assert BATCH_OUTPUTS[Squared] is batch_output
+        assert TRAINING_LOSSES[Squared] is training_loss
+        protocol = task_protocol(Squared())
+        # Inherited slots come from the nearest registered base; Q from the output is exact-type.
+        assert protocol.sampled_loss is SAMPLED_LOSSES[ImageClassificationModelOutput]
+        assert protocol.loss_grad_from_output is None
+        LOSS_GRAD_FROM_OUTPUT[Squared] = LOSS_GRAD_FROM_OUTPUT[ImageClassificationModelOutput]
+        assert task_protocol(Squared).loss_grad_from_output is not None
+        del TRAINING_LOSSES[Squared]
+        assert TASKS[Squared].training_loss is None
+        with pytest.raises(ValueError, match="`slot` must be one of"):
+            register_task("x", no_such_slot=1)
+    finally:
+        unregister_task("squared_task")
+    assert Squared not in TASKS and "squared_task" not in TASK_TO_MODELOUT
+
+
+class _Flaky(ImageClassificationModelOutput):
+    """Margins whose per-example output (vmap) and batched output (hooks) fail on demand."""
+
+    fail_vmap = True
+    fail_hooks = False
+
+    @staticmethod
+    def get_output(model, weights, buffers, *example):
+        if _Flaky.fail_vmap:
+            raise RuntimeError("vmap cannot trace this")
+        return ImageClassificationModelOutput.get_output(model, weights, buffers, *example)
+
+    @staticmethod
+    def get_batch_output(model, images, labels):
+        if _Flaky.fail_hooks:
+            raise RuntimeError("the hooks fail too")
+        return ImageClassificationModelOutput.batch_logits(model, None, (images,)).sum(-1)
+
+
+def test_a_batch_neither_path_computes_switches_nothing(caplog):
+    """vmap -> hooks is decided only by a batch vmap fails on and the hooks then compute."""
+    model = _mlp()
+    x, y = torch.randn(3, 6, dtype=torch.float64), torch.tensor([0, 1, 2])
+    gc = FunctionalGradientComputer(model, _Flaky())
+    _Flaky.fail_vmap, _Flaky.fail_hooks = True, True
+    try:
+        with pytest.raises(RuntimeError, match="the hooks fail too"):
+            gc.compute_per_sample_grad((x, y))
+        assert gc.hooks is None and gc._vmap.ok is None
+        assert not any(m._forward_hooks for m in model.modules())  # the trial hooks are gone
+        assert "now come from layer hooks" not in caplog.text
+        _Flaky.fail_vmap, _Flaky.fail_hooks = False, False
+        gc.compute_per_sample_grad((x, y))
+        assert gc.hooks is None and gc._vmap.ok is True
+        _Flaky.fail_vmap = True
+        with caplog.at_level("WARNING"):
+            gc.compute_per_sample_grad((x, y))
+        assert gc.hooks is not None and gc._vmap.ok is False
+        assert "now come from layer hooks" in caplog.text
+    finally:
+        _Flaky.fail_vmap, _Flaky.fail_hooks = True, False
+        if gc.hooks is not None:
+            gc.hooks.remove_hooks()
+
+
+# -- bad batches are named before any forward pass ------------------------------------
+def _classifier():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 10))
+
+
+BAD_BATCHES = [
+    pytest.param(
+        lambda: (torch.randn(4, 5), torch.tensor([0, 1, 2, 3])),
+        r"`batch\[0\] \(the images\)` has shape \(4, 5\): 5 features per example, but the "
+        r"model's first layer '0' \(Linear\(in_features=6.*expects 6\. Pass inputs of width 6",
+        id="width",
+    ),
+    pytest.param(
+        lambda: (torch.randn(4, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 3])),
+        r"is torch\.float64 but the model's parameters are torch\.float32.*Cast the inputs "
+        r"with `\.to\(torch\.float32\)`",
+        id="dtype",
+    ),
+    pytest.param(
+        lambda: (torch.randn(4, 6), torch.tensor([0, 1, 10, 3])),
+        r"holds label 10, but the model has 10 classes \(labels 0 to 9\)\. Fix the labels",
+        id="label-range",
+    ),
+    pytest.param(
+        lambda: (torch.randn(4, 6), torch.tensor([0, -1, 2, 3])),
+        r"holds label -1; class labels are 0, 1, \.\.\.",
+        id="negative-label",
+    ),
+]
+
+
+@pytest.mark.parametrize("make_batch, message", BAD_BATCHES)
+@pytest.mark.parametrize("computer", ["vmap", "hooks"])
+def test_bad_batches_are_named_before_the_forward(make_batch, message, computer):
+    """Width, dtype and label range come from the model; the computer is not switched."""
+    from gradsketch.attribution import HookGradientComputer
+    from gradsketch.errors import BatchFormatError
+
+    model = _classifier()
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    cls = FunctionalGradientComputer if computer == "vmap" else HookGradientComputer
+    gc = cls(model, ImageClassificationModelOutput())
+    with pytest.raises(BatchFormatError, match=message):
+        gc.compute_per_sample_grad(make_batch())
+    assert not calls  # refused before any forward pass
+    if computer == "vmap":
+        assert gc.hooks is None and gc._vmap.ok is None
+        grads = gc.compute_per_sample_grad((torch.randn(4, 6), torch.tensor([0, 1, 9, 3])))
+        assert gc.hooks is None and grads["0.weight"].shape == (4, 8, 6)
+
+
+@pytest.mark.parametrize("make_batch, message", BAD_BATCHES[:3])
+def test_featurize_names_a_bad_batch_and_keeps_going(tmp_path, make_batch, message):
+    """TRAKer.featurize refuses the bad batch; the next good batch is featurized by vmap."""
+    from gradsketch.attribution import TRAKer
+    from gradsketch.errors import BatchFormatError
+
+    model = _classifier()
+    traker = TRAKer(model, "image_classification", 8, save_dir=tmp_path, proj_dim=8, progress=False)
+    traker.load_checkpoint(model.state_dict(), model_id=0)
+    with pytest.raises(BatchFormatError, match=message):
+        traker.featurize(make_batch(), inds=[0, 1, 2, 3])
+    traker.featurize((torch.randn(8, 6), torch.arange(8)), num_samples=8)
+    gc = traker.gradient_computer
+    assert isinstance(gc, FunctionalGradientComputer) and gc.hooks is None

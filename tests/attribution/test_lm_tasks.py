@@ -345,3 +345,60 @@ def test_entry_mask_recorded_and_resume_with_another_refused(tmp_path, llama):
     other = ParamMask({name: torch.eye(32, 16, dtype=torch.bool).roll(1, 0)})
     with pytest.raises(SettingsMismatchError, match="mask"):
         TRAKer(llama, "language_modeling", 4, mask=other, **kwargs)
+
+
+# -- models the language-modeling task cannot serve ------------------------------------
+@pytest.mark.parametrize(
+    "family, what, instead",
+    [
+        (
+            "t5",
+            r"T5ForConditionalGeneration \(config.model_type='t5'\).*encoder-decoder",
+            "seq2seq_lm",
+        ),
+        ("bart", r"model_type='bart'.*encoder-decoder", "seq2seq_lm"),
+        (
+            "bert",
+            r"BertForSequenceClassification \(config.model_type='bert'\)",
+            "text_classification",
+        ),
+        ("roberta", r"model_type='roberta'", "text_classification"),
+    ],
+)
+@pytest.mark.parametrize("computer", ["functional", "hooks"])
+def test_language_modeling_refuses_non_causal_models_before_a_forward(
+    tmp_path, family, what, instead, computer
+):
+    from gradsketch.errors import UnsupportedModelError
+    from helpers.hf_families import BY_NAME
+
+    model = BY_NAME[family].build(dtype=torch.float32)
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    kwargs = {} if computer == "functional" else {"gradient_computer": HookGradientComputer}
+    traker = TRAKer(
+        model,
+        "language_modeling",
+        4,
+        save_dir=tmp_path,
+        device="cpu",
+        proj_dim=16,
+        progress=False,
+        logging_level=logging.WARNING,
+        **kwargs,
+    )
+    traker.load_checkpoint(model.state_dict(), model_id=0)
+    ids = torch.randint(3, 30, (4, SEQ))
+    with pytest.raises(UnsupportedModelError, match=f'language_modeling.*{what}.*task="{instead}"'):
+        traker.featurize({"input_ids": ids}, num_samples=4)
+    assert calls == []
+
+
+def test_language_modeling_check_leaves_causal_lms_and_plain_modules_alone():
+    from gradsketch.attribution._task import task_protocol
+
+    check = task_protocol(LM).check_batch
+    assert check is not None
+    batch = LM.as_batch({"input_ids": torch.randint(0, VOCAB, (2, SEQ))})
+    check(transformers.LlamaForCausalLM(llama_config()), batch)
+    check(nn.Sequential(nn.Embedding(VOCAB, VOCAB)), batch)

@@ -276,6 +276,25 @@ def test_scores_are_stored_resumed_and_other_settings_refused(tmp_path):
         make().finalize_scores("other")
 
 
+def test_damaged_stored_scores_are_refused_then_recomputed(tmp_path):
+    """Issue 47: a bit-flipped chunk of the stored scores is named (array, chunk, file)
+    when they are read back, never returned as NaN; scoring again recomputes it."""
+    from gradsketch.errors import StoreIntegrityError
+
+    x, y = replay_data(N)
+    queries = (x[:4], y[:4])
+    scores = _replay("sgd", {"lr": 0.2}, save_dir=tmp_path).score(queries, exp_name="q")
+    chunk = tmp_path / "q" / "scores" / "c" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    chunk.write_bytes(bytes(raw))
+    match = r"`scores`: rows \[0, 1, 2, 3\].*chunk \(0, 0\) \(checksum mismatch\).*score\(queries"
+    with pytest.raises(StoreIntegrityError, match=match):
+        _replay("sgd", {"lr": 0.2}, save_dir=tmp_path).finalize_scores("q")
+    again = _replay("sgd", {"lr": 0.2}, save_dir=tmp_path).score(queries, exp_name="q")
+    torch.testing.assert_close(again, scores, rtol=0, atol=1e-14)
+
+
 def test_topk_orders_each_querys_scores():
     r = _replay("sgd", {"lr": 0.3, "momentum": 0.9})
     x, y = replay_data(N)
@@ -510,7 +529,8 @@ def test_an_unwarmed_adam_run_is_noted_once(monkeypatch, caplog, optimizer, lr, 
 
 
 def test_an_unwarmed_adam_run_linearized_low_is_not_noted(monkeypatch, caplog):
-    """``linearize_at=α`` with ``eps / α`` ≥ 1e-4 smooths the sign step: no warning."""
+    """``linearize_at=α`` with ``eps / α`` ≥ 1e-4 smooths the sign step under
+    ``subset_loss="full_batch"`` (the loss, and so the gradients, scaled by α): no warning."""
     import gradsketch.attribution._replay as replay_module
 
     monkeypatch.setattr(replay_module, "_ADAM_NOTED", False)
@@ -520,5 +540,60 @@ def test_an_unwarmed_adam_run_linearized_low_is_not_noted(monkeypatch, caplog):
             ReplayAttributor(
                 replay_mlp(), "image_classification", (x, y), optimizer="adam", lr=0.01,
                 num_steps=STEPS, batch_size=BATCH, linearize_at=at, eps=eps, progress=False,
+                subset_loss="full_batch",
             )  # fmt: skip
     assert not [r for r in caplog.records if "sign of the gradient" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("kw", "advice", "not_advised"),
+    [
+        # kept_mean keeps the run at any linearize_at: only full_batch can smooth it.
+        (
+            {"optimizer": "adam", "linearize_at": 1e-4},
+            "linearize it low with subset_loss='full_batch'",
+            None,
+        ),
+        # L2 decay is not scaled with the loss: a low linearize_at trains another model.
+        (
+            {
+                "optimizer": "adam",
+                "weight_decay": 1e-4,
+                "linearize_at": 1e-4,
+                "subset_loss": "full_batch",
+            },
+            "Linearizing low does not help this run: its L2 weight_decay",
+            "makes Adam's ε act as",
+        ),
+        (
+            {"optimizer": "adam", "weight_decay": 1e-4},
+            "Linearizing low does not help this run",
+            "makes Adam's ε act as",
+        ),
+        # Decoupled decay does not see the loss's scale: low is advised under full_batch.
+        (
+            {"optimizer": "adamw", "weight_decay": 0.1, "subset_loss": "full_batch"},
+            "linearize_at=0.0001 makes Adam's ε act as 0.0001",
+            "subset_loss='full_batch'",
+        ),
+    ],
+    ids=["kept-mean-low", "adam-l2-full-batch-low", "adam-l2", "adamw-full-batch"],
+)
+def test_the_unwarmed_adam_advice_fits_the_run(monkeypatch, caplog, kw, advice, not_advised):
+    """The note's second advice is right for the run it is given: linearizing low only
+    where that smooths the sign step and keeps the model (full_batch, no L2 decay)."""
+    import gradsketch.attribution._replay as replay_module
+
+    monkeypatch.setattr(replay_module, "_ADAM_NOTED", False)
+    x, y = replay_data(N)
+    with caplog.at_level("WARNING", logger="gradsketch.attribution._replay"):
+        ReplayAttributor(
+            replay_mlp(), "image_classification", (x, y), lr=0.01, num_steps=STEPS,
+            batch_size=BATCH, progress=False, **kw,
+        )  # fmt: skip
+    notes = [r.getMessage() for r in caplog.records if "sign of the gradient" in r.getMessage()]
+    assert len(notes) == 1
+    assert "warmup from 0" in notes[0]
+    assert advice in notes[0]
+    if not_advised is not None:
+        assert not_advised not in notes[0]

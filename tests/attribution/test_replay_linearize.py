@@ -15,6 +15,7 @@ from helpers.attribution import (
     REPLAY_OPTIMIZERS,
     REPLAY_STEPS,
     replay_data,
+    replay_mlp,
     trained_replay,
 )
 
@@ -62,7 +63,9 @@ def _check_central_difference(r, base, other):
 
 def test_the_run_is_trained_at_its_weights_and_retrain_defaults_to_them():
     """``retrain()`` and ``load_final`` give the run at ``linearize_at`` everywhere, bit for bit."""
-    r = _replay("adam", {"lr": 0.05}, linearize_at=0.5)
+    # full_batch: at w = ½·1 the loss is halved, so the run is another one (with kept_mean
+    # it is the ordinary run: test_linearize_at_a_number_keeps_the_run).
+    r = _replay("adam", {"lr": 0.05}, linearize_at=0.5, subset_loss="full_batch")
     explicit = r.retrain(torch.full((N,), 0.5, dtype=torch.float64))
     own = r.retrain()
     model = r.load_final()
@@ -71,7 +74,7 @@ def test_the_run_is_trained_at_its_weights_and_retrain_defaults_to_them():
         assert torch.equal(own[name], final[name])
         assert torch.equal(explicit[name], final[name])
         assert torch.equal(p.detach(), final[name])
-    ordinary = _replay("adam", {"lr": 0.05})._require_trained()
+    ordinary = _replay("adam", {"lr": 0.05}, subset_loss="full_batch")._require_trained()
     assert not torch.equal(ordinary["0.weight"], final["0.weight"])
 
 
@@ -129,8 +132,9 @@ def test_invalid_linearize_at_is_refused(value, match):
         ReplaySettings(linearize_at=value)
 
 
+@pytest.mark.parametrize("subset_loss", ["kept_mean", "full_batch"])
 @pytest.mark.parametrize(("optimizer", "kw"), OPTIMIZERS)
-def test_per_row_weights_give_the_central_difference_at_those_weights(optimizer, kw):
+def test_per_row_weights_give_the_central_difference_at_those_weights(optimizer, kw, subset_loss):
     """Per-row ``linearize_at`` (a random half's 0/1 mask): ∂f/∂w_i there, by both pull-backs.
 
     The same float64 bound as at ½·1 (truncation and rounding below 4e-10 at
@@ -141,9 +145,11 @@ def test_per_row_weights_give_the_central_difference_at_those_weights(optimizer,
     mask = torch.zeros(N, dtype=torch.float64)
     mask[torch.randperm(N, generator=torch.Generator().manual_seed(5))[: N // 2]] = 1.0
     mask[0], mask[11] = 1.0, 0.0
-    r = _replay(optimizer, kw, linearize_at=mask.tolist())
+    r = _replay(optimizer, kw, linearize_at=mask.tolist(), subset_loss=subset_loss)
     assert all(torch.equal(r.retrain()[n], p) for n, p in r.retrain(mask).items())
-    _check_central_difference(r, mask, _replay(optimizer, kw, linearize_at=0.5))
+    _check_central_difference(
+        r, mask, _replay(optimizer, kw, linearize_at=0.5, subset_loss=subset_loss)
+    )
 
 
 def test_per_row_weights_are_recorded_by_fingerprint_and_refused_when_changed(tmp_path):
@@ -182,3 +188,146 @@ def test_per_row_weights_are_recorded_by_fingerprint_and_refused_when_changed(tm
 def test_invalid_per_row_weights_are_refused(value, match, error):
     with pytest.raises(error, match=match):
         _replay("sgd", {"lr": 0.2}, linearize_at=value)
+
+
+# -- subset_loss: which retrains the replay's run and metagradients are ---------------------
+#: Every optimizer x decay form the replay takes, with ε and schedules.
+RUNS = [
+    pytest.param("sgd", {"lr": 0.3}, id="sgd"),
+    pytest.param("sgd", {"lr": 0.3, "momentum": 0.9}, id="sgd-momentum"),
+    pytest.param("sgd", {"lr": 0.3, "momentum": 0.9, "weight_decay": 0.05}, id="sgd-momentum-l2"),
+    pytest.param("sgd", {"lr": [0.3 * 0.9**t for t in range(STEPS)]}, id="sgd-schedule"),
+    pytest.param("adam", {"lr": 0.05}, id="adam"),
+    pytest.param("adam", {"lr": 0.05, "weight_decay": 0.05, "eps": 1e-6}, id="adam-l2-eps"),
+    pytest.param("adamw", {"lr": 0.05, "weight_decay": 0.1}, id="adamw-decoupled"),
+    pytest.param(
+        "adamw",
+        {"lr": lambda t: 0.05 * min(1.0, (t + 1) / 3), "weight_decay": 0.1, "eps": 1e-3},
+        id="adamw-warmup-eps",
+    ),
+]
+
+
+@pytest.mark.parametrize("alpha", [0.3, 1e-4])
+@pytest.mark.parametrize(("optimizer", "kw"), RUNS)
+def test_linearize_at_a_number_keeps_the_run(optimizer, kw, alpha):
+    """With ``subset_loss="kept_mean"`` (the default) ``w = α·1`` trains the model of ``w = 1``.
+
+    Each step's loss is ``Σ α ℓ_i / Σ α``, the batch mean up to rounding, so
+    nothing (L2 or decoupled decay, ε, the rate) needs scaling. Float64: each
+    step's gradient differs by a few ulps (α·ℓ_i and Σα round), and 10 steps
+    of a tanh MLP at these rates amplify that far less than 1e4-fold, so the
+    weights agree within 1e-12 (measured: under 1e-14). The metagradients at
+    ``α·1`` are those at 1 times ``1 / α`` (the run's outputs do not change
+    when every weight is scaled, so their weight-gradients sum to 0).
+    """
+    x, y = replay_data(N)
+    queries = (x[:3], y[:3])
+    ordinary = _replay(optimizer, kw)
+    low = _replay(optimizer, kw, linearize_at=alpha)
+    for name, p in ordinary._require_trained().items():
+        torch.testing.assert_close(low._require_trained()[name], p, rtol=0, atol=1e-12)
+    at_one = ordinary.metagradients(queries)
+    scale = float(at_one.abs().max())
+    torch.testing.assert_close(
+        low.metagradients(queries) * alpha, at_one, rtol=0, atol=1e-9 * scale
+    )
+    torch.testing.assert_close(
+        at_one.sum(0), torch.zeros(3, dtype=torch.float64), rtol=0, atol=1e-9 * scale
+    )
+
+
+def _torch_retrain(optimizer, kw, mask, subset_loss):
+    """The run retrained by a plain torch loop on ``mask``'s rows, in the replay's batch order.
+
+    ``kept_mean``: each batch's loss is the mean over its kept rows (a batch
+    with none steps on a zero gradient); ``full_batch``: the left-out rows'
+    losses are zeroed and the sum divided by the full batch.
+    """
+    from gradsketch.attribution import batch_order
+
+    model = replay_mlp()
+    x, y = replay_data(N)
+    rates = kw["lr"]
+    rate = (
+        (lambda t: rates(t))
+        if callable(rates)
+        else (lambda t: rates[t])
+        if isinstance(rates, list)
+        else (lambda t: rates)
+    )
+    rest = {k: v for k, v in kw.items() if k != "lr"}
+    make = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    opt = make[optimizer](model.parameters(), lr=rate(0), foreach=False, **rest)
+    for t, idx in enumerate(batch_order(N, BATCH, STEPS, seed=0)):
+        for group in opt.param_groups:
+            group["lr"] = rate(t)
+        opt.zero_grad()
+        keep = idx[mask[idx] > 0]
+        if subset_loss == "full_batch":
+            losses = torch.nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="none")
+            ((losses * mask[idx]).sum() / len(idx)).backward()
+        elif keep.numel():
+            torch.nn.functional.cross_entropy(model(x[keep]), y[keep]).backward()
+        else:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        opt.step()
+    return dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("subset_loss", ["kept_mean", "full_batch"])
+@pytest.mark.parametrize(("optimizer", "kw"), RUNS)
+def test_the_run_at_a_mask_is_the_torch_retrain_on_its_rows(optimizer, kw, subset_loss):
+    """``linearize_at=mask`` trains what a torch loop trains on the kept rows (float64).
+
+    ``kept_mean``: the loss averaged over each batch's kept rows, as torch
+    training loops do; ``full_batch``: the replay's rule before the setting.
+    The mask leaves out every row of step 1's batch, so one step has no kept
+    row. The replay's loss is ``softplus(-margin)``, torch's cross-entropy
+    ``-log p_y``: equal up to rounding, and torch's optimizers do each
+    element's operations in the replay's order, so 10 steps agree within
+    1e-12 (measured: under 1e-14).
+    """
+    from gradsketch.attribution import batch_order
+
+    mask = torch.ones(N, dtype=torch.float64)
+    mask[batch_order(N, BATCH, STEPS, seed=0)[1]] = 0.0
+    mask[torch.tensor([0, 5])] = 0.0
+    r = _replay(optimizer, kw, linearize_at=mask.tolist(), subset_loss=subset_loss)
+    reference = _torch_retrain(optimizer, kw, mask, subset_loss)
+    for name, p in r._require_trained().items():
+        torch.testing.assert_close(p, reference[name].detach(), rtol=0, atol=1e-12)
+    # Retraining the ordinary run at the mask is the same model.
+    for name, p in _replay(optimizer, kw, subset_loss=subset_loss).retrain(mask).items():
+        torch.testing.assert_close(p, reference[name].detach(), rtol=0, atol=1e-12)
+    # The step without kept rows: both pull-backs take full_batch's derivative there.
+    x, y = replay_data(N)
+    by_graphs = r.metagradients((x[:3], y[:3]))
+    r._jvp_min_block = 1
+    by_jvp = r.metagradients((x[:3], y[:3]))
+    assert torch.isfinite(by_jvp).all()
+    bound = STEPS * 5 * torch.finfo(torch.float64).eps * float(by_jvp.abs().max())
+    assert float((by_jvp - by_graphs).abs().max()) <= bound
+
+
+def test_subset_loss_is_recorded_and_checked(tmp_path):
+    """``full_batch`` is left out of the record (stores written before the setting match
+    it); ``kept_mean`` is recorded, and a store of the other is refused."""
+    x, y = replay_data(N)
+    queries = (x[:2], y[:2])
+    assert "subset_loss" not in ReplaySettings(subset_loss="full_batch").record()
+    assert ReplaySettings().record()["subset_loss"] == "kept_mean"
+    _replay("sgd", {"lr": 0.2}, save_dir=tmp_path, subset_loss="full_batch").score(
+        queries, exp_name="q"
+    )
+    later = _replay("sgd", {"lr": 0.2}, save_dir=tmp_path)
+    with pytest.raises(
+        SettingsMismatchError, match=r"subset_loss: stored '<missing>', requested 'kept_mean'"
+    ):
+        later.score(queries, exp_name="q")
+
+
+def test_an_unknown_subset_loss_is_refused():
+    with pytest.raises(ValueError, match=r"`subset_loss`='mean' is not a loss normalization"):
+        ReplaySettings(subset_loss="mean")

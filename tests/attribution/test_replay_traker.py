@@ -216,3 +216,107 @@ def test_per_token_scores_of_a_language_model_equal_the_attributor(tmp_path):
     assert per_token.shape == (6, 2, 6)
     np.testing.assert_array_equal(per_token, expected)
     np.testing.assert_array_equal(traker.finalize_scores("tok"), expected.sum(-1))
+
+
+def test_the_replay_is_a_traker_on_the_shared_layout(tmp_path):
+    """method="replay" is TRAKer itself (no subclass), and its rows sit where every
+    method's do: the checkpoint record, the experiment's target rows and the scores."""
+    model = replay_mlp()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    traker = _traker(model, tmp_path / "t")
+    assert type(traker) is TRAKer
+    scores = _trak_loop(traker, init)
+    assert traker.store.has("experiments/q/0/grads")
+    assert traker.store.done_rows("experiments/q/0/done").all()
+    np.testing.assert_array_equal(
+        np.asarray(traker.store.array("experiments/q/0/grads")[:]).T, scores
+    )
+    np.testing.assert_array_equal(np.asarray(traker.store.array("scores/q")[:]), scores)
+    assert traker.model_ids == [0]
+    assert traker.settings.method == "replay" and traker.settings.replay == SETTINGS.record()
+
+
+REFUSED_BY_THE_TABLE = [
+    pytest.param(
+        "replay",
+        {"proj_dim": 64},
+        r"`proj_dim`=64 does not apply to method='replay' \(.*projected\); leave it at its "
+        r"default \(2048\)",
+        id="replay-proj_dim",
+    ),
+    pytest.param(
+        "replay",
+        {"lambda_reg": 0.1},
+        r"`lambda_reg`=0\.1 does not apply to method='replay' \(.*damp\); leave it at its "
+        r"default \(None\)",
+        id="replay-lambda_reg",
+    ),
+    pytest.param(
+        "trak",
+        {"curvature": "output"},
+        r"`curvature`='output' needs a per-layer method .* method='trak' .*; pass "
+        r"method='ekfac'",
+        id="trak-curvature",
+    ),
+    pytest.param(
+        "identity",
+        {"score_computer": object},
+        r"`score_computer`=.* method='identity' .*; pass score_computer=None",
+        id="identity-score_computer",
+    ),
+    pytest.param(
+        "kfac",
+        {"use_half_precision": True},
+        r"`use_half_precision`=True is not supported by method='kfac'.*; pass "
+        r"use_half_precision=False",
+        id="kfac-half",
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "kwargs", "match"), REFUSED_BY_THE_TABLE)
+def test_one_table_refuses_what_a_method_cannot_use(tmp_path, method, kwargs, match):
+    """Every method's refusals come from one table: the message names the argument and its
+    value, the method, why, and the fix."""
+    args = {"replay": SETTINGS} if method == "replay" else {}
+    with pytest.raises(ValueError, match=match):
+        TRAKer(
+            replay_mlp(),
+            "image_classification",
+            N,
+            save_dir=tmp_path / "t",
+            method=method,
+            progress=False,
+            logging_level=logging.WARNING,
+            **args,
+            **kwargs,
+        )
+
+
+def test_a_store_in_the_former_replay_layout_is_refused_with_version_and_fix(tmp_path):
+    """A store written before the replay joined TRAKer's layout (its own settings record,
+    `replay_run.json`, scores under `replay/<exp_name>`) is refused, naming the version
+    that wrote it and how to read its scores, and is left as it is."""
+    from gradsketch._settings import read_record, write_record
+    from gradsketch._store import RowStore
+    from gradsketch.attribution._traker_records import model_fingerprint
+
+    old = tmp_path / "old"
+    model = replay_mlp()
+    RowStore(
+        old,
+        {
+            "method": "replay",
+            "train_set_size": N,
+            "model": model_fingerprint(model),
+            "task": "ImageClassificationModelOutput",
+            "replay": SETTINGS.record(),
+        },
+    )
+    write_record(old / "replay_run.json", {"model_id": 0, "checkpoint": "0" * 16})
+    before = read_record(old / "settings.json")
+    match = r"written by gradsketch \d+\.\d+\.\d+ in the replay's former layout.*Fix: pass another"
+    with pytest.raises(SettingsMismatchError, match=match) as info:
+        _traker(model, old)
+    assert "finalize_scores(exp_name)" in str(info.value)
+    assert read_record(old / "settings.json") == before

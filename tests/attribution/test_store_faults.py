@@ -20,14 +20,13 @@ import pytest
 import torch
 import zarr
 
-from gradsketch._settings import StoreIntegrityError
+from gradsketch._settings import SettingsMismatchError, StoreIntegrityError
 from gradsketch._store import RowStore, WriteLock
 from gradsketch.attribution import BatchFormatError, NonFiniteFeaturesError, TRAKer
 from gradsketch.attribution._linalg import damped_inverse
+from helpers.benchmarks import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-import faults  # noqa: E402
+faults = load_benchmark("faults")
 
 QUIET = {"device": "cpu", "progress": False, "logging_level": logging.CRITICAL}
 
@@ -80,7 +79,6 @@ def test_a_store_written_without_checksums_still_opens_and_is_checked(tmp_path):
 @pytest.mark.parametrize(
     ("record", "match"),
     [
-        ("settings.json", r"record `.*settings\.json` is damaged.*Fix: if you know the settings"),
         ("zarr.json", r"damaged zarr record `.*zarr\.json`.*Fix: delete"),
         ("x/zarr.json", r"damaged zarr record `.*x/zarr\.json`.*Fix: delete the directory `.*x`"),
     ],
@@ -90,6 +88,61 @@ def test_damaged_records_are_named_with_the_fix(tmp_path, record, match):
     faults._damage(tmp_path / record, "truncate")
     with pytest.raises(StoreIntegrityError, match=match):
         _store(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "garble"])
+def test_a_lost_settings_record_is_judged_from_the_arrays_fingerprints(tmp_path, damage):
+    """Each array records the fingerprint of the settings that made it: a store whose
+    settings.json is lost or unreadable is refused under other settings (both shown, the
+    damaged record left as it is) and restored under the same ones (arrays kept)."""
+    store = RowStore(tmp_path, {"n": 12, "seed": 0})
+    store.require_array("x", (12, 3), "float32")
+    store.require_done("x.done", 12)
+    store.write_rows(slice(0, 12), {"x": np.ones((12, 3))}, done="x.done")
+    record = tmp_path / "settings.json"
+    if damage == "delete":
+        record.unlink()
+    else:
+        faults._damage(record, damage)
+    left = record.read_bytes() if record.exists() else None
+    match = (
+        r"settings\.json` is (missing|unreadable).*other settings:\n  seed: stored 0, requested 1"
+    )
+    with pytest.raises(SettingsMismatchError, match=match) as info:
+        RowStore(tmp_path, {"n": 12, "seed": 1})
+    assert "delete" not in str(info.value)
+    assert (record.read_bytes() if record.exists() else None) == left
+    reopened = RowStore(tmp_path, {"n": 12, "seed": 0})
+    assert json.loads(record.read_text())["seed"] == 0
+    assert reopened.done_rows("x.done").all()
+    assert np.array_equal(reopened.array("x")[:], np.ones((12, 3)))
+
+
+def test_a_lost_settings_record_without_its_copy_is_judged_by_fingerprint(tmp_path):
+    """Where the root group's copy of the record is gone too, the refusal shows the
+    fingerprints: the arrays' and the requested settings'."""
+    store = RowStore(tmp_path, {"n": 12, "seed": 0})
+    store.require_array("x", (12, 3), "float32")
+    root = zarr.open_group(str(tmp_path), mode="a")
+    del root.attrs["settings"]
+    (tmp_path / "settings.json").unlink()
+    match = r"other settings:\n  settings fingerprint: stored \['[0-9a-f]+'\], requested"
+    with pytest.raises(SettingsMismatchError, match=match):
+        RowStore(tmp_path, {"n": 12, "seed": 1})
+
+
+def test_a_lost_settings_record_over_arrays_without_fingerprints_is_refused(tmp_path):
+    """Arrays written before arrays recorded their settings cannot vouch for a lost record."""
+    RowStore(tmp_path, {"n": 12})
+    zarr.open_group(str(tmp_path), mode="a").create_array(
+        "old", shape=(12, 3), dtype="float32", chunks=(4, 3)
+    )
+    (tmp_path / "settings.json").unlink()
+    with pytest.raises(
+        StoreIntegrityError, match=r"arrays \['old'\] record no settings fingerprint"
+    ):
+        RowStore(tmp_path, {"n": 12})
+    assert not (tmp_path / "settings.json").exists()
 
 
 def test_a_file_as_store_path_is_refused(tmp_path):
@@ -174,6 +227,11 @@ def test_deleted_rows_after_featurizing_are_refused_at_finalize_then_recomputed(
         "mlp/trak/garble state (finished)",
         "mlp/ekfac/truncate accumulated.npz",
         "mlp/trak/truncate checkpoint.json",
+        # Issue 47 (benchmarks/faults_stores.py): a lost settings record under another
+        # projector seed, a refused batch, EK-FAC's factors from two writers' batch order.
+        "mlp/trak/truncate settings.json, projector_seed=1",
+        "mlp/trak/width",
+        "mlp/ekfac/rr2 vs one writer",
         *(
             pytest.param(name, marks=pytest.mark.slow)
             for name in (
@@ -181,6 +239,10 @@ def test_deleted_rows_after_featurizing_are_refused_at_finalize_then_recomputed(
                 "mlp/trak/delete out_to_loss (featurized)",
                 "mlp/ekfac/empty rank_one (finished)",
                 "mlp/trak/garble done (featurized)",
+                "mlp/trak/delete settings.json, projector_seed=1",
+                "mlp/trak/label-range",
+                "mlp/ekfac/rr1 vs one writer",
+                "flip scores chunk",
             )
         ),
     ],

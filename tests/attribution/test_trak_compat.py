@@ -24,7 +24,7 @@ from gradsketch.attribution import (
     TRAKer,
 )
 from gradsketch.errors import GradsketchError
-from gradsketch.sketch import NoOpProjector
+from gradsketch.sketch import CountSketchProjector, NoOpProjector
 from helpers.attribution import logreg_checkpoints, logreg_data, margin_grad_reference, q_reference
 
 QUIET = {"logging_level": logging.WARNING, "progress": False, "device": "cpu"}
@@ -182,6 +182,12 @@ def test_forgetting_load_checkpoint_raises_an_assertion_error(tmp_path):
     )
     with pytest.raises(AssertionError, match=r"no checkpoint loaded; call traker.load_checkpoint"):
         traker.featurize((x, y), num_samples=8)
+    # trak's own tests match its phrase at the start of the message; ours follows it.
+    trak = r"^Load a checkpoint using traker.load_checkpoint before featurizing: no checkpoint"
+    with pytest.raises(AssertionError, match=trak):
+        traker.featurize((x, y), num_samples=8)
+    with pytest.raises(AssertionError, match=trak):
+        traker.featurize_loader([(x, y)])
     assert issubclass(ModelIDException, AssertionError)
     assert issubclass(ModelIDException, GradsketchError)
     assert issubclass(ModelIDException, RuntimeError)
@@ -233,3 +239,29 @@ def test_bench_iterative_computer_matches_trak(tmp_path):
         )
         with pytest.raises(AssertionError):
             traker.featurize((x, y), num_samples=6)
+
+
+def test_a_cpu_projector_with_a_cuda_device_is_accepted_until_devices_would_mix(tmp_path):
+    """trak's test_class_init / test_load_ckpt: TRAKer(..., projector=<a CPU projector>,
+    device="cuda:0") constructs with a warning and loads (and reloads) checkpoints; the first
+    featurize refuses it naming both devices, before anything touches CUDA (so this runs
+    without a GPU)."""
+    model = torch.nn.Linear(5, 3)
+    projector = CountSketchProjector(18, 8, 0, "cpu")
+    match = r"`projector` lives on cpu but `device`='cuda:0'"
+    with pytest.warns(UserWarning, match=match):
+        traker = TRAKer(
+            model,
+            "image_classification",
+            8,
+            save_dir=tmp_path,
+            projector=projector,
+            device="cuda:0",
+            logging_level=logging.WARNING,
+            progress=False,
+        )
+    for _ in range(2):
+        traker.load_checkpoint(model.state_dict(), model_id=0)
+    x, y = logreg_data(n=8)
+    with pytest.raises(ValueError, match=match):
+        traker.featurize((x.float(), y), num_samples=8)

@@ -311,12 +311,15 @@ def test_constructor_errors(tmp_path, kwargs, error, match):
         )
 
 
-def test_projector_on_another_device_is_refused(tmp_path):
-    """A projector built for another device than the TRAKer's is refused at construction,
-    naming both devices (before: a device error deep inside the first featurize)."""
+def test_projector_on_another_device_warns_then_is_refused_where_devices_would_mix(tmp_path):
+    """As trak, a projector built for another device than the TRAKer's is accepted at
+    construction, with a warning naming both devices; loading a checkpoint still works, and
+    the first featurize (where the devices would mix) refuses it with the same message
+    (not a device error deep inside the projection)."""
     model = torch.nn.Linear(5, 3).double()
-    with pytest.raises(ValueError, match=r"`projector` lives on meta but `device`='cpu'"):
-        TRAKer(
+    match = r"`projector` lives on meta but `device`='cpu'"
+    with pytest.warns(UserWarning, match=match):
+        traker = TRAKer(
             model,
             "image_classification",
             10,
@@ -324,3 +327,36 @@ def test_projector_on_another_device_is_refused(tmp_path):
             projector=NoOpProjector(device="meta"),
             **QUIET,
         )
+    traker.load_checkpoint(model.state_dict(), model_id=0)
+    x, y = logreg_data(n=10)
+    with pytest.raises(ValueError, match=match):
+        traker.featurize((x, y), num_samples=10)
+
+
+def test_a_store_that_lost_its_settings_record_is_never_reused_under_other_settings(tmp_path):
+    """Featurized with projector_seed=0, then settings.json deleted: reopening with seed 1
+    is refused with both projectors shown (the seed-0 rows are never scored against seed-1
+    targets); reopening with seed 0 restores the record and scores as before."""
+    x, y = logreg_data(n=24)
+    xt, yt = logreg_data(n=4, seed=9)
+    ckpts = logreg_checkpoints(count=1)
+    model = torch.nn.Linear(5, 3).double()
+    _, first = _run(tmp_path, model, ckpts, x, y, xt, yt, proj_dim=8, projector_seed=0)
+    (tmp_path / "settings.json").unlink()
+    match = (
+        r"settings\.json` is missing.*other settings:\n  projector: stored .*'seed': 0.*requested"
+    )
+    with pytest.raises(SettingsMismatchError, match=match):
+        TRAKer(
+            model,
+            "image_classification",
+            24,
+            save_dir=tmp_path,
+            proj_dim=8,
+            projector_seed=1,
+            **QUIET,
+        )
+    assert not (tmp_path / "settings.json").exists()
+    _, again = _run(tmp_path, model, ckpts, x, y, xt, yt, proj_dim=8, projector_seed=0)
+    np.testing.assert_array_equal(again, first)
+    assert (tmp_path / "settings.json").exists()

@@ -1,18 +1,12 @@
-"""The GPT-2 protocol's gradsketch runner in benchmarks/bench_influence.py."""
+"""The GPT-2 protocol's gradsketch runner (benchmarks/bench_influence.py runs it)."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from bench_influence import run_lm_influence  # noqa: E402
-
-from gradsketch.demos.lm import LMDemoSettings, build_lm  # noqa: E402
+from gradsketch.demos.lm import LMDemoSettings, build_lm
+from gradsketch.demos.protocols.influence import run_lm_influence
 
 
 def test_lm_runner_ensembles_checkpoints_without_changing_them(tmp_path) -> None:

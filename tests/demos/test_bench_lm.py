@@ -1,17 +1,11 @@
-"""Helpers of benchmarks/bench_lm.py that decide what the reference packages see."""
+"""Helpers of the LM benchmarks that decide what the reference packages see."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from bench_lm import _token_loss, conv1d_to_linear  # noqa: E402
-
-from gradsketch.demos.lm import LMDemoSettings, build_lm  # noqa: E402
+from gradsketch.demos.lm import LMDemoSettings, build_lm
+from gradsketch.demos.protocols.influence import conv1d_to_linear, token_loss
 
 
 def test_conv1d_to_linear_keeps_the_function() -> None:
@@ -35,4 +29,4 @@ def test_token_loss_is_the_summed_cross_entropy() -> None:
     ref = torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, 7), ids[:, 1:].reshape(-1), reduction="none"
     ).reshape(3, 4)
-    torch.testing.assert_close(_token_loss(logits, ids).double(), ref.sum(1))
+    torch.testing.assert_close(token_loss(logits, ids).double(), ref.sum(1))

@@ -158,9 +158,19 @@ def test_fine_tune_starts_from_init_state_and_seeds_only_the_order() -> None:
     one_batch = LMDemoSettings(epochs=1, batch_size=16, lr=1e-4)
     c = lm.train_lm(ids, one_batch, seed=3, init_state=base)[0].state_dict()
     d = lm.train_lm(ids, one_batch, seed=4, init_state=base)[0].state_dict()
-    # One batch of every row: the order cannot matter, and the runs agree to float32 sums.
+    # One batch of every row: the two seeds differ only in the order the float32
+    # gradient is summed. AdamW's one step moves a weight by lr * g / (|g| + eps), a
+    # value in [-lr, lr] (the decay is the same in both runs). Where g is further
+    # from 0 than the summation's rounding, that step is the same to float32
+    # rounding; where g is within rounding of 0 (a handful of the 16k embedding
+    # weights of tokens barely used), the order may move it anywhere in [-lr, lr].
+    # So every weight agrees within 2 * lr, and all but those few to float32 rounding.
+    lr = one_batch.lr
     for name in base:
-        torch.testing.assert_close(c[name], d[name], rtol=1e-5, atol=1e-6)
+        diff = (c[name] - d[name]).abs()
+        assert float(diff.max()) <= 2 * lr * (1 + 1e-5), name
+        loose = ~torch.isclose(c[name], d[name], rtol=1e-5, atol=1e-6)
+        assert int(loose.sum()) <= max(1, c[name].numel() // 10_000), name
     assert any(not torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-6) for n in base)
 
 

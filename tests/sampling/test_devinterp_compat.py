@@ -21,6 +21,7 @@ from gradsketch.sampling import (
     NoseHooverThermostat,
     estimate_learning_coeff_with_summary,
 )
+from gradsketch.sketch import CountSketch, SketchBuffer
 
 FIELDS = (*Metrics.NORM_FIELDS, *Metrics.DOT_FIELDS)
 
@@ -437,17 +438,16 @@ def test_sampler_config_refusal_has_devinterps_phrase(tmp_path):
     every differing field and both values."""
     import zarr
 
-    from gradsketch.slt import OutputPathMismatchError
-    from gradsketch.slt import _sample as sample_module
+    from gradsketch.slt import OutputPathMismatchError, _schema, _writing
 
     ours = zarr.open_group(str(tmp_path / "ours"), mode="w")
-    ours.attrs[sample_module.SETTINGS_ATTR] = {"lr": 0.1}
+    ours.attrs[_schema.SETTINGS_ATTR] = {"lr": 0.1}
     with pytest.raises(
         OutputPathMismatchError,
         match=r"has a different sampler config \(samples made with other settings\):\n"
         r"  lr: stored 0\.1, requested 0\.2",
     ):
-        sample_module._check_existing(tmp_path / "ours", {"lr": 0.2}, {})
+        _writing.check_existing(tmp_path / "ours", {"lr": 0.2}, {})
     theirs = zarr.open_group(str(tmp_path / "theirs"), mode="w")
     theirs.attrs["metadata"] = {"config": {"sampler": {"n_beta": 1.0}}}
     theirs.attrs["completed"] = 1
@@ -456,4 +456,192 @@ def test_sampler_config_refusal_has_devinterps_phrase(tmp_path):
         match=r"holds devinterp samples; the store has a different sampler config:\n"
         r"  n_beta: stored 1\.0, requested 2\.0",
     ):
-        sample_module._check_existing(tmp_path / "theirs", {}, {"n_beta": 2.0})
+        _writing.check_existing(tmp_path / "theirs", {}, {"n_beta": 2.0})
+
+
+def test_inconsistent_devices_lead_with_devinterps_text():
+    """devinterp raises RuntimeError("Inconsistent devices ...") from `SketchBuffer.device` and
+    `CountSketch.device`; so do we (the meta device stands in for a second one), and the
+    sampler says it for parameters on several devices when it sketches."""
+    buf = SketchBuffer.create(4)
+    buf.noise = buf.noise.to("meta")
+    with pytest.raises(RuntimeError, match=r"^Inconsistent devices across buffers: .*meta"):
+        _ = buf.device
+    cs = CountSketch.create(10, 4, seed=0)
+    cs.hash_signs = cs.hash_signs.to("meta")
+    with pytest.raises(
+        RuntimeError, match=r"^Inconsistent devices: hash_indices on cpu, hash_signs on meta"
+    ):
+        _ = cs.device
+    with pytest.raises(RuntimeError, match=r"^Inconsistent devices"):
+        cs.scatter_into_(torch.zeros(4), torch.ones(3), 0)
+    assert cs.to("meta").device == torch.device("meta")  # moving the whole sketch is fine
+    a = torch.nn.Parameter(torch.zeros(3))
+    b = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    with pytest.raises(RuntimeError, match=r"^Inconsistent devices: the parameters are on"):
+        SGMCMC.sgld([a, b], lr=0.1, sketch_dim=4)
+
+
+def test_hash_signs_setter_takes_the_sketchs_own_signs_only():
+    """devinterp's `hash_signs` is an attribute; ours has a setter that keeps the map the
+    fingerprint names: the same signs (any device) are taken, others refused."""
+    cs = CountSketch.create(10, 4, seed=0)
+    signs = cs.hash_signs
+    cs.hash_signs = signs.clone()
+    assert cs.device == torch.device("cpu") and torch.equal(cs.hash_signs, signs)
+    v = torch.arange(10.0)
+    assert torch.equal(cs.sketch(v), CountSketch.create(10, 4, seed=0).sketch(v))
+    with pytest.raises(ValueError, match=r"`hash_signs` differ from this sketch's signs"):
+        cs.hash_signs = -signs
+    with pytest.raises(ValueError, match=r"must be a tensor of shape \(10,\), got a tensor"):
+        cs.hash_signs = torch.ones(3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"rmsprop_eps": 0.1}, r"^rmsprop_eps can only be set", id="eps-not-rmsprop"),
+        pytest.param(
+            {"rmsprop_alpha": 0.9}, r"^rmsprop_alpha can only be set", id="alpha-not-rmsprop"
+        ),
+        pytest.param(
+            {"sampling_method": "rmsprop_sgld", "rmsprop_eps": 0.1},
+            r"^specify only one of rmsprop_eps",
+            id="eps-twice",
+        ),
+        pytest.param(
+            {"sampling_method": "rmsprop_sgld", "rmsprop_alpha": 0.9},
+            r"^specify only one of rmsprop_alpha",
+            id="alpha-twice",
+        ),
+    ],
+)
+def test_rmsprop_argument_errors_lead_with_devinterps_text(kwargs, match):
+    """devinterp's `sample` refuses rmsprop_eps / rmsprop_alpha for another sampler ("can only
+    be set") and given twice ("specify only one"); both come before any model call."""
+    from gradsketch.slt import sample
+
+    if kwargs.get("sampling_method") == "rmsprop_sgld":
+        short = next(k for k in kwargs if k.startswith("rmsprop_")).removeprefix("rmsprop_")
+        kwargs = {**kwargs, "sampling_method_kwargs": {short: 0.5}}
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=match):
+        sample(torch.nn.Linear(2, 2), ids, {}, lr=1e-3, n_beta=1.0, **kwargs)
+
+
+# -- sketches in devinterp's order of rounding ------------------------------------------
+def test_sketch_matches_manual_scatter():
+    """devinterp 2.0.1's own test: the optimizer's sketch == manual scatter at the offsets.
+
+    Exact (atol=0, rtol=0): see :func:`test_every_sketch_equals_devinterps_scatter_bit_for_bit`.
+    """
+    torch.manual_seed(42)
+    w1 = torch.nn.Parameter(torch.randn(80, dtype=torch.float64))
+    w2 = torch.nn.Parameter(torch.randn(40, dtype=torch.float64))
+    w3 = torch.nn.Parameter(torch.randn(80, dtype=torch.float64))
+    opt = SGMCMC.sgld([w1, w2, w3], lr=0.5, nbeta=2.0, noise_level=0.0, sketch_dim=64)
+    w1.grad = torch.randn_like(w1)
+    # w2.grad is intentionally left as None (the default).
+    w3.grad = torch.randn_like(w3)
+    # scaled_grad = (lr/2) * grad * nbeta = 0.25 * grad * 2.0 = 0.5 * grad
+    sg1 = (0.5 * w1.grad).float()
+    sg3 = (0.5 * w3.grad).float()
+    expected = torch.zeros(64, dtype=torch.float32)
+    assert opt._sketch is not None
+    opt._sketch.scatter_into_(expected, sg1, offset=0)
+    opt._sketch.scatter_into_(expected, sg3, offset=80 + 40)
+    opt.step(noise_generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(opt.get_sketches().scaled_grad, expected, atol=0, rtol=0)
+
+
+def _devinterp_components(
+    method: str, params: list, grads: list, states: list, gen: torch.Generator, hyper: dict
+) -> dict[str, list[torch.Tensor]]:
+    """Each parameter's five components as devinterp 2.0.1 computes them (``_decompose_update``).
+
+    The same float32 operations in the same order: ``grad_coef * grad.mul(nbeta)``, then
+    ``_half_lr * (overall * ...)``; priors as ``zeros + localization * (w - w0)`` and
+    ``weight_decay * w`` times ``_half_lr * prior_coef * overall``; noise drawn per
+    parameter in order, times ``lr ** 0.5 * noise_coef``. ``states`` hold RMSprop's
+    square averages (updated here as devinterp updates them).
+    """
+    lr, nbeta, sigma = hyper["lr"], hyper["nbeta"], hyper["noise_level"]
+    gamma, lam = hyper["localization"], hyper["weight_decay"]
+    half = 0.5 * lr
+    out: dict[str, list[torch.Tensor]] = {q: [] for q in SketchBuffer.QUANTITIES}
+    for p, g, state in zip(params, grads, states):
+        if method == "rmsprop_sgld":
+            state["square_avg"].mul_(hyper["alpha"]).addcmul_(g, g, value=1 - hyper["alpha"])
+            pre = 1.0 / (torch.sqrt(state["square_avg"]) + hyper["eps"])
+            grad_coef, prior_coef, noise_coef = pre, pre, torch.sqrt(pre)
+        else:
+            grad_coef, prior_coef, noise_coef = 1.0, 1.0, 1.0
+        overall = 1.0
+        loc_grad = torch.zeros_like(p)
+        loc_grad += gamma * (p - state["initial"])
+        wd_grad = torch.zeros_like(p)
+        wd_grad += lam * p
+        grad_pre = grad_coef * g.mul(nbeta)
+        prior_scale = half * prior_coef * overall
+        # devinterp draws in torch's default dtype (float32 for float64 weights too);
+        # gradsketch draws in the weights' dtype: the same stream for float32 weights.
+        noise = overall * torch.normal(
+            mean=0.0, std=sigma, size=p.size(), device=p.device, generator=gen, dtype=p.dtype
+        )
+        out["scaled_grad"].append(half * (overall * grad_pre))
+        out["unscaled_grad"].append(half * g.mul(nbeta))
+        out["localization"].append(prior_scale * loc_grad)
+        out["weight_decay"].append(prior_scale * wd_grad)
+        out["noise"].append((lr**0.5) * noise_coef * noise)
+    return out
+
+
+@pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_sketch_equals_devinterps_scatter_bit_for_bit(method, dtype):
+    """Each component's float32 sketch equals devinterp's scatter, bit for bit, every step.
+
+    devinterp scatters each parameter's component, converted to float32, with
+    ``result.scatter_add_(0, idx, signs * v_flat)`` in parameter order. The
+    sampler computes every element with the same float32 (or float64) operations
+    in the same order (the scaling folded into its one pass over the rows) and
+    adds it, times its sign, into its bucket in the same order; torch's CPU
+    ``scatter_add_`` sums each bucket sequentially too. Same operations, same
+    order, IEEE rounding: equal on every CPU whatever its vector width (the
+    sums are sequential, the products elementwise, no FMA contraction).
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(13, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 3),
+    ).to(dtype)
+    params = list(model.parameters())
+    hyper = dict(lr=3e-3, nbeta=37.0, noise_level=0.7, localization=11.0, weight_decay=0.3)
+    extra = dict(alpha=0.9, eps=0.05) if method == "rmsprop_sgld" else {}
+    k = 61
+    opt = SGMCMC.get_method(method)(params, **hyper, **extra, sketch_dim=k, sketch_seed=5)
+    cs = CountSketch.create(sum(p.numel() for p in params), k, seed=5)
+    idx_all, signs_all = cs.hash_indices, cs.hash_signs
+    states = [{"initial": p.detach().clone(), "square_avg": torch.zeros_like(p)} for p in params]
+    gen, mirror = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    x = torch.randn(64, 13, dtype=dtype)
+    for _ in range(4):
+        model.zero_grad()
+        model(x).square().mean().backward()
+        before = [p.detach().clone() for p in params]
+        grads = [p.grad.detach().clone() for p in params]
+        comps = _devinterp_components(method, before, grads, states, mirror, {**hyper, **extra})
+        opt.step(noise_generator=gen)
+        got = opt.get_sketches()
+        for q in SketchBuffer.QUANTITIES:
+            want = torch.zeros(k, dtype=torch.float32)
+            offset = 0
+            for c in comps[q]:
+                n = c.numel()
+                idx, signs = idx_all[offset : offset + n], signs_all[offset : offset + n]
+                want.scatter_add_(0, idx, signs * c.detach().reshape(-1).float())
+                offset += n
+            torch.testing.assert_close(getattr(got, q), want, atol=0, rtol=0, msg=q)

@@ -347,6 +347,75 @@ def test_recording_store_resume_and_mismatch(tmp_path: Path):
         reopened.metrics("energy")
 
 
+def _flip_middle(file: Path) -> None:
+    raw = bytearray(file.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    file.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("array", "damage"),
+    [
+        ("loss", Path.unlink),
+        ("loss", _flip_middle),
+        ("loss", lambda f: f.write_bytes(f.read_bytes()[:5])),
+        ("sketch/noise", Path.unlink),
+        ("metrics/distance", _flip_middle),
+    ],
+    ids=["loss-deleted", "loss-bit-flipped", "loss-truncated", "sketch-deleted", "metric-flipped"],
+)
+def test_a_damaged_recorded_draw_is_sampled_again_never_read_as_nan(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, array: str, damage
+):
+    """Issue 47: a finished chain whose recorded draws lost a chunk is named (array, chunk,
+    file) and sampled again, bit-identical to the first run; the estimate is never NaN."""
+    model, loader = digits_setup()
+    run = functools.partial(
+        estimate_learning_coeff_with_summary,
+        model,
+        loader,
+        optimizer_kwargs=dict(KW, sketch_dim=16, save_metrics=True),
+        num_draws=4,
+        num_chains=2,
+        seed=0,
+        verbose=False,
+        store=tmp_path / "run",
+    )
+    first = run()
+    chunk = tmp_path / "run" / array / "c" / "1" / "0"
+    if array.startswith("sketch"):
+        chunk = chunk / "0"
+    damage(chunk)
+    with caplog.at_level("WARNING", logger="gradsketch.sampling._recording"):
+        again = run()
+    np.testing.assert_array_equal(again["loss/trace"], first["loss/trace"])
+    assert again["llc/mean"] == first["llc/mean"] and np.isfinite(again["llc/mean"])
+    assert f"`{array}`: rows [1] (1 row(s)) in chunk (1, 0" in caplog.text
+    assert str(chunk) in caplog.text and "Sampling chains [1] again" in caplog.text
+
+
+def test_a_recorded_store_with_an_unreadable_array_record_is_refused(tmp_path: Path):
+    from gradsketch.errors import StoreIntegrityError
+
+    model, loader = digits_setup()
+    run = functools.partial(
+        estimate_learning_coeff_with_summary,
+        model,
+        loader,
+        optimizer_kwargs=KW,
+        num_draws=4,
+        num_chains=2,
+        seed=0,
+        verbose=False,
+        store=tmp_path / "run",
+    )
+    run()
+    meta = tmp_path / "run" / "loss" / "zarr.json"
+    meta.write_text(meta.read_text()[:40])
+    with pytest.raises(StoreIntegrityError, match=r"damaged zarr record `.*loss/zarr\.json`.*Fix"):
+        run()
+
+
 def test_store_without_sketches_or_metrics_says_how_to_record(tmp_path: Path):
     store = open_draw_store(
         tmp_path / "s", LLCRecordSettings(num_chains=1, num_draws=2, seed=0, nbeta=1.0)

@@ -23,12 +23,12 @@ from gradsketch.sampling import (
     RMSpropPreconditioner,
     register_preconditioner,
 )
-from gradsketch.sampling import _reduce as reduce_module
 from gradsketch.sampling import _sgmcmc as sgmcmc_module
 from gradsketch.sampling import _workspace as workspace_module
 from gradsketch.sketch import CountSketch
 from gradsketch.sketch import _countsketch as countsketch_module
 from gradsketch.sketch import _native as native_module
+from gradsketch.sketch import _reduce as reduce_module
 
 # Each test runs with the native scatter kernels and with torch's scatter.
 pytestmark = pytest.mark.usefixtures("scatter_backend")

@@ -11,8 +11,7 @@ from _slt_helpers import count_calibrations, tiny_gpt2, token_data, trained_tiny
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradsketch.sampling
-from gradsketch.slt import OutputPathMismatchError, SamplingCache, sample, susceptibilities
-from gradsketch.slt import _sample as sample_module
+from gradsketch.slt import OutputPathMismatchError, SamplingCache, _schema, sample, susceptibilities
 from gradsketch.slt._data import per_token_loss
 
 # On the CPU, where the pilots by hand run (sample defaults to CUDA where there is one).
@@ -83,9 +82,7 @@ def test_susceptibilities_calibrate_once_for_every_restriction(
     )
     assert len(calls) == 1
     steps = {
-        sample_module._open_tree(tmp_path / f"s_{name}.zarr").attrs["metadata"]["config"][
-            "sampler"
-        ]["lr"]
+        _schema.open_tree(tmp_path / f"s_{name}.zarr").attrs["metadata"]["config"]["sampler"]["lr"]
         for name in ("full", "l0")
     }
     assert len(steps) == 1

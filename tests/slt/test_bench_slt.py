@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
+
+from helpers.benchmarks import load_benchmark
 
 pytestmark = pytest.mark.bench
 pytest.importorskip("devinterp.slt")
 pytest.importorskip("datasets")
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-import bench_slt  # noqa: E402
+bench_slt = load_benchmark("bench_slt")
 
 
 def test_llc_without_a_store_gives_both_libraries_estimates_of_the_stored_run(

@@ -144,7 +144,7 @@ def test_gradsketch_llc_fast_path_switch(model_dir: Path, tmp_path: Path) -> Non
     from typer.testing import CliRunner
 
     from gradsketch.cli._app import app
-    from gradsketch.slt._train_forward import FAST_PATHS
+    from gradsketch.slt import FAST_PATHS
 
     helped = CliRunner().invoke(app, ["llc", "--help"], env={"COLUMNS": "200"})
     assert helped.exit_code == 0 and "--fast-path" in helped.output

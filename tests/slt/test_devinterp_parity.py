@@ -215,14 +215,14 @@ def test_compute_susceptibilities_on_devinterp_stores(devinterp_trees: dict[str,
 def test_sample_reuses_a_devinterp_store(
     devinterp_trees: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gradsketch.slt import _sample
+    from gradsketch.slt import _run
 
     model, sampling, obs, path = _RUNS["args"]
 
     def fail(self: Any) -> None:
         raise AssertionError("a completed devinterp store was sampled again")
 
-    monkeypatch.setattr(_sample._Run, "run", fail)
+    monkeypatch.setattr(_run.SampleRun, "run", fail)
     tree = slt.sample(model, sampling, obs, output_path=path, **KW)
     np.testing.assert_array_equal(
         tree.dataset["loss_code"].values, devinterp_trees["full"].dataset["loss_code"].values

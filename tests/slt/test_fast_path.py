@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from _slt_helpers import tiny_gpt2, token_data
 
-from gradsketch.slt import _sample as sample_module
-from gradsketch.slt import _train_forward as tf
-from gradsketch.slt import _train_native, sample
+from gradsketch.slt import _run as run_module
+from gradsketch.slt import _schema, sample
+from gradsketch.slt._fast import _native as _train_native
 
 #: The fast path is CPU-only: the runs stay there on a CUDA machine too (sample's default
 #: device, as devinterp's, is CUDA when there is one).
@@ -45,11 +45,11 @@ def test_off_equals_a_run_with_the_fast_machinery_removed(
     off = _run(tmp_path / "off.zarr", fast_path="off").dataset
     with monkeypatch.context() as patch:
         patch.setattr(
-            sample_module,
+            run_module,
             "train_copy",
             lambda model, device, **_: copy.deepcopy(model).to(device),
         )
-        patch.setattr(tf, "_native_kernels", lambda: None)
+        patch.setattr(_train_native, "native_kernels", lambda: None)
         plain = _run(tmp_path / "plain.zarr").dataset
     for name in ARRAYS:
         np.testing.assert_array_equal(off[name].values, plain[name].values, err_msg=name)
@@ -61,12 +61,12 @@ def test_off_equals_a_run_with_the_fast_machinery_removed(
 
 def test_the_store_records_which_path_ran(tmp_path: Path) -> None:
     off = _run(tmp_path / "off.zarr", fast_path="off")
-    assert off.attrs[sample_module.FAST_PATH_ATTR] == [
+    assert off.attrs[_schema.FAST_PATH_ATTR] == [
         {"fast_path": "off", "modules": [], "kernels": "torch"}
     ]
     auto = _run(tmp_path / "auto.zarr")
     kernels = "native" if _train_native.train_library() is not None else "torch"
-    assert auto.attrs[sample_module.FAST_PATH_ATTR] == [
+    assert auto.attrs[_schema.FAST_PATH_ATTR] == [
         {"fast_path": "auto", "modules": ["attention", "dropout", "gelu"], "kernels": kernels}
     ]
 
@@ -90,8 +90,8 @@ def test_same_seed_same_store_with_and_without_the_train_kernels(
     monkeypatch.setenv("GRADSKETCH_NATIVE_TRAIN", "0")
     monkeypatch.setattr(_train_native, "_state", None)
     plain = _run(tmp_path / "plain.zarr")
-    assert plain.attrs[sample_module.FAST_PATH_ATTR][0]["kernels"] == "torch"
-    assert native.attrs[sample_module.FAST_PATH_ATTR][0]["kernels"] == "native"
+    assert plain.attrs[_schema.FAST_PATH_ATTR][0]["kernels"] == "torch"
+    assert native.attrs[_schema.FAST_PATH_ATTR][0]["kernels"] == "native"
     for name in ARRAYS:
         a, b = native.dataset[name].values, plain.dataset[name].values
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-5, err_msg=name)

@@ -22,10 +22,10 @@ from _slt_helpers import tiny_gpt2, tiny_llama, tiny_qwen2, token_data
 from torch import nn
 from torch.nn import functional as F
 
-from gradsketch.slt import _train_forward as tf
+from gradsketch.slt import _fast as tf
 from gradsketch.slt import per_token_loss, sample
-from gradsketch.slt._fused_blocks import FusedRMSNorm, SwiGLU, rms_norm, swap_blocks, swiglu
-from gradsketch.slt._train_native import train_library
+from gradsketch.slt._fast._fused_blocks import FusedRMSNorm, SwiGLU, rms_norm, swap_blocks, swiglu
+from gradsketch.slt._fast._native import train_library
 
 TOL: dict[str, Any] = dict(rtol=2e-5, atol=2e-5)
 native = pytest.mark.skipif(train_library() is None, reason="no C compiler: no native kernels")

@@ -1,4 +1,4 @@
-"""The working copy's rotary embedding (``gradsketch.slt._rotary``): the model's own bits.
+"""The working copy's rotary embedding (``gradsketch.slt._fast._rotary``): the model's own bits.
 
 ``gs_rotary_f32`` rounds each product and each sum as torch's element-wise
 kernels do (no fused multiply-add), so the rotated queries and keys, and
@@ -17,10 +17,10 @@ import pytest
 import torch
 from _slt_helpers import tiny_gpt2, tiny_llama, tiny_neox, tiny_qwen2, token_data
 
-from gradsketch.slt import _rotary
-from gradsketch.slt import _train_forward as tf
+from gradsketch.slt import _fast as tf
 from gradsketch.slt._data import per_token_loss
-from gradsketch.slt._train_native import train_library
+from gradsketch.slt._fast import _rotary
+from gradsketch.slt._fast._native import train_library
 from helpers.hf_families import DECODERS_BY_NAME
 
 transformers = pytest.importorskip("transformers")

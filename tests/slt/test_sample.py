@@ -25,13 +25,14 @@ from gradsketch._processes import worker_threads
 from gradsketch.slt import (
     FewChainsWarning,
     OutputPathMismatchError,
+    SamplingCache,
+    _run,
     compute_llc,
     create_param_masks,
     llc,
     per_token_loss,
     sample,
 )
-from gradsketch.slt import _sample as sample_module
 from gradsketch.slt._data import as_token_tensor
 
 pytest.importorskip("xarray")
@@ -287,7 +288,7 @@ def test_completed_store_is_reused_and_other_settings_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     root, tree = stored
-    monkeypatch.setattr(sample_module._Run, "run", _fail)
+    monkeypatch.setattr(_run.SampleRun, "run", _fail)
     out = tree.dataset
     again = sample(
         tiny_gpt2(),
@@ -327,7 +328,7 @@ def test_killed_run_resumes_at_the_unfinished_chain(
 ) -> None:
     kw = {**BASE, "num_chains": 3, "num_draws": 2}
     whole = sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "whole", **kw).dataset
-    original = sample_module._Run.sample_chain
+    original = _run.SampleRun.sample_chain
     calls: list[int] = []
 
     def killed(self: Any, chain: int) -> Any:
@@ -336,7 +337,7 @@ def test_killed_run_resumes_at_the_unfinished_chain(
             raise KeyboardInterrupt
         return original(self, chain)
 
-    monkeypatch.setattr(sample_module._Run, "sample_chain", killed)
+    monkeypatch.setattr(_run.SampleRun, "sample_chain", killed)
     with pytest.raises(KeyboardInterrupt):
         sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "cut", **kw)
 
@@ -344,7 +345,7 @@ def test_killed_run_resumes_at_the_unfinished_chain(
         calls.append(chain)
         return original(self, chain)
 
-    monkeypatch.setattr(sample_module._Run, "sample_chain", counted)
+    monkeypatch.setattr(_run.SampleRun, "sample_chain", counted)
     resumed = sample(tiny_gpt2(), data, {"d": data}, output_path=tmp_path / "cut", **kw).dataset
     assert calls == [0, 1, 1, 2]
     assert resumed.attrs["completed"] == 1
@@ -460,12 +461,12 @@ def test_noise_stream_is_not_the_dropout_stream() -> None:
     of 1000 normals have a sample correlation with sd 1/sqrt(1000) ~ 0.032, so 0.15 is
     ~4.7 sd; the same stream would give 1."""
     for chain in range(4):
-        seed = sample_module._noise_seed(100, chain)
+        seed = _run.noise_seed(100, chain)
         assert seed not in {100 + c for c in range(8)}
         noise = torch.randn(1000, generator=torch.Generator().manual_seed(seed))
         dropout_stream = torch.randn(1000, generator=torch.Generator().manual_seed(100 + chain))
         assert abs(float(torch.corrcoef(torch.stack([noise, dropout_stream]))[0, 1])) < 0.15
-    assert len({sample_module._noise_seed(100, c) for c in range(64)}) == 64
+    assert len({_run.noise_seed(100, c) for c in range(64)}) == 64
 
 
 @pytest.mark.parametrize(
@@ -499,13 +500,13 @@ def test_cores_give_the_bits_of_one_core_and_share_its_store(
     obs = {"d": data}
     model = tiny_gpt2(dropout=0.1)
     backends: list[str] = []
-    real_run_jobs = sample_module.run_jobs
+    real_run_jobs = _run.run_jobs
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         backends.append(kwargs["backend"])
         return real_run_jobs(*args, **kwargs)
 
-    monkeypatch.setattr(sample_module, "run_jobs", spy)
+    monkeypatch.setattr(_run, "run_jobs", spy)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -524,7 +525,7 @@ def test_cores_give_the_bits_of_one_core_and_share_its_store(
     # Chains differ from one another (each has its own seeds).
     assert not np.array_equal(one["loss_d"].values[0], one["loss_d"].values[1])
 
-    monkeypatch.setattr(sample_module._Run, "run", _fail)
+    monkeypatch.setattr(_run.SampleRun, "run", _fail)
     reused = sample(model, data, obs, output_path=tmp_path / "one", cores=2, **kw).dataset
     np.testing.assert_array_equal(reused["loss_d"].values, one["loss_d"].values)
 
@@ -564,15 +565,15 @@ def test_the_initial_loss_is_computed_once_per_cache_for_the_same_inputs(
     (susceptibilities' runs) reuses L(w*), which ignores the restriction, bit for bit;
     another dropout rate, other data or another init_seed compute it again, and so does a
     call with a cache of its own (the default)."""
-    cache = sample_module.SamplingCache()
+    cache = SamplingCache()
     calls: list[int] = []
-    original = sample_module._Run._init_loss
+    original = _run.SampleRun._init_loss
 
     def counted(self: Any, work: Any, chain: int, cache: Any) -> Any:
         calls.append(chain)
         return original(self, work, chain, cache)
 
-    monkeypatch.setattr(sample_module._Run, "_init_loss", counted)
+    monkeypatch.setattr(_run.SampleRun, "_init_loss", counted)
     model = tiny_gpt2(dropout=0.1)
     head = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
     head["transformer.h.0.attn.c_attn.weight"][:, :4] = True
@@ -632,13 +633,13 @@ def test_skipped_observables_leave_the_chains_as_they_were(
     ids = token_data(32, seed=2) % 64  # tiny_llama's vocabulary
     kw = {**BASE, "save_metrics": True, "loss_fn": loss_fn}
     drawn: list[int] = []
-    real = sample_module.skip_seeds
+    real = _run.skip_seeds
 
     def spy(generator: torch.Generator, count: int) -> None:
         drawn.append(count)
         real(generator, count)
 
-    monkeypatch.setattr(sample_module, "skip_seeds", spy)
+    monkeypatch.setattr(_run, "skip_seeds", spy)
     full = sample(model, ids, {"d": ids}, output_path=tmp_path / "full", **kw).dataset
     assert drawn == []
     part = sample(
@@ -658,7 +659,7 @@ def test_skipped_observables_leave_the_chains_as_they_were(
     with pytest.raises(OutputPathMismatchError, match=r"evaluate_observables"):
         sample(model, ids, {"d": ids}, output_path=tmp_path / "part", **kw)
     # The store with them holds more than a call without them asks for: reused as it is.
-    monkeypatch.setattr(sample_module._Run, "run", _fail)
+    monkeypatch.setattr(_run.SampleRun, "run", _fail)
     again = sample(
         model, ids, {"d": ids}, output_path=tmp_path / "full", evaluate_observables=False, **kw
     ).dataset
@@ -672,13 +673,13 @@ def test_llc_without_a_store_skips_the_observables(
     ``output_path`` keeps the store (or the caller asks), with the same estimate."""
     model, ids = tiny_gpt2(dropout=0.1), token_data(32, seed=3)
     asked: list[bool] = []
-    real = sample_module._Run._decide_observables
+    real = _run.SampleRun._decide_observables
 
     def spy(self: Any) -> None:
         asked.append(self.evaluate_observables)
         real(self)
 
-    monkeypatch.setattr(sample_module._Run, "_decide_observables", spy)
+    monkeypatch.setattr(_run.SampleRun, "_decide_observables", spy)
     kw = {**BASE, "num_chains": 4}
     kept = llc(model, ids, {"d": ids}, output_path=tmp_path / "s", **kw)
     bare = llc(model, ids, {"d": ids}, **kw)
@@ -725,17 +726,17 @@ def test_a_killed_store_with_observables_resumes_them_when_asked_to_skip_them(
     kw = {**BASE, "num_chains": 3, "num_draws": 2}
     model = tiny_gpt2(dropout=0.1)
     whole = sample(model, data, {"d": data}, output_path=tmp_path / "whole", **kw).dataset
-    original = sample_module._Run.sample_chain
+    original = _run.SampleRun.sample_chain
 
     def killed(self: Any, chain: int) -> Any:
         if chain == 1:
             raise KeyboardInterrupt
         return original(self, chain)
 
-    monkeypatch.setattr(sample_module._Run, "sample_chain", killed)
+    monkeypatch.setattr(_run.SampleRun, "sample_chain", killed)
     with pytest.raises(KeyboardInterrupt):
         sample(model, data, {"d": data}, output_path=tmp_path / "cut", **kw)
-    monkeypatch.setattr(sample_module._Run, "sample_chain", original)
+    monkeypatch.setattr(_run.SampleRun, "sample_chain", original)
     resumed = sample(
         model, data, {"d": data}, output_path=tmp_path / "cut", evaluate_observables=False, **kw
     ).dataset

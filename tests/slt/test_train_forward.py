@@ -13,9 +13,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradsketch._processes import run_jobs
-from gradsketch.slt import _train_forward as tf
+from gradsketch.slt import _fast as tf
 from gradsketch.slt import per_token_loss
-from gradsketch.slt._train_native import train_status
+from gradsketch.slt._fast import _attention, _copy, _dropout, _native
+from gradsketch.slt._fast._native import train_status
 
 CPU = torch.device("cpu")
 
@@ -32,10 +33,10 @@ def _hoeffding(n: int, delta: float = 1e-6) -> float:
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test of the dropout and GELU runs on the native kernels and on torch's path."""
     if request.param == "native":
-        if tf._native_kernels() is None:
+        if _native.native_kernels() is None:
             pytest.skip(f"native kernels unavailable: {train_status().reason}")
     else:
-        monkeypatch.setattr(tf, "_native_kernels", lambda: None)
+        monkeypatch.setattr(_native, "native_kernels", lambda: None)
     return str(request.param)
 
 
@@ -158,7 +159,7 @@ def test_the_tanh_gelus_are_swapped_and_the_erf_gelu_is_not() -> None:
         nn.GELU(),
         nn.Dropout(0.1),
     )
-    tf._swap_modules(net, dropout_modules=True)
+    _copy._swap_modules(net, dropout_modules=True)
     kinds = [type(m) for m in net]
     assert kinds[:-2] == [tf.TanhGELU] * (len(net) - 2)
     assert kinds[-2:] == [nn.GELU, tf.SeededDropout]
@@ -234,7 +235,7 @@ def test_attention_math_matches_float64_without_dropout(
         (additive, {"additive": additive}),
     ]
     for mask, ref_kw in cases:
-        got = tf._attention_math(q, k, v, mask, 0.0, 0.3, True)
+        got = _attention._attention_math(q, k, v, mask, 0.0, 0.3, True)
         want = _reference_attention(q, k, v, scale=0.3, **ref_kw)
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
 
@@ -245,7 +246,7 @@ def test_attention_math_applies_the_streams_dropout_mask_to_the_weights(backend:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 5, 4, generator=gen) for _ in range(3))
     with tf.dropout_stream(torch.Generator().manual_seed(9)):
-        got = tf._attention_math(q, k, v, None, 0.2, None, True)
+        got = _attention._attention_math(q, k, v, None, 0.2, None, True)
     with tf.dropout_stream(torch.Generator().manual_seed(9)):
         factor = tf.dropout(torch.ones(2, 2, 5, 5), 0.2)
     causal = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
@@ -281,9 +282,9 @@ def test_attention_with_dropout_matches_float64_forward_and_backward(
         factor = tf.dropout(torch.ones(b, heads, q_len, k_len), p)
     ours = [t.clone().requires_grad_() for t in leaves]
     with tf.dropout_stream(torch.Generator().manual_seed(7)):
-        got = tf._attention_math(*views(*ours), None, p, 0.4, causal)
+        got = _attention._attention_math(*views(*ours), None, p, 0.4, causal)
     with torch.no_grad(), tf.dropout_stream(torch.Generator().manual_seed(7)):
-        assert torch.equal(tf._attention_math(*views(*leaves), None, p, 0.4, causal), got)
+        assert torch.equal(_attention._attention_math(*views(*leaves), None, p, 0.4, causal), got)
     ref = [t.double().requires_grad_() for t in leaves]
     allowed = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
     want = _reference_attention(
@@ -313,16 +314,16 @@ def test_fused_attention_is_the_same_bits_on_more_threads_and_declines_strided_h
         for threads in (1, 2):
             torch.set_num_threads(threads)
             with tf.dropout_stream(torch.Generator().manual_seed(3)):
-                out = tf._attention_math(q, k, v, None, 0.3, None, True)
+                out = _attention._attention_math(q, k, v, None, 0.3, None, True)
             grads = torch.autograd.grad(out.sum(), (q, k, v))
             results.append((out, *grads))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*results))
     strided = torch.randn(3, 2, 7, 10, generator=gen)[..., ::2]
-    assert tf._fused_attention(strided, k, v, 0.3, 0.5, True) is None
+    assert _attention._fused_attention(strided, k, v, 0.3, 0.5, True) is None
     with tf.dropout_stream(torch.Generator().manual_seed(3)):
-        got = tf._attention_math(strided, k, v, None, 0.3, 0.5, True)
+        got = _attention._attention_math(strided, k, v, None, 0.3, 0.5, True)
     assert got.shape == (3, 7, 2, 5)
 
 
@@ -330,7 +331,7 @@ def test_fused_attention_through_scipys_sgemm(monkeypatch: pytest.MonkeyPatch) -
     """Where torch exports no ``sgemm_`` the kernels take SciPy's: the same attention."""
     from gradsketch import _native_build
 
-    if tf._native_kernels() is None:
+    if _native.native_kernels() is None:
         pytest.skip(f"native kernels unavailable: {train_status().reason}")
     scipy_gemm = _native_build.find_sgemm(torch_first=False)
     assert scipy_gemm is not None
@@ -339,9 +340,9 @@ def test_fused_attention_through_scipys_sgemm(monkeypatch: pytest.MonkeyPatch) -
     k, v = k[:, :2], v[:, :2]  # grouped-query heads
     outs = []
     for gemm in (_native_build.blas_sgemm(), scipy_gemm):
-        monkeypatch.setattr(tf, "blas_sgemm", lambda gemm=gemm: gemm)
+        monkeypatch.setattr(_attention, "blas_sgemm", lambda gemm=gemm: gemm)
         with tf.dropout_stream(torch.Generator().manual_seed(5)):
-            outs.append(tf._attention_math(q, k, v, None, 0.25, None, True))
+            outs.append(_attention._attention_math(q, k, v, None, 0.25, None, True))
     np.testing.assert_allclose(outs[1].numpy(), outs[0].numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -415,13 +416,13 @@ def test_train_mode_copy_with_masks_of_ones_is_the_models_eval_function(
         if isinstance(module, tf.SeededDropout):
             module.p = 1e-7
     calls: list[int] = []
-    explicit = tf._attention_math
+    explicit = _attention._attention_math
 
     def spy(*args: Any) -> torch.Tensor:
         calls.append(1)
         return explicit(*args)
 
-    monkeypatch.setattr(tf, "_attention_math", spy)
+    monkeypatch.setattr(_attention, "_attention_math", spy)
     with torch.no_grad():
         want = per_token_loss(model.eval(), ids).double()
         got = per_token_loss(work.train(), ids).double()
@@ -477,8 +478,11 @@ def test_stream_draws_counts_whole_seeds_and_nothing_else() -> None:
     state = torch.random.get_rng_state()
     assert tf.stream_draws(lambda: per_token_loss(model.train(), ids)) is None
     assert torch.equal(state, torch.random.get_rng_state())  # restored
-    assert tf.stream_draws(lambda: torch.rand(3, generator=tf._stream())) is None
-    assert tf.stream_draws(lambda: [tf._seed(tf._stream()) for _ in range(9)], limit=8) is None
+    assert tf.stream_draws(lambda: torch.rand(3, generator=_dropout.stream())) is None
+    stream = _dropout.stream
+    assert (
+        tf.stream_draws(lambda: [_dropout.draw_seed(stream()) for _ in range(9)], limit=8) is None
+    )
 
 
 def test_a_model_whose_mask_code_disagrees_keeps_its_attention(
@@ -492,7 +496,7 @@ def test_a_model_whose_mask_code_disagrees_keeps_its_attention(
         out, _ = sdpa_attention_forward(*args, **kwargs)
         return out + 1.0, None
 
-    tf._register()
+    _attention._register()
     monkeypatch.setitem(AttentionInterface._global_mapping, tf.ATTENTION_NAME, wrong)
     model = tiny_gpt2(dropout=0.1)
     work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, rows=1))
@@ -571,7 +575,7 @@ def test_fast_kernels_false_gives_torchs_cross_entropy_bits() -> None:
     logits, targets = torch.randn(7, 50, generator=gen), torch.randint(0, 50, (7,), generator=gen)
     with tf.fast_kernels(False):
         got = tf.token_cross_entropy(logits, targets)
-        assert tf._native_kernels() is None
+        assert _native.native_kernels() is None
     assert torch.equal(got, F.cross_entropy(logits, targets, reduction="none"))
 
 
@@ -604,17 +608,17 @@ def test_off_cpu_nothing_is_swapped(device: torch.device) -> None:
 def test_attention_is_probed_in_train_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """An explicit attention that is wrong only in training (where it runs; eval mode is
     sdpa itself) is caught by the probe and the swap undone."""
-    explicit = tf._attention_math
+    explicit = _attention._attention_math
 
     def off_by_a_bit(*args: Any) -> torch.Tensor:
         return explicit(*args) + 1e-3
 
-    monkeypatch.setattr(tf, "_attention_math", off_by_a_bit)
+    monkeypatch.setattr(_attention, "_attention_math", off_by_a_bit)
     model = tiny_gpt2(dropout=0.1)
     work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, 1))
     assert work.config._attn_implementation == "sdpa"
     assert "attention" not in tf.engaged(work)["modules"]
-    monkeypatch.setattr(tf, "_attention_math", explicit)
+    monkeypatch.setattr(_attention, "_attention_math", explicit)
     work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, 1))
     assert tf.engaged(work)["modules"] == ["attention", "dropout", "gelu"]
 
@@ -635,9 +639,9 @@ def test_a_transformers_without_the_interfaces_keeps_sdpa(
     import sys
 
     model = tiny_gpt2(dropout=0.1)
-    monkeypatch.setattr(tf, "_REGISTERED", False)
+    monkeypatch.setattr(_attention, "_REGISTERED", False)
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)
-    with caplog.at_level("WARNING", logger=tf.__name__):
+    with caplog.at_level("WARNING", logger=_attention.__name__):
         work = tf.train_copy(model, CPU, loss_fn=per_token_loss, probe=_ids(model, 1))
     assert work.config._attn_implementation == "sdpa"
     assert tf.engaged(work)["modules"] == ["dropout", "gelu"]
@@ -651,14 +655,14 @@ def test_native_and_torch_dropout_draw_the_same_mask(
 ) -> None:
     """One counter-based hash (:func:`dropout_bits`) in C and in torch: bit-equal outputs,
     forward and backward, from the same stream (odd sizes: partial blocks of four)."""
-    if tf._native_kernels() is None:
+    if _native.native_kernels() is None:
         pytest.skip(f"native kernels unavailable: {train_status().reason}")
     x = torch.randn(3, 1037, generator=torch.Generator().manual_seed(1))
     outs, grads = [], []
     for native in (True, False):
         with monkeypatch.context() as patch:
             if not native:
-                patch.setattr(tf, "_native_kernels", lambda: None)
+                patch.setattr(_native, "native_kernels", lambda: None)
             leaf = x.clone().requires_grad_(True)
             with tf.dropout_stream(torch.Generator().manual_seed(7)):
                 y = tf.dropout(leaf, p)
@@ -671,13 +675,13 @@ def test_native_and_torch_dropout_draw_the_same_mask(
 
 def test_dropout_bits_are_the_c_kernels_lanes() -> None:
     """``gs_dropout_f32`` keeps element i exactly when ``dropout_bits(seed, n)[i] >= q``."""
-    if tf._native_kernels() is None:
+    if _native.native_kernels() is None:
         pytest.skip(f"native kernels unavailable: {train_status().reason}")
-    kernel = tf._native_kernels()["dropout"]  # type: ignore[index]
+    kernel = _native.native_kernels()["dropout"]  # type: ignore[index]
     n = 4099
     ones = torch.ones(n)
     for seed in (1, 2**63 + 5, 2**64 - 1, 123456789):
-        q, scale = tf._drop_rule(0.3)
+        q, scale = _dropout.drop_rule(0.3)
         out = torch.empty(n)
         kernel(ones.data_ptr(), out.data_ptr(), n, seed, q, scale)
         assert torch.equal(tf.dropout_bits(seed, n) >= q, out != 0), seed
@@ -688,7 +692,7 @@ def test_native_and_torch_attention_drop_the_same_weights(
 ) -> None:
     """The fused kernel and torch's path with the same stream: the same output up to float
     rounding (another mask would move it by O(1))."""
-    if tf._native_kernels() is None:
+    if _native.native_kernels() is None:
         pytest.skip(f"native kernels unavailable: {train_status().reason}")
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
@@ -697,7 +701,7 @@ def test_native_and_torch_attention_drop_the_same_weights(
     for native in (True, False):
         with monkeypatch.context() as patch:
             if not native:
-                patch.setattr(tf, "_native_kernels", lambda: None)
+                patch.setattr(_native, "native_kernels", lambda: None)
             with tf.dropout_stream(torch.Generator().manual_seed(5)):
-                outs.append(tf._attention_math(q, k, v, None, 0.25, None, True))
+                outs.append(_attention._attention_math(q, k, v, None, 0.25, None, True))
     np.testing.assert_allclose(outs[1].numpy(), outs[0].numpy(), rtol=1e-5, atol=1e-6)

@@ -8,7 +8,7 @@ import pytest
 
 from gradsketch import _native_build
 from gradsketch.sketch import _native
-from gradsketch.slt import _train_native
+from gradsketch.slt._fast import _native as _train_native
 
 SPECS = {"sketch": _native.SPEC, "train": _train_native.SPEC}
 

@@ -7,6 +7,8 @@ held in memory, memmaps or zarr arrays, and the linear datamodeling score.
 Park et al., "TRAK: Attributing Model Behavior at Scale", ICML 2023.
 """
 
+import warnings as _warnings
+
 from gradsketch._lazy import lazy_getattr
 from gradsketch.attribution._distributed import (
     ChunkShardSampler,
@@ -67,13 +69,14 @@ from gradsketch.attribution._modelout import (
     register_loss_grad_from_output,
     register_task,
 )
+from gradsketch.attribution._plan import AttributionPlan
 from gradsketch.attribution._preconditioners import (
-    PRECONDITIONERS,
+    CURVATURE_PRECONDITIONERS,
+    CurvaturePreconditioner,
     FeatureBatch,
-    Preconditioner,
     PreconditionerSpec,
     TrainRows,
-    register_preconditioner,
+    register_curvature_preconditioner,
 )
 from gradsketch.attribution._replay import (
     REPLAY_OPTIMIZERS,
@@ -85,7 +88,6 @@ from gradsketch.attribution._replay import (
     register_training_loss,
 )
 from gradsketch.attribution._replay_hf import ReplayCallback
-from gradsketch.attribution._replay_traker import ReplayTRAKer
 from gradsketch.attribution._score_computers import (
     AbstractScoreComputer,
     BasicScoreComputer,
@@ -93,12 +95,19 @@ from gradsketch.attribution._score_computers import (
 )
 from gradsketch.attribution._scores import MemoryBudgetError, trak_scores
 from gradsketch.attribution._topk import TopK, trak_topk
-from gradsketch.attribution._traker import ModelIDException, TRAKer, TRAKSettings
+from gradsketch.attribution._traker import ModelIDException, ReplayTRAKer, TRAKer, TRAKSettings
+from gradsketch.attribution._traker_arguments import ARGUMENT_REFUSALS, REPLAY_UNUSED_ARGUMENTS
+from gradsketch.attribution._vocab_layers import VOCABULARY_FACTOR_LIMIT
+from gradsketch.errors import UnsupportedModelError
 
 __all__ = [
     # front end
     "TRAKer",
     "TRAKSettings",
+    "AttributionPlan",
+    "VOCABULARY_FACTOR_LIMIT",
+    "ARGUMENT_REFUSALS",
+    "REPLAY_UNUSED_ARGUMENTS",
     # scoring
     "trak_scores",
     "trak_topk",
@@ -156,16 +165,17 @@ __all__ = [
     "HookComputationError",
     "MemoryBudgetError",
     "UnknownTaskError",
+    "UnsupportedModelError",
     "BatchFormatError",
     "VmapTraceError",
     "DistributedMismatchError",
     # preconditioners: TRAKer(method=name) for every registered one
-    "Preconditioner",
+    "CurvaturePreconditioner",
     "PreconditionerSpec",
     "FeatureBatch",
     "TrainRows",
-    "PRECONDITIONERS",
-    "register_preconditioner",
+    "CURVATURE_PRECONDITIONERS",
+    "register_curvature_preconditioner",
     # curvature-aware influence (K-FAC / EK-FAC / identity; TRAKer(method=...))
     "InfluenceComputer",
     "InfluenceSettings",
@@ -180,7 +190,7 @@ __all__ = [
 # The demo, its bundled data and the command line moved to gradsketch.demos and
 # gradsketch.cli; their names still import from here, loaded on first use (so
 # importing this package imports neither typer, matplotlib nor scikit-learn).
-__getattr__ = lazy_getattr(
+_lazy_getattr = lazy_getattr(
     __name__,
     {
         **dict.fromkeys(
@@ -202,3 +212,25 @@ __getattr__ = lazy_getattr(
         "ConfigError": "gradsketch.errors",
     },
 )
+
+#: Old names of the curvature-preconditioner family, kept for one release: they
+#: clashed with gradsketch.sampling's (SGMCMC) Preconditioner names.
+_DEPRECATED = {
+    "Preconditioner": "CurvaturePreconditioner",
+    "PRECONDITIONERS": "CURVATURE_PRECONDITIONERS",
+    "register_preconditioner": "register_curvature_preconditioner",
+}
+
+
+def __getattr__(name: str) -> object:
+    new = _DEPRECATED.get(name)
+    if new is not None:
+        _warnings.warn(
+            f"gradsketch.attribution.{name} is deprecated and will be removed in the next "
+            f"release; use gradsketch.attribution.{new} (gradsketch.sampling.{name} is the "
+            "SGMCMC preconditioner family, another thing).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    return _lazy_getattr(name)

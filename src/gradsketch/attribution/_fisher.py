@@ -1,7 +1,8 @@
 """What influence methods differentiate, per task: the measurement and the sampled-label loss.
 
-Two registries keyed by task class, read by
-:class:`~gradsketch.attribution.InfluenceComputer`:
+Two slots of a task's record in the task protocol
+(:mod:`gradsketch.attribution._task`), read by
+:class:`~gradsketch.attribution.InfluenceComputer`; the tables here are views of them:
 
 * :data:`INFLUENCE_OUTPUTS` replaces a task's TRAK output where influence
   should measure something else. For ``"language_modeling"`` the output is
@@ -36,7 +37,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,11 +54,18 @@ from gradsketch.attribution._lm import (
     _upcast_half,
 )
 from gradsketch.attribution._modelout import (
+    ImageClassificationModelOutput,
+    TextClassificationModelOutput,
+    model_logits,
+)
+from gradsketch.attribution._task import (
     AbstractModelOutput,
     BatchOutput,
-    ImageClassificationModelOutput,
+    Draw,
     LossGradFromOutput,
-    TextClassificationModelOutput,
+    SampledLoss,
+    TaskSlotView,
+    register_task_slot,
 )
 
 __all__ = [
@@ -70,53 +78,35 @@ __all__ = [
     "register_sampled_loss",
 ]
 
-#: ``draw(logits [B, *P, C]) -> labels [B, *P]``, seeded per row and position.
-Draw = Callable[[Tensor], Tensor]
-#: ``loss(task, model_output, batch, draw) -> [B]``: each example's training loss with
-#: labels drawn by ``draw`` from the (differentiable) model output of the hooked forward.
-SampledLoss = Callable[[Any, Any, Sequence[Tensor], Draw], Tensor]
-
 #: Task class -> (batched output, out-to-loss terms) used by influence instead of TRAK's.
-INFLUENCE_OUTPUTS: dict[type[AbstractModelOutput], tuple[BatchOutput, LossGradFromOutput]] = {}
+INFLUENCE_OUTPUTS: TaskSlotView[tuple[BatchOutput, LossGradFromOutput]] = TaskSlotView(
+    "influence_output"
+)
 #: Task class -> its training loss under labels sampled from the model.
-SAMPLED_LOSSES: dict[type[AbstractModelOutput], SampledLoss] = {}
-
-
-def _check_types(task_types: Sequence[Any]) -> None:
-    for t in task_types:
-        if not (isinstance(t, type) and issubclass(t, AbstractModelOutput)):
-            raise TypeError(f"`task_types` must be AbstractModelOutput subclasses, got {t!r}.")
+SAMPLED_LOSSES: TaskSlotView[SampledLoss] = TaskSlotView("sampled_loss")
 
 
 def register_sampled_loss(
     *task_types: type[AbstractModelOutput],
 ) -> Callable[[SampledLoss], SampledLoss]:
     """Decorator: ``fn(task, model_output, batch, draw) -> [B]`` sampled-label losses."""
-    _check_types(task_types)
-
-    def decorator(fn: SampledLoss) -> SampledLoss:
-        for t in task_types:
-            SAMPLED_LOSSES[t] = fn
-        return fn
-
-    return decorator
+    return register_task_slot("sampled_loss", *task_types)
 
 
 def register_influence_output(
     *task_types: type[AbstractModelOutput], out_to_loss: LossGradFromOutput
 ) -> Callable[[BatchOutput], BatchOutput]:
     """Decorator: the batched output ``fn(model, *batch) -> [B]`` influence uses for a task."""
-    _check_types(task_types)
+    fill = register_task_slot("influence_output", *task_types)
 
     def decorator(fn: BatchOutput) -> BatchOutput:
-        for t in task_types:
-            INFLUENCE_OUTPUTS[t] = (fn, out_to_loss)
+        fill((fn, out_to_loss))
         return fn
 
     return decorator
 
 
-def find_task_entry(table: dict[type[AbstractModelOutput], Any], task: Any) -> Any:
+def find_task_entry(table: Mapping[type[AbstractModelOutput], Any], task: Any) -> Any:
     """``table``'s entry for ``task``'s class or its nearest registered base (``None``: none)."""
     for cls in type(task).__mro__:
         if cls in table:
@@ -151,10 +141,6 @@ def draw_labels(logits: Tensor, rows: Tensor, key: int) -> Tensor:
     return labels.reshape(logits.shape[:-1])
 
 
-def _logits(output: Any) -> Tensor:
-    return output.logits if hasattr(output, "logits") else output
-
-
 @register_sampled_loss(
     ImageClassificationModelOutput,
     TextClassificationModelOutput,
@@ -164,7 +150,7 @@ def classification_sampled_loss(
     task: Any, output: Any, batch: Sequence[Tensor], draw: Draw
 ) -> Tensor:
     """``[B]`` cross-entropy of the logits against one label drawn per example."""
-    logits = _upcast_half(_logits(output))
+    logits = _upcast_half(model_logits(output))
     return F.cross_entropy(logits, draw(logits), reduction="none")
 
 
@@ -173,7 +159,7 @@ def language_modeling_sampled_loss(
     task: Any, output: Any, batch: Sequence[Tensor], draw: Draw
 ) -> Tensor:
     """``[B]`` summed next-token cross-entropy against tokens drawn at every predicted position."""
-    z = _upcast_half(_logits(output)[:, :-1])
+    z = _upcast_half(model_logits(output)[:, :-1])
     valid = batch[2][:, 1:] != IGNORE_INDEX
     drawn = draw(z)
     nll = F.cross_entropy(z.transpose(1, 2), drawn, reduction="none")
@@ -206,7 +192,7 @@ def seq2seq_sampled_loss(task: Any, output: Any, batch: Sequence[Tensor], draw: 
     The decoder read the true targets (teacher forcing, as in training);
     only the labels its logits are scored against are drawn.
     """
-    z = _upcast_half(_logits(output))
+    z = _upcast_half(model_logits(output))
     valid = batch[2] != IGNORE_INDEX
     if len(batch) > 4:
         valid = valid & (batch[4] != 0)

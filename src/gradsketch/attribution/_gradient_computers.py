@@ -1,131 +1,37 @@
-"""Per-example gradients of the model output, projected to TRAK features.
+"""Per-example gradients of the model output by ``torch.func.vmap`` and by a loop.
 
-The interface is TRAK's (``load_model_params``, ``compute_per_sample_grad``,
-``compute_loss_grad``) plus one derived method, :meth:`AbstractGradientComputer.project`,
-which is what :class:`TRAKer` calls. Its default computes per-example
-gradients and hands them to the projector; a computer that never materialises
-per-example gradients (layer hooks that project Kronecker factors directly)
-overrides ``project`` alone and plugs into TRAKer unchanged.
+The interface (:class:`AbstractGradientComputer`, TRAK's) lives in
+:mod:`._gradient_base`; the layer-hook computer in :mod:`._hook_computer`.
+:class:`FunctionalGradientComputer` hands a model ``vmap`` cannot trace to
+the hooks by the capture engine's one rule (:class:`~._capture.VmapChoice`).
 """
 
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from gradsketch.attribution._modelout import AbstractModelOutput
-from gradsketch.errors import GradsketchError
+from gradsketch.attribution._capture import VmapChoice
+from gradsketch.attribution._gradient_base import AbstractGradientComputer, resolve_grad_wrt
+from gradsketch.attribution._hook_computer import HookGradientComputer
+from gradsketch.attribution._modelout import resolve_batch_output
+from gradsketch.errors import VmapTraceError
+
+__all__ = [
+    "AbstractGradientComputer",
+    "FunctionalGradientComputer",
+    "IterativeGradientComputer",
+    "VmapTraceError",
+    "resolve_grad_wrt",
+]
 
 logger = logging.getLogger(__name__)
 
-
-class VmapTraceError(GradsketchError, RuntimeError):
-    """``torch.func.vmap`` cannot trace the model, and layer hooks cannot stand in."""
-
-
-class AbstractGradientComputer(ABC):
-    """Computes per-example gradients of a model output (TRAK's interface).
-
-    Args:
-        model: the model.
-        task: the model output function.
-        grad_dim: number of gradient coordinates (informative).
-        dtype: dtype of stored features.
-        device: where gradients are computed.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        task: AbstractModelOutput,
-        grad_dim: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.model = model
-        self.modelout_fn = task
-        self.grad_dim = grad_dim
-        self.dtype = dtype
-        self.device = device
-
-    @abstractmethod
-    def load_model_params(self, model: nn.Module) -> None:
-        """Take the (new) checkpoint's parameters and buffers."""
-
-    @abstractmethod
-    def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
-        """``{parameter name: [batch, *param.shape]}`` gradients of the model output."""
-
-    @abstractmethod
-    def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
-        """``[batch, 1]`` out-to-loss terms Q."""
-
-    def project(self, batch: Sequence[Tensor], projector: Any, model_id: int | None) -> Tensor:
-        """``[batch, proj_dim]`` projected gradients of the model output.
-
-        Default: :meth:`compute_per_sample_grad`, then ``projector.project``.
-        Override to project without forming per-example gradients.
-        """
-        return projector.project(self.compute_per_sample_grad(batch), model_id=model_id)
-
-
-def _is_vmap_trace_failure(exc: BaseException) -> bool:
-    """Whether an error raised while ``vmap`` traced the model should hand it to the hooks.
-
-    Any :class:`Exception` does: ``vmap`` refuses models in many ways
-    (data-dependent control flow, ``autograd.Function`` without
-    ``setup_context`` as BLOOM's fused GELU, kernels without a batching
-    rule, ``.item()``), and not all of them say "vmap". An error in the
-    inputs themselves then surfaces from the hooks, which run the model as
-    it is. Interrupts and exits (not :class:`Exception`) are never caught.
-
-    Example:
-        >>> _is_vmap_trace_failure(RuntimeError("must override the setup_context staticmethod"))
-        True
-        >>> _is_vmap_trace_failure(KeyboardInterrupt())
-        False
-    """
-    return isinstance(exc, Exception)
-
-
-def _first_line(exc: BaseException) -> str:
-    """``"RuntimeError: <first line, at most 200 characters>"``."""
-    text = str(exc).strip()
-    line = text.splitlines()[0][:200] if text else ""
-    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
-
-
-def resolve_grad_wrt(names: Sequence[str], grad_wrt: Iterable[str] | None) -> list[str] | None:
-    """Check ``grad_wrt`` against a model's parameter ``names``; return them in model order.
-
-    Model order lays coordinates out the same way every time, whatever order
-    the user listed them in. ``None`` means every parameter.
-
-    Raises:
-        ValueError: an empty selection or a name that is not a parameter
-            (the allowed names are listed).
-
-    Example:
-        >>> resolve_grad_wrt(["0.weight", "0.bias"], ["0.bias", "0.weight"])
-        ['0.weight', '0.bias']
-    """
-    if grad_wrt is None:
-        return None
-    wanted = list(grad_wrt)
-    unknown = [w for w in wanted if w not in names]
-    if unknown or not wanted:
-        raise ValueError(
-            f"`grad_wrt` has names {unknown or wanted} that are not parameters of the "
-            f"model; allowed names are {list(names)}. Take them from "
-            "model.named_parameters()."
-        )
-    chosen = set(wanted)
-    return [n for n in names if n in chosen]
+T = TypeVar("T")
 
 
 class FunctionalGradientComputer(AbstractGradientComputer):
@@ -140,19 +46,16 @@ class FunctionalGradientComputer(AbstractGradientComputer):
     decide how to build the attention mask from its values (data-dependent
     control flow), BLOOM's GELU is an ``autograd.Function`` that functorch
     cannot transform, mixture-of-experts layers pick their tokens by value.
-    Whatever ``vmap`` raises on the first batch, the computation then moves
-    to a :class:`~gradsketch.attribution.HookGradientComputer` on the same
-    model (same per-example gradients, exactly), and the reason is logged
-    once; when the task has no batched output for hooks,
-    :class:`VmapTraceError` says what to do instead.
+    Whatever ``vmap`` raises on a batch, that batch goes to a
+    :class:`~gradsketch.attribution.HookGradientComputer` on the same model
+    (same per-example gradients, exactly); once the hooks have computed it,
+    later batches go to them too and the reason is logged once. A batch the
+    hooks cannot compute either raises their error and switches nothing.
+    When the task has no batched output for hooks, :class:`VmapTraceError`
+    says what to do instead.
 
-    Args:
-        model: the model (put it in eval mode for deterministic outputs).
-        task: the model output function.
-        grad_dim: number of gradient coordinates (informative).
-        dtype: dtype of stored features.
-        device: where gradients are computed.
-        grad_wrt: names of the parameters to differentiate (``None``: all).
+    Takes :class:`AbstractGradientComputer`'s arguments; put the model in
+    eval mode for deterministic outputs.
 
     Example:
         >>> from gradsketch.attribution import ImageClassificationModelOutput
@@ -164,22 +67,12 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         {'0.weight': (5, 3, 4)}
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        task: AbstractModelOutput,
-        grad_dim: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        grad_wrt: Iterable[str] | None = None,
-    ) -> None:
-        super().__init__(model, task, grad_dim, dtype, device)
-        names = [name for name, _ in model.named_parameters()]
-        self.grad_wrt: list[str] | None = resolve_grad_wrt(names, grad_wrt)
+    def _setup(self) -> None:
         self._vmapped: dict[int, Callable[..., dict[str, Tensor]]] = {}
         #: The layer-hook computer that took over when vmap could not trace the model.
-        self.hooks: AbstractGradientComputer | None = None
-        self.load_model_params(model)
+        self.hooks: HookGradientComputer | None = None
+        self._vmap: VmapChoice[Any] = VmapChoice()
+        self.load_model_params(self.model)
 
     def load_model_params(self, model: nn.Module) -> None:
         """Split the parameters into differentiated weights and constants."""
@@ -210,19 +103,19 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         """``{name: [batch, *shape]}`` for the differentiated parameters, in model order.
 
         Raises:
+            BatchFormatError: the batch cannot be the model's input (named before
+                any forward pass; nothing is switched).
             VmapTraceError: ``vmap`` cannot trace the model and the task has no
                 batched output for layer hooks (see the class docstring).
         """
-        if self.hooks is not None:
-            return self.hooks.compute_per_sample_grad(batch)
+        self.check_batch(batch)
         fn = self._per_sample_fn(len(batch))
-        try:
-            return fn(self.func_weights, self.func_buffers, *batch)
-        except BaseException as exc:
-            if not _is_vmap_trace_failure(exc):
-                raise
-            reason = _first_line(exc)
-        return self._route_to_hooks(reason).compute_per_sample_grad(batch)
+        result: dict[str, Tensor] = self._vmap.run(
+            lambda: fn(self.func_weights, self.func_buffers, *batch),
+            lambda reason: self._on_hooks(reason, lambda h: h.compute_per_sample_grad(batch)),
+            on_switch=self._log_switch,
+        )
+        return result
 
     def project(self, batch: Sequence[Tensor], projector: Any, model_id: int | None) -> Tensor:
         """``[batch, proj_dim]`` projected gradients (through the hooks once they took over)."""
@@ -230,11 +123,20 @@ class FunctionalGradientComputer(AbstractGradientComputer):
             return self.hooks.project(batch, projector, model_id)
         return super().project(batch, projector, model_id)
 
-    def _route_to_hooks(self, reason: str) -> AbstractGradientComputer:
-        # Imported here: the hook computer is built on this module.
-        from gradsketch.attribution._hook_computer import HookGradientComputer
-        from gradsketch.attribution._modelout import resolve_batch_output
+    def _on_hooks(self, reason: str, work: Callable[[HookGradientComputer], T]) -> T:
+        """``work`` on the layer-hook computer; a new one is kept only if ``work`` succeeds."""
+        if self.hooks is not None:
+            return work(self.hooks)
+        hooks = self._new_hooks(reason)
+        try:
+            result = work(hooks)
+        except BaseException:
+            hooks.remove_hooks()
+            raise
+        self.hooks = hooks
+        return result
 
+    def _new_hooks(self, reason: str) -> HookGradientComputer:
         model_type = type(self.model).__name__
         try:
             resolve_batch_output(self.modelout_fn)
@@ -249,13 +151,6 @@ class FunctionalGradientComputer(AbstractGradientComputer):
                 "give it a method `get_batch_output(model, *batch) -> [B]` or register one "
                 "with @register_batch_output."
             ) from None
-        logger.warning(
-            "FunctionalGradientComputer: torch.func.vmap cannot trace %s (%s); per-example "
-            "gradients now come from layer hooks (HookGradientComputer), which are exact too. "
-            "Pass gradient_computer=HookGradientComputer to choose them from the start.",
-            model_type,
-            reason,
-        )
         hooks = HookGradientComputer(
             self.model,
             self.modelout_fn,
@@ -266,8 +161,16 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         )
         # Its errors then point elsewhere than back to this computer.
         hooks.vmap_failure = reason
-        self.hooks = hooks
         return hooks
+
+    def _log_switch(self, reason: str) -> None:
+        logger.warning(
+            "FunctionalGradientComputer: torch.func.vmap cannot trace %s (%s); per-example "
+            "gradients now come from layer hooks (HookGradientComputer), which are exact too. "
+            "Pass gradient_computer=HookGradientComputer to choose them from the start.",
+            type(self.model).__name__,
+            reason,
+        )
 
     def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
         """``[batch, 1]`` out-to-loss terms from the task."""
@@ -293,14 +196,9 @@ class IterativeGradientComputer(AbstractGradientComputer):
     a projector built for the selection), and gradients keep the parameters'
     dtype (trak stores them in float32).
 
-    Args:
-        model: the model.
-        task: a model output whose ``get_output(model, None, None, *batch)``
-            returns ``[batch]`` outputs.
-        grad_dim: number of gradient coordinates (informative).
-        dtype: dtype of stored features.
-        device: where gradients are computed.
-        grad_wrt: names of the parameters to differentiate (``None``: all).
+    Takes :class:`AbstractGradientComputer`'s arguments; ``task`` must be a
+    model output whose ``get_output(model, None, None, *batch)`` returns
+    ``[batch]`` outputs.
 
     Example:
         >>> from gradsketch.attribution import TASK_TO_MODELOUT
@@ -311,19 +209,8 @@ class IterativeGradientComputer(AbstractGradientComputer):
         torch.Size([5, 15])
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        task: AbstractModelOutput,
-        grad_dim: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        grad_wrt: Iterable[str] | None = None,
-    ) -> None:
-        super().__init__(model, task, grad_dim, dtype, device)
-        names = [name for name, _ in model.named_parameters()]
-        self.grad_wrt: list[str] | None = resolve_grad_wrt(names, grad_wrt)
-        self.load_model_params(model)
+    def _setup(self) -> None:
+        self.load_model_params(self.model)
 
     def load_model_params(self, model: nn.Module) -> None:
         """Take the model and the parameters to differentiate (in model order)."""
@@ -334,6 +221,7 @@ class IterativeGradientComputer(AbstractGradientComputer):
 
     def _grads(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
         """``{name: [batch, *shape]}``, one backward pass per example."""
+        self.check_batch(batch)
         with torch.enable_grad():
             outputs = self.modelout_fn.get_output(self.model, None, None, *batch)  # type: ignore[arg-type]
             if outputs.dim() != 1:

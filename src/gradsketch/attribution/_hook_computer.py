@@ -32,7 +32,6 @@ are never built.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,11 +39,23 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from gradsketch.attribution._gradient_computers import AbstractGradientComputer, resolve_grad_wrt
+from gradsketch.attribution._capture import (
+    CallRecord,
+    OutputRouter,
+    VmapChoice,
+    backward_to_outputs,
+    detach_tree,
+    model_family,
+    module_grads_on_inputs,
+    refuse_wrapped,
+    release_edges,
+    shapes_of,
+)
+from gradsketch.attribution._gradient_base import AbstractGradientComputer, resolve_grad_wrt
 from gradsketch.attribution._layers import (
     GRAD_SAMPLERS,
     LAYER_FACTORS,
@@ -53,77 +64,27 @@ from gradsketch.attribution._layers import (
     HookComputationError,
     register_optional_rules,
 )
-from gradsketch.attribution._layers._rows import (
-    RowLayout,
-    batch_lengths,
-    by_example,
-    leaf_rows,
-    unflatten,
-)
+from gradsketch.attribution._layers._rows import RowLayout, batch_lengths
 from gradsketch.attribution._modelout import (
     LOSS_GRAD_FROM_OUTPUT,
-    AbstractModelOutput,
     resolve_batch_output,
 )
-from gradsketch.errors import GradsketchError
-from gradsketch.sketch import FactorizedProjector
-from gradsketch.sketch._factorized import (
+from gradsketch.errors import WrappedModelError
+from gradsketch.sketch import (
     TRANSPOSED_WEIGHT,
     FactorizedLayer,
+    FactorizedProjector,
     PlainParam,
+    output_dtype,
     param_layout,
 )
-from gradsketch.sketch._validate import output_dtype
+
+__all__ = ["HookGradientComputer", "WrappedModelError", "model_family", "refuse_wrapped"]
 
 logger = logging.getLogger(__name__)
 
 #: Bytes of one chunk of a per-example weight gradient formed for the rest block.
 REST_CHUNK_BYTES = 64 << 20
-
-
-class WrappedModelError(GradsketchError, ValueError):
-    """Raised for a model wrapped in DataParallel / DDP / FSDP."""
-
-
-# -- wrapped models ------------------------------------------------------------
-def _wrapper_types() -> tuple[type, ...]:
-    types: list[type] = [nn.DataParallel]
-    if torch.distributed.is_available():
-        from torch.nn.parallel import DistributedDataParallel
-
-        types.append(DistributedDataParallel)
-        try:
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            types.append(FullyShardedDataParallel)
-        except ImportError:  # pragma: no cover - depends on the torch build
-            pass
-        try:
-            from torch.distributed.fsdp import FSDPModule
-
-            types.append(FSDPModule)
-        except ImportError:  # pragma: no cover - depends on the torch build
-            pass
-    return tuple(types)
-
-
-def refuse_wrapped(model: nn.Module) -> None:
-    """Raise :class:`WrappedModelError` if ``model`` or a submodule is DP / DDP / FSDP.
-
-    Their forward scatters, shards or synchronises: hooks would see shards or
-    replicas, not the batch, and the wrapper's own hooks would fire. Pass the
-    wrapped module instead (featurization shards *rows* across ranks, each
-    rank running the plain model).
-    """
-    wrappers = _wrapper_types()
-    for name, module in model.named_modules():
-        if isinstance(module, wrappers):
-            where = "the model" if not name else f"submodule {name!r}"
-            raise WrappedModelError(
-                f"{where} is wrapped in {type(module).__name__}; layer hooks need the plain "
-                "module. Pass `model.module` (for FSDP, the unwrapped model) to "
-                "HookGradientComputer / TRAKer, and split the training rows across ranks instead."
-            )
 
 
 # -- the hooked units ----------------------------------------------------------
@@ -140,29 +101,15 @@ class _Unit:
     module: nn.Module
     fallback: bool
     params: dict[str, str]  # local name (relative to module) -> full parameter name
-    #: Whether ``vmap`` traces the module (``None``: not tried yet).
-    vmap_ok: bool | None = None
+    #: Whether ``vmap`` traces a fallback unit (see :class:`VmapChoice`).
+    vmap: VmapChoice[dict[str, Tensor]] = field(default_factory=VmapChoice)
 
 
-@dataclass
-class _Call:
+@dataclass(kw_only=True)
+class _Call(CallRecord):
     """One call of a unit during the hooked forward."""
 
     unit: _Unit
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    #: ``{leading dim: rows per example}`` of this call's batch tensors.
-    rows: dict[int, int]
-    grads: list[Tensor | None] = field(default_factory=list)
-    out_template: list[Tensor] = field(default_factory=list)
-    edges: list[GradientEdge] = field(default_factory=list)
-
-    def rule_inputs(self, batch_size: int) -> tuple[Any, ...]:
-        """The positional inputs as the rules read them (flattened rows as ``[B, T, ...]``)."""
-        return tuple(unflatten(a, batch_size, self.rows) for a in self.args)
-
-    def rule_grad(self, g: Tensor, batch_size: int) -> Tensor:
-        return unflatten(g, batch_size, self.rows)
 
 
 class _Capture:
@@ -174,40 +121,14 @@ class _Capture:
         self.calls: list[_Call] = []
         #: Units whose calls' rows do not map to the examples, with a shape they returned.
         self.unmapped: dict[str, str] = {}
-        self.dummies: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self.router = OutputRouter()
         #: Outputs of the root module's calls (for the out-to-loss terms).
         self.root_outputs: list[Any] = []
-
-    def dummy(self, like: Tensor) -> Tensor:
-        key = (like.dtype, like.device)
-        if key not in self.dummies:
-            self.dummies[key] = torch.zeros(
-                (), dtype=like.dtype, device=like.device, requires_grad=True
-            )
-        return self.dummies[key]
-
-
-def _detach(value: Any) -> Any:
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
 
 
 def _has_forward(module: nn.Module) -> bool:
     """Whether the module can be called (ModuleList / ModuleDict only hold children)."""
     return type(module).forward is not nn.Module.forward
-
-
-def _shapes(value: Any) -> str:
-    shapes = [tuple(t.shape) for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
-    return ", ".join(str(s) for s in shapes[:4]) or "no tensor"
-
-
-def model_family(model: nn.Module) -> str:
-    """``"OPTForCausalLM (model_type 'opt')"``: the class and, for Hugging Face, the family."""
-    base = getattr(model, "get_base_model", None)
-    target = base() if callable(base) else model
-    model_type = getattr(getattr(target, "config", None), "model_type", None)
-    name = type(target).__name__
-    return f"{name} (model_type {model_type!r})" if model_type else name
 
 
 class HookGradientComputer(AbstractGradientComputer):
@@ -251,13 +172,8 @@ class HookGradientComputer(AbstractGradientComputer):
     Hooks are installed on construction and stay idle outside this object's
     calls; :meth:`remove_hooks` (idempotent, also ``with`` exit) takes them off.
 
-    Args:
-        model: the plain model (not DDP / FSDP wrapped).
-        task: the model output function.
-        grad_dim: number of gradient coordinates (informative).
-        dtype: dtype of stored features.
-        device: where gradients are computed.
-        grad_wrt: names of the parameters to differentiate (``None``: all).
+    Takes :class:`AbstractGradientComputer`'s arguments; ``model`` is the
+    plain model (not DDP / FSDP wrapped).
 
     Raises:
         WrappedModelError: for DataParallel / DDP / FSDP models.
@@ -273,29 +189,19 @@ class HookGradientComputer(AbstractGradientComputer):
         >>> gc.remove_hooks()
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        task: AbstractModelOutput,
-        grad_dim: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        grad_wrt: Sequence[str] | None = None,
-    ) -> None:
-        super().__init__(model, task, grad_dim, dtype, device)
-        self._batch_output = resolve_batch_output(task)
+    def _setup(self) -> None:
+        self._batch_output = resolve_batch_output(self.modelout_fn)
         self._handles: list[RemovableHandle] = []
         self._units_model: nn.Module | None = None
         self._capture: _Capture | None = None
         self._checked_layouts: set[str] = set()
         self._remembered: tuple[tuple[Any, ...], tuple[Any, ...], Any] | None = None
-        self._grad_wrt_arg = None if grad_wrt is None else list(grad_wrt)
         #: Module name -> names of the descendants it adopted (their rows do not map).
         self._adopted: dict[str, set[str]] = {}
         #: Why torch.func.vmap could not trace the model, when this computer stands in
         #: for a FunctionalGradientComputer (its errors then suggest other ways out).
         self.vmap_failure: str | None = None
-        self.load_model_params(model)
+        self.load_model_params(self.model)
 
     # -- set-up --------------------------------------------------------------
     def load_model_params(self, model: nn.Module) -> None:
@@ -305,7 +211,7 @@ class HookGradientComputer(AbstractGradientComputer):
             self.remove_hooks()
             self.model = model
             self._names = [n for n, _ in model.named_parameters()]
-            self.grad_wrt: list[str] | None = resolve_grad_wrt(self._names, self._grad_wrt_arg)
+            self.grad_wrt = resolve_grad_wrt(self._names, self._grad_wrt_arg)
             register_optional_rules(model)
             self._adopted = {}
             self._units = self._find_units(model)
@@ -520,39 +426,16 @@ class HookGradientComputer(AbstractGradientComputer):
             if rows is None:
                 capture.unmapped.setdefault(
                     unit.name,
-                    f"returned shape {_shapes(output)} for a batch of {capture.batch_size}",
+                    f"returned shape {shapes_of(output)} for a batch of {capture.batch_size}",
                 )
                 return None
-            call = _Call(unit, _detach(args), _detach(kwargs), rows)
+            call = _Call(detach_tree(args), detach_tree(kwargs), rows, unit=unit)
             floating = [
                 t
                 for t in tree_flatten(output)[0]
                 if isinstance(t, Tensor) and t.is_floating_point()
             ]
-            # With several outputs, one may have been computed from another inside
-            # the module (a router's scores from its logits): the edge of the first
-            # would also collect the gradient that reached it through the second,
-            # counted twice in <outputs, g>. A new node per output (adding a zero)
-            # keeps each edge to the uses outside the module.
-            separate = len(floating) > 1
-
-            def route(t: Any) -> Any:
-                # The backward asks for the gradient at each output's autograd
-                # edge, taken here before any in-place op of the caller, so it
-                # is the gradient of this value; the engine then computes
-                # activation gradients only (no parameter gradients) and a
-                # single output is neither copied nor replaced. An output that
-                # does not require grad (frozen parameters so far) gets a path
-                # by adding a zero that does.
-                if not (isinstance(t, Tensor) and t.is_floating_point()):
-                    return t
-                routed = t if t.requires_grad and not separate else t + capture.dummy(t)
-                call.grads.append(None)
-                call.out_template.append(t.detach())
-                call.edges.append(get_gradient_edge(routed))
-                return routed
-
-            new_output = tree_map(route, output)
+            new_output = capture.router.route(output, call, separate=len(floating) > 1)
             capture.calls.append(call)
             return new_output
 
@@ -576,7 +459,7 @@ class HookGradientComputer(AbstractGradientComputer):
 
     def _capture_root(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._capture is not None:
-            self._capture.root_outputs.append(_detach(output))
+            self._capture.root_outputs.append(detach_tree(output))
 
     def _run(self, batch: Sequence[Tensor]) -> _Capture:
         """Hooked forward of ``F = sum_b f(z_b)`` and backward to every layer output.
@@ -585,6 +468,7 @@ class HookGradientComputer(AbstractGradientComputer):
         called although its parameters get a gradient, is adopted by its
         parent and the batch runs again (once per level, on the first batch).
         """
+        self.check_batch(batch)
         batch_size = int(batch[0].shape[0])
         layout = RowLayout(batch_size, batch_lengths(batch, batch_size))
         self._remembered = None
@@ -612,7 +496,6 @@ class HookGradientComputer(AbstractGradientComputer):
 
     def _backward(self, outputs: Tensor, capture: _Capture) -> dict[str, str]:
         """Output gradients of every call; returns the uncalled units whose weights got one."""
-        slots = [(call, i) for call in capture.calls for i in range(len(call.edges))]
         called = {id(call.unit) for call in capture.calls}
         covered = {n for call in capture.calls for n in call.unit.params.values()}
         params = dict(self.model.named_parameters())
@@ -626,22 +509,15 @@ class HookGradientComputer(AbstractGradientComputer):
             for name in unit.params.values()
             if name not in covered and params[name].requires_grad
         ]
-        targets: list[Any] = [call.edges[i] for call, i in slots]
-        targets += [params[name] for _, name in suspects]
-        if targets:
-            grads = torch.autograd.grad(outputs.sum(), targets, allow_unused=True)
-            for (call, i), g in zip(slots, grads):
-                call.grads[i] = g
-            strays = {
-                unit.name: f"was never called but its parameter {name!r} has a gradient"
-                for (unit, name), g in zip(suspects, grads[len(slots) :])
-                if g is not None and bool(g.ne(0).any())
-            }
-        else:
-            strays = {}
-        for call in capture.calls:
-            call.edges.clear()
-        return strays
+        got = backward_to_outputs(
+            outputs.sum(), capture.calls, extra=[params[name] for _, name in suspects]
+        )
+        release_edges(capture.calls)
+        return {
+            unit.name: f"was never called but its parameter {name!r} has a gradient"
+            for (unit, name), g in zip(suspects, got)
+            if g is not None and bool(g.ne(0).any())
+        }
 
     # -- out-to-loss terms from the hooked forward --------------------------------
     def _state_key(self, batch: Sequence[Tensor]) -> tuple[Any, ...]:
@@ -694,7 +570,9 @@ class HookGradientComputer(AbstractGradientComputer):
     def _call_grads(self, call: _Call, batch_size: int) -> dict[str, Tensor]:
         unit = call.unit
         if unit.fallback:
-            local = _fallback_grads(call, batch_size)
+            local = module_grads_on_inputs(
+                call, unit.module, list(unit.params), batch_size, unit.vmap, unit.name
+            )
         else:
             g = _single_grad(call)
             local = (
@@ -1028,83 +906,3 @@ def _single_grad(call: _Call) -> Tensor | None:
             f"{len(call.grads)} floating tensors; its rule expects exactly one."
         )
     return call.grads[0]
-
-
-def _fallback_grads(call: _Call, batch_size: int) -> dict[str, Tensor]:
-    """Per-example gradients of a unit's own parameters on its stored inputs.
-
-    ``grad_b = d/dθ <module(x_b; θ), g_b>`` where ``x_b`` are example ``b``'s
-    rows of every batch input (``[1, ...]`` for the batch on dim 0, ``[T,
-    ...]`` for flattened rows) and ``g_b`` its rows of the output gradients:
-    ``vmap``-ed over the examples, or, for a module ``vmap`` cannot trace
-    (data-dependent control flow: a mixture of experts picking its tokens),
-    one ``autograd.grad`` per example. Which one works is found once per unit.
-    """
-    if all(g is None for g in call.grads):
-        return {}
-    unit = call.unit
-    module = unit.module
-    params = {k: p.detach() for k, p in module.named_parameters() if k in unit.params}
-    leaves, spec = tree_flatten((call.args, call.kwargs))
-    split = [leaf_rows(t, call.rows) for t in leaves]
-    inputs = [by_example(t, batch_size, r) for t, r in zip(leaves, split) if r is not None]
-    grads = [
-        by_example(g if g is not None else torch.zeros_like(t), batch_size, call.rows[t.shape[0]])
-        for g, t in zip(call.grads, call.out_template)
-    ]
-
-    def contracted(p: dict[str, Tensor], xs: Sequence[Tensor], gs: Sequence[Tensor]) -> Tensor:
-        it = iter(xs)
-        full = [next(it) if r is not None else t for t, r in zip(leaves, split)]
-        args, kwargs = tree_unflatten(full, spec)
-        out = torch.func.functional_call(module, p, args, kwargs)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.is_floating_point()]
-        total = gs[0].new_zeros(())
-        for o, g in zip(outs, gs):
-            total = total + (o * g).sum()
-        return total
-
-    if unit.vmap_ok is not False:
-        per_example = torch.func.vmap(torch.func.grad(contracted), in_dims=(None, 0, 0))
-        try:
-            with warnings.catch_warnings():
-                # vmap falls back to a loop for a few fused kernels (CPU flash
-                # attention) and says so; the result is exact, nothing is actionable.
-                warnings.filterwarnings(
-                    "ignore", message="There is a performance drop", category=UserWarning
-                )
-                result = per_example(params, inputs, grads)
-        except Exception as exc:  # any failure to trace (on any batch): loop instead
-            unit.vmap_ok = False
-            logger.info(
-                "HookGradientComputer: torch.func.vmap cannot trace %r (%s: %s); its "
-                "per-example gradients come from one autograd.grad per example",
-                unit.name,
-                type(exc).__name__,
-                str(exc).strip().splitlines()[0][:160] if str(exc).strip() else "",
-            )
-        else:
-            unit.vmap_ok = True
-            return result
-    return _looped_grads(contracted, params, inputs, grads, batch_size)
-
-
-def _looped_grads(
-    contracted: Callable[[dict[str, Tensor], Sequence[Tensor], Sequence[Tensor]], Tensor],
-    params: dict[str, Tensor],
-    inputs: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    batch_size: int,
-) -> dict[str, Tensor]:
-    """``{name: [B, *shape]}``: one ``autograd.grad`` of the contracted output per example."""
-    rows: dict[str, list[Tensor]] = {k: [] for k in params}
-    for b in range(batch_size):
-        leaves = {k: p.detach().requires_grad_(True) for k, p in params.items()}
-        with torch.enable_grad():
-            value = contracted(leaves, [x[b] for x in inputs], [g[b] for g in grads])
-            got = torch.autograd.grad(
-                value, list(leaves.values()), allow_unused=True, materialize_grads=True
-            )
-        for k, g in zip(leaves, got):
-            rows[k].append(g)
-    return {k: torch.stack(v) for k, v in rows.items()}

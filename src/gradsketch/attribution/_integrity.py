@@ -7,9 +7,9 @@
   instead of turning every score into NaN later.
 * **Rows as the caller says.** ``num_samples`` / ``inds`` must count the
   batch's rows, checked at the call that gets them.
-* **Damaged rows named.** :func:`damage_report` turns
-  :meth:`gradsketch._store.RowStore.damaged_rows` into one message with the
-  files, the rows and the fix.
+* **Damaged rows named.** by the store's own integrity layer
+  (:meth:`gradsketch._store.RowStore.damage` on :mod:`gradsketch._integrity`):
+  each array, chunk, file and the rows it held, then the fix.
 * **Side files checked.** :func:`load_npz` reads an ``.npz`` written
   atomically, verifying every member's CRC-32 (``zipfile`` checks it on
   read); a missing, truncated or garbled file reads as ``None`` with the
@@ -27,16 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradsketch.errors import GradsketchError
-
-
-class NonFiniteFeaturesError(GradsketchError, ValueError):
-    """A NaN or inf in weights, inputs, gradients or features, refused where it appears."""
-
-
-def _rows_text(rows: Sequence[int]) -> str:
-    shown = ", ".join(str(int(r)) for r in rows[:10])
-    return f"[{shown}{', ...' if len(rows) > 10 else ''}] ({len(rows)} row(s))"
+from gradsketch._integrity import rows_text
+from gradsketch.errors import NonFiniteFeaturesError
 
 
 def check_weights(state: Mapping[str, Any], model_id: int) -> None:
@@ -114,7 +106,7 @@ def check_finite_rows(
     where = idx[bad].tolist()
     if (inputs & bad).any():
         cause = (
-            f"the inputs of rows {_rows_text(idx[inputs & bad].tolist())} hold NaN or inf: clean "
+            f"the inputs of rows {rows_text(idx[inputs & bad].tolist())} hold NaN or inf: clean "
             "or drop them"
         )
     else:
@@ -124,17 +116,8 @@ def check_finite_rows(
             "float32"
         )
     raise NonFiniteFeaturesError(
-        f"{what}: {', '.join(names)} of rows {_rows_text(where)} are NaN or inf (or so large "
+        f"{what}: {', '.join(names)} of rows {rows_text(where)} are NaN or inf (or so large "
         f"that their squares overflow); nothing of this batch was stored. Likely cause: {cause}."
-    )
-
-
-def damage_report(found: Mapping[str, np.ndarray], root: Path, what: str, fix: str) -> str:
-    """One message naming each damaged array's directory and rows, then ``fix``."""
-    parts = [f"`{root / name}`: rows {_rows_text(rows.tolist())}" for name, rows in found.items()]
-    return (
-        f"{what}: stored rows are missing or damaged (a chunk file deleted, truncated, or failing "
-        f"its crc32c checksum): " + "; ".join(parts) + f". {fix}"
     )
 
 

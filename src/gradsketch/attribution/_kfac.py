@@ -42,17 +42,22 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from gradsketch._threads import torch_threads
+
 __all__ = [
     "LAYER_AUTO_DAMPING_FRACTION",
     "KroneckerEigen",
+    "KroneckerEigenbasis",
     "KroneckerFactors",
     "add_bias_input",
+    "check_damping_fraction",
     "ekfac_eigenvalues",
     "influence",
     "resolve_damping",
@@ -156,29 +161,46 @@ def _one_cpu_thread(device: torch.device) -> Iterator[None]:
     the threaded LAPACK spins when the cores are shared: d = 257 took 0.1-6 s
     on 2 threads of a loaded 2-core machine against 14 ms on one.
     """
-    if device.type != "cpu":
+    with torch_threads(1) if device.type == "cpu" else contextlib.nullcontext():
         yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass
-class KroneckerEigen:
-    """One layer's Kronecker eigenbasis: ``A = Q_A diag(α) Q_Aᵀ``, ``S = Q_S diag(s) Q_Sᵀ``."""
+class KroneckerEigenbasis:
+    """One layer's Kronecker eigenbasis and the curvature's eigenvalues in it: rotates and solves.
+
+    The curvature is ``F = (Q_S ⊗ Q_A) diag(Λ) (Q_S ⊗ Q_A)ᵀ`` with ``Λ`` the
+    ``eigenvalues`` (K-FAC's ``s_i α_j``, or EK-FAC's corrected ones), so every
+    use is one of the maps here, as curvlinops' operators give ``F``'s products
+    from their factors: :meth:`rotate` (factors ``a``, ``g`` to rotated
+    per-example gradients), :meth:`rotate_rows` / :meth:`unrotate_rows`
+    (stored ``vec(G)`` rows), :meth:`solve` (``(F + λI)⁻¹``) and
+    :meth:`solve_rotated` (``Λ⁻¹`` in the basis, for rows kept rotated).
+
+    It unpacks as ``q_a, q_s, eigenvalues`` (the arrays a store keeps).
+
+    Attributes:
+        q_a: ``[d_in, d_in]`` eigenvectors of ``A``.
+        q_s: ``[d_out, d_out]`` eigenvectors of ``S``.
+        eigenvalues: ``[d_out * d_in]`` the curvature's eigenvalues in ``rotate``'s order.
+    """
 
     q_a: Tensor
-    alpha: Tensor
     q_s: Tensor
-    s: Tensor
+    eigenvalues: Tensor
 
-    def kfac_eigenvalues(self) -> Tensor:
-        """``[d_out * d_in]`` K-FAC eigenvalues ``s_i α_j`` in ``rotate``'s order."""
-        return torch.outer(self.s, self.alpha).reshape(-1)
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter((self.q_a, self.q_s, self.eigenvalues))
+
+    def to(self, device: torch.device | str) -> KroneckerEigenbasis:
+        """The same basis with its tensors on ``device``."""
+        return KroneckerEigenbasis(
+            self.q_a.to(device), self.q_s.to(device), self.eigenvalues.to(device)
+        )
+
+    def rotate_factors(self, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        """``(a Q_A, g Q_S)`` in the factors' dtypes; ``Q_Sᵀ G Q_A`` is their ``sum_t``."""
+        return a @ self.q_a.to(a.dtype), g @ self.q_s.to(g.dtype)
 
     def rotate(self, a: Tensor, g: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
         """Per-example gradients in the eigenbasis, ``vec(Q_Sᵀ G_n Q_A)``, ``[B, d_out * d_in]``.
@@ -187,8 +209,7 @@ class KroneckerEigen:
         formed in the original basis.
         """
         dtype = dtype or a.dtype
-        ar = a.to(dtype) @ self.q_a.to(dtype)
-        gr = g.to(dtype) @ self.q_s.to(dtype)
+        ar, gr = self.rotate_factors(a.to(dtype), g.to(dtype))
         return torch.bmm(gr.transpose(1, 2), ar).reshape(a.shape[0], -1)
 
     def rotate_rows(self, rows: Tensor) -> Tensor:
@@ -207,11 +228,13 @@ class KroneckerEigen:
         q_a, q_s = self.q_a.to(rotated.dtype), self.q_s.to(rotated.dtype)
         return (q_s @ rotated.reshape(-1, d_out, d_in) @ q_a.T).reshape(rotated.shape)
 
-    def precondition(self, rows: Tensor, eigenvalues: Tensor, damping: float | str) -> Tensor:
-        """``(F + λI)⁻¹ vec(G)`` of each row, with ``F``'s eigenvalues in this basis (float64)."""
-        rot = self.rotate_rows(rows.double())
-        rot = rot * damped_reciprocal(eigenvalues, damping)
-        return self.unrotate_rows(rot).to(rows.dtype)
+    def solve_rotated(self, rows: Tensor, damping: float | str) -> Tensor:
+        """``(Λ + λ)⁻¹ vec(Q_Sᵀ G Q_A)`` of each row, in the rows' dtype (not rotated back)."""
+        return self.rotate_rows(rows) * damped_reciprocal(self.eigenvalues, damping).to(rows.dtype)
+
+    def solve(self, rows: Tensor, damping: float | str) -> Tensor:
+        """``(F + λI)⁻¹ vec(G)`` of each row (computed in float64, returned in the rows' dtype)."""
+        return self.unrotate_rows(self.solve_rotated(rows.double(), damping)).to(rows.dtype)
 
     def rank_one_squares(self, a: Tensor, g: Tensor) -> Tensor:
         """``sum_n (Q_Sᵀ g_n)² ⊗ (Q_Aᵀ a_n)²``, ``[d_out * d_in]`` float64, for ``G_n = g_n a_nᵀ``.
@@ -223,9 +246,38 @@ class KroneckerEigen:
             a: ``[N, d_in]`` inputs.
             g: ``[N, d_out]`` output gradients (weighted as the Fisher's rows are).
         """
-        ar = a @ self.q_a.to(a.dtype)
-        gr = g @ self.q_s.to(g.dtype)
+        ar, gr = self.rotate_factors(a, g)
         return ((gr * gr).T @ (ar * ar)).reshape(-1).double()
+
+    def rotated_squares(self, a: Tensor, g: Tensor) -> Tensor:
+        """``sum_n vec(Q_Sᵀ G_n Q_A)²``, ``[d_out * d_in]`` float64, for ``a [N, T, d_in]``."""
+        if a.shape[1] == 1:
+            return self.rank_one_squares(a[:, 0], g[:, 0])
+        rotated = self.rotate(a, g)
+        return (rotated * rotated).sum(0, dtype=torch.float64)
+
+
+@dataclass
+class KroneckerEigen(KroneckerEigenbasis):
+    """The eigendecompositions ``A = Q_A diag(α) Q_Aᵀ``, ``S = Q_S diag(s) Q_Sᵀ``.
+
+    A :class:`KroneckerEigenbasis` whose eigenvalues are K-FAC's ``s_i α_j``.
+    """
+
+    eigenvalues: Tensor = field(init=False)
+    alpha: Tensor = field(kw_only=True)
+    s: Tensor = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        self.eigenvalues = self.kfac_eigenvalues()
+
+    def kfac_eigenvalues(self) -> Tensor:
+        """``[d_out * d_in]`` K-FAC eigenvalues ``s_i α_j`` in ``rotate``'s order."""
+        return torch.outer(self.s, self.alpha).reshape(-1)
+
+    def precondition(self, rows: Tensor, eigenvalues: Tensor, damping: float | str) -> Tensor:
+        """``(F + λI)⁻¹ vec(G)`` of each row with the eigenvalues ``eigenvalues`` (float64)."""
+        return KroneckerEigenbasis(self.q_a, self.q_s, eigenvalues).solve(rows, damping)
 
 
 def ekfac_eigenvalues(rotated: Tensor) -> Tensor:
@@ -241,12 +293,35 @@ def ekfac_eigenvalues(rotated: Tensor) -> Tensor:
     return (r * r).mean(0)
 
 
-def resolve_damping(damping: float | str, eigenvalues: Tensor) -> float:
-    """``"auto"`` is :data:`LAYER_AUTO_DAMPING_FRACTION` times the layer's mean eigenvalue."""
+def check_damping_fraction(fraction: object) -> float:
+    """``fraction`` as a float, or a ``ValueError`` naming ``damping_fraction``.
+
+    Raises:
+        ValueError: ``fraction`` is not a finite number > 0.
+    """
+    ok = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+    if not ok or not math.isfinite(float(fraction)) or float(fraction) <= 0:  # type: ignore[arg-type]
+        raise ValueError(
+            f"`damping_fraction` must be a finite number > 0 (the fraction of each layer's mean "
+            f"eigenvalue that lambda_reg='auto' damps with), got {fraction!r}; pass e.g. "
+            f"{LAYER_AUTO_DAMPING_FRACTION} (gradsketch's default) or 0.1 (Kronfluence's "
+            "heuristic)."
+        )
+    return float(fraction)  # type: ignore[arg-type]
+
+
+def resolve_damping(
+    damping: float | str, eigenvalues: Tensor, *, fraction: float | None = None
+) -> float:
+    """``"auto"`` is ``fraction`` times the layer's mean eigenvalue.
+
+    ``fraction=None`` reads :data:`LAYER_AUTO_DAMPING_FRACTION` (0.3).
+    """
     if isinstance(damping, str):
         if damping != "auto":
             raise ValueError(f"`damping` must be a number >= 0 or 'auto', got {damping!r}.")
-        return LAYER_AUTO_DAMPING_FRACTION * float(eigenvalues.double().mean())
+        share = LAYER_AUTO_DAMPING_FRACTION if fraction is None else fraction
+        return share * float(eigenvalues.double().mean())
     if not damping >= 0:
         raise ValueError(f"`damping` must be a number >= 0 or 'auto', got {damping!r}.")
     return float(damping)

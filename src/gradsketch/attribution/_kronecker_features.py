@@ -38,20 +38,11 @@ import torch
 from torch import Tensor, nn
 
 from gradsketch._hash import derive_key
-from gradsketch.attribution._fisher import (
-    INFLUENCE_OUTPUTS,
-    SAMPLED_LOSSES,
-    draw_labels,
-    find_task_entry,
-)
-from gradsketch.attribution._kfac import add_bias_input
+from gradsketch.attribution._fisher import SAMPLED_LOSSES, draw_labels
+from gradsketch.attribution._kfac import KroneckerEigenbasis, add_bias_input
 from gradsketch.attribution._layer_capture import FactoredLayer, capture_layers, find_layers
-from gradsketch.attribution._modelout import (
-    LOSS_GRAD_FROM_OUTPUT,
-    AbstractModelOutput,
-    TextClassificationModelOutput,
-    resolve_batch_output,
-)
+from gradsketch.attribution._modelout import AbstractModelOutput, resolve_batch_output
+from gradsketch.attribution._task import task_protocol
 from gradsketch.sketch import FactorizedLayer, FactorizedProjector
 
 __all__ = ["CURVATURES", "FactoredRows", "KroneckerFeaturizer", "split_factored"]
@@ -123,12 +114,11 @@ class KroneckerFeaturizer:
     ) -> None:
         self.model = model
         self.task = task
-        override = find_task_entry(INFLUENCE_OUTPUTS, task)
+        self._protocol = protocol = task_protocol(task)
+        override = protocol.influence_output
         self._batch_output = resolve_batch_output(task) if override is None else override[0]
-        self._q_from_output = (
-            LOSS_GRAD_FROM_OUTPUT.get(type(task)) if override is None else override[1]
-        )
-        self._sampled_loss = find_task_entry(SAMPLED_LOSSES, task)
+        self._q_from_output = protocol.loss_grad_from_output if override is None else override[1]
+        self._sampled_loss = protocol.sampled_loss
         if curvature == "sampled" and self._sampled_loss is None:
             able = ", ".join(sorted(t.__name__ for t in SAMPLED_LOSSES))
             raise ValueError(
@@ -179,12 +169,15 @@ class KroneckerFeaturizer:
         model) is computed when ``rows`` (the batch's row indices, which seed
         the draws) is given and the curvature is ``"sampled"``; else ``None``.
         """
+        if self._protocol.check_batch is not None:
+            self._protocol.check_batch(self.model, batch)
         sampled_loss = None
         if rows is not None and self.curvature == "sampled":
             assert self.model_id is not None
             key = derive_key(self.sample_seed, self.model_id, SAMPLE_STREAM)
             index = torch.as_tensor(rows, dtype=torch.int64)
             rule, task = self._sampled_loss, self.task
+            assert rule is not None  # checked at construction
 
             def draw(logits: Tensor) -> Tensor:
                 return draw_labels(logits, index, key)
@@ -316,7 +309,7 @@ class KroneckerFeaturizer:
         rows: Tensor,
         *,
         sampled: bool = False,
-        bases: Sequence[tuple[Tensor, Tensor]] | None = None,
+        bases: Sequence[KroneckerEigenbasis] | None = None,
         tokens: Sequence[int] | None = None,
     ) -> Tensor:
         """``[B, feature_dim]`` dense features of finite factored rows.
@@ -324,7 +317,7 @@ class KroneckerFeaturizer:
         Each layer's ``vec(sum_t g_t a_tᵀ)`` (``sampled``: ``g`` under sampled
         labels), as :meth:`features` lays them out; ``tokens`` as stored
         (``None``: the one position of ``rank_one`` rows). With ``bases``
-        (per layer ``(Q_A, Q_S)``) the rows are expanded in that basis,
+        (per layer a :class:`KroneckerEigenbasis`) the rows are expanded in it,
         ``vec((g Q_S)ᵀ (a Q_A))``: rotating the factors costs
         ``T (k_in² + k_out²)`` per row, not ``k_out k_in (k_in + k_out)``.
         """
@@ -333,8 +326,7 @@ class KroneckerFeaturizer:
         for i, (x, (a, g, gs)) in enumerate(zip(self.layers, self.split_rank_one(rows, tokens))):
             g = gs if sampled and gs is not None else g
             if bases is not None:
-                q_a, q_s = bases[i]
-                a, g = a @ q_a.to(a.dtype), g @ q_s.to(g.dtype)
+                a, g = bases[i].rotate_factors(a, g)
             block = out[:, offset : offset + x.width].view(rows.shape[0], x.k_out, x.k_in)
             if a.shape[1] == 1:
                 torch.mul(g.transpose(1, 2), a, out=block)
@@ -350,15 +342,8 @@ class KroneckerFeaturizer:
         features; K-FAC leaves them out of ``A``'s mean too, so that a row's
         curvature does not depend on how far its batch was padded.
         """
-        from gradsketch.attribution._lm import LanguageModelingModelOutput
-
-        if isinstance(self.task, LanguageModelingModelOutput):
-            mask = batch[1]
-        elif isinstance(self.task, TextClassificationModelOutput):
-            mask = batch[-2]  # (input_ids[, token_type_ids], attention_mask, labels)
-        else:
-            return None
-        return torch.as_tensor(mask).to(self.device).bool()
+        mask = self._protocol.token_mask
+        return None if mask is None else torch.as_tensor(mask(batch)).to(self.device).bool()
 
     @staticmethod
     def features(parts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
@@ -383,7 +368,7 @@ class FactoredRows:
         tokens: positions per layer of ``token_factors`` rows (``None``:
             ``rank_one`` rows).
         sampled: expand the gradients under sampled labels (``fisher_grads``).
-        bases: per layer ``(Q_A, Q_S)``: expand in those eigenbases (see
+        bases: per layer the eigenbasis to expand in (see
             :meth:`KroneckerFeaturizer.expand_rank_one`).
     """
 
@@ -394,7 +379,7 @@ class FactoredRows:
         *,
         tokens: Sequence[int] | None = None,
         sampled: bool = False,
-        bases: Sequence[tuple[Tensor, Tensor]] | None = None,
+        bases: Sequence[KroneckerEigenbasis] | None = None,
     ) -> None:
         self.factored = factored
         self.featurizer = featurizer
@@ -402,7 +387,7 @@ class FactoredRows:
         self.sampled = sampled
         # The rows are read from the store onto the CPU: the bases (on the
         # preconditioner's device) go there once, not once per block.
-        self.bases = None if bases is None else [(q_a.cpu(), q_s.cpu()) for q_a, q_s in bases]
+        self.bases = None if bases is None else [basis.to("cpu") for basis in bases]
         self.dtype = np.dtype(factored.dtype)
         self.chunks = (int(factored.chunks[0]), featurizer.feature_dim)
 
@@ -428,8 +413,8 @@ class FactoredRows:
         )
         return dense.numpy()
 
-    def rotated(self, bases: Sequence[tuple[Tensor, Tensor]]) -> FactoredRows:
-        """The same rows in per-layer eigenbases ``(Q_A, Q_S)``: rows ``vec(Q_Sᵀ G Q_A)``."""
+    def rotated(self, bases: Sequence[KroneckerEigenbasis]) -> FactoredRows:
+        """The same rows in per-layer eigenbases: rows ``vec(Q_Sᵀ G Q_A)``."""
         return FactoredRows(
             self.factored, self.featurizer, tokens=self.tokens, sampled=self.sampled, bases=bases
         )

@@ -42,16 +42,25 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradsketch.attribution._capture import (
+    CallRecord,
+    OutputRouter,
+    backward_to_outputs,
+    contract,
+    detach_tree,
+    first_shape,
+    model_family,
+    release_edges,
+)
 from gradsketch.attribution._layers import (
     LAYER_FACTORS,
     WHOLE_MODULES,
@@ -63,7 +72,6 @@ from gradsketch.attribution._layers._rows import (
     batch_lengths,
     by_example,
     leaf_rows,
-    unflatten,
 )
 
 __all__ = ["FactoredLayer", "capture_layers", "find_layers"]
@@ -270,50 +278,7 @@ def _stacked_layers(
 
 
 # -- one hooked pass ---------------------------------------------------------------
-@dataclass
-class _Seen:
-    """One call of a hooked module: inputs, rows, output edges and (later) output gradients."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    rows: dict[int, int]
-    outputs: list[Tensor] = field(default_factory=list)
-    edges: list[GradientEdge] = field(default_factory=list)
-    grads: list[Tensor | None] = field(default_factory=list)
-    sampled: list[Tensor | None] = field(default_factory=list)
-
-
-class _Router:
-    """Routes module outputs through a node of their own and records the calls."""
-
-    def __init__(self) -> None:
-        self.dummy: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-
-    def route(self, output: Any, seen: _Seen, *, separate: bool) -> Any:
-        def one(t: Any) -> Any:
-            if not (isinstance(t, Tensor) and t.is_floating_point()):
-                return t
-            routed = t
-            if separate or not t.requires_grad:
-                # A zero that requires grad gives a frozen output a gradient edge
-                # and each of several outputs a node of its own.
-                key = (t.dtype, t.device)
-                if key not in self.dummy:
-                    self.dummy[key] = torch.zeros(
-                        (), dtype=t.dtype, device=t.device, requires_grad=True
-                    )
-                routed = t + self.dummy[key]
-            # The edge is taken now, before a caller's in-place op changes the value.
-            seen.outputs.append(t.detach())
-            seen.edges.append(get_gradient_edge(routed))
-            return routed
-
-        return tree_map(one, output)
-
-
 def _unmapped_error(model: nn.Module, name: str, shape: tuple[int, ...], layout: RowLayout) -> str:
-    from gradsketch.attribution._hook_computer import model_family
-
     return (
         f"layer {name!r} of {model_family(model)} returned shape {shape} for a batch of "
         f"{layout.batch_size}: its rows are neither the batch (dim 0) nor the batch flattened "
@@ -355,8 +320,10 @@ def capture_layers(
     for x in layers:
         if x.container is not None:
             groups.setdefault(x.container, []).append(x)
-    seen: dict[str, list[_Seen]] = {name: [] for name in [x.name for x in direct] + list(groups)}
-    router = _Router()
+    seen: dict[str, list[CallRecord]] = {
+        name: [] for name in [x.name for x in direct] + list(groups)
+    }
+    router = OutputRouter()
     root: list[Any] = []
 
     def make_hook(name: str, single: bool) -> Callable[..., Any]:
@@ -368,8 +335,8 @@ def capture_layers(
                 )
             rows = layout.call_rows((args, kwargs), out)
             if rows is None:
-                raise HookComputationError(_unmapped_error(model, name, _shape(out), layout))
-            call = _Seen(_detach(args), _detach(kwargs), rows)
+                raise HookComputationError(_unmapped_error(model, name, first_shape(out), layout))
+            call = CallRecord(detach_tree(args), detach_tree(kwargs), rows)
             floating = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
             routed = router.route(out, call, separate=len(floating) > 1)
             seen[name].append(call)
@@ -398,30 +365,18 @@ def capture_layers(
             with torch.enable_grad():
                 outputs = batch_output(model, *batch)
                 calls = [c for name in seen for c in seen[name]]
-                edges = [e for c in calls for e in c.edges]
-                grads = torch.autograd.grad(
-                    outputs.sum(), edges, allow_unused=True, retain_graph=sampled_loss is not None
-                )
-                sampled: Sequence[Tensor | None] = [None] * len(edges)
+                backward_to_outputs(outputs.sum(), calls, retain_graph=sampled_loss is not None)
                 if sampled_loss is not None:
                     if len(root) != 1:
                         raise RuntimeError(
                             "curvature='sampled' needs the model's output from one forward call; "
                             f"the model was called {len(root)} times for one batch."
                         )
-                    sampled = torch.autograd.grad(
-                        sampled_loss(root[0]).sum(), edges, allow_unused=True
-                    )
+                    backward_to_outputs(sampled_loss(root[0]).sum(), calls, into="sampled")
         finally:
             for h in handles:
                 h.remove()
-        it = iter(zip(grads, sampled))
-        for c in calls:
-            for _ in c.edges:
-                g, gs = next(it)
-                c.grads.append(g)
-                c.sampled.append(gs)
-            c.edges.clear()
+        release_edges(calls)
         result: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
         with_sampled = sampled_loss is not None
         for layer in direct:
@@ -459,7 +414,7 @@ def _eager_experts(containers: Iterable[nn.Module]) -> Iterator[None]:
 
 
 def _direct_parts(
-    layer: FactoredLayer, calls: Sequence[_Seen], batch_size: int, with_sampled: bool
+    layer: FactoredLayer, calls: Sequence[CallRecord], batch_size: int, with_sampled: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(a, g, g_sampled)`` of a layer hooked on its own, its calls' positions concatenated."""
     if not calls:
@@ -470,17 +425,13 @@ def _direct_parts(
     rule = LAYER_FACTORS[type(layer.module)]
     parts_a, parts_g, parts_s = [], [], []
     for call in calls:
-        args = tuple(unflatten(t, batch_size, call.rows) for t in call.args)
-
-        def grad_of(g: Tensor | None, call: _Seen = call) -> Tensor:
-            full = torch.zeros_like(call.outputs[0]) if g is None else g
-            return unflatten(full, batch_size, call.rows)
-
-        a3, g3 = rule(layer.module, args, grad_of(call.grads[0]))
+        args = call.rule_inputs(batch_size)
+        a3, g3 = rule(layer.module, args, call.rule_grad(call.grads[0], batch_size))
         parts_a.append(a3.detach())
         parts_g.append(g3.detach())
         if with_sampled:
-            parts_s.append(rule(layer.module, args, grad_of(call.sampled[0]))[1].detach())
+            gs = call.rule_grad(call.sampled[0], batch_size)
+            parts_s.append(rule(layer.module, args, gs)[1].detach())
     return (
         torch.cat(parts_a, 1),
         torch.cat(parts_g, 1),
@@ -492,7 +443,7 @@ def _container_parts(
     container: nn.Module,
     container_name: str,
     layers: Sequence[FactoredLayer],
-    calls: Sequence[_Seen],
+    calls: Sequence[CallRecord],
     batch_size: int,
     with_sampled: bool,
 ) -> dict[str, tuple[Tensor, Tensor, Tensor | None]]:
@@ -510,8 +461,8 @@ def _container_parts(
         leaves, spec = tree_flatten((call.args, call.kwargs))
         split = [leaf_rows(t, call.rows) for t in leaves]
         views = [t if r is None else by_example(t, batch_size, r) for t, r in zip(leaves, split)]
-        outs = _by_example_grads(call.grads, call, batch_size)
-        outs_s = _by_example_grads(call.sampled, call, batch_size)
+        outs = call.grads_by_example(call.grads, batch_size)
+        outs_s = call.grads_by_example(call.sampled, batch_size)
         for b in range(batch_size):
             inputs = [v[b] if r is not None else v for v, r in zip(views, split)]
             args, kwargs = tree_unflatten(inputs, spec)
@@ -538,14 +489,6 @@ def _container_parts(
     return {x.name: _padded(per_example[x.name], x, with_sampled, container_name) for x in layers}
 
 
-def _by_example_grads(grads: Sequence[Tensor | None], call: _Seen, batch_size: int) -> list[Tensor]:
-    """A call's output gradients as ``[B, rows, ...]`` (zeros where an output was unused)."""
-    return [
-        by_example(torch.zeros_like(t) if g is None else g, batch_size, call.rows[t.shape[0]])
-        for g, t in zip(grads, call.outputs)
-    ]
-
-
 def _rerun(
     container: nn.Module,
     layers: Sequence[FactoredLayer],
@@ -555,19 +498,19 @@ def _rerun(
     sampled: Sequence[Tensor] | None,
 ) -> dict[str, list[tuple[Tensor, Tensor, Tensor | None]]]:
     """The container on one example's rows; each inner layer call's ``(a, g, g_sampled)``."""
-    router = _Router()
-    seen: dict[str, list[_Seen]] = {x.name: [] for x in layers}
+    router = OutputRouter()
+    seen: dict[str, list[CallRecord]] = {x.name: [] for x in layers}
 
     def make_hook(name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
-            call = _Seen(_detach(a), {}, {})
+            call = CallRecord(detach_tree(a), {}, {})
             seen[name].append(call)
             return router.route(out, call, separate=False)
 
         return hook
 
     def record(name: str, x: Tensor, out: Tensor) -> Tensor:
-        call = _Seen((x.detach(),), {}, {})
+        call = CallRecord((x.detach(),), {}, {})
         seen[name].append(call)
         routed: Tensor = router.route(out, call, separate=False)
         return routed
@@ -581,35 +524,28 @@ def _rerun(
             floating = [
                 t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.is_floating_point()
             ]
-            edges = [c.edges[0] for name in seen for c in seen[name]]
-            if not edges:
+            calls = [c for name in seen for c in seen[name]]
+            if not calls:
                 return {}
-            got = torch.autograd.grad(
-                _contract(floating, grads),
-                edges,
-                allow_unused=True,
-                retain_graph=sampled is not None,
-            )
-            got_s: Sequence[Tensor | None] = [None] * len(edges)
+            backward_to_outputs(contract(floating, grads), calls, retain_graph=sampled is not None)
             if sampled is not None:
-                got_s = torch.autograd.grad(_contract(floating, sampled), edges, allow_unused=True)
+                backward_to_outputs(contract(floating, sampled), calls, into="sampled")
     finally:
         for h in handles:
             h.remove()
+    release_edges(calls)
     found: dict[str, list[tuple[Tensor, Tensor, Tensor | None]]] = {}
-    it = iter(zip(got, got_s))
     for x in layers:
         rule = LAYER_FACTORS[type(x.module)] if x.param is None else _stacked_factors
         for call in seen[x.name]:
-            g, gs = next(it)
             # One example's rows of a routed subset: a batch of one with those rows.
             a1 = tuple(t.unsqueeze(0) if isinstance(t, Tensor) else t for t in call.args)
 
-            def one(g: Tensor | None, call: _Seen = call) -> Tensor:
+            def one(g: Tensor | None, call: CallRecord = call) -> Tensor:
                 return (torch.zeros_like(call.outputs[0]) if g is None else g).unsqueeze(0)
 
-            a3, g3 = rule(x.module, a1, one(g))
-            gs3 = rule(x.module, a1, one(gs))[1] if sampled is not None else None
+            a3, g3 = rule(x.module, a1, one(call.grads[0]))
+            gs3 = rule(x.module, a1, one(call.sampled[0]))[1] if sampled is not None else None
             found.setdefault(x.name, []).append(
                 (a3[0].detach(), g3[0].detach(), None if gs3 is None else gs3[0].detach())
             )
@@ -683,14 +619,6 @@ class _StackedExperts(TorchFunctionMode):
         return self.record(name, x, out)
 
 
-def _contract(outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> Tensor:
-    """``sum_i <outputs_i, grads_i>``: its gradient at any earlier value is the chain rule's."""
-    total = outputs[0].new_zeros(())
-    for o, g in zip(outputs, grads):
-        total = total + (o * g).sum()
-    return total
-
-
 def _padded(
     rows: Sequence[Sequence[tuple[Tensor, Tensor, Tensor | None]]],
     layer: FactoredLayer,
@@ -728,12 +656,3 @@ def _padded(
     g = stack(1, layer.d_out, g_like)
     gs = stack(2, layer.d_out, g_like) if with_sampled else None
     return a, g, gs
-
-
-def _detach(value: Any) -> Any:
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
-
-
-def _shape(out: Any) -> tuple[int, ...]:
-    first = next((t for t in tree_flatten(out)[0] if isinstance(t, Tensor)), None)
-    return () if first is None else tuple(first.shape)

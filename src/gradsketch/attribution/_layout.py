@@ -4,8 +4,11 @@ Every name below is relative to ``save_dir`` (the root of the
 :class:`gradsketch._store.RowStore`); arrays are zarr arrays of that store,
 records are JSON files::
 
-    settings.json                           the TRAKSettings record
+    settings.json                           the TRAKSettings record (every array also
+                                            records its fingerprint in its attributes)
     checkpoints/{model_id}/checkpoint.json  {"checkpoint": fingerprint, "finalized", "features"}
+                                            (method="replay": also "run", its rows' and
+                                            order's fingerprint; one model id per store)
     checkpoints/{model_id}/grads            [n, k] projected training gradients
     checkpoints/{model_id}/out_to_loss      [n, 1] out-to-loss terms Q
     checkpoints/{model_id}/done             uint8 [n] rows featurized
@@ -19,9 +22,10 @@ records are JSON files::
                                             T_l in the checkpoint record's "tokens")
     checkpoints/{model_id}/{key}            a finalized preconditioner's state arrays
     experiments/{exp_name}/experiment.json  {"num_targets"}
-    experiments/{exp_name}/{model_id}/grads [m, k] projected target gradients
+    experiments/{exp_name}/{model_id}/grads [m, k] projected target gradients (method="replay":
+                                            [m, n] float64, each query's metagradients)
     experiments/{exp_name}/{model_id}/done  uint8 [m] targets featurized
-    scores/{exp_name}                       [n, m] scores
+    scores/{exp_name}                       [n, m] scores (float64 for method="replay")
     scores/{exp_name}.json                  {"model_ids", "num_targets"}
 
 Example:

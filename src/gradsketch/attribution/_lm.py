@@ -43,22 +43,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradsketch._model_kind import hf_model_kind, model_label
 from gradsketch.attribution._modelout import (
-    AbstractModelOutput,
+    BatchedModelOutput,
+    SoftmaxModelOutput,
     TextClassificationModelOutput,
-    _one_minus_p,
+    margins,
     model_logits,
     register_loss_grad_from_output,
     register_task,
+    softmax_loss_grad,
 )
-from gradsketch.errors import GradsketchError
+from gradsketch.attribution._task import register_task_slot
+from gradsketch.errors import BatchFormatError, UnsupportedModelError
 
 #: Label value of positions that are not predicted (Hugging Face's convention).
 IGNORE_INDEX = -100
-
-
-class BatchFormatError(GradsketchError, ValueError):
-    """A batch does not have the fields (or the tuple length) the task expects."""
 
 
 _FORWARD_PARAMS: dict[type[nn.Module], tuple[frozenset[str], bool]] = {}
@@ -128,6 +128,19 @@ def _get(batch: Mapping[str, Any], key: str) -> Tensor | None:
     return None if value is None else torch.as_tensor(value)
 
 
+def _tuple_items(
+    batch: Sequence[Any], task: str, sizes: range, expected: str
+) -> list[Tensor | None]:
+    """A tuple batch's entries as tensors (``None`` kept), checked to number one of ``sizes``."""
+    items = list(batch)
+    if len(items) not in sizes:
+        raise BatchFormatError(
+            f"`batch` for {task} has {len(items)} entries; expected {expected}, or a dict with "
+            "those keys."
+        )
+    return [None if t is None else torch.as_tensor(t) for t in items]
+
+
 def _require_ids(batch: Mapping[str, Any], task: str) -> Tensor:
     ids = _get(batch, "input_ids")
     if ids is None:
@@ -187,8 +200,8 @@ def _mean_over_tokens(q: Tensor, labels: Tensor) -> Tensor:
     return q.sum(1, keepdim=True) / count.to(q.dtype)
 
 
-@register_task("language_modeling")
-class LanguageModelingModelOutput(AbstractModelOutput):
+@register_task("language_modeling", token_mask=lambda batch: batch[1])
+class LanguageModelingModelOutput(SoftmaxModelOutput):
     """Causal LM output: summed per-token log-odds; ``Q`` the mean of ``1 - p_t`` (module docs).
 
     Batches: a dict with ``input_ids`` and optionally ``attention_mask`` and
@@ -223,12 +236,6 @@ class LanguageModelingModelOutput(AbstractModelOutput):
     #: Columns a ``datasets.Dataset`` may provide (``input_ids`` required).
     columns = ("input_ids", "attention_mask", "labels")
 
-    def __init__(self, temperature: float = 1.0) -> None:
-        super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
-        self.loss_temperature = float(temperature)
-
     @staticmethod
     def as_batch(batch: Mapping[str, Any] | Sequence[Any]) -> tuple[Tensor, Tensor, Tensor]:
         """The canonical ``(input_ids, attention_mask, labels)`` of a dict or tuple batch."""
@@ -236,16 +243,15 @@ class LanguageModelingModelOutput(AbstractModelOutput):
             ids = _require_ids(batch, "language_modeling")
             mask, labels = _get(batch, "attention_mask"), _get(batch, "labels")
         else:
-            items = list(batch)
-            if not 1 <= len(items) <= 3:
-                raise BatchFormatError(
-                    f"`batch` for language_modeling has {len(items)} entries; expected "
-                    "(input_ids,), (input_ids, attention_mask) or (input_ids, attention_mask, "
-                    "labels), or a dict with those keys."
-                )
+            items = _tuple_items(
+                batch,
+                "language_modeling",
+                range(1, 4),
+                "(input_ids,), (input_ids, attention_mask) or (input_ids, attention_mask, labels)",
+            )
             items += [None] * (3 - len(items))
             ids = torch.as_tensor(items[0])
-            mask, labels = (None if t is None else torch.as_tensor(t) for t in items[1:])
+            mask, labels = items[1:]
         if ids.dim() != 2:
             raise BatchFormatError(
                 f"`input_ids` must be [batch, seq_len], got shape {tuple(ids.shape)}."
@@ -292,59 +298,67 @@ class LanguageModelingModelOutput(AbstractModelOutput):
             per_token,
         )
 
-    @staticmethod
-    def get_output(
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        *example: Any,
+    @classmethod
+    def outputs(  # type: ignore[override]
+        cls, model: nn.Module, params: Any, batch: Sequence[Tensor]
     ) -> Tensor:
-        """``Σ_t f_t`` for one ``(input_ids, attention_mask, labels)`` example (no batch axis)."""
-        ids, mask, labels = example
-        logits = _call_model(
-            model,
-            (weights, buffers),
-            {"input_ids": ids.unsqueeze(0), "attention_mask": mask.unsqueeze(0)},
-        )
-        return token_log_odds(logits, labels.unsqueeze(0)).sum()
+        """``[B]`` outputs ``Σ_t f_t`` of ``(input_ids, attention_mask, labels)``."""
+        return token_log_odds(cls.batch_logits(model, params, batch), batch[2]).sum(1)
 
     @staticmethod
     def get_batch_output(
         model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor
     ) -> Tensor:
         """``[B]`` outputs ``Σ_t f_t`` of one batched forward (used by layer hooks)."""
-        logits = _call_model(
-            model, None, {"input_ids": input_ids, "attention_mask": attention_mask}
-        )
-        return token_log_odds(logits, labels).sum(1)
+        batch = (input_ids, attention_mask, labels)
+        return LanguageModelingModelOutput.outputs(model, None, batch)
 
     def out_to_loss_from_logits(self, logits: Tensor, labels: Tensor) -> Tensor:
         """``[B, 1]``: the mean over predicted tokens of ``1 - p_t``."""
         q = token_one_minus_p(logits.detach(), labels, self.loss_temperature)
         return _mean_over_tokens(q, labels)
 
-    def get_out_to_loss_grad(
-        self,
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        batch: Iterable[Tensor],
-    ) -> Tensor:
+    @staticmethod
+    def batch_logits(model: nn.Module, params: Any, batch: Sequence[Tensor]) -> Any:
+        """``[B, T, V]`` logits of ``model(input_ids=..., attention_mask=...)``."""
+        return _call_model(model, params, {"input_ids": batch[0], "attention_mask": batch[1]})
+
+    def q_from_output(self, output: Any, batch: Sequence[Tensor]) -> Tensor:
         """``[B, 1]`` out-to-loss terms (mean of ``1 - p_t`` over predicted tokens)."""
-        ids, mask, labels = batch
-        with torch.no_grad():
-            logits = _call_model(
-                model, (weights, buffers), {"input_ids": ids, "attention_mask": mask}
-            )
-        return self.out_to_loss_from_logits(logits, labels)
+        return self.out_to_loss_from_logits(model_logits(output), batch[2])
 
 
-@register_loss_grad_from_output(LanguageModelingModelOutput)
-def language_modeling_loss_grad(
-    task: LanguageModelingModelOutput, output: Any, batch: Sequence[Tensor]
-) -> Tensor:
-    """Out-to-loss terms from the logits of the hooked forward."""
-    return task.out_to_loss_from_logits(model_logits(output), batch[2])
+@register_task_slot("check_batch", LanguageModelingModelOutput)
+def language_model_check(model: nn.Module, batch: Sequence[Any]) -> None:
+    """Refuse a transformers model without next-token logits, by its class and config.
+
+    An encoder-decoder (``config.is_encoder_decoder``: T5, BART) has its
+    own task, ``"seq2seq_lm"``; an encoder or a classification head (BERT,
+    RoBERTa, ViT) has the classification tasks. Checked before any forward
+    pass (a forward would fail with transformers' message about missing
+    decoder inputs, or a tensor-shape error). Other modules are not judged.
+
+    Raises:
+        UnsupportedModelError: naming the model type and the task to use.
+    """
+    kind = hf_model_kind(model)
+    if kind in (None, "causal_lm"):
+        return
+    if kind == "encoder_decoder":
+        what = "an encoder-decoder (`config.is_encoder_decoder` is true)"
+        instead = 'use task="seq2seq_lm" (batches with input_ids, attention_mask and labels)'
+    else:
+        what = "not a causal language model (no causal LM head)"
+        instead = (
+            'use a classification task: task="text_classification" for a sequence '
+            'classifier, task="image_classification" for an image classifier'
+        )
+    raise UnsupportedModelError(
+        f'task="language_modeling" attributes causal language models, got '
+        f"{model_label(model)}: {what}. Supported: AutoModelForCausalLM-style models "
+        "(`config.is_encoder_decoder` false and a causal LM head, e.g. GPT2LMHeadModel, "
+        f"LlamaForCausalLM). For this model {instead}."
+    )
 
 
 # -- sequence-to-sequence language modeling ------------------------------------------
@@ -381,7 +395,7 @@ def _decoder_inputs(model: nn.Module, labels: Tensor) -> dict[str, Tensor]:
 
 
 @register_task("seq2seq_lm")
-class Seq2SeqLMModelOutput(AbstractModelOutput):
+class Seq2SeqLMModelOutput(BatchedModelOutput):
     """Encoder-decoder LM output: the summed log-likelihood of the target tokens; ``Q = 1``.
 
     ``f = Σ_t log p(y_t | x, y_<t)`` over the labels that are not ``-100``
@@ -427,15 +441,15 @@ class Seq2SeqLMModelOutput(AbstractModelOutput):
                 )
             mask, dmask = _get(batch, "attention_mask"), _get(batch, "decoder_attention_mask")
         else:
-            items = list(batch)
-            if not 3 <= len(items) <= 5:
-                raise BatchFormatError(
-                    f"`batch` for seq2seq_lm has {len(items)} entries; expected (input_ids, "
-                    "attention_mask, labels) or (input_ids, attention_mask, labels, "
-                    "decoder_attention_mask), or a dict with those keys."
-                )
+            items = _tuple_items(
+                batch,
+                "seq2seq_lm",
+                range(3, 6),
+                "(input_ids, attention_mask, labels) or (input_ids, attention_mask, labels, "
+                "decoder_attention_mask)",
+            )
             ids, mask, labels = (torch.as_tensor(t) for t in items[:3])
-            dmask = None if len(items) < 4 else torch.as_tensor(items[3])
+            dmask = None if len(items) < 4 else items[3]
             extra = [torch.as_tensor(t) for t in items[4:]]
         if ids.dim() != 2 or labels.dim() != 2 or labels.shape[0] != ids.shape[0]:
             raise BatchFormatError(
@@ -493,11 +507,8 @@ class Seq2SeqLMModelOutput(AbstractModelOutput):
         )
 
     @staticmethod
-    def _log_likelihoods(
-        model: nn.Module,
-        params: tuple[dict[str, Tensor], dict[str, Tensor]] | None,
-        batch: Sequence[Tensor],
-    ) -> Tensor:
+    def outputs(model: nn.Module, params: Any, batch: Sequence[Tensor]) -> Tensor:
+        """``[B]`` outputs ``Σ_t log p(y_t)`` of a canonical batch."""
         ids, mask, labels, dmask = batch[:4]
         kwargs: dict[str, Tensor | None] = {
             "input_ids": ids,
@@ -506,23 +517,13 @@ class Seq2SeqLMModelOutput(AbstractModelOutput):
             **_decoder_inputs(model, labels),
         }
         logits = _call_model(model, params, kwargs)
-        return target_log_likelihood(logits, labels, batch[4] if len(batch) > 4 else None)
-
-    @staticmethod
-    def get_output(
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        *example: Any,
-    ) -> Tensor:
-        """``Σ_t log p(y_t)`` for one canonical example (no batch axis)."""
-        batch = tuple(t.unsqueeze(0) for t in example)
-        return Seq2SeqLMModelOutput._log_likelihoods(model, (weights, buffers), batch).sum()
+        selected = batch[4] if len(batch) > 4 else None
+        return target_log_likelihood(logits, labels, selected).sum(1)
 
     @staticmethod
     def get_batch_output(model: nn.Module, *batch: Tensor) -> Tensor:
         """``[B]`` outputs of one batched forward (used by layer hooks)."""
-        return Seq2SeqLMModelOutput._log_likelihoods(model, None, batch).sum(1)
+        return Seq2SeqLMModelOutput.outputs(model, None, batch)
 
     def get_out_to_loss_grad(
         self,
@@ -546,12 +547,6 @@ def seq2seq_loss_grad(task: Seq2SeqLMModelOutput, output: Any, batch: Sequence[T
 
 
 # -- sequence classification ------------------------------------------------------
-def _class_margins(logits: Tensor, labels: Tensor) -> Tensor:
-    is_label = torch.arange(logits.shape[-1], device=logits.device) == labels.reshape(-1, 1)
-    correct = (logits * is_label).sum(-1)
-    return correct - logits.masked_fill(is_label, float("-inf")).logsumexp(-1)
-
-
 @register_task("text_classification")
 class SequenceClassificationModelOutput(TextClassificationModelOutput):
     """TRAK's text-classification margin, also for models without ``token_type_ids``.
@@ -577,14 +572,14 @@ class SequenceClassificationModelOutput(TextClassificationModelOutput):
     def as_batch(batch: Mapping[str, Any] | Sequence[Any]) -> tuple[Tensor, ...]:
         """``(input_ids[, token_type_ids], attention_mask, labels)`` of a dict or tuple batch."""
         if not isinstance(batch, Mapping):
-            items = tuple(torch.as_tensor(t) for t in batch)
-            if len(items) not in (3, 4):
-                raise BatchFormatError(
-                    f"`batch` for text_classification has {len(items)} entries; expected "
-                    "(input_ids, token_type_ids, attention_mask, label), (input_ids, "
-                    "attention_mask, label), or a dict with those keys."
-                )
-            return items
+            items = _tuple_items(
+                batch,
+                "text_classification",
+                range(3, 5),
+                "(input_ids, token_type_ids, attention_mask, label) or (input_ids, "
+                "attention_mask, label)",
+            )
+            return tuple(torch.as_tensor(t) for t in items)
         ids = _require_ids(batch, "text_classification")
         labels = _get(batch, "labels")
         if labels is None:
@@ -600,53 +595,19 @@ class SequenceClassificationModelOutput(TextClassificationModelOutput):
         return (ids, mask, labels) if types is None else (ids, types, mask, labels)
 
     @staticmethod
-    def _kwargs(example: Sequence[Tensor], unsqueeze: bool) -> tuple[dict[str, Tensor], Tensor]:
-        def prep(t: Tensor) -> Tensor:
-            return t.unsqueeze(0) if unsqueeze else t
-
-        if len(example) == 4:
-            ids, types, mask, labels = example
-            kw = {"input_ids": prep(ids), "token_type_ids": prep(types)}
-        else:
-            ids, mask, labels = example
-            kw = {"input_ids": prep(ids)}
-        kw["attention_mask"] = prep(mask)
-        return kw, labels
-
-    @staticmethod
-    def get_output(
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        *example: Any,
-    ) -> Tensor:
-        """Margin for one tokenised example (no batch axis)."""
-        kw, label = SequenceClassificationModelOutput._kwargs(example, unsqueeze=True)
-        return _class_margins(_call_model(model, (weights, buffers), kw), label).sum()
+    def batch_logits(model: nn.Module, params: Any, batch: Sequence[Tensor]) -> Any:
+        """Logits of ``model(input_ids=..., [token_type_ids=...,] attention_mask=...)``."""
+        names = ("input_ids", "token_type_ids") if len(batch) == 4 else ("input_ids",)
+        kw = {**dict(zip(names, batch)), "attention_mask": batch[-2]}
+        return _call_model(model, params, kw)
 
     @staticmethod
     def get_batch_output(model: nn.Module, *batch: Tensor) -> Tensor:
         """``[B]`` margins of one batched forward (used by layer hooks)."""
-        kw, labels = SequenceClassificationModelOutput._kwargs(batch, unsqueeze=False)
-        return _class_margins(_call_model(model, None, kw), labels)
-
-    def get_out_to_loss_grad(
-        self,
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        batch: Iterable[Tensor],
-    ) -> Tensor:
-        """``[B, 1]``: ``1 - p_y``."""
-        kw, labels = self._kwargs(tuple(batch), unsqueeze=False)
-        with torch.no_grad():
-            logits = _call_model(model, (weights, buffers), kw)
-        return _one_minus_p(logits, labels, self.loss_temperature)
+        logits = SequenceClassificationModelOutput.batch_logits(model, None, batch)
+        return margins(logits, batch[-1])
 
 
-@register_loss_grad_from_output(SequenceClassificationModelOutput)
-def sequence_classification_loss_grad(
-    task: SequenceClassificationModelOutput, output: Any, batch: Sequence[Tensor]
-) -> Tensor:
-    """``1 - p_y`` from the logits of the hooked forward."""
-    return _one_minus_p(model_logits(output), batch[-1], task.loss_temperature)
+register_loss_grad_from_output(LanguageModelingModelOutput, SequenceClassificationModelOutput)(
+    softmax_loss_grad
+)

@@ -6,64 +6,66 @@ the margin ``f = logit_y - logsumexp_{j != y} logit_j`` (so that
 ``Q = -dloss/df = 1 - p_y`` (Park et al., ICML 2023, sec. 3.3).
 
 Beside each task live its batched twins used by the layer hooks: the outputs
-of a whole batch from one forward (:data:`BATCH_OUTPUTS`) and the out-to-loss
-terms from that forward's model output (:data:`LOSS_GRAD_FROM_OUTPUT`).
+of a whole batch from one forward and the out-to-loss terms from that
+forward's model output, slots of the task's record in the task protocol
+(:mod:`gradsketch.attribution._task`; :data:`BATCH_OUTPUTS` and
+:data:`LOSS_GRAD_FROM_OUTPUT` are views of them).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from gradsketch.errors import GradsketchError
+from gradsketch._inputs import check_labels, check_model_inputs, class_count
+from gradsketch.attribution._task import (
+    TASK_TO_MODELOUT,
+    AbstractModelOutput,
+    BatchOutput,
+    LossGradFromOutput,
+    TaskSlotView,
+    UnknownTaskError,
+    register_task,
+    register_task_slot,
+    task_protocol,
+)
+
+__all__ = [
+    "BATCH_OUTPUTS",
+    "LOSS_GRAD_FROM_OUTPUT",
+    "TASK_TO_MODELOUT",
+    "AbstractModelOutput",
+    "BatchOutput",
+    "BatchedModelOutput",
+    "SoftmaxModelOutput",
+    "ImageClassificationModelOutput",
+    "IterativeImageClassificationModelOutput",
+    "LossGradFromOutput",
+    "TextClassificationModelOutput",
+    "UnknownTaskError",
+    "margins",
+    "model_logits",
+    "register_batch_output",
+    "register_loss_grad_from_output",
+    "register_task",
+    "resolve_batch_output",
+    "resolve_task",
+]
 
 
-class UnknownTaskError(GradsketchError, ValueError):
-    """``task`` names no registered model output."""
+def margins(logits: Tensor, labels: Tensor) -> Tensor:
+    """``[B]`` margins ``logit_y - logsumexp_{j != y} logit_j`` for ``[B, C]`` logits (vmap-safe).
 
-
-class AbstractModelOutput(ABC):
-    """A model output function and its out-to-loss term (TRAK's interface).
-
-    Subclasses implement :meth:`get_output` for ONE example (no batch axis;
-    it is vmapped over the batch) and :meth:`get_out_to_loss_grad` for a batch.
+    Example:
+        >>> margins(torch.zeros(1, 3), torch.tensor([2]))  # log(1 / 2)
+        tensor([-0.6931])
     """
-
-    def __init__(self) -> None:  # noqa: B027 - TRAK subclasses call super().__init__()
-        pass
-
-    @staticmethod
-    @abstractmethod
-    def get_output(
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        *example: Any,
-    ) -> Tensor:
-        """Scalar output f(z; θ) for one example, through ``functional_call``."""
-
-    @abstractmethod
-    def get_out_to_loss_grad(
-        self,
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        batch: Iterable[Tensor],
-    ) -> Tensor:
-        """``[batch, 1]`` out-to-loss terms Q for a batch."""
-
-
-def _margin(logits: Tensor, label: Tensor) -> Tensor:
-    """``logit_y - logsumexp_{j != y} logit_j`` for ``[1, C]`` logits (vmap-safe)."""
-    classes = torch.arange(logits.shape[-1], device=logits.device)
-    is_label = classes == label.reshape(-1, 1)
+    is_label = torch.arange(logits.shape[-1], device=logits.device) == labels.reshape(-1, 1)
     correct = (logits * is_label).sum(-1)
-    others = logits.masked_fill(is_label, float("-inf")).logsumexp(-1)
-    return (correct - others).sum()
+    return correct - logits.masked_fill(is_label, float("-inf")).logsumexp(-1)
 
 
 def model_logits(output: Any) -> Tensor:
@@ -86,7 +88,94 @@ def _one_minus_p(logits: Tensor, labels: Tensor, temperature: float) -> Tensor:
     return (1 - p).detach()
 
 
-class ImageClassificationModelOutput(AbstractModelOutput):
+Params = tuple[dict[str, Tensor], dict[str, Tensor]]
+
+
+class BatchedModelOutput(AbstractModelOutput):
+    """A task given by its batched output; its per-example output is that of a batch of one.
+
+    Subclasses give :meth:`outputs`; TRAK's per-example :meth:`get_output`
+    (which ``vmap`` maps over a batch) is derived from it, so the two agree by
+    construction.
+    """
+
+    @staticmethod
+    def outputs(model: nn.Module, params: Params | None, batch: Sequence[Tensor]) -> Tensor:
+        """``[B]`` outputs of one forward on ``batch`` (``functional_call`` with ``params``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def get_output(  # type: ignore[override]
+        cls,
+        model: nn.Module,
+        weights: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        *example: Any,
+    ) -> Tensor:
+        """The output of one example (no batch axis): :meth:`outputs` of it as a batch of one."""
+        batch = tuple(t.unsqueeze(0) for t in example)
+        return cls.outputs(model, (weights, buffers), batch).sum()
+
+
+class SoftmaxModelOutput(BatchedModelOutput):
+    """A task whose out-to-loss term comes from the softmax of its logits at temperature ``T``.
+
+    Subclasses give :meth:`batch_logits` (the logits of a batch) and, where
+    ``Q`` is not ``1 - p_y`` of the last batch entry's labels, :meth:`q_from_output`;
+    ``Q`` from a batch (:meth:`get_out_to_loss_grad`) and from the layer
+    hooks' forward (the task's ``loss_grad_from_output`` slot) are then the same code.
+    The output is the margin ``logit_y - logsumexp_{j != y} logit_j`` of the
+    labels in the batch's last entry.
+
+    Args:
+        temperature: softmax temperature T of the out-to-loss term.
+    """
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        self.loss_temperature = float(temperature)
+
+    @staticmethod
+    def batch_logits(model: nn.Module, params: Params | None, batch: Sequence[Tensor]) -> Any:
+        """The model's output on ``batch`` (through ``functional_call`` with ``params``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def outputs(  # type: ignore[override]
+        cls, model: nn.Module, params: Params | None, batch: Sequence[Tensor]
+    ) -> Tensor:
+        """``[B]`` margins of the labels (the batch's last entry)."""
+        return margins(model_logits(cls.batch_logits(model, params, batch)), batch[-1])
+
+    def q_from_output(self, output: Any, batch: Sequence[Tensor]) -> Tensor:
+        """``[B, 1]``: ``1 - p_y`` from the model's output (logits, or an object with them)."""
+        return _one_minus_p(model_logits(output), batch[-1], self.loss_temperature)
+
+    def get_out_to_loss_grad(
+        self,
+        model: nn.Module,
+        weights: dict[str, Tensor] | None,
+        buffers: dict[str, Tensor] | None,
+        batch: Iterable[Tensor],
+    ) -> Tensor:
+        """``[batch, 1]`` out-to-loss terms (``weights`` ``None``: the model as it is)."""
+        batch = tuple(batch)
+        params = None if weights is None else (weights, buffers or {})
+        with torch.no_grad():
+            output = self.batch_logits(model, params, batch)
+        return self.q_from_output(output, batch)
+
+
+def _call(model: nn.Module, params: Params | None, *args: Any, **kwargs: Any) -> Any:
+    """``model(*args, **kwargs)``, through ``functional_call`` when ``params`` are given."""
+    if params is None:
+        return model(*args, **kwargs)
+    return torch.func.functional_call(model, params, args, kwargs)
+
+
+class ImageClassificationModelOutput(SoftmaxModelOutput):
     """Margin of a classifier on ``(image, label)`` batches.
 
     ``f = logit_y - log Σ_{j≠y} exp(logit_j)`` and ``Q = 1 - softmax(logits/T)_y``.
@@ -106,39 +195,13 @@ class ImageClassificationModelOutput(AbstractModelOutput):
         torch.Size([2, 1])
     """
 
-    def __init__(self, temperature: float = 1.0) -> None:
-        super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
-        self.loss_temperature = float(temperature)
-
     @staticmethod
-    def get_output(
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        *example: Any,
-    ) -> Tensor:
-        """Margin for one ``(image, label)`` pair (no batch axis)."""
-        image, label = example
-        out = torch.func.functional_call(model, (weights, buffers), (image.unsqueeze(0),))
-        return _margin(model_logits(out), label)
-
-    def get_out_to_loss_grad(
-        self,
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        batch: Iterable[Tensor],
-    ) -> Tensor:
-        """``[batch, 1]``: ``1 - p_y``."""
-        images, labels = batch
-        with torch.no_grad():
-            out = torch.func.functional_call(model, (weights, buffers), (images,))
-        return _one_minus_p(model_logits(out), labels, self.loss_temperature)
+    def batch_logits(model: nn.Module, params: Params | None, batch: Sequence[Tensor]) -> Any:
+        """``model(images)``."""
+        return _call(model, params, batch[0])
 
 
-class TextClassificationModelOutput(AbstractModelOutput):
+class TextClassificationModelOutput(SoftmaxModelOutput):
     """Margin of a sequence classifier on ``(input_ids, token_type_ids, attention_mask, label)``.
 
     The model is called as ``model(input_ids=..., token_type_ids=...,
@@ -146,58 +209,14 @@ class TextClassificationModelOutput(AbstractModelOutput):
     object with a ``logits`` attribute, as Hugging Face models do).
     """
 
-    def __init__(self, temperature: float = 1.0) -> None:
-        super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
-        self.loss_temperature = float(temperature)
-
     @staticmethod
-    def _logits(
-        model: nn.Module, params: tuple[dict[str, Tensor], dict[str, Tensor]], **kw: Tensor
-    ) -> Tensor:
-        out = torch.func.functional_call(model, params, args=(), kwargs=kw)
-        return model_logits(out)
-
-    @staticmethod
-    def get_output(
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        *example: Any,
-    ) -> Tensor:
-        """Margin for one tokenised example (no batch axis)."""
-        input_id, token_type_id, attention_mask, label = example
-        logits = TextClassificationModelOutput._logits(
-            model,
-            (weights, buffers),
-            input_ids=input_id.unsqueeze(0),
-            token_type_ids=token_type_id.unsqueeze(0),
-            attention_mask=attention_mask.unsqueeze(0),
-        )
-        return _margin(logits, label)
-
-    def get_out_to_loss_grad(
-        self,
-        model: nn.Module,
-        weights: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        batch: Iterable[Tensor],
-    ) -> Tensor:
-        """``[batch, 1]``: ``1 - p_y``."""
-        input_ids, token_type_ids, attention_mask, labels = batch
-        with torch.no_grad():
-            logits = self._logits(
-                model,
-                (weights, buffers),
-                input_ids=input_ids,
-                token_type_ids=token_type_ids,
-                attention_mask=attention_mask,
-            )
-        return _one_minus_p(logits, labels, self.loss_temperature)
+    def batch_logits(model: nn.Module, params: Params | None, batch: Sequence[Tensor]) -> Any:
+        """``model(input_ids=..., token_type_ids=..., attention_mask=...)``."""
+        ids, types, mask = batch[:3]
+        return _call(model, params, input_ids=ids, token_type_ids=types, attention_mask=mask)
 
 
-class IterativeImageClassificationModelOutput(AbstractModelOutput):
+class IterativeImageClassificationModelOutput(SoftmaxModelOutput):
     """Margins of a whole batch of ``(images, labels)``: trak's task for the iterative computer.
 
     The same margin and ``Q`` as :class:`ImageClassificationModelOutput`,
@@ -218,23 +237,10 @@ class IterativeImageClassificationModelOutput(AbstractModelOutput):
         torch.Size([2])
     """
 
-    def __init__(self, temperature: float = 1.0) -> None:
-        super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
-        self.loss_temperature = float(temperature)
-
     @staticmethod
-    def _forward(
-        model: nn.Module,
-        weights: dict[str, Tensor] | None,
-        buffers: dict[str, Tensor] | None,
-        images: Tensor,
-    ) -> Tensor:
-        if weights is None:
-            return model_logits(model(images))
-        params = (weights, buffers or {})
-        return model_logits(torch.func.functional_call(model, params, (images,)))
+    def batch_logits(model: nn.Module, params: Params | None, batch: Sequence[Tensor]) -> Any:
+        """``model(images)``."""
+        return _call(model, params, batch[0])
 
     @staticmethod
     def get_output(  # type: ignore[override]
@@ -248,42 +254,15 @@ class IterativeImageClassificationModelOutput(AbstractModelOutput):
         single = labels.dim() == 0
         if single:
             images, labels = images.unsqueeze(0), labels.reshape(1)
-        f = IterativeImageClassificationModelOutput._forward
-        margins = _margins(f(model, weights, buffers, images), labels)
-        return margins[0] if single else margins
-
-    def get_out_to_loss_grad(  # type: ignore[override]
-        self,
-        model: nn.Module,
-        weights: dict[str, Tensor] | None,
-        buffers: dict[str, Tensor] | None,
-        batch: Iterable[Tensor],
-    ) -> Tensor:
-        """``[batch, 1]``: ``1 - p_y``."""
-        images, labels = batch
-        with torch.no_grad():
-            logits = self._forward(model, weights, buffers, images)
-        return _one_minus_p(logits, labels, self.loss_temperature)
+        params = None if weights is None else (weights, buffers or {})
+        logits = _call(model, params, images)
+        found = margins(model_logits(logits), labels)
+        return found[0] if single else found
 
 
-#: Task name -> model output class (TRAK's ``TASK_TO_MODELOUT``).
-TASK_TO_MODELOUT: dict[str, type[AbstractModelOutput]] = {
-    "image_classification": ImageClassificationModelOutput,
-    "text_classification": TextClassificationModelOutput,
-    "iterative_image_classification": IterativeImageClassificationModelOutput,
-}
-
-
-def register_task(name: str) -> Callable[[type[AbstractModelOutput]], type[AbstractModelOutput]]:
-    """Class decorator adding a model output to :data:`TASK_TO_MODELOUT` under ``name``."""
-
-    def decorator(cls: type[AbstractModelOutput]) -> type[AbstractModelOutput]:
-        if not (isinstance(cls, type) and issubclass(cls, AbstractModelOutput)):
-            raise TypeError(f"`cls` must subclass AbstractModelOutput, got {cls!r}.")
-        TASK_TO_MODELOUT[name] = cls
-        return cls
-
-    return decorator
+register_task("image_classification")(ImageClassificationModelOutput)
+register_task("text_classification")(TextClassificationModelOutput)
+register_task("iterative_image_classification")(IterativeImageClassificationModelOutput)
 
 
 def resolve_task(task: str | AbstractModelOutput) -> AbstractModelOutput:
@@ -300,17 +279,11 @@ def resolve_task(task: str | AbstractModelOutput) -> AbstractModelOutput:
 
 
 # -- batched outputs, for layer hooks -------------------------------------------
-#: ``batch_output(model, *batch) -> [B]`` per-example outputs of one batched forward.
-BatchOutput = Callable[..., Tensor]
-#: ``loss_grad(task, root_output, batch) -> [B, 1]``: the task's out-to-loss terms
-#: from the (detached) output of the model's forward on ``batch``.
-LossGradFromOutput = Callable[[Any, Any, Sequence[Tensor]], Tensor]
-
 #: Batched model outputs per task class (TRAK tasks define only a per-example one).
-BATCH_OUTPUTS: dict[type[AbstractModelOutput], BatchOutput] = {}
+BATCH_OUTPUTS: TaskSlotView[BatchOutput] = TaskSlotView("batch_output")
 #: Out-to-loss terms from the hooked forward's model output, keyed by exact task
 #: type (a subclass may override ``get_out_to_loss_grad``; register it explicitly).
-LOSS_GRAD_FROM_OUTPUT: dict[type[AbstractModelOutput], LossGradFromOutput] = {}
+LOSS_GRAD_FROM_OUTPUT: TaskSlotView[LossGradFromOutput] = TaskSlotView("loss_grad_from_output")
 
 
 def register_batch_output(
@@ -320,29 +293,13 @@ def register_batch_output(
 
     A task may instead define a method ``get_batch_output(model, *batch)``.
     """
-    for t in task_types:
-        if not (isinstance(t, type) and issubclass(t, AbstractModelOutput)):
-            raise TypeError(f"`task_types` must be AbstractModelOutput subclasses, got {t!r}.")
-
-    def decorator(fn: BatchOutput) -> BatchOutput:
-        for t in task_types:
-            BATCH_OUTPUTS[t] = fn
-        return fn
-
-    return decorator
-
-
-def _margins(logits: Tensor, labels: Tensor) -> Tensor:
-    """``[B]`` margins ``logit_y - logsumexp_{j != y} logit_j`` for ``[B, C]`` logits."""
-    is_label = torch.arange(logits.shape[-1], device=logits.device) == labels.reshape(-1, 1)
-    correct = (logits * is_label).sum(-1)
-    return correct - logits.masked_fill(is_label, float("-inf")).logsumexp(-1)
+    return register_task_slot("batch_output", *task_types)
 
 
 @register_batch_output(ImageClassificationModelOutput, IterativeImageClassificationModelOutput)
 def image_classification_batch_output(model: nn.Module, images: Tensor, labels: Tensor) -> Tensor:
     """Margins of a batch, the batched twin of ``ImageClassificationModelOutput.get_output``."""
-    return _margins(model_logits(model(images)), labels)
+    return margins(model_logits(model(images)), labels)
 
 
 @register_batch_output(TextClassificationModelOutput)
@@ -355,7 +312,7 @@ def text_classification_batch_output(
 ) -> Tensor:
     """Margins of a batch of tokenised examples (batched ``TextClassificationModelOutput``)."""
     out = model(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-    return _margins(model_logits(out), labels)
+    return margins(model_logits(out), labels)
 
 
 def register_loss_grad_from_output(
@@ -373,44 +330,45 @@ def register_loss_grad_from_output(
         tensor([[0.7500],
                 [0.7500]])
     """
-    for t in task_types:
-        if not (isinstance(t, type) and issubclass(t, AbstractModelOutput)):
-            raise TypeError(f"`task_types` must be AbstractModelOutput subclasses, got {t!r}.")
-
-    def decorator(fn: LossGradFromOutput) -> LossGradFromOutput:
-        for t in task_types:
-            LOSS_GRAD_FROM_OUTPUT[t] = fn
-        return fn
-
-    return decorator
+    return register_task_slot("loss_grad_from_output", *task_types)
 
 
 @register_loss_grad_from_output(
-    ImageClassificationModelOutput, IterativeImageClassificationModelOutput
+    ImageClassificationModelOutput,
+    IterativeImageClassificationModelOutput,
+    TextClassificationModelOutput,
 )
-def image_classification_loss_grad(
-    task: ImageClassificationModelOutput, logits: Any, batch: Sequence[Tensor]
-) -> Tensor:
-    """``1 - p_y`` from the logits of ``model(images)`` (a tensor or an object with ``.logits``)."""
-    return _one_minus_p(model_logits(logits), batch[1], task.loss_temperature)
+def softmax_loss_grad(task: SoftmaxModelOutput, output: Any, batch: Sequence[Tensor]) -> Tensor:
+    """``Q`` from the model's output on ``batch`` (:meth:`SoftmaxModelOutput.q_from_output`)."""
+    return task.q_from_output(output, batch)
 
 
-@register_loss_grad_from_output(TextClassificationModelOutput)
-def text_classification_loss_grad(
-    task: TextClassificationModelOutput, output: Any, batch: Sequence[Tensor]
-) -> Tensor:
-    """``1 - p_y`` from ``model(input_ids=..., ...)`` (logits or an object with ``.logits``)."""
-    return _one_minus_p(model_logits(output), batch[3], task.loss_temperature)
+@register_task_slot(
+    "check_batch", ImageClassificationModelOutput, IterativeImageClassificationModelOutput
+)
+def image_classification_check(model: nn.Module, batch: Sequence[Any]) -> None:
+    """``images`` against the model's first layer, ``labels`` against its classes."""
+    check_model_inputs(model, batch[0], argument="batch[0] (the images)")
+    check_labels(batch[-1], class_count(model), argument="batch[1] (the labels)")
+
+
+@register_task_slot("check_batch", TextClassificationModelOutput)
+def classification_labels_check(model: nn.Module, batch: Sequence[Any]) -> None:
+    """The labels (the batch's last entry) against the model's classes."""
+    check_labels(batch[-1], class_count(model), argument="the labels (the batch's last entry)")
+
+
+@register_task_slot("token_mask", TextClassificationModelOutput)
+def text_classification_token_mask(batch: Sequence[Tensor]) -> Tensor:
+    """The ``attention_mask`` of ``(input_ids[, token_type_ids], attention_mask, labels)``."""
+    return batch[-2]
 
 
 def resolve_batch_output(task: AbstractModelOutput) -> BatchOutput:
     """The batched output function of ``task`` (its method, else the registry)."""
-    method = getattr(task, "get_batch_output", None)
-    if callable(method):
-        return method
-    for cls in type(task).__mro__:
-        if cls in BATCH_OUTPUTS:
-            return BATCH_OUTPUTS[cls]
+    output = task_protocol(task).batch_output
+    if output is not None:
+        return output
     known = ", ".join(sorted(c.__name__ for c in BATCH_OUTPUTS))
     raise ValueError(
         f"`task` of type {type(task).__name__} has no batched output, which layer hooks need "

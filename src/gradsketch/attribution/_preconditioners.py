@@ -5,20 +5,20 @@ Every attribution method of :class:`~gradsketch.attribution.TRAKer` scores
 out-to-loss terms ``Q_i``, target features ``φ_q`` and a preconditioner
 ``P`` fitted on the training rows. The store flow (featurize, finalize,
 score, resume, refusal of other settings, sharding) is the same for every
-method; what differs is ``P``, which is one :class:`Preconditioner`:
+method; what differs is ``P``, which is one :class:`CurvaturePreconditioner`:
 
-* :meth:`~Preconditioner.accumulate` sees each featurized batch of training
+* :meth:`~CurvaturePreconditioner.accumulate` sees each featurized batch of training
   rows (K-FAC / EK-FAC add its layers' Kronecker factors);
-* :meth:`~Preconditioner.finalize` sees the stored training rows once, in
+* :meth:`~CurvaturePreconditioner.finalize` sees the stored training rows once, in
   large blocks (TRAK: ``XᵀX``; EK-FAC: the eigenvalue correction);
-* :meth:`~Preconditioner.solve` applies ``P⁻¹`` to target features;
-* :meth:`~Preconditioner.state_dict` / :meth:`~Preconditioner.load_state_dict`
+* :meth:`~CurvaturePreconditioner.solve` applies ``P⁻¹`` to target features;
+* :meth:`~CurvaturePreconditioner.state_dict` / :meth:`~CurvaturePreconditioner.load_state_dict`
   keep what it fitted (arrays), so one fit serves every later query set.
 
-Built in (:data:`PRECONDITIONERS`): ``"trak"`` (TRAK's ``XᵀX + λI`` of
+Built in (:data:`CURVATURE_PRECONDITIONERS`): ``"trak"`` (TRAK's ``XᵀX + λI`` of
 projected gradients), ``"identity"`` (gradient dot products), ``"kfac"`` and
 ``"ekfac"`` (per-layer Kronecker curvature, :mod:`gradsketch.attribution._kfac`).
-Register your own with :func:`register_preconditioner`; it then runs through
+Register your own with :func:`register_curvature_preconditioner`; it then runs through
 ``TRAKer(..., method=name)`` with every input form, ``per_token``, ``topk``,
 ``memory_budget`` and ``torch.distributed`` sharding.
 
@@ -27,8 +27,8 @@ Example:
 
     >>> import tempfile, torch
     >>> from gradsketch.attribution import TRAKer
-    >>> @register_preconditioner("diag")
-    ... class Diagonal(Preconditioner):
+    >>> @register_curvature_preconditioner("diag")
+    ... class Diagonal(CurvaturePreconditioner):
     ...     def finalize(self, train):
     ...         total = torch.zeros(train.width, dtype=torch.float64)
     ...         for _, _, x, _ in train.blocks():
@@ -51,7 +51,7 @@ Example:
     >>> traker.score((x[:2], y[:2]), num_samples=2)
     >>> traker.finalize_scores("q").shape
     (12, 2)
-    >>> del PRECONDITIONERS["diag"]
+    >>> del CURVATURE_PRECONDITIONERS["diag"]
 """
 
 from __future__ import annotations
@@ -68,19 +68,24 @@ from torch import Tensor
 
 from gradsketch.attribution._distributed import RowWindow, all_reduce_sum_
 from gradsketch.attribution._io import iter_row_blocks, rows_as_tensor
-from gradsketch.attribution._kfac import KroneckerEigen, KroneckerFactors, damped_reciprocal
+from gradsketch.attribution._kfac import (
+    KroneckerEigen,
+    KroneckerEigenbasis,
+    KroneckerFactors,
+    resolve_damping,
+)
 from gradsketch.attribution._kronecker_features import FactoredRows, split_factored
 from gradsketch.attribution._layer_capture import FactoredLayer
 from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
 from gradsketch.attribution._scores import CheckpointGrads
 
 __all__ = [
-    "PRECONDITIONERS",
+    "CURVATURE_PRECONDITIONERS",
     "FeatureBatch",
-    "Preconditioner",
+    "CurvaturePreconditioner",
     "PreconditionerSpec",
     "TrainRows",
-    "register_preconditioner",
+    "register_curvature_preconditioner",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,6 +105,8 @@ class PreconditionerSpec:
         layers: the factored layers (``"layers"`` features), in feature order.
         curvature: ``"loss"``, ``"output"`` or ``"sampled"`` (layer methods).
         score_computer: TRAK's optional score computer (``"trak"`` only).
+        damping_fraction: per-layer methods' ``"auto"``: this fraction of each
+            layer's mean eigenvalue (``None``: :data:`LAYER_AUTO_DAMPING_FRACTION`).
     """
 
     feature_dim: int
@@ -108,11 +115,12 @@ class PreconditionerSpec:
     layers: Sequence[FactoredLayer] = field(default_factory=list)
     curvature: str = "loss"
     score_computer: Any = None
+    damping_fraction: float | None = None
 
 
 @dataclass
 class FeatureBatch:
-    """One featurized batch of training rows, as :meth:`Preconditioner.accumulate` sees it.
+    """One featurized batch of training rows, as :meth:`CurvaturePreconditioner.accumulate` sees it.
 
     Attributes:
         rows: ``[B]`` training-row indices.
@@ -215,7 +223,7 @@ class TrainRows:
         return all_reduce_sum_(tensor)
 
 
-class Preconditioner(ABC):
+class CurvaturePreconditioner(ABC):
     """The curvature ``P`` of one checkpoint (see the module docstring).
 
     Subclasses implement :meth:`finalize` and :meth:`solve` and, to be kept
@@ -275,57 +283,58 @@ class Preconditioner(ABC):
 
 
 #: Registered preconditioners: ``TRAKer(method=name)``.
-PRECONDITIONERS: dict[str, type[Preconditioner]] = {}
+CURVATURE_PRECONDITIONERS: dict[str, type[CurvaturePreconditioner]] = {}
 
-_P = TypeVar("_P", bound=type[Preconditioner])
+_P = TypeVar("_P", bound=type[CurvaturePreconditioner])
 
 
-def register_preconditioner(name: str) -> Callable[[_P], _P]:
-    """Class decorator: make a :class:`Preconditioner` ``TRAKer(method=name)``.
+def register_curvature_preconditioner(name: str) -> Callable[[_P], _P]:
+    """Class decorator: make a :class:`CurvaturePreconditioner` ``TRAKer(method=name)``.
 
     Raises:
-        ValueError: ``name`` is taken, or the class is not a Preconditioner
+        ValueError: ``name`` is taken, or the class is not a CurvaturePreconditioner
             with a known ``features`` kind.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
 
     def decorate(cls: _P) -> _P:
-        if not (isinstance(cls, type) and issubclass(cls, Preconditioner)):
+        if not (isinstance(cls, type) and issubclass(cls, CurvaturePreconditioner)):
             raise ValueError(
-                f"@register_preconditioner({name!r}) decorates {cls!r}, which is not a "
-                "subclass of gradsketch.attribution.Preconditioner."
+                f"@register_curvature_preconditioner({name!r}) decorates {cls!r}, which is not a "
+                "subclass of gradsketch.attribution.CurvaturePreconditioner."
             )
         if cls.features not in FEATURE_KINDS:
             raise ValueError(
                 f"{cls.__name__}.features is {cls.features!r}; allowed: {list(FEATURE_KINDS)}."
             )
-        if name in PRECONDITIONERS and PRECONDITIONERS[name] is not cls:
+        if name in CURVATURE_PRECONDITIONERS and CURVATURE_PRECONDITIONERS[name] is not cls:
             raise ValueError(
                 f"a preconditioner named {name!r} is registered already "
-                f"({PRECONDITIONERS[name].__name__}); pick another name, or delete "
-                f"PRECONDITIONERS[{name!r}] first."
+                f"({CURVATURE_PRECONDITIONERS[name].__name__}); pick another name, or delete "
+                f"CURVATURE_PRECONDITIONERS[{name!r}] first."
             )
         cls.name = name
-        PRECONDITIONERS[name] = cls
+        CURVATURE_PRECONDITIONERS[name] = cls
         return cls
 
     return decorate
 
 
-def resolve_method(method: object) -> type[Preconditioner]:
+def resolve_method(method: object) -> type[CurvaturePreconditioner]:
     """The registered preconditioner class of ``method``, with a clear error."""
-    if not isinstance(method, str) or method not in PRECONDITIONERS:
+    if not isinstance(method, str) or method not in CURVATURE_PRECONDITIONERS:
         raise ValueError(
-            f"`method` must be one of {sorted(PRECONDITIONERS)}, got {method!r}; register "
-            "your own with @gradsketch.attribution.register_preconditioner(name)."
+            f"`method` must be one of {sorted(CURVATURE_PRECONDITIONERS)}, got {method!r}; "
+            "register your own with "
+            "@gradsketch.attribution.register_curvature_preconditioner(name)."
         )
-    return PRECONDITIONERS[method]
+    return CURVATURE_PRECONDITIONERS[method]
 
 
 # -- TRAK ----------------------------------------------------------------------------
-@register_preconditioner("trak")
-class GramPreconditioner(Preconditioner):
+@register_curvature_preconditioner("trak")
+class GramPreconditioner(CurvaturePreconditioner):
     """TRAK's ``XᵀX + λI`` of the projected training features (Park et al., 2023).
 
     ``XᵀX`` is streamed over the stored rows in symmetric tiles and summed
@@ -369,8 +378,8 @@ class GramPreconditioner(Preconditioner):
 
 
 # -- per-layer (Kronecker) methods ----------------------------------------------------
-@register_preconditioner("identity")
-class IdentityPreconditioner(Preconditioner):
+@register_curvature_preconditioner("identity")
+class IdentityPreconditioner(CurvaturePreconditioner):
     """``P = I``: plain dot products of the per-layer gradients (TracIn at one checkpoint)."""
 
     features = "layers"
@@ -388,8 +397,8 @@ def _blocks(layers: Sequence[FactoredLayer], x: Tensor) -> Iterator[tuple[int, T
         yield i, x[:, layer.offset : layer.offset + layer.width]
 
 
-@register_preconditioner("kfac")
-class KFACPreconditioner(Preconditioner):
+@register_curvature_preconditioner("kfac")
+class KFACPreconditioner(CurvaturePreconditioner):
     """Per-layer ``S ⊗ A`` (Martens & Grosse, 2015), fitted while featurizing.
 
     ``A`` sums the layer inputs' second moments over tokens and ``S`` the
@@ -405,9 +414,33 @@ class KFACPreconditioner(Preconditioner):
 
     def __init__(self, spec: PreconditionerSpec) -> None:
         super().__init__(spec)
-        dev = str(spec.device)
-        self.factors = [KroneckerFactors.zeros(x.k_in, x.k_out, device=dev) for x in spec.layers]
-        self.eigen: list[tuple[Tensor, Tensor, Tensor]] | None = None
+        self._factors: list[KroneckerFactors] | None = None
+        #: Per layer the eigenbasis and the curvature's eigenvalues (after finalize).
+        self.eigen: list[KroneckerEigenbasis] | None = None
+
+    @property
+    def factors(self) -> list[KroneckerFactors]:
+        """Each layer's running sums, allocated on first use (``d_in² + d_out²`` float64 each).
+
+        Lazily: constructing the preconditioner (as the TRAKer does to ask what it
+        stores) allocates nothing, so the TRAKer's plan can refuse first.
+        """
+        if self._factors is None:
+            dev = str(self.spec.device)
+            self._factors = [
+                KroneckerFactors.zeros(x.k_in, x.k_out, device=dev) for x in self.spec.layers
+            ]
+        return self._factors
+
+    @factors.setter
+    def factors(self, value: list[KroneckerFactors]) -> None:
+        self._factors = value
+
+    def _damping(self, basis: KroneckerEigenbasis) -> float:
+        """The layer's damping: λ, or ``"auto"`` at the spec's fraction of its mean eigenvalue."""
+        return resolve_damping(
+            self.spec.damping, basis.eigenvalues, fraction=self.spec.damping_fraction
+        )
 
     def accumulate(self, batch: FeatureBatch) -> None:
         assert batch.layers is not None
@@ -449,18 +482,19 @@ class KFACPreconditioner(Preconditioner):
     def finalize(self, train: TrainRows) -> None:
         eigens = self._reduce_factors(train)
         values = self._values(eigens, train)
-        self.eigen = [(e.q_a, e.q_s, v) for e, v in zip(eigens, values)]
+        self.eigen = [KroneckerEigenbasis(e.q_a, e.q_s, v) for e, v in zip(eigens, values)]
 
-    def solve(self, targets: Tensor) -> Tensor:
+    def _bases(self) -> list[KroneckerEigenbasis]:
         if self.eigen is None:
             raise RuntimeError(f"the {self.name} preconditioner is not finalized.")
+        return self.eigen
+
+    def solve(self, targets: Tensor) -> Tensor:
         out = torch.empty_like(targets, dtype=torch.float64)
-        for i, block in _blocks(self.spec.layers, targets):
-            q_a, q_s, values = self.eigen[i]
-            basis = KroneckerEigen(q_a=q_a, alpha=q_a.new_empty(0), q_s=q_s, s=q_s.new_empty(0))
-            layer = self.spec.layers[i]
-            out[:, layer.offset : layer.offset + layer.width] = basis.precondition(
-                block.double(), values, self.spec.damping
+        for basis, layer in zip(self._bases(), self.spec.layers):
+            block = targets[:, layer.offset : layer.offset + layer.width]
+            out[:, layer.offset : layer.offset + layer.width] = basis.solve(
+                block.double(), self._damping(basis)
             )
         return out.to(targets.dtype)
 
@@ -471,25 +505,19 @@ class KFACPreconditioner(Preconditioner):
         (``<Rx, Λ⁻¹ R t> = <x, R ᵀ Λ⁻¹ R t>``), which rank-one rows give
         cheaply; computed in the targets' dtype (float64 for float64 stores).
         """
-        if self.eigen is None:
-            raise RuntimeError(f"the {self.name} preconditioner is not finalized.")
         out = torch.empty_like(targets)
-        for i, block in _blocks(self.spec.layers, targets):
-            q_a, q_s, values = self.eigen[i]
-            basis = KroneckerEigen(q_a=q_a, alpha=q_a.new_empty(0), q_s=q_s, s=q_s.new_empty(0))
-            layer = self.spec.layers[i]
-            inverse = damped_reciprocal(values, self.spec.damping)
-            out[:, layer.offset : layer.offset + layer.width] = basis.rotate_rows(
-                block
-            ) * inverse.to(targets.dtype)
+        for basis, layer in zip(self._bases(), self.spec.layers):
+            block = targets[:, layer.offset : layer.offset + layer.width]
+            out[:, layer.offset : layer.offset + layer.width] = basis.solve_rotated(
+                block, self._damping(basis)
+            )
         return out
 
     def checkpoint_grads(self, train: Any, targets: Any, out_to_loss: Any) -> CheckpointGrads:
         if isinstance(train, FactoredRows) and self.eigen is not None:
             # Factored rows rotate cheaply: score in the eigenbasis, skip rotating back.
-            bases = [(q_a, q_s) for q_a, q_s, _ in self.eigen]
             return CheckpointGrads(
-                train.rotated(bases),
+                train.rotated(self.eigen),
                 targets,
                 out_to_loss,
                 solve=self.solve_rotated,
@@ -516,7 +544,7 @@ class KFACPreconditioner(Preconditioner):
         dev = self.spec.device
         if "q_a_0" in state:
             self.eigen = [
-                (
+                KroneckerEigenbasis(
                     torch.from_numpy(np.asarray(state[f"q_a_{i}"])).to(dev),
                     torch.from_numpy(np.asarray(state[f"q_s_{i}"])).to(dev),
                     torch.from_numpy(np.asarray(state[f"eigenvalues_{i}"])).to(dev),
@@ -535,7 +563,7 @@ class KFACPreconditioner(Preconditioner):
         ]
 
 
-@register_preconditioner("ekfac")
+@register_curvature_preconditioner("ekfac")
 class EKFACPreconditioner(KFACPreconditioner):
     """K-FAC's eigenbasis with EK-FAC's eigenvalues (George et al., 2018).
 
@@ -571,13 +599,7 @@ class EKFACPreconditioner(KFACPreconditioner):
                 for i, (a, g, gs) in enumerate(parts):
                     g = gs if sampled and gs is not None else g
                     g = g * w if weighted else g
-                    if a.shape[1] == 1:
-                        sums[i] += eigens[i].rank_one_squares(a[:, 0], g[:, 0])
-                        continue
-                    ar = a @ eigens[i].q_a.to(work)
-                    gr = g @ eigens[i].q_s.to(work)
-                    rotated = torch.bmm(gr.transpose(1, 2), ar)
-                    sums[i] += (rotated * rotated).sum(0, dtype=torch.float64).reshape(-1)
+                    sums[i] += eigens[i].rotated_squares(a, g)
             return [train.reduce(s) / train.size for s in sums]
         dense = "fisher_grads" if sampled else "grads"
         work = torch.float64 if train.dtype(dense) == np.float64 else torch.float32

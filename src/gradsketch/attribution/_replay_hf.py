@@ -44,13 +44,13 @@ from torch import Tensor, nn
 from gradsketch.attribution._lm import IGNORE_INDEX, LanguageModelingModelOutput
 from gradsketch.attribution._lm_data import as_task_batch
 from gradsketch.attribution._modelout import resolve_task
-from gradsketch.attribution._replay import (
+from gradsketch.attribution._replay import ReplayAttributor
+from gradsketch.attribution._replay_losses import (
     BatchLoss,
-    ReplayAttributor,
-    ReplaySettings,
-    _resolve_loss,
     language_modeling_loss,
+    resolve_training_loss,
 )
+from gradsketch.attribution._replay_run import ReplaySettings
 
 #: torch optimizer class name -> the replay's optimizer.
 _OPTIMIZERS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw"}
@@ -423,7 +423,7 @@ class ReplayCallback:
                 )
                 if scale != 1.0:
                     kwargs["loss_fn"] = functools.partial(
-                        _scaled_loss, _resolve_loss(resolved, None), scale
+                        _scaled_loss, resolve_training_loss(resolved, None), scale
                     )
         kwargs.setdefault("progress", not getattr(trainer.args, "disable_tqdm", False))
         return ReplayAttributor(

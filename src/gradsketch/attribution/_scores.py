@@ -59,7 +59,7 @@ from gradsketch.attribution._linalg import (
     resolve_precision,
     xtx_blocked,
 )
-from gradsketch.errors import GradsketchError
+from gradsketch.errors import MemoryBudgetError
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,6 @@ APPLY_INVERSE_TO = ("auto", "targets", "train")
 
 #: How to fix a bad ``memory_budget`` (shared by every function that takes one).
 MEMORY_BUDGET_FIX = "pass a number of bytes, e.g. memory_budget=2 * 1024**3, or None"
-
-
-class MemoryBudgetError(GradsketchError, ValueError):
-    """The result does not fit the memory budget and no on-disk destination was given."""
 
 
 @dataclass
@@ -90,6 +86,9 @@ class CheckpointGrads:
             place of ``(XᵀX + λI)⁻¹`` (a fitted preconditioner's ``P⁻¹``).
         q_per_checkpoint: weight this checkpoint's scores by its own Q
             (``mean_c Q_c ⊙ X_c P_c⁻¹ T_cᵀ``) instead of the checkpoints' mean Q.
+        scores_given: ``targets`` holds the scores themselves, ``[m, n]``, one
+            row per target (the replay's metagradients); ``train`` and
+            ``out_to_loss`` are unused.
     """
 
     train: Any
@@ -99,6 +98,17 @@ class CheckpointGrads:
     preconditioned: bool = False
     solve: Callable[[Tensor], Tensor] | None = None
     q_per_checkpoint: bool = False
+    scores_given: bool = False
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """``(n, k, m)``: training rows, row width, targets (``k = n`` for given scores)."""
+        m = int(self.targets.shape[0])
+        if self.scores_given:
+            n = int(self.targets.shape[1])
+            return n, n, m
+        n, k = (int(s) for s in self.train.shape)
+        return n, k, m
 
 
 def _forms_gram(checkpoints: Sequence[CheckpointGrads]) -> bool:
@@ -127,9 +137,21 @@ def check_lambda(lambda_reg: object) -> float | str:
 def _check_shapes(ckpts: Sequence[CheckpointGrads]) -> tuple[int, int, int]:
     if not ckpts:
         raise ValueError("`checkpoints` is empty; pass at least one checkpoint's gradients.")
-    n, k = (int(s) for s in ckpts[0].train.shape)
-    m = int(ckpts[0].targets.shape[0])
+    n, k, m = ckpts[0].sizes
+    given = [ck.scores_given for ck in ckpts]
+    if any(given) and not all(given):
+        raise ValueError(
+            "`checkpoints` mix given scores (scores_given=True) and gradients; ensemble one "
+            "method's checkpoints at a time."
+        )
     for c, ck in enumerate(ckpts):
+        if ck.scores_given:
+            if ck.sizes != (n, k, m):
+                raise ValueError(
+                    f"the given scores of checkpoint {c} have shape {tuple(ck.targets.shape)}; "
+                    f"expected ({m}, {n}) [n_targets, n_train] like the first checkpoint."
+                )
+            continue
         if len(ck.train.shape) != 2 or tuple(ck.train.shape) != (n, k):
             raise ValueError(
                 f"`train_grads` of checkpoint {c} has shape {tuple(ck.train.shape)}; expected "
@@ -150,8 +172,10 @@ def _check_shapes(ckpts: Sequence[CheckpointGrads]) -> tuple[int, int, int]:
     return n, k, m
 
 
-def create_score_array(path: str | Path, n: int, m: int, chunks: tuple[int, int]) -> Any:
-    """A fresh ``[n, m]`` float32 zarr score matrix at ``path`` (replacing one there).
+def create_score_array(
+    path: str | Path, n: int, m: int, chunks: tuple[int, int], dtype: str = "float32"
+) -> Any:
+    """A fresh ``[n, m]`` zarr score matrix at ``path`` (replacing one there).
 
     Uncompressed (scores barely compress), checksummed, and zero-filled, so
     tiles not yet written read as 0.
@@ -159,21 +183,34 @@ def create_score_array(path: str | Path, n: int, m: int, chunks: tuple[int, int]
     return zarr.create_array(
         str(path),
         shape=(n, m),
-        dtype="float32",
+        dtype=dtype,
         chunks=chunks,
         overwrite=True,
-        **array_options("float32", fill_value=0),  # a crc32c checksum per chunk
+        **array_options(dtype, fill_value=0),  # a crc32c checksum per chunk
     )
 
 
+def score_dtype(checkpoints: Sequence[CheckpointGrads]) -> str:
+    """``"float64"`` for given float64 scores (the replay's), else ``"float32"``."""
+    given = all(ck.scores_given for ck in checkpoints)
+    return "float64" if given and _is_float64(checkpoints[0].targets) else "float32"
+
+
 def _prepare_out(
-    out: Any, n: int, m: int, n_block: int, m_block: int, memory_budget: int | None
+    out: Any,
+    n: int,
+    m: int,
+    n_block: int,
+    m_block: int,
+    memory_budget: int | None,
+    dtype: str = "float32",
 ) -> Any:
     """Where the scores go: a fresh numpy array, the caller's array, or a zarr array on disk."""
     if out is None:
-        if memory_budget is not None and 4 * n * m > memory_budget:
+        size = np.dtype(dtype).itemsize * n * m
+        if memory_budget is not None and size > memory_budget:
             raise MemoryBudgetError(
-                f"the score matrix needs {4 * n * m} bytes ({n} x {m} float32) but "
+                f"the score matrix needs {size} bytes ({n} x {m} {dtype}) but "
                 f"`memory_budget`={memory_budget}; pass out='some/dir.zarr' (or a zarr array) "
                 "to write it to disk in tiles, or raise the budget."
             )
@@ -181,9 +218,9 @@ def _prepare_out(
         # huge pages on large arrays, and where the kernel compacts memory to
         # serve them (THP defrag "madvise"), first-touching a 1 GB score matrix
         # inside the GEMM cost 0.4-1.3 s more than regular pages.
-        return torch.empty((n, m), dtype=torch.float32).numpy()
+        return torch.empty((n, m), dtype=getattr(torch, dtype)).numpy()
     if isinstance(out, (str, Path)):
-        return create_score_array(out, n, m, (n_block, m_block))
+        return create_score_array(out, n, m, (n_block, m_block), dtype)
     if tuple(out.shape) != (n, m):
         raise ValueError(
             f"`out` has shape {tuple(out.shape)}; the scores need ({n}, {m}) [n_train, n_targets]."
@@ -198,10 +235,10 @@ def score_checkpoints(
     *,
     out: Any = None,
     apply_inverse_to: str = "auto",
+    copy_to: Any = None,
     precision: str = "float32",
     device: torch.device | str | None = None,
     progress: bool = True,
-    copy_to: Any = None,
 ) -> Any:
     """Ensemble TRAK scores over checkpoints (module docstring formula), in tiles.
 
@@ -218,15 +255,16 @@ def score_checkpoints(
             ``[n, m]``, or a path where a zarr array is created.
         apply_inverse_to: ``"targets"`` (``X (A⁻¹ Tᵀ)``), ``"train"``
             (``(X A⁻¹) Tᵀ``, TRAK's order) or ``"auto"`` (the cheaper).
-        precision: ``"float32"``, ``"bf16x3"`` or ``"auto"`` for the large GEMM.
-        device: where to multiply (default: CPU, or the inputs' device).
-        progress: show a tqdm bar over tiles.
         copy_to: optional second ``[n, m]`` destination (say a zarr array
             that keeps the in-memory result on disk) filled tile by tile in
             the background.
+        precision: ``"float32"``, ``"bf16x3"`` or ``"auto"`` for the large GEMM.
+        device: where to multiply (default: CPU, or the inputs' device).
+        progress: show a tqdm bar over tiles.
 
     Returns:
-        ``[n, m]`` float32 scores: ``out`` (or the new numpy array).
+        ``[n, m]`` float32 scores: ``out`` (or the new numpy array); float64
+        for given float64 scores (``scores_given``).
     """
     lam_setting = check_lambda(lambda_reg)
     if apply_inverse_to not in APPLY_INVERSE_TO:
@@ -235,6 +273,8 @@ def score_checkpoints(
         )
     positive_int("memory_budget", memory_budget, optional=True, fix=MEMORY_BUDGET_FIX)
     n, k, m = _check_shapes(checkpoints)
+    if checkpoints[0].scores_given:
+        return _given_scores(checkpoints, memory_budget, out=out, copy_to=copy_to)
     if device is None:
         first = checkpoints[0].train
         device = first.device if isinstance(first, Tensor) else "cpu"
@@ -359,6 +399,35 @@ def score_checkpoints(
     return result
 
 
+def _given_scores(
+    checkpoints: Sequence[CheckpointGrads],
+    memory_budget: int | None,
+    *,
+    out: Any,
+    copy_to: Any,
+) -> Any:
+    """The mean of given ``[m, n]`` score rows, transposed into ``[n, m]`` tiles.
+
+    One checkpoint's scores are copied exactly (no arithmetic); ``out`` and
+    ``copy_to`` are filled as :func:`score_checkpoints` fills them.
+    """
+    n, _, m = checkpoints[0].sizes
+    dtype = score_dtype(checkpoints)
+    width = np.dtype(dtype).itemsize * n * (len(checkpoints) + 1)
+    m_block = m if memory_budget is None else max(1, min(m, memory_budget // width))
+    if copy_to is not None and tuple(copy_to.shape) != (n, m):
+        raise ValueError(f"`copy_to` has shape {tuple(copy_to.shape)}; the scores need ({n}, {m}).")
+    result = _prepare_out(out, n, m, n, m_block, memory_budget, dtype)
+    for j0 in range(0, m, m_block):
+        j1 = min(m, j0 + m_block)
+        rows = [np.asarray(ck.targets[j0:j1], dtype=dtype) for ck in checkpoints]
+        tile = rows[0] if len(rows) == 1 else np.mean(rows, axis=0, dtype=dtype)
+        for dest in (result, copy_to):
+            if dest is not None:
+                dest[0:n, j0:j1] = tile.T
+    return result
+
+
 def trak_scores(
     train_grads: Any,
     target_grads: Any,
@@ -456,16 +525,16 @@ def ensemble_scores(
     Returns:
         ``[n, m]`` float32 scores: a numpy array, or the zarr array at ``path``.
     """
-    n, m = int(checkpoints[0].train.shape[0]), int(checkpoints[0].targets.shape[0])
-    on_disk = memory_budget is not None and 4 * n * m > memory_budget
+    n, _, m = checkpoints[0].sizes
+    size = np.dtype(score_dtype(checkpoints)).itemsize * n * m
+    on_disk = memory_budget is not None and size > memory_budget
     rank, world = rank_and_world()
     if world > 1:
         scores = _distributed_scores(
             checkpoints,
             lambda_reg,
             memory_budget,
-            path=path,
-            on_disk=on_disk,
+            path if on_disk else None,
             score_computer=score_computer,
             precision=precision,
             device=device,
@@ -495,9 +564,8 @@ def _distributed_scores(
     checkpoints: Sequence[CheckpointGrads],
     lambda_reg: float | str,
     memory_budget: int | None,
+    path: Path | None,
     *,
-    path: Path,
-    on_disk: bool,
     score_computer: Any,
     precision: str,
     device: torch.device | str | None,
@@ -508,20 +576,20 @@ def _distributed_scores(
     Every score column depends on its own target only, so splitting the
     targets splits the work with no communication until the end:
     ``all_gather`` of the ``[n, m / W]`` blocks in memory, or each rank
-    writing its own column chunk of the on-disk zarr array.
+    writing its own column chunk of the on-disk zarr array (at ``path``;
+    ``None``: the scores fit in memory).
     """
-    n, k = (int(s) for s in checkpoints[0].train.shape)
-    m = int(checkpoints[0].targets.shape[0])
+    n, k, m = checkpoints[0].sizes
     rank, world = rank_and_world()
     cols = column_shard(m)
     mine = shard_checkpoint_targets(checkpoints, cols)
     out: Any = None
-    if on_disk:
+    if path is not None:
         width = len(column_shard(m, rank=0, world_size=world))
         cks = len(checkpoints)
         n_block, _ = block_plan(n, width, k, cks, memory_budget, gram=_forms_gram(checkpoints))
         if rank == 0:
-            create_score_array(path, n, m, (n_block, width))
+            create_score_array(path, n, m, (n_block, width), score_dtype(checkpoints))
         barrier()
         scores = zarr.open_array(str(path), mode="r+")
         out = ColumnWindow(scores, cols.start, cols.stop)
@@ -541,7 +609,7 @@ def _distributed_scores(
             device=device,
             progress=progress,
         )
-    if on_disk:
+    if path is not None:
         barrier()
         return zarr.open_array(str(path), mode="r")
     return all_gather_columns(torch.from_numpy(np.asarray(local)), m).numpy()

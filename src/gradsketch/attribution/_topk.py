@@ -87,11 +87,11 @@ def topk_checkpoints(
     lambda_reg: float | str = 0.0,
     memory_budget: int | None = None,
     *,
-    device: torch.device | str | None = None,
     progress: bool = False,
+    device: torch.device | str | None = None,
 ) -> TopK:
     """Top-k of the ensembled TRAK scores of several checkpoints (see :func:`trak_topk`)."""
-    n, m = int(checkpoints[0].train.shape[0]), int(checkpoints[0].targets.shape[0])
+    n, _, m = checkpoints[0].sizes
     collector = TopKCollector(n, m, k)
     score_checkpoints(
         checkpoints,
@@ -143,11 +143,5 @@ def trak_topk(
         >>> bool((top.proponents == torch.from_numpy((-full).argsort(0)[:5])).all())
         True
     """
-    return topk_checkpoints(
-        [CheckpointGrads(train_grads, target_grads, out_to_loss)],
-        k,
-        lambda_reg,
-        memory_budget,
-        device=device,
-        progress=progress,
-    )
+    one = [CheckpointGrads(train_grads, target_grads, out_to_loss)]
+    return topk_checkpoints(one, k, lambda_reg, memory_budget, device=device, progress=progress)

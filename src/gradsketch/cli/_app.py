@@ -98,8 +98,8 @@ def run(args: Sequence[str] | None = None) -> None:
 
 
 def _fast_path(value: str) -> str:
-    """``--fast-path``: one of :data:`gradsketch.slt._train_forward.FAST_PATHS`."""
-    from gradsketch.slt._train_forward import FAST_PATHS
+    """``--fast-path``: one of :data:`gradsketch.slt.FAST_PATHS`."""
+    from gradsketch.slt import FAST_PATHS
 
     if value not in FAST_PATHS:
         raise typer.BadParameter(
@@ -168,7 +168,7 @@ def demo(
         result = run_lm_demo(out, quick=quick, progress=verbose)
         typer.echo(f"LDS {result['lds']:.3f}; report: {result['report']}")
         return
-    from gradsketch.demos._attribution import format_report, run_demo
+    from gradsketch.demos import format_report, run_demo
 
     summary = run_demo(out, quick=quick, report_replay=replay is not False)
     typer.echo(summary.get("report") or format_report(summary))
@@ -180,7 +180,7 @@ def sketch_demo(
     dim: int = typer.Option(1 << 14, min=1, help="Input dimension d (a positive int)."),
 ) -> None:
     """Inner-product error against sketch size k for every sketch kind (table, PNG, JSON)."""
-    from gradsketch.demos._sketch import format_sketch_table, run_sketch_demo
+    from gradsketch.demos import format_sketch_table, run_sketch_demo
 
     summary = run_sketch_demo(out, dim=dim)
     typer.echo(format_sketch_table(summary))

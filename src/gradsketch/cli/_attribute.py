@@ -63,7 +63,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -78,14 +78,14 @@ from tqdm.auto import tqdm
 from gradsketch import _config
 from gradsketch._checks import check_int, check_number, positive_int
 from gradsketch._device import to_device
+from gradsketch.attribution import REPLAY_UNUSED_ARGUMENTS as WHY_NOT_USED
 from gradsketch.attribution import (
     AbstractGradientComputer,
     FunctionalGradientComputer,
     HookGradientComputer,
 )
-from gradsketch.attribution._replay_traker import WHY_NOT_USED
 from gradsketch.cli._paths import check_folder, output_folder
-from gradsketch.demos._attribution import to_numpy
+from gradsketch.demos import to_numpy
 from gradsketch.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -168,9 +168,9 @@ class AttributeSettings:
     replay: Any = None
 
     def __post_init__(self) -> None:
-        from gradsketch.attribution import CURVATURES, PRECONDITIONERS, ReplaySettings
+        from gradsketch.attribution import CURVATURE_PRECONDITIONERS, CURVATURES, ReplaySettings
 
-        methods = [*sorted(PRECONDITIONERS), "replay"]
+        methods = [*sorted(CURVATURE_PRECONDITIONERS), "replay"]
         if self.method not in methods:
             raise ConfigError(
                 f"`method` must be one of {methods}, got {self.method!r}; "
@@ -381,14 +381,9 @@ def attribute_command(
     )
     for model_id, ckpt in enumerate(checkpoints):
         traker.load_checkpoint(ckpt, model_id=model_id)
-        seen = 0
-        for batch in config["train_loader"]:
-            size = batch_size(batch)
-            _check_rows("train_loader", seen + size, settings.train_set_size, partial=True)
-            traker.featurize(batch=to_device(batch, settings.device), num_samples=size)
-            seen += size
+        for batch, size in _batches(config, "train_loader", settings):
+            traker.featurize(batch=batch, num_samples=size)
             bar.update(size)
-        _check_rows("train_loader", seen, settings.train_set_size)
     bar.close()
     timings["featurize"] = time.perf_counter() - t0
 
@@ -406,13 +401,8 @@ def attribute_command(
             model_id=model_id,
             num_targets=settings.num_targets,
         )
-        seen = 0
-        for batch in config["target_loader"]:
-            size = batch_size(batch)
-            _check_rows("target_loader", seen + size, settings.num_targets, partial=True)
-            traker.score(batch=to_device(batch, settings.device), num_samples=size)
-            seen += size
-        _check_rows("target_loader", seen, settings.num_targets)
+        for batch, size in _batches(config, "target_loader", settings):
+            traker.score(batch=batch, num_samples=size)
     timings["score"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -557,6 +547,20 @@ def _dataset_len(name: str, loader: Any) -> int:
             f"`{name}` has no sized `dataset`, so the number of rows is unknown; set "
             f"`{target} = ...` in the config."
         ) from None
+
+
+def _batches(
+    config: Mapping[str, Any], name: str, settings: AttributeSettings
+) -> Iterator[tuple[Any, int]]:
+    """The batches of loader ``name`` on the device, with their row counts (counts checked)."""
+    expected = settings.train_set_size if name == "train_loader" else settings.num_targets
+    seen = 0
+    for batch in config[name]:
+        size = batch_size(batch)
+        _check_rows(name, seen + size, expected, partial=True)
+        yield to_device(batch, settings.device), size
+        seen += size
+    _check_rows(name, seen, expected)
 
 
 def _check_rows(name: str, seen: int, expected: int, *, partial: bool = False) -> None:

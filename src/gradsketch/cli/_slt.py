@@ -68,7 +68,7 @@ def load_tokens(
             ``context_length + 1`` tokens).
         max_sequences: Keep at most this many sequences (the first ones).
     """
-    from gradsketch.slt._data import as_token_tensor
+    from gradsketch.slt import as_token_tensor
 
     where = Path(dataset)
     if context_length < 1:
@@ -182,10 +182,7 @@ def run_llc_command(
         ValueError: ``fast_path`` is not ``"auto"`` or ``"off"`` (before any loading).
     """
     from gradsketch.sampling import default_nbeta, plot_trace
-    from gradsketch.slt._estimates import compute_llc
-    from gradsketch.slt._restrictions import create_param_masks
-    from gradsketch.slt._sample import FAST_PATH_ATTR, sample
-    from gradsketch.slt._train_forward import FAST_PATHS
+    from gradsketch.slt import FAST_PATH_ATTR, FAST_PATHS, compute_llc, create_param_masks, sample
 
     if fast_path not in FAST_PATHS:
         raise ValueError(

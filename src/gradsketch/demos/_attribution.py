@@ -46,7 +46,7 @@ from gradsketch.demos._digits import (
     replay_settings,
     train_digits_model,
 )
-from gradsketch.errors import GradsketchError
+from gradsketch.demos._errors import DemoSettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,6 @@ _METHOD_NAMES = {
 #: Test digits shown in the gallery and proponents / opponents per digit.
 GALLERY_ROWS = 6
 GALLERY_TOP = 5
-
-
-class DemoSettingsError(GradsketchError, ValueError):
-    """Raised for invalid demo settings or an output folder holding another run."""
 
 
 @dataclass(frozen=True)
@@ -459,7 +455,10 @@ def attribute_digits(
     }
     if method == "replay":
         run = replay_settings(split.n_train, settings.train, seed=settings.seed)
-        run = dataclasses.replace(run, linearize_at=settings.replay_linearize_at)
+        # The figures in summary.json were measured with the full-batch normalization.
+        run = dataclasses.replace(
+            run, linearize_at=settings.replay_linearize_at, subset_loss="full_batch"
+        )
         features = {"replay": run}
     traker = TRAKer(
         model=build_model(settings.arch, seed=settings.seed),

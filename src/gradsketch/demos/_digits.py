@@ -26,15 +26,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradsketch._checks import check_number, integer, positive_int
-from gradsketch.errors import GradsketchError
+from gradsketch._threads import torch_threads
+from gradsketch.demos._errors import DigitsSettingsError
 
 #: Pixels per digit image (8 x 8) and number of classes.
 NUM_FEATURES = 64
 NUM_CLASSES = 10
-
-
-class DigitsSettingsError(GradsketchError, ValueError):
-    """Raised when digits data, model or training settings are invalid."""
 
 
 def _allowed(names: Sequence[str]) -> str:
@@ -364,12 +361,8 @@ def _one_thread() -> Iterator[None]:
     than it saves (and on a shared machine it stalls), and a single thread
     makes the trained weights independent of the caller's thread count.
     """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def train_digits_model(

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradsketch.errors import GradsketchError
+from gradsketch.demos._errors import CorpusError
 
 #: Standard-library modules the demo reads, relative to the stdlib folder:
 #: pure Python, no generated code, one topic each (text, data structures,
@@ -52,10 +52,6 @@ STDLIB_MODULES: tuple[str, ...] = (
 #: Byte values are tokens ``0..255``; one more id serves as end-of-text / padding.
 BYTE_VOCAB = 256
 EOS_ID = 256
-
-
-class CorpusError(GradsketchError, ValueError):
-    """The corpus cannot be built as asked (missing files, too few chunks)."""
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gradsketch._threads import torch_threads
+from gradsketch.demos._errors import LMDemoSettingsError
 from gradsketch.demos._lm_corpus import (
     BYTE_VOCAB,
     EOS_ID,
@@ -52,7 +53,6 @@ from gradsketch.demos._lm_corpus import (
     split_chunks,
 )
 from gradsketch.demos._lm_report import query_views, write_report
-from gradsketch.errors import GradsketchError
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,6 @@ QUICK: dict[str, Any] = {
     "proj_dim": 64,
     "report_queries": 4,
 }
-
-
-class LMDemoSettingsError(GradsketchError, ValueError):
-    """Invalid settings of the language-model demo."""
 
 
 @dataclass(frozen=True)
@@ -228,14 +224,16 @@ def build_lm(settings: LMDemoSettings, *, seed: int) -> nn.Module:
         >>> type(model).__name__, model(torch.zeros(1, 8, dtype=torch.long)).logits.shape
         ('GPT2LMHeadModel', torch.Size([1, 8, 257]))
     """
-    vocab = BYTE_VOCAB + 1
     torch.manual_seed(seed)
     s = settings
+    # Every family: the byte vocabulary plus end-of-text, which also pads.
+    tokens: dict[str, Any] = dict(
+        vocab_size=BYTE_VOCAB + 1, bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID
+    )
     if s.arch == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
         gpt2 = GPT2Config(
-            vocab_size=vocab,
             n_positions=s.chunk_len,
             n_embd=s.width,
             n_layer=s.n_layer,
@@ -243,41 +241,25 @@ def build_lm(settings: LMDemoSettings, *, seed: int) -> nn.Module:
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
-            bos_token_id=EOS_ID,
-            eos_token_id=EOS_ID,
-            pad_token_id=EOS_ID,
+            **tokens,
         )
         return GPT2LMHeadModel(gpt2)
-    if s.arch == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        llama = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=s.width,
-            intermediate_size=4 * s.width,
-            num_hidden_layers=s.n_layer,
-            num_attention_heads=s.n_head,
-            num_key_value_heads=s.n_head,
-            max_position_embeddings=s.chunk_len,
-            bos_token_id=EOS_ID,
-            eos_token_id=EOS_ID,
-            pad_token_id=EOS_ID,
-        )
-        return LlamaForCausalLM(llama)
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    neox = GPTNeoXConfig(
-        vocab_size=vocab,
+    # Llama and GPT-NeoX name their sizes alike.
+    sizes: dict[str, Any] = dict(
         hidden_size=s.width,
         intermediate_size=4 * s.width,
         num_hidden_layers=s.n_layer,
         num_attention_heads=s.n_head,
         max_position_embeddings=s.chunk_len,
-        bos_token_id=EOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=EOS_ID,
+        **tokens,
     )
-    return GPTNeoXForCausalLM(neox)
+    if s.arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=s.n_head, **sizes))
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**sizes))
 
 
 def lr_multiplier(step: int, total: int, warmup_steps: int = 0) -> float:
@@ -376,16 +358,6 @@ def _lm_batch(ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 # -- attribution --------------------------------------------------------------------
-@contextmanager
-def _torch_threads(threads: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def attribute(
     models: Sequence[nn.Module],
     train_ids: Tensor,
@@ -412,7 +384,7 @@ def attribute(
         ``scores``; ``None`` without ``per_token``) and a record of the
         TRAKer's settings.
     """
-    import gradsketch.attribution._lm  # noqa: F401  (registers "language_modeling")
+    # Importing the package registers its tasks, "language_modeling" among them.
     from gradsketch.attribution import HookGradientComputer, TRAKer
 
     n, m = int(train_ids.shape[0]), int(query_ids.shape[0])
@@ -515,7 +487,7 @@ def run_lm_demo(
     if store.exists():
         shutil.rmtree(store)
     timings: dict[str, float] = {}
-    with _torch_threads(s.threads):
+    with torch_threads(s.threads):
         start = time.perf_counter()
         corpus = load_corpus(s.modules, chunk_len=s.chunk_len)
         train_idx, query_idx = split_chunks(len(corpus), s.num_train, s.num_queries, seed=s.seed)

@@ -39,6 +39,8 @@ __all__ = [
     "register_factorized_module",
 ]
 
+_M = TypeVar("_M", bound="_FactorizedModule")
+
 
 def max_rank_with_possible_speedup(
     in_size: int, out_size: int, kernel_size: int | tuple[int, ...] | None = None
@@ -258,17 +260,46 @@ class _FactorizedModule(nn.Module, abc.ABC):
         """``(X [N, fan_in], Y [N, out])``: the rows the layer maps and its outputs."""
 
     @classmethod
-    @abc.abstractmethod
     def factorize_module(
-        cls,
+        cls: type[_M],
         module: nn.Module,
         latent: int | float,
         calibration_input: Tensor | None = None,
         *,
         n_iters: int = 3,
         seed: int = 0,
-    ) -> tuple[_FactorizedModule, LowRankSolution]:
-        """Build the factorized replacement of ``module`` and return its solution."""
+    ) -> tuple[_M, LowRankSolution]:
+        """Build the factorized replacement of ``module`` and return its solution.
+
+        Without ``calibration_input`` the factors come from the truncated SVD of the
+        weight; with it, they minimise the output error on those inputs.
+        """
+        _check_instance(module, cls.replaces)
+        fact = cls._empty_for(module, latent)
+        k = fact.latent_size
+        if calibration_input is None:
+            sol = cls._svd_of(module, k, seed)
+        else:
+            sol = cls._fitted(module, calibration_input, k, n_iters=n_iters, seed=seed)
+        fact.apply_solution(sol)
+        return fact, sol
+
+    @classmethod
+    @abc.abstractmethod
+    def _empty_for(cls: type[_M], module: nn.Module, latent: int | float) -> _M:
+        """The replacement of ``module`` at ``latent``, on its device and dtype (no factors yet)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def _svd_of(cls, module: nn.Module, k: int, seed: int) -> LowRankSolution:
+        """The rank-``k`` factors of ``module``'s weight by truncated SVD."""
+
+    @classmethod
+    @abc.abstractmethod
+    def _fitted(
+        cls, module: nn.Module, input: Tensor, k: int, *, n_iters: int, seed: int
+    ) -> LowRankSolution:
+        """The rank-``k`` factors fitted to ``module``'s outputs on ``input``."""
 
 
 FACTORIZED_MODULES: dict[type[nn.Module], type[_FactorizedModule]] = {}
@@ -443,20 +474,10 @@ class FactorizedLinear(_FactorizedModule):
         return x, y
 
     @classmethod
-    def factorize_module(
-        cls,
-        module: nn.Module,
-        latent: int | float,
-        calibration_input: Tensor | None = None,
-        *,
-        n_iters: int = 3,
-        seed: int = 0,
-    ) -> tuple[FactorizedLinear, LowRankSolution]:
-        """See :meth:`from_linear`; also returns the solution."""
-        _check_instance(module, nn.Linear)
+    def _empty_for(cls, module: nn.Module, latent: int | float) -> FactorizedLinear:
         assert isinstance(module, nn.Linear)
         w = module.weight
-        fact = cls(
+        return cls(
             module.in_features,
             module.out_features,
             bias=module.bias is not None,
@@ -464,23 +485,28 @@ class FactorizedLinear(_FactorizedModule):
             device=w.device,
             dtype=w.dtype,
         )
-        k = fact.latent_size
-        if calibration_input is None:
-            sol = _svd_solution(w.T, module.bias, k, seed)
-        else:
-            x, y = cls.regression_data(module, calibration_input)
-            sol = factorize_matrix(
-                x,
-                y,
-                w.T,
-                bias=module.bias,
-                rank=k,
-                n_iters=n_iters,
-                fit_bias=module.bias is not None,
-                seed=seed,
-            )
-        fact.apply_solution(sol)
-        return fact, sol
+
+    @classmethod
+    def _svd_of(cls, module: nn.Module, k: int, seed: int) -> LowRankSolution:
+        assert isinstance(module, nn.Linear)
+        return _svd_solution(module.weight.T, module.bias, k, seed)
+
+    @classmethod
+    def _fitted(
+        cls, module: nn.Module, input: Tensor, k: int, *, n_iters: int, seed: int
+    ) -> LowRankSolution:
+        assert isinstance(module, nn.Linear)
+        x, y = cls.regression_data(module, input)
+        return factorize_matrix(
+            x,
+            y,
+            module.weight.T,
+            bias=module.bias,
+            rank=k,
+            n_iters=n_iters,
+            fit_bias=module.bias is not None,
+            seed=seed,
+        )
 
     @classmethod
     def from_linear(
@@ -621,18 +647,10 @@ class FactorizedConv2d(_FactorizedModule):
         assert solution.Wa is not None
         return int(solution.Wa.shape[0])
 
-    def _conv_settings(self) -> dict[str, Any]:
-        conv = self.module0
-        assert isinstance(conv, nn.Conv2d)
-        return {
-            "stride": conv.stride,
-            "padding": conv.padding,
-            "dilation": conv.dilation,
-            "padding_mode": conv.padding_mode,
-        }
-
     def solution_for_rank(self, input: Tensor, rank: int | float) -> LowRankSolution:
         """Refit the pair at ``rank`` to this module's outputs on ``input [N, C, H, W]``."""
+        conv = self.module0
+        assert isinstance(conv, nn.Conv2d)
         bias = _maybe_tensor(self.module1, "bias")
         return factorize_conv2d(
             input,
@@ -641,7 +659,7 @@ class FactorizedConv2d(_FactorizedModule):
             rank=self._resolve(rank),
             biasB=bias,
             fit_bias=bias is not None,
-            **self._conv_settings(),
+            **self._settings_of(conv),
         )
 
     @staticmethod
@@ -698,20 +716,10 @@ class FactorizedConv2d(_FactorizedModule):
         return x, y
 
     @classmethod
-    def factorize_module(
-        cls,
-        module: nn.Module,
-        latent: int | float,
-        calibration_input: Tensor | None = None,
-        *,
-        n_iters: int = 3,
-        seed: int = 0,
-    ) -> tuple[FactorizedConv2d, LowRankSolution]:
-        """See :meth:`from_conv2d`; also returns the solution."""
-        _check_instance(module, nn.Conv2d)
+    def _empty_for(cls, module: nn.Module, latent: int | float) -> FactorizedConv2d:
         assert isinstance(module, nn.Conv2d)
         w = module.weight
-        fact = cls(
+        return cls(
             module.in_channels,
             module.out_channels,
             tuple(module.kernel_size),  # type: ignore[arg-type]
@@ -722,25 +730,33 @@ class FactorizedConv2d(_FactorizedModule):
             dtype=w.dtype,
             **cls._settings_of(module),
         )
-        k = fact.latent_size
-        if calibration_input is None:
-            sol = _svd_solution(w.reshape(w.shape[0], -1).T, module.bias, k, seed)
-            assert sol.Wa is not None and sol.Wb is not None
-            sol.Wa = sol.Wa.T.reshape(k, *w.shape[1:]).contiguous()
-            sol.Wb = sol.Wb.T.reshape(w.shape[0], k, 1, 1).contiguous()
-        else:
-            sol = factorize_conv2d(
-                calibration_input,
-                w,
-                rank=k,
-                biasA=module.bias,
-                n_iters=n_iters,
-                fit_bias=module.bias is not None,
-                seed=seed,
-                **cls._settings_of(module),
-            )
-        fact.apply_solution(sol)
-        return fact, sol
+
+    @classmethod
+    def _svd_of(cls, module: nn.Module, k: int, seed: int) -> LowRankSolution:
+        # The SVD of the [C * kh * kw, out] kernel matrix, reshaped into the two kernels.
+        assert isinstance(module, nn.Conv2d)
+        w = module.weight
+        sol = _svd_solution(w.reshape(w.shape[0], -1).T, module.bias, k, seed)
+        assert sol.Wa is not None and sol.Wb is not None
+        sol.Wa = sol.Wa.T.reshape(k, *w.shape[1:]).contiguous()
+        sol.Wb = sol.Wb.T.reshape(w.shape[0], k, 1, 1).contiguous()
+        return sol
+
+    @classmethod
+    def _fitted(
+        cls, module: nn.Module, input: Tensor, k: int, *, n_iters: int, seed: int
+    ) -> LowRankSolution:
+        assert isinstance(module, nn.Conv2d)
+        return factorize_conv2d(
+            input,
+            module.weight,
+            rank=k,
+            biasA=module.bias,
+            n_iters=n_iters,
+            fit_bias=module.bias is not None,
+            seed=seed,
+            **cls._settings_of(module),
+        )
 
     @classmethod
     def from_conv2d(

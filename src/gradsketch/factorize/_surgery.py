@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from tqdm.auto import tqdm
 
 from gradsketch._checks import nonnegative_int
+from gradsketch._inputs import check_model_inputs
 from gradsketch.factorize._modules import (
     _FactorizedModule,
     clean_latent_size,
@@ -160,11 +161,15 @@ def _as_optimizer_list(optimizers: Optimizer | Sequence[Optimizer] | None) -> li
 
 
 def _run_model(model: nn.Module, data: Any) -> None:
+    # A batch the model cannot take is named here, not by torch deep in the forward.
     if isinstance(data, Tensor):
+        check_model_inputs(model, data, argument="calibration_data")
         model(data)
     elif isinstance(data, Mapping):
         model(**data)
     elif isinstance(data, (tuple, list)):
+        if data:
+            check_model_inputs(model, data[0], argument="calibration_data[0]")
         model(*data)
     else:
         raise TypeError(

@@ -7,19 +7,9 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from gradsketch.errors import GradsketchError
+from gradsketch.errors import MaskError
 
 __all__ = ["MaskError", "describe", "name_list"]
-
-
-class MaskError(GradsketchError, ValueError):
-    """A mask does not fit what it is applied to.
-
-    Raised for masks with the wrong dtype, shape or device, masks keyed by
-    tensors an optimizer does not hold, and parameter names a
-    :class:`~gradsketch.masked.ParamMask` does not know. It subclasses
-    :class:`ValueError`, so ``except ValueError`` catches it too.
-    """
 
 
 def describe(obj: object) -> str:

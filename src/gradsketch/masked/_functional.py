@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -44,7 +45,46 @@ __all__ = ["adagrad", "adam", "sgd"]
 StepCounts = Literal["entry", "parameter"]
 
 
-def _check_lists(**lists: Sequence[object]) -> int:
+# Each optimizer's reference and fast paths take the same arguments: the
+# gradient, the mask, the parameter with its state tensors, and one frozen
+# record of the step's hyperparameters, built once by the public function.
+@dataclass(frozen=True)
+class _AdagradHyper:
+    clr: float
+    weight_decay: float
+    eps: float
+    maximize: bool
+
+
+@dataclass(frozen=True)
+class _AdamHyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    maximize: bool
+    per_entry: bool
+
+
+@dataclass(frozen=True)
+class _SgdHyper:
+    lr: float
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    maximize: bool
+
+
+def _check_lists(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masks: Sequence[Tensor | None],
+    **state: Sequence[object],
+) -> int:
+    """The number of parameters; every list (named in the error) must have one entry each."""
+    lists = {"params": params, "grads": grads, "masks": masks, **state}
     lengths = {name: len(value) for name, value in lists.items()}
     if len(set(lengths.values())) > 1:
         shown = ", ".join(f"`{k}`: {v}" for k, v in lengths.items())
@@ -183,6 +223,20 @@ def _prepare_grad(g: Tensor, p: Tensor, *, weight_decay: float, maximize: bool) 
     return g.add(p, alpha=weight_decay) if weight_decay != 0 else g
 
 
+def _reference_grad(
+    param: Tensor, grad: Tensor, mask: Tensor | None, *, weight_decay: float, maximize: bool
+) -> tuple[Tensor, Tensor]:
+    """The reference paths' start: the specified entries and the dense gradient to apply.
+
+    Unlike :func:`_prepare_grad` it adds ``weight_decay * param`` even when the
+    decay is 0, as the reference formulas read.
+    """
+    specified, grad = dense_view(param, grad, mask)
+    if maximize:
+        grad = -grad
+    return specified, grad + weight_decay * param
+
+
 # --------------------------------------------------------------------------- adagrad
 
 
@@ -234,9 +288,7 @@ def adagrad(
         >>> p
         tensor([-0.5000,  0.0000, -0.5000,  0.0000])
     """
-    n = _check_lists(
-        params=params, grads=grads, masks=masks, state_sums=state_sums, state_steps=state_steps
-    )
+    n = _check_lists(params, grads, masks, state_sums=state_sums, state_steps=state_steps)
     for i in range(n):
         param, grad, mask, state_sum, step_t = (
             params[i],
@@ -247,47 +299,20 @@ def adagrad(
         )
         step_t += 1
         clr = lr / (1 + (float(step_t) - 1) * lr_decay)
-        if _use_fast(fast, (param, state_sum)):
-            _adagrad_fast(
-                param,
-                grad,
-                mask,
-                state_sum,
-                clr=clr,
-                weight_decay=weight_decay,
-                eps=eps,
-                maximize=maximize,
-            )
-        else:
-            _adagrad_reference(
-                param,
-                grad,
-                mask,
-                state_sum,
-                clr=clr,
-                weight_decay=weight_decay,
-                eps=eps,
-                maximize=maximize,
-            )
+        hp = _AdagradHyper(clr, weight_decay, eps, maximize)
+        update = _adagrad_fast if _use_fast(fast, (param, state_sum)) else _adagrad_reference
+        update(grad, mask, [param, state_sum], hp)
 
 
 def _adagrad_reference(
-    param: Tensor,
-    grad: Tensor,
-    mask: Tensor | None,
-    state_sum: Tensor,
-    *,
-    clr: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
+    grad: Tensor, mask: Tensor | None, tensors: list[Tensor], hp: _AdagradHyper
 ) -> None:
-    specified, grad = dense_view(param, grad, mask)
-    if maximize:
-        grad = -grad
-    grad = grad + weight_decay * param
+    param, state_sum = tensors
+    specified, grad = _reference_grad(
+        param, grad, mask, weight_decay=hp.weight_decay, maximize=hp.maximize
+    )
     new_sum = state_sum + grad * grad
-    new_param = param - clr * grad / (new_sum.sqrt() + eps)
+    new_param = param - hp.clr * grad / (new_sum.sqrt() + hp.eps)
     state_sum.copy_(torch.where(specified, new_sum, state_sum))
     param.copy_(torch.where(specified, new_param, param))
 
@@ -325,16 +350,10 @@ def _adagrad_update(p: Tensor, g: Tensor, s: Tensor, *, clr: float, eps: float) 
 
 
 def _adagrad_fast(
-    param: Tensor,
-    grad: Tensor,
-    mask: Tensor | None,
-    state_sum: Tensor,
-    *,
-    clr: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
+    grad: Tensor, mask: Tensor | None, tensors: list[Tensor], hp: _AdagradHyper
 ) -> None:
+    clr, eps, weight_decay, maximize = hp.clr, hp.eps, hp.weight_decay, hp.maximize
+
     def kernel(g: Tensor, p: Tensor, s: Tensor) -> None:
         g = _prepare_grad(g, p, weight_decay=weight_decay, maximize=maximize)
         _adagrad_update(p, g.contiguous(), s, clr=clr, eps=eps)
@@ -352,8 +371,8 @@ def _adagrad_fast(
 
     _apply(
         kernel,
-        resolve(param, grad, mask),
-        [param, state_sum],
+        resolve(tensors[0], grad, mask),
+        tensors,
         dense_occupancy=specified._ADAGRAD_DENSE_WORD_OCCUPANCY,
         dense_window=dense_window,
     )
@@ -424,17 +443,13 @@ def adam(
         (tensor([-0.1000, -0.1000,  0.0000]), tensor([1, 1, 0], dtype=torch.int32))
     """
     n = _check_lists(
-        params=params,
-        grads=grads,
-        masks=masks,
-        exp_avgs=exp_avgs,
-        exp_avg_sqs=exp_avg_sqs,
-        state_steps=state_steps,
+        params, grads, masks, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, state_steps=state_steps
     )
     check_step_counts(step_counts)
+    per_entry = step_counts == "entry"
+    hp = _AdamHyper(lr, beta1, beta2, eps, weight_decay, maximize, per_entry)
     for i in range(n):
         param, step_t = params[i], state_steps[i]
-        per_entry = step_counts == "entry"
         if per_entry and step_t.shape != param.shape:
             raise MaskError(
                 f"`state_steps[{i}]` has shape {tuple(step_t.shape)}; with "
@@ -450,19 +465,8 @@ def adam(
         if not per_entry:
             step_t += 1
         tensors = [param, exp_avgs[i], exp_avg_sqs[i], step_t]
-        hyper: dict[str, Any] = dict(
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            maximize=maximize,
-            per_entry=per_entry,
-        )
-        if _use_fast(fast, tensors):
-            _adam_fast(param, grads[i], masks[i], exp_avgs[i], exp_avg_sqs[i], step_t, **hyper)
-        else:
-            _adam_reference(param, grads[i], masks[i], exp_avgs[i], exp_avg_sqs[i], step_t, **hyper)
+        update = _adam_fast if _use_fast(fast, tensors) else _adam_reference
+        update(grads[i], masks[i], tensors, hp)
 
 
 def check_step_counts(step_counts: object) -> None:
@@ -476,26 +480,14 @@ def _compute_dtype(param: Tensor) -> torch.dtype:
 
 
 def _adam_reference(
-    param: Tensor,
-    grad: Tensor,
-    mask: Tensor | None,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    step_t: Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    per_entry: bool,
+    grad: Tensor, mask: Tensor | None, tensors: list[Tensor], hp: _AdamHyper
 ) -> None:
-    specified, grad = dense_view(param, grad, mask)
-    if maximize:
-        grad = -grad
-    grad = grad + weight_decay * param
-    if per_entry:
+    param, exp_avg, exp_avg_sq, step_t = tensors
+    lr, beta1, beta2, eps = hp.lr, hp.beta1, hp.beta2, hp.eps
+    specified, grad = _reference_grad(
+        param, grad, mask, weight_decay=hp.weight_decay, maximize=hp.maximize
+    )
+    if hp.per_entry:
         step_t.copy_(torch.where(specified, step_t + 1, step_t))
         t = step_t.to(_compute_dtype(param))
     else:
@@ -510,22 +502,10 @@ def _adam_reference(
     param.copy_(torch.where(specified, new_param, param))
 
 
-def _adam_fast(
-    param: Tensor,
-    grad: Tensor,
-    mask: Tensor | None,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    step_t: Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    per_entry: bool,
-) -> None:
+def _adam_fast(grad: Tensor, mask: Tensor | None, tensors: list[Tensor], hp: _AdamHyper) -> None:
+    param, step_t = tensors[0], tensors[3]
+    lr, beta1, beta2, eps = hp.lr, hp.beta1, hp.beta2, hp.eps
+    weight_decay, maximize = hp.weight_decay, hp.maximize
     dtype = _compute_dtype(param)
 
     def kernel(g: Tensor, p: Tensor, m: Tensor, v: Tensor, *steps: Tensor) -> None:
@@ -543,8 +523,9 @@ def _adam_fast(
             denom = v.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
             p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
 
-    tensors = [param, exp_avg, exp_avg_sq] + ([step_t] if per_entry else [])
-    _apply(kernel, resolve(param, grad, mask), tensors)
+    # The kernel counts per-entry steps itself; a per-parameter count was
+    # already advanced by `adam`.
+    _apply(kernel, resolve(param, grad, mask), tensors if hp.per_entry else tensors[:3])
 
 
 # --------------------------------------------------------------------------- sgd
@@ -601,22 +582,11 @@ def sgd(
         tensor([-0.1000,  0.0000, -0.1000])
     """
     n = _check_lists(
-        params=params,
-        grads=grads,
-        masks=masks,
-        momentum_buffers=momentum_buffers,
-        momentum_started=momentum_started,
+        params, grads, masks, momentum_buffers=momentum_buffers, momentum_started=momentum_started
     )
+    hp = _SgdHyper(lr, momentum, dampening, weight_decay, nesterov, maximize)
     for i in range(n):
         param = params[i]
-        hyper: dict[str, Any] = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-        )
         if momentum == 0:
             tensors = [param]
         else:
@@ -625,50 +595,28 @@ def sgd(
             if momentum_started[i] is None:
                 momentum_started[i] = torch.zeros_like(param, dtype=torch.bool)
             tensors = [param, momentum_buffers[i], momentum_started[i]]  # type: ignore[list-item]
-        if _use_fast(fast, tensors):
-            _sgd_fast(grads[i], masks[i], tensors, **hyper)
-        else:
-            _sgd_reference(grads[i], masks[i], tensors, **hyper)
+        update = _sgd_fast if _use_fast(fast, tensors) else _sgd_reference
+        update(grads[i], masks[i], tensors, hp)
 
 
-def _sgd_reference(
-    grad: Tensor,
-    mask: Tensor | None,
-    tensors: list[Tensor],
-    *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-) -> None:
-    param = tensors[0]
-    specified, grad = dense_view(param, grad, mask)
-    if maximize:
-        grad = -grad
-    grad = grad + weight_decay * param
+def _sgd_reference(grad: Tensor, mask: Tensor | None, tensors: list[Tensor], hp: _SgdHyper) -> None:
+    param, momentum = tensors[0], hp.momentum
+    specified, grad = _reference_grad(
+        param, grad, mask, weight_decay=hp.weight_decay, maximize=hp.maximize
+    )
     if momentum != 0:
         buf, started = tensors[1], tensors[2]
-        new_buf = torch.where(started, momentum * buf + (1 - dampening) * grad, grad)
-        grad = grad + momentum * new_buf if nesterov else new_buf
+        new_buf = torch.where(started, momentum * buf + (1 - hp.dampening) * grad, grad)
+        grad = grad + momentum * new_buf if hp.nesterov else new_buf
         buf.copy_(torch.where(specified, new_buf, buf))
         started.logical_or_(specified)
-    param.copy_(torch.where(specified, param - lr * grad, param))
+    param.copy_(torch.where(specified, param - hp.lr * grad, param))
 
 
-def _sgd_fast(
-    grad: Tensor,
-    mask: Tensor | None,
-    tensors: list[Tensor],
-    *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-) -> None:
+def _sgd_fast(grad: Tensor, mask: Tensor | None, tensors: list[Tensor], hp: _SgdHyper) -> None:
+    lr, momentum, dampening, nesterov = hp.lr, hp.momentum, hp.dampening, hp.nesterov
+    weight_decay, maximize = hp.weight_decay, hp.maximize
+
     def kernel(g: Tensor, p: Tensor, *momentum_state: Tensor) -> None:
         g = _prepare_grad(g, p, weight_decay=weight_decay, maximize=maximize)
         if momentum_state:

@@ -46,6 +46,13 @@ def _check_hyper(name: str, value: float, *, low: float = 0.0, high: float | Non
         raise ValueError(f"`{name}` must be {allowed}; received {value!r}.")
 
 
+def _checked(**hypers: float) -> dict[str, Any]:
+    """The hyperparameters, each checked to be a float >= 0, in the order given."""
+    for name, value in hypers.items():
+        _check_hyper(name, value)
+    return hypers
+
+
 def _intersect(a: Tensor | None, b: Tensor | None, param: Tensor) -> Tensor | None:
     if a is None or b is None:
         return b if a is None else a
@@ -61,7 +68,22 @@ def _intersect(a: Tensor | None, b: Tensor | None, param: Tensor) -> Tensor | No
 
 
 class _MaskedOptimizer(Optimizer):
-    """Shared mask handling; subclasses implement :meth:`_step_group`."""
+    """Shared mask handling and step; a subclass names its update and its state.
+
+    Every subclass steps the same way: gather each parameter's state slots
+    (:attr:`_SLOTS`, started by :meth:`_init_state` on the first step) into
+    one list per slot, call its functional update (:attr:`_update`) with the
+    group's hyperparameters (:attr:`_HYPERS`), and keep any slot the update
+    started (SGD's momentum buffers start on their first use).
+    """
+
+    #: The functional update in :mod:`._functional`, called as
+    #: ``update(params, grads, masks, *slot_lists, **hyperparameters)``.
+    _update: ClassVar[Callable[..., None]]
+    #: The group entries the update takes by name, besides ``maximize`` and ``fast``.
+    _HYPERS: ClassVar[tuple[str, ...]] = ()
+    #: The per-parameter state entries passed to the update, one list each, in order.
+    _SLOTS: ClassVar[tuple[str, ...]] = ()
 
     # State entries that are not floating point. torch's `load_state_dict`
     # casts every state tensor except "step" to the parameter's dtype, so
@@ -70,6 +92,11 @@ class _MaskedOptimizer(Optimizer):
     # Name of the `_specified` threshold above which a mask takes the masked
     # dense pass (looked up at call time).
     _DENSE_OCCUPANCY: ClassVar[str] = "_DENSE_WORD_OCCUPANCY"
+
+    def __init__(
+        self, params: Iterable[Any], hypers: dict[str, Any], *, maximize: bool, fast: bool
+    ) -> None:
+        super().__init__(params, {**hypers, "maximize": maximize, "fast": fast, "mask": None})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load optimizer state, keeping boolean and integer state entries exact."""
@@ -266,7 +293,23 @@ class _MaskedOptimizer(Optimizer):
         grads: list[Tensor],
         masks: list[Tensor | None],
     ) -> None:
-        raise NotImplementedError
+        for p in params:
+            state = self.state[p]
+            if not state:
+                self._init_state(group, p, state)
+        slots = [[self.state[p].get(name) for p in params] for name in self._SLOTS]
+        self._update(params, grads, masks, *slots, **self._hypers(group))
+        for name, values in zip(self._SLOTS, slots):
+            for p, value in zip(params, values):
+                if value is not None:
+                    self.state[p][name] = value
+
+    def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
+        """Start a parameter's state at its first step (default: nothing to start)."""
+
+    def _hypers(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The update's keyword arguments, read from the group."""
+        return {name: group[name] for name in (*self._HYPERS, "maximize", "fast")}
 
 
 class MaskedAdagrad(_MaskedOptimizer):
@@ -303,6 +346,9 @@ class MaskedAdagrad(_MaskedOptimizer):
     """
 
     _DENSE_OCCUPANCY = "_ADAGRAD_DENSE_WORD_OCCUPANCY"
+    _update = staticmethod(F.adagrad)
+    _HYPERS = ("lr", "lr_decay", "weight_decay", "eps")
+    _SLOTS = ("sum", "step")
 
     def __init__(
         self,
@@ -316,52 +362,19 @@ class MaskedAdagrad(_MaskedOptimizer):
         maximize: bool = False,
         fast: bool = True,
     ) -> None:
-        _check_hyper("lr", lr)
-        _check_hyper("lr_decay", lr_decay)
-        _check_hyper("weight_decay", weight_decay)
-        _check_hyper("initial_accumulator_value", initial_accumulator_value)
-        _check_hyper("eps", eps)
-        defaults = dict(
+        hypers = _checked(
             lr=lr,
             lr_decay=lr_decay,
             weight_decay=weight_decay,
             initial_accumulator_value=initial_accumulator_value,
             eps=eps,
-            maximize=maximize,
-            fast=fast,
-            mask=None,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, hypers, maximize=maximize, fast=fast)
 
-    def _step_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        masks: list[Tensor | None],
-    ) -> None:
-        sums, steps = [], []
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["sum"] = torch.full_like(
-                    p, group["initial_accumulator_value"], memory_format=torch.preserve_format
-                )
-            sums.append(state["sum"])
-            steps.append(state["step"])
-        F.adagrad(
-            params,
-            grads,
-            masks,
-            sums,
-            steps,
-            lr=group["lr"],
-            lr_decay=group["lr_decay"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            fast=group["fast"],
+    def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
+        state["step"] = torch.tensor(0.0)
+        state["sum"] = torch.full_like(
+            p, group["initial_accumulator_value"], memory_format=torch.preserve_format
         )
 
 
@@ -397,6 +410,10 @@ class MaskedAdam(_MaskedOptimizer):
         (tensor([-0.1000,  0.0000, -0.1000]), tensor([1, 0, 1], dtype=torch.int32))
     """
 
+    _update = staticmethod(F.adam)
+    _HYPERS = ("lr", "eps", "weight_decay", "step_counts")
+    _SLOTS = ("exp_avg", "exp_avg_sq", "step")
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -417,55 +434,24 @@ class MaskedAdam(_MaskedOptimizer):
         _check_hyper("betas[0]", betas[0], high=1.0)
         _check_hyper("betas[1]", betas[1], high=1.0)
         F.check_step_counts(step_counts)
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            step_counts=step_counts,
-            maximize=maximize,
-            fast=fast,
-            mask=None,
+        hypers = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, step_counts=step_counts
         )
-        super().__init__(params, defaults)
+        super().__init__(params, hypers, maximize=maximize, fast=fast)
 
-    def _step_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        masks: list[Tensor | None],
-    ) -> None:
-        exp_avgs, exp_avg_sqs, steps = [], [], []
-        for p in params:
-            state = self.state[p]
-            if not state:
-                if group["step_counts"] == "entry":
-                    state["step"] = torch.zeros_like(p, dtype=torch.int32)
-                else:
-                    state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        beta1, beta2 = group["betas"]
-        F.adam(
-            params,
-            grads,
-            masks,
-            exp_avgs,
-            exp_avg_sqs,
-            steps,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            step_counts=group["step_counts"],
-            maximize=group["maximize"],
-            fast=group["fast"],
-        )
+    def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
+        if group["step_counts"] == "entry":
+            state["step"] = torch.zeros_like(p, dtype=torch.int32)
+        else:
+            state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _hypers(self, group: dict[str, Any]) -> dict[str, Any]:
+        # The group keeps torch's `betas` pair; the update takes the two decays by name.
+        hypers = super()._hypers(group)
+        hypers["beta1"], hypers["beta2"] = group["betas"]
+        return hypers
 
 
 class MaskedSGD(_MaskedOptimizer):
@@ -499,6 +485,10 @@ class MaskedSGD(_MaskedOptimizer):
     """
 
     _STATE_DTYPES: ClassVar[dict[str, torch.dtype]] = {"momentum_started": torch.bool}
+    _update = staticmethod(F.sgd)
+    _HYPERS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    # Both start on a parameter's first step with momentum (the update creates them).
+    _SLOTS = ("momentum_buffer", "momentum_started")
 
     def __init__(
         self,
@@ -512,55 +502,11 @@ class MaskedSGD(_MaskedOptimizer):
         maximize: bool = False,
         fast: bool = True,
     ) -> None:
-        _check_hyper("lr", lr)
-        _check_hyper("momentum", momentum)
-        _check_hyper("dampening", dampening)
-        _check_hyper("weight_decay", weight_decay)
+        hypers = _checked(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError(
                 f"`nesterov=True` needs momentum > 0 and dampening == 0; received "
                 f"momentum={momentum!r}, dampening={dampening!r}."
             )
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-            fast=fast,
-            mask=None,
-        )
-        super().__init__(params, defaults)
-
-    def _step_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        masks: list[Tensor | None],
-    ) -> None:
-        buffers: list[Tensor | None] = []
-        started: list[Tensor | None] = []
-        for p in params:
-            state = self.state[p]
-            buffers.append(state.get("momentum_buffer"))
-            started.append(state.get("momentum_started"))
-        F.sgd(
-            params,
-            grads,
-            masks,
-            buffers,
-            started,
-            lr=group["lr"],
-            momentum=group["momentum"],
-            dampening=group["dampening"],
-            weight_decay=group["weight_decay"],
-            nesterov=group["nesterov"],
-            maximize=group["maximize"],
-            fast=group["fast"],
-        )
-        if group["momentum"] != 0:
-            for p, buf, flags in zip(params, buffers, started):
-                self.state[p]["momentum_buffer"] = buf
-                self.state[p]["momentum_started"] = flags
+        hypers["nesterov"] = nesterov
+        super().__init__(params, hypers, maximize=maximize, fast=fast)

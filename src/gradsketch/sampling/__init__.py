@@ -7,7 +7,7 @@ drive the local learning coefficient estimator (Lau et al. 2023). The
 optimizer layer is call-compatible with devinterp 2.0's ``SGMCMC`` / ``SGLD``.
 """
 
-from gradsketch._distributed import DistributedMismatchError
+from gradsketch.errors import DistributedMismatchError
 from gradsketch.sampling._calibrate import (
     StepSizeCalibration,
     StepSizeDiagnostic,
@@ -17,6 +17,11 @@ from gradsketch.sampling._calibrate import (
 )
 from gradsketch.sampling._chain import DrawSchedule, run_chain
 from gradsketch.sampling._distributed import estimate_learning_coeff_distributed
+from gradsketch.sampling._divergence import (
+    ChainDivergenceWarning,
+    divergence_report,
+    warn_if_diverged,
+)
 from gradsketch.sampling._llc import (
     default_nbeta,
     estimate_learning_coeff,
@@ -69,6 +74,10 @@ __all__ = [
     "DistributedMismatchError",
     "default_nbeta",
     "evaluate_ce",
+    # a diverged chain, named from its loss trace
+    "ChainDivergenceWarning",
+    "divergence_report",
+    "warn_if_diverged",
     # recording and plots
     "LLCRecordSettings",
     "SettingsMismatchError",

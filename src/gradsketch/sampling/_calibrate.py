@@ -140,6 +140,45 @@ class StepSizeCalibration:
     converged: bool = True
 
 
+def _check_target_bias(target_bias: object) -> None:
+    if not (isinstance(target_bias, float) and 0.0 < target_bias < 1.0):
+        raise ValueError(
+            f"`target_bias` must be a float in (0, 1), got {target_bias!r}; e.g. 0.05."
+        )
+
+
+def _run_unwarned(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    evaluate: Evaluate | None,
+    optimizer_kwargs: dict[str, Any] | None,
+    *,
+    lr: float,
+    nbeta: float,
+    localization: float,
+    may_diverge: bool,
+    **estimator_kwargs: Any,
+) -> dict[str, Any] | None:
+    """The estimator at step ``lr`` without divergence warnings; None if it diverged and may.
+
+    A run of the calibration may diverge: judging that is the caller's job,
+    not a warning's. ``may_diverge=False`` lets the estimator's
+    non-finite-loss error through.
+    """
+    kwargs = dict(optimizer_kwargs or {})
+    kwargs.update(lr=lr, nbeta=float(nbeta), localization=float(localization))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ChainDivergenceWarning)
+            return estimate_learning_coeff_with_summary(
+                model, loader, evaluate=evaluate, optimizer_kwargs=kwargs, **estimator_kwargs
+            )
+    except RuntimeError as err:  # the estimator's non-finite-loss error
+        if "non-finite loss" not in str(err) or not may_diverge:
+            raise
+        return None
+
+
 def calibrate_step_size(
     model: torch.nn.Module,
     loader: Iterable[Any],
@@ -197,10 +236,7 @@ def calibrate_step_size(
         >>> 0.05 / 1.5 <= cal.predicted_bias <= 0.05 * 1.5
         True
     """
-    if not (isinstance(target_bias, float) and 0.0 < target_bias < 1.0):
-        raise ValueError(
-            f"`target_bias` must be a float in (0, 1), got {target_bias!r}; e.g. 0.05."
-        )
+    _check_target_bias(target_bias)
     if isinstance(pilot_steps, bool) or not isinstance(pilot_steps, int) or pilot_steps < 20:
         raise ValueError(f"`pilot_steps` must be an int >= 20, got {pilot_steps!r}.")
     if isinstance(max_pilots, bool) or not isinstance(max_pilots, int) or max_pilots < 1:
@@ -211,30 +247,25 @@ def calibrate_step_size(
     eps = float(lr)
     rho = math.nan
     for pilot in range(max_pilots):
-        diag = StepSizeDiagnostic()
-        kwargs = dict(optimizer_kwargs or {})
-        kwargs.update(lr=eps, nbeta=float(nbeta), localization=float(localization))
-        try:
-            with warnings.catch_warnings():
-                # A pilot may diverge: judging that is this loop's job, not a warning's.
-                warnings.simplefilter("ignore", ChainDivergenceWarning)
-                out = estimate_learning_coeff_with_summary(
-                    model,
-                    loader,
-                    evaluate=evaluate,
-                    optimizer_kwargs=kwargs,
-                    num_draws=pilot_steps - pilot_steps // 2,
-                    num_burnin_steps=pilot_steps // 2,
-                    num_chains=1,
-                    init_loss=init_loss,
-                    seed=seed + pilot,
-                    device=device,
-                    callbacks=[diag],
-                    verbose=False,
-                )
-        except RuntimeError as err:  # the estimator's non-finite-loss error
-            if "non-finite loss" not in str(err):
-                raise
+        out = _run_unwarned(
+            model,
+            loader,
+            evaluate,
+            optimizer_kwargs,
+            lr=eps,
+            nbeta=nbeta,
+            localization=localization,
+            may_diverge=True,
+            num_draws=pilot_steps - pilot_steps // 2,
+            num_burnin_steps=pilot_steps // 2,
+            num_chains=1,
+            init_loss=init_loss,
+            seed=seed + pilot,
+            device=device,
+            callbacks=[StepSizeDiagnostic()],
+            verbose=False,
+        )
+        if out is None:
             pilots.append((eps, math.inf, math.nan))
             eps /= 10.0
             continue
@@ -302,10 +333,7 @@ def calibrated_lr(
         >>> 0 < step < 1e-2
         True
     """
-    if not (isinstance(target_bias, float) and 0.0 < target_bias < 1.0):
-        raise ValueError(
-            f"`target_bias` must be a float in (0, 1), got {target_bias!r}; e.g. 0.05."
-        )
+    _check_target_bias(target_bias)
     calibration = calibrate_step_size(
         model,
         loader,
@@ -573,30 +601,25 @@ def estimate_learning_coeff_calibrated(
             init_loss=float(init_loss),
             lr=rerun_lr,
         )
-        opt_kwargs = dict(optimizer_kwargs or {})
-        opt_kwargs.update(
-            lr=boosted_lr if boosted else eps, nbeta=float(nbeta), localization=float(localization)
+        # Unwarned: the trace holds the boosted burn-in, which the estimate below skips.
+        out = _run_unwarned(
+            model,
+            loader,
+            evaluate,
+            optimizer_kwargs,
+            lr=boosted_lr if boosted else eps,
+            nbeta=nbeta,
+            localization=localization,
+            may_diverge=boost > 1.0,
+            num_draws=skip + num_draws,
+            num_burnin_steps=0,
+            num_chains=num_chains,
+            init_loss=init_loss,
+            seed=seed,
+            callbacks=[schedule],
+            **kwargs,
         )
-        try:
-            with warnings.catch_warnings():
-                # The trace holds the boosted burn-in, which the estimate below skips.
-                warnings.simplefilter("ignore", ChainDivergenceWarning)
-                out = estimate_learning_coeff_with_summary(
-                    model,
-                    loader,
-                    evaluate=evaluate,
-                    optimizer_kwargs=opt_kwargs,
-                    num_draws=skip + num_draws,
-                    num_burnin_steps=0,
-                    num_chains=num_chains,
-                    init_loss=init_loss,
-                    seed=seed,
-                    callbacks=[schedule],
-                    **kwargs,
-                )
-        except RuntimeError as err:  # the estimator's non-finite-loss error
-            if "non-finite loss" not in str(err) or boost <= 1.0:
-                raise
+        if out is None:
             boost = max(1.0, boost / 2)  # the boosted burn-in diverged: halve its step
             continue
         run += 1

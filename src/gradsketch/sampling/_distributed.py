@@ -20,21 +20,18 @@ import torch
 from tqdm.auto import tqdm
 
 from gradsketch import _distributed as _common
-from gradsketch._distributed import DistributedMismatchError
-from gradsketch._hash import TensorDigest
+from gradsketch._hash import state_digest
+from gradsketch.errors import DistributedMismatchError
 from gradsketch.sampling._llc import (
     Evaluate,
-    _chain_seed,
-    _ChainJob,
+    _chain_jobs,
     _finish,
     _initial_loss,
     _method_name,
-    _record_settings,
     _resolve_run,
     _run_chain,
     _summary,
 )
-from gradsketch.sampling._recording import open_draw_store
 from gradsketch.sampling._sgmcmc import SGMCMC
 
 logger = logging.getLogger(__name__)
@@ -44,10 +41,7 @@ __all__ = ["DistributedMismatchError", "estimate_learning_coeff_distributed"]
 
 def _model_fingerprint(model: torch.nn.Module) -> str:
     """Hash of the weights and buffers: ranks must start every chain from the same w*."""
-    digest = TensorDigest()
-    for name, t in model.state_dict().items():
-        digest.text(name).tensor(t)
-    return digest.hexdigest()
+    return state_digest(model.state_dict())
 
 
 def check_distributed_callbacks(callbacks: Sequence[Callable[..., Any]], world_size: int) -> None:
@@ -198,56 +192,32 @@ def estimate_learning_coeff_distributed(
         )
     init_loss = float(_common.broadcast_object(init_loss))
 
-    store_settings = None
-    sketch_dim = kwargs.get("sketch_dim")
-    store_obj = None
-    if store is not None:
-        settings = _record_settings(
-            model,
-            method,
-            sampling_method,
-            kwargs,
-            seed=seed,
-            nbeta=nbeta,
-            num_chains=num_chains,
-            num_draws=num_draws,
-            num_burnin_steps=num_burnin_steps,
-            num_steps_bw_draws=num_steps_bw_draws,
-        )
-        # Rank 0 creates the arrays; the others open them once they exist.
-        with _common.rank_zero_first():
-            store_obj = open_draw_store(store, settings, sketch_dim=sketch_dim)
-        store_settings = settings.to_dict()
-
-    num_steps = num_burnin_steps + num_draws * num_steps_bw_draws
-    mine = range(rank, num_chains, world)
-    local: dict[int, np.ndarray] = {}
-    progress = tqdm(total=len(mine), desc="LLC chains", disable=not verbose or rank != 0)
-    for chain in mine:
-        if store_obj is not None and store_obj.chain_done(chain):
-            local[chain] = store_obj.losses()[chain]
-        else:
-            job = _ChainJob(
-                chain=chain,
-                seed=_chain_seed(seed, chain),
-                model=model,
-                loader=loader,
-                evaluate=evaluate,
-                sampling_method=method,
-                optimizer_kwargs=kwargs,
-                num_steps=num_steps,
-                num_burnin_steps=num_burnin_steps,
-                num_steps_bw_draws=num_steps_bw_draws,
-                num_draws=num_draws,
-                grad_accum_steps=grad_accum_steps,
-                device=str(torch_device),
-                store_path=None if store is None else str(store),
-                store_settings=store_settings,
-                sketch_dim=sketch_dim,
-                verbose=verbose and rank == 0,
-                callbacks=callbacks,
-            )
-            _, local[chain] = _run_chain(None, job)
+    # Chain c runs on rank c % world; rank 0 creates the store's arrays, the others open
+    # them once they exist.
+    jobs, local = _chain_jobs(
+        model,
+        loader,
+        evaluate,
+        method,
+        sampling_method,
+        kwargs,
+        chains=range(rank, num_chains, world),
+        seed=seed,
+        nbeta=nbeta,
+        num_chains=num_chains,
+        num_draws=num_draws,
+        num_burnin_steps=num_burnin_steps,
+        num_steps_bw_draws=num_steps_bw_draws,
+        grad_accum_steps=grad_accum_steps,
+        device=torch_device,
+        store=store,
+        verbose=verbose and rank == 0,
+        callbacks=callbacks,
+        opening=_common.rank_zero_first,
+    )
+    progress = tqdm(total=len(jobs), desc="LLC chains", disable=not verbose or rank != 0)
+    for job in jobs:
+        _, local[job.chain] = _run_chain(None, job)
         progress.update()
     progress.close()
 

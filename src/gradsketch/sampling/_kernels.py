@@ -47,6 +47,16 @@ def _scaled_into(out: torch.Tensor, src: torch.Tensor, *coefs: Scalar) -> float:
     return scalar
 
 
+class _Hyper(NamedTuple):
+    """A group's step hyperparameters, shared by both single-tensor updates."""
+
+    lr: float  # eps
+    nbeta: float
+    noise_level: float  # sigma
+    localization: float  # gamma
+    weight_decay: float  # lambda
+
+
 class _GeneralStep(NamedTuple):
     """What one parameter's non-identity update needs, besides where it writes."""
 
@@ -65,13 +75,32 @@ class _GeneralStep(NamedTuple):
     thermostat: float | None  # xi under Nosé-Hoover, else None
 
 
+def _times_(row: torch.Tensor, coef: Scalar) -> None:
+    """``row <- coef * row`` (a multiplication by the scalar 1 is exact, so it is skipped)."""
+    if isinstance(coef, torch.Tensor):
+        row.mul_(coef)
+    elif coef != 1.0:
+        row.mul_(float(coef))
+
+
+def _factor(scalar: float, coef: Scalar, out: torch.Tensor) -> Scalar:
+    """``scalar * coef`` as Python evaluates it: a float, or a tensor written to ``out``."""
+    if isinstance(coef, torch.Tensor):
+        return torch.mul(coef, scalar, out=out)
+    return scalar * float(coef)
+
+
 def _apply_general_recorded(
     p: torch.Tensor, rows: dict[str, torch.Tensor] | None, step: _GeneralStep
 ) -> None:
     """The update component by component, each written to its row, then applied.
 
-    Without ``rows`` (no scratch could hold this parameter) the components
-    are fresh tensors.
+    Each component is computed with devinterp 2.0.1's operations in its order
+    (``_decompose_update``): ``(eps/2) * (o * (g_c * (nbeta * drive)))``,
+    ``((eps/2) * p_c * o) * (gamma * (w - c))``, ``(sqrt(eps) * n_c) * (o * xi)``,
+    each product rounded where devinterp's is, so every element and its
+    float32 sketch are bit-equal to devinterp's. Without ``rows`` (no scratch
+    could hold this parameter) the components are fresh tensors.
     """
     coefs, overall, drive, center, state, gen, half, root = step[:8]
     nbeta, sigma, gamma, lam, thermostat = step[8:]
@@ -81,22 +110,36 @@ def _apply_general_recorded(
     def out(name: str) -> torch.Tensor:
         return rows[name] if rows is not None else torch.empty_like(p)
 
-    noise = out("noise").normal_(0.0, sigma, generator=gen)
-    scaled = out("scaled_grad")
-    scaled.mul_(half * nbeta * _scaled_into(scaled, drive, overall, coefs.grad_coef))
+    # `distance` is written last: until then it holds a tensor factor.
+    tmp = out("distance")
+    scaled = torch.mul(drive, nbeta, out=out("scaled_grad"))
+    _times_(scaled, coefs.grad_coef)
+    _times_(scaled, overall)
+    scaled.mul_(half)
+    if rows is not None:
+        torch.mul(grad, nbeta, out=rows["unscaled_grad"]).mul_(half)
     loc, wd = out("localization"), out("weight_decay")
+    prior_scale: Scalar = 0.0
+    if gamma or lam:
+        # devinterp's `_half_lr * prior_coef * _precond`, left to right.
+        prior_scale = _factor(half, coefs.prior_coef, tmp)
+        if isinstance(prior_scale, torch.Tensor):
+            _times_(prior_scale, overall)
+        else:
+            prior_scale = _factor(prior_scale, overall, tmp)
     for row, weight, src in ((loc, gamma, None), (wd, lam, p)):
         if not weight:
             row.zero_()
             continue
         if src is None:
-            torch.sub(p, center, out=row)
+            torch.sub(p, center, out=row).mul_(weight)
         else:
-            row.copy_(src)
-        row.mul_(half * weight * _scaled_into(row, row, coefs.prior_coef, overall))
-    noise.mul_(root * _scaled_into(noise, noise, coefs.noise_coef, overall))
+            torch.mul(src, weight, out=row)
+        _times_(row, prior_scale)
+    noise = out("noise").normal_(0.0, sigma, generator=gen)
+    _times_(noise, overall)
+    _times_(noise, _factor(root, coefs.noise_coef, tmp))
     if rows is not None:
-        rows["unscaled_grad"].copy_(grad).mul_(half * nbeta)
         torch.sub(p, state["initial_param"], out=rows["distance"])
     target = p
     if thermostat is not None:
@@ -149,12 +192,7 @@ def _single_tensor_identity(
     rows: dict[str, torch.Tensor] | None,
     gen: torch.Generator | None,
     scratch: torch.Tensor | None,
-    *,
-    lr: float,
-    nbeta: float,
-    noise_level: float,
-    localization: float,
-    weight_decay: float,
+    hp: _Hyper,
 ) -> None:
     """The identity update; with ``rows``, records into them first.
 
@@ -162,7 +200,8 @@ def _single_tensor_identity(
     and ``w - c`` go to ``scratch`` (``[2, *p.shape]``) when given (same
     values: one ``normal_`` call draws what ``torch.normal`` would).
     """
-    sigma, gamma, lam = noise_level, localization, weight_decay
+    lr, nbeta = hp.lr, hp.nbeta
+    sigma, gamma, lam = hp.noise_level, hp.localization, hp.weight_decay
     half = 0.5 * lr
     grad = p.grad
     assert grad is not None
@@ -196,7 +235,7 @@ def _single_tensor_identity(
         if gamma:
             p.add_(loc, alpha=-half * gamma)
     p.add_(grad, alpha=-half * nbeta)
-    p.add_(noise, alpha=math.sqrt(lr))
+    p.add_(noise, alpha=lr**0.5)
 
 
 def _single_tensor_general(
@@ -206,12 +245,8 @@ def _single_tensor_general(
     rows: dict[str, torch.Tensor] | None,
     gen: torch.Generator | None,
     scratch: torch.Tensor | None,
+    hp: _Hyper,
     *,
-    lr: float,
-    nbeta: float,
-    noise_level: float,
-    localization: float,
-    weight_decay: float,
     mask: torch.Tensor | None,
     thermostat: float | None,
 ) -> int:
@@ -224,6 +259,7 @@ def _single_tensor_general(
     two trajectories may differ in the last bit. ``thermostat`` is the
     Nosé-Hoover ``xi`` (None for Langevin dynamics).
     """
+    lr = hp.lr
     grad = p.grad
     assert grad is not None
     coefs = preconditioner.coefficients(p, grad, state)
@@ -246,11 +282,11 @@ def _single_tensor_general(
         state,
         gen,
         half,
-        math.sqrt(lr),
-        nbeta,
-        noise_level,
-        localization,
-        weight_decay,
+        lr**0.5,  # devinterp's sqrt(eps) (`lr ** 0.5`, not always math.sqrt's last bit)
+        hp.nbeta,
+        hp.noise_level,
+        hp.localization,
+        hp.weight_decay,
         thermostat,
     )
     if rows is None and scratch is not None:
@@ -315,13 +351,7 @@ def update_group_(
         >>> moved, w.detach()  # w - (eps / 2) nbeta grad
         (3, tensor([-0.1000, -0.1000, -0.1000]))
     """
-    hyper = dict(
-        lr=lr,
-        nbeta=nbeta,
-        noise_level=noise_level,
-        localization=localization,
-        weight_decay=weight_decay,
-    )
+    hp = _Hyper(lr, nbeta, noise_level, localization, weight_decay)
     nose_hoover = thermostat is not None
     numel = 0
     energy = torch.zeros((), dtype=torch.float64)
@@ -336,7 +366,7 @@ def update_group_(
         scratch = None if rows is not None else scratch_for(p)
         if fast:
             numel += p.numel()
-            _single_tensor_identity(p, state, rows, gen, scratch, **hyper)
+            _single_tensor_identity(p, state, rows, gen, scratch, hp)
         else:
             mask = None if masks is None else masks[i]
             numel += _single_tensor_general(
@@ -346,7 +376,7 @@ def update_group_(
                 rows,
                 gen,
                 scratch,
-                **hyper,
+                hp,
                 mask=mask,
                 thermostat=thermostat,
             )

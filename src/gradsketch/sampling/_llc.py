@@ -14,6 +14,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -340,6 +341,86 @@ def _record_settings(
     )
 
 
+def _chain_jobs(
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    evaluate: Evaluate,
+    method: Callable[..., torch.optim.Optimizer],
+    sampling_method: object,
+    kwargs: dict[str, Any],
+    *,
+    chains: Iterable[int],
+    seed: int,
+    nbeta: float,
+    num_chains: int,
+    num_draws: int,
+    num_burnin_steps: int,
+    num_steps_bw_draws: int,
+    grad_accum_steps: int,
+    device: torch.device,
+    store: str | os.PathLike[str] | None,
+    verbose: bool,
+    callbacks: Sequence[Callable[..., Any]],
+    opening: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> tuple[list[_ChainJob], dict[int, np.ndarray]]:
+    """The jobs of ``chains`` that ``store`` has not finished, and the loss traces of the rest.
+
+    ``opening()`` is the context the store is opened in (under ``torchrun``: rank 0 first,
+    so that one process creates its arrays).
+    """
+    store_settings = None
+    sketch_dim = kwargs.get("sketch_dim")
+    store_obj = None
+    if store is not None:
+        settings = _record_settings(
+            model,
+            method,
+            sampling_method,
+            kwargs,
+            seed=seed,
+            nbeta=nbeta,
+            num_chains=num_chains,
+            num_draws=num_draws,
+            num_burnin_steps=num_burnin_steps,
+            num_steps_bw_draws=num_steps_bw_draws,
+        )
+        with opening():
+            store_obj = open_draw_store(store, settings, sketch_dim=sketch_dim)
+            # A finished chain whose draws are damaged is sampled again, never read as NaN.
+            store_obj.repair()
+        store_settings = settings.to_dict()
+
+    jobs = []
+    done: dict[int, np.ndarray] = {}
+    for chain in chains:
+        if store_obj is not None and store_obj.chain_done(chain):
+            done[chain] = store_obj.chain_losses(chain)
+            continue
+        jobs.append(
+            _ChainJob(
+                chain=chain,
+                seed=_chain_seed(seed, chain),
+                model=model,
+                loader=loader,
+                evaluate=evaluate,
+                sampling_method=method,
+                optimizer_kwargs=kwargs,
+                num_steps=num_burnin_steps + num_draws * num_steps_bw_draws,
+                num_burnin_steps=num_burnin_steps,
+                num_steps_bw_draws=num_steps_bw_draws,
+                num_draws=num_draws,
+                grad_accum_steps=grad_accum_steps,
+                device=str(device),
+                store_path=None if store is None else str(store),
+                store_settings=store_settings,
+                sketch_dim=sketch_dim,
+                verbose=verbose,
+                callbacks=callbacks,
+            )
+        )
+    return jobs, done
+
+
 def _summary(
     loss_trace: np.ndarray, init_loss: float, nbeta: float, online: bool
 ) -> dict[str, Any]:
@@ -488,54 +569,26 @@ def estimate_learning_coeff_with_summary(
             copy.deepcopy(model).to(torch_device).eval(), loader, evaluate, torch_device, seed
         )
 
-    store_settings = None
-    sketch_dim = kwargs.get("sketch_dim")
-    store_obj = None
-    if store is not None:
-        settings = _record_settings(
-            model,
-            method,
-            sampling_method,
-            kwargs,
-            seed=seed,
-            nbeta=nbeta,
-            num_chains=num_chains,
-            num_draws=num_draws,
-            num_burnin_steps=num_burnin_steps,
-            num_steps_bw_draws=num_steps_bw_draws,
-        )
-        store_obj = open_draw_store(store, settings, sketch_dim=sketch_dim)
-        store_settings = settings.to_dict()
-
-    num_steps = num_burnin_steps + num_draws * num_steps_bw_draws
-    jobs = []
-    traces: dict[int, np.ndarray] = {}
-    for chain in range(num_chains):
-        if store_obj is not None and store_obj.chain_done(chain):
-            traces[chain] = store_obj.losses()[chain]
-            continue
-        jobs.append(
-            _ChainJob(
-                chain=chain,
-                seed=_chain_seed(seed, chain),
-                model=model,
-                loader=loader,
-                evaluate=evaluate,
-                sampling_method=method,
-                optimizer_kwargs=kwargs,
-                num_steps=num_steps,
-                num_burnin_steps=num_burnin_steps,
-                num_steps_bw_draws=num_steps_bw_draws,
-                num_draws=num_draws,
-                grad_accum_steps=grad_accum_steps,
-                device=str(torch_device),
-                store_path=None if store is None else str(store),
-                store_settings=store_settings,
-                sketch_dim=sketch_dim,
-                verbose=verbose and cores == 1,
-                callbacks=callbacks,
-            )
-        )
+    jobs, traces = _chain_jobs(
+        model,
+        loader,
+        evaluate,
+        method,
+        sampling_method,
+        kwargs,
+        chains=range(num_chains),
+        seed=seed,
+        nbeta=nbeta,
+        num_chains=num_chains,
+        num_draws=num_draws,
+        num_burnin_steps=num_burnin_steps,
+        num_steps_bw_draws=num_steps_bw_draws,
+        grad_accum_steps=grad_accum_steps,
+        device=torch_device,
+        store=store,
+        verbose=verbose and cores == 1,
+        callbacks=callbacks,
+    )
     progress = tqdm(total=len(jobs), desc="LLC chains", disable=not verbose)
     # cores > 1: spawned workers on torch.get_num_threads() // cores threads each.
     for chain, losses in run_jobs(_run_chain, jobs, cores=cores, shared=None):

@@ -141,10 +141,7 @@ class RMSpropPreconditioner(Preconditioner):
         self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
     ) -> PreconditionerCoefs:
         """Update the running square average and return ``(G, G, sqrt(G), 1)``."""
-        if "square_avg" not in state:
-            state["square_avg"] = torch.zeros_like(grad)
-        v = state["square_avg"]
-        v.mul_(self.alpha).addcmul_(grad, grad, value=1.0 - self.alpha)
+        v = _square_average(state, "square_avg", grad, self.alpha)
         g = v.sqrt().add_(self.eps).reciprocal_()  # 1 / (sqrt(V) + eps), one allocation
         return PreconditionerCoefs(grad_coef=g, prior_coef=g, noise_coef=g.sqrt())
 
@@ -175,17 +172,14 @@ class AdamPreconditioner(Preconditioner):
         self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]
     ) -> PreconditionerCoefs:
         """Update both moments and return the bias-corrected coefficients and drift."""
+        b1, b2 = self.betas
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(grad)
-            state["exp_avg_sq"] = torch.zeros_like(grad)
-            state["adam_step"] = 0
-        b1, b2 = self.betas
-        state["adam_step"] += 1
-        t = state["adam_step"]
         state["exp_avg"].mul_(b1).add_(grad, alpha=1.0 - b1)
-        state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
+        v = _square_average(state, "exp_avg_sq", grad, b2)
+        state["adam_step"] = t = state.get("adam_step", 0) + 1
         # 1 / (sqrt(V / (1 - b2^t)) + eps), one allocation.
-        g = state["exp_avg_sq"].div(1.0 - b2**t).sqrt_().add_(self.eps).reciprocal_()
+        g = v.div(1.0 - b2**t).sqrt_().add_(self.eps).reciprocal_()
         drift = state["exp_avg"] / (1.0 - b1**t)
         return PreconditionerCoefs(grad_coef=g, prior_coef=g, noise_coef=g.sqrt(), drift=drift)
 
@@ -225,6 +219,18 @@ class NoseHooverThermostat(Preconditioner):
 
     def __repr__(self) -> str:
         return f"NoseHooverThermostat(diffusion_factor={self.diffusion_factor})"
+
+
+def _square_average(
+    state: dict[str, Any], key: str, grad: torch.Tensor, decay: float
+) -> torch.Tensor:
+    """``state[key] <- decay * state[key] + (1 - decay) * grad²`` in place (zeros at first).
+
+    The second moment of RMSprop (``decay = alpha``) and Adam (``decay = b2``).
+    """
+    if key not in state:
+        state[key] = torch.zeros_like(grad)
+    return state[key].mul_(decay).addcmul_(grad, grad, value=1.0 - decay)
 
 
 def _check_positive(name: str, value: object, *, allow_zero: bool = False) -> float:

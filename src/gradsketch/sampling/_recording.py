@@ -14,12 +14,20 @@ chains write disjoint chunks, and a chain's flag is set only after all its
 rows are on disk: a killed run resumes at the first unfinished chain.
 Reopening with different settings raises
 :class:`~gradsketch._settings.SettingsMismatchError` showing both values.
+
+No estimate is computed from a missing or damaged draw: before a finished
+chain is reused, :meth:`DrawStore.repair` checks its chunks in every array
+(the row store's checks, on :mod:`gradsketch._integrity`) and unflags a
+chain whose chunk is missing, fails its checksum, cannot be decoded or reads
+NaN, naming the array, chunk and file; the chain is sampled again (its bits
+are the first run's: a chain depends only on the run's seed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from gradsketch._checks import nonnegative_int, positive_int
+from gradsketch._integrity import ChunkDamage, damage_message
 from gradsketch._settings import (
     SettingsMismatchError,
     require_same_settings,
@@ -43,6 +52,8 @@ METRIC_FIELDS: tuple[str, ...] = (*NORM_FIELDS, *DOT_FIELDS)
 
 #: Name of the per-chain completion flags.
 DONE = "chains.done"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -135,6 +146,35 @@ class DrawStore:
         """Whether ``chain`` was written completely."""
         return bool(self.rows.done_rows(DONE)[chain])
 
+    def _arrays(self) -> list[str]:
+        names = ["loss", *(f"sketch/{q}" for q in SKETCH_QUANTITIES)]
+        names += [f"metrics/{m}" for m in METRIC_FIELDS]
+        return [name for name in names if self.rows.has(name)]
+
+    def repair(self) -> list[ChunkDamage]:
+        """Unflag the finished chains whose draws are missing or damaged (they are sampled again).
+
+        Returns:
+            The damaged chunks (empty: every finished chain is intact).
+
+        Raises:
+            StoreIntegrityError: an array's ``zarr.json`` or the done flags are unreadable
+                (named, with the directory to delete).
+        """
+        found = self.rows.unflag_damaged(self._arrays(), DONE)
+        if found:
+            chains = sorted({r for d in found for r in d.rows})
+            logger.warning(
+                "%s",
+                damage_message(
+                    found,
+                    what=f"the LLC draw store `{self.path}` has missing or damaged draws",
+                    fix=f"Sampling chains {chains} again (the bits of the first run).",
+                    by_rows=True,
+                ),
+            )
+        return found
+
     def write_chain(
         self,
         chain: int,
@@ -162,6 +202,10 @@ class DrawStore:
     def losses(self) -> np.ndarray:
         """``[chains, draws]`` loss trace (NaN where not yet written)."""
         return np.asarray(self.rows.array("loss")[:])
+
+    def chain_losses(self, chain: int) -> np.ndarray:
+        """``[draws]`` loss trace of one chain (read alone: another chain may be damaged)."""
+        return np.asarray(self.rows.array("loss")[chain])
 
     def sketches(self, quantity: str) -> np.ndarray:
         """``[chains, draws, k]`` sketches of one component."""

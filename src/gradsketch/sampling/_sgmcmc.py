@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,14 +39,9 @@ from gradsketch.sampling._kernels import update_group_
 from gradsketch.sampling._metrics import Metrics
 from gradsketch.sampling._preconditioners import (
     PRECONDITIONERS,
-    AdamPreconditioner,
-    IdentityPreconditioner,
-    NoseHooverThermostat,
     Preconditioner,
     PreconditionerCoefs,
-    RMSpropPreconditioner,
     _check_positive,
-    register_preconditioner,
     resolve_preconditioner,
 )
 from gradsketch.sampling._workspace import GroupPlan
@@ -55,19 +49,7 @@ from gradsketch.sketch import CountSketch, Fingerprint, SketchBuffer
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "SGLD",
-    "SGMCMC",
-    "DevinterpSGNHTNoise",
-    "PRECONDITIONERS",
-    "AdamPreconditioner",
-    "IdentityPreconditioner",
-    "NoseHooverThermostat",
-    "Preconditioner",
-    "PreconditionerCoefs",
-    "RMSpropPreconditioner",
-    "register_preconditioner",
-]
+__all__ = ["SGLD", "SGMCMC", "DevinterpSGNHTNoise"]
 
 
 def _mask_fingerprint(masks: Sequence[torch.Tensor | None]) -> str:
@@ -121,15 +103,19 @@ class SGMCMC(Optimizer):
     (identity preconditioner: gradient, noise, distance and, when used, the
     weights; otherwise the five components). After the update, one pass
     over the rows gives the Gram matrix (every norm and inner product,
-    accumulated in float64) and, through :meth:`CountSketch.folded_table`,
-    the sketch of every row; a ``[6, r]`` coefficient matrix maps both to
-    the components. On CPU with the native kernels (chosen by
-    :mod:`gradsketch.sketch._backend`) that pass is one fused kernel that
-    reads the gradients where autograd left them; otherwise it is a batched
-    matmul and a torch scatter over a copy of them.
+    accumulated in float64), which a ``[6, r]`` coefficient matrix maps to
+    the components, and one pass gives the sketches: each element of each
+    component is computed as devinterp 2.0.1 computes it (its float32
+    operations in its order, e.g. ``(eps/2) * (nbeta * grad)``) and added,
+    times its sign, into its bucket of the float32 sketch in parameter
+    order, so on the CPU the sketches are bit-equal to devinterp's
+    ``scatter_add_`` of each parameter's float32 component. On CPU with the
+    native kernels (chosen by :mod:`gradsketch.sketch._backend`) both passes
+    read the gradients where autograd left them; otherwise they are a
+    batched matmul and torch's ``scatter_add_`` over a copy of them.
 
     Recording reads each gradient once, in one pass after the update (see
-    :mod:`gradsketch.sampling._reduce`); ``benchmarks/bench_sampling.py``
+    :func:`gradsketch.sketch.reduce_workspace`); ``benchmarks/bench_sampling.py``
     measures what it adds to a plain step.
 
     Args:
@@ -337,6 +323,14 @@ class SGMCMC(Optimizer):
         return out
 
     def _init_sketch(self, k: int, seed: int, total: int, mask_fps: list[str]) -> None:
+        devices = sorted({str(p.device) for g in self.param_groups for p in g["params"]})
+        if len(devices) > 1:
+            # devinterp's phrase first: its users' tests match it.
+            raise RuntimeError(
+                f"Inconsistent devices: the parameters are on {devices}, but one sketch of "
+                "every coordinate needs them on one device; move the model there (e.g. "
+                "`model.to(device)`) before building the sampler, or leave `sketch_dim=None`."
+            )
         device = next(iter(self.param_groups[0]["params"])).device
         if total < 1:
             raise ValueError(
@@ -413,7 +407,7 @@ class SGMCMC(Optimizer):
         lr, nbeta = group["lr"], group["nbeta"]
         gamma, lam = group["localization"], group["weight_decay"]
         half = lr if nose_hoover else 0.5 * lr
-        root = math.sqrt(lr)
+        root = lr**0.5  # as devinterp computes sqrt(eps)
         # Rows of the per-group block and the coefficients C[6, r] that turn
         # them into the six components.
         names = _workspace.row_names(

@@ -1,11 +1,13 @@
 """The workspace plan of a recording SGMCMC step.
 
 A recording step writes, per parameter group, the ``r`` distinct vectors it
-records into the rows of one ``[r, numel]`` block (:func:`workspace`); a
-``[6, r]`` coefficient matrix (:func:`coefficients`) turns the rows into the
-six components, and one pass over the rows (:func:`reduce_plan`, through
-:func:`gradsketch.sampling._reduce.reduce_workspace`) gives every norm and
-inner product and the count sketch of every component. :class:`GroupPlan`
+records into the rows of one ``[r, numel]`` block (:func:`workspace`). A
+``[6, r]`` coefficient matrix (:func:`coefficients`) turns the rows' Gram
+(:func:`gradsketch.sketch.reduce_workspace`) into every norm and inner
+product of the six components, and :func:`sketch_components` names each
+sketched component as ``a * (b * row)``, which
+:func:`gradsketch.sketch.scatter_components_` sketches in one pass over the
+rows in devinterp's order of rounding (:func:`reduce_plan`). :class:`GroupPlan`
 keeps what a group needs between steps: its place in the sketch's index
 space, its folded count-sketch table, the block and its views.
 """
@@ -17,9 +19,13 @@ from typing import Any
 
 import torch
 
-from gradsketch.sampling import _reduce
-from gradsketch.sketch import CountSketch
-from gradsketch.sketch._backend import default_backend
+from gradsketch.sketch import (
+    CountSketch,
+    SketchComponent,
+    default_backend,
+    reduce_workspace,
+    scatter_components_,
+)
 
 __all__ = [
     "WIDE_TABLE_MAX",
@@ -30,6 +36,7 @@ __all__ = [
     "reduce_plan",
     "row_names",
     "segments",
+    "sketch_components",
     "step_scratch",
     "workspace",
 ]
@@ -56,10 +63,8 @@ class GroupPlan:
     # valid while `coef_key` (the hyperparameters) is unchanged.
     coef_key: tuple[Any, ...] | None = None
     coef: torch.Tensor | None = None
-    sketch_rows: int = 0  # leading workspace rows that feed a sketched component
-    sketch_coef: torch.Tensor | None = None  # C[:5, :sketch_rows] in float32
-    scratch: torch.Tensor | None = None  # [sketch_rows, 2k + 1] scatter target
-    index_buffer: torch.Tensor | None = None  # int64 [REDUCE_TILE]: a widened table tile
+    # The sketched components as (component, row, a, b): component = a * (b * row).
+    components: list[SketchComponent] | None = None
     # [2, largest numel] noise and (w - c) of the unrecorded step, reused:
     # fresh megabyte temporaries cost page faults in a loop with backward passes.
     step_scratch: torch.Tensor | None = None
@@ -75,10 +80,9 @@ def folded_table(
 
     torch's scatter takes int64 indices. Without the native kernels (which
     read any width), up to :data:`WIDE_TABLE_MAX` coordinates the table is
-    kept in int64 (8 bytes each), so the step widens nothing. Otherwise the
-    table has the narrowest type that holds ``2k + 1`` buckets (2 or 4
-    bytes each), widened tile by tile when torch scatters (see
-    :func:`~gradsketch.sampling._reduce.reduce_workspace`).
+    kept in int64 (8 bytes each). Otherwise the table has the narrowest
+    type that holds ``2k + 1`` buckets (2 or 4 bytes each), widened tile by
+    tile when torch scatters (see :func:`~gradsketch.sketch.scatter_components_`).
 
     Example:
         >>> sk = CountSketch.create(4, 2, seed=0)
@@ -209,16 +213,52 @@ def coefficients(
         coef[5, row["distance"]] = 1.0
     else:
         coef[:, :] = torch.eye(6, dtype=torch.float64)
-    # Rows feeding a sketched component always form a prefix of the block
-    # (distance, which no sketch needs, comes last), so one contiguous
-    # slice is sketched; an unused row inside it only gets a zero coefficient.
-    used = (coef[:5] != 0).any(0).nonzero().flatten().tolist()
-    plan.sketch_rows = used[-1] + 1 if used else 0
     plan.coef_key, plan.coef = key, coef
     if sketch is not None:
-        plan.sketch_coef = coef[:5, : plan.sketch_rows].to(sketch.device, torch.float32)
-        plan.scratch = None  # its shape follows sketch_rows and the block dtype
+        plan.components = sketch_components(
+            names, fast, half=half, root=root, nbeta=nbeta, gamma=gamma, lam=lam
+        )
     return coef
+
+
+def sketch_components(
+    names: list[str],
+    fast: bool,
+    *,
+    half: float,
+    root: float,
+    nbeta: float,
+    gamma: float,
+    lam: float,
+) -> list[SketchComponent]:
+    """The five sketched components as ``(component, row, a, b)``: ``a * (b * rows[row])``.
+
+    ``a`` and ``b`` are devinterp's two factors in its order (``b`` applied
+    first): the identity step's rows are raw, so its scaled gradient is
+    ``(eps/2) * (nbeta * grad)``, its localization ``(eps/2) * (gamma * (w - c))``,
+    its weight decay ``(eps/2) * (lambda * w)`` and its noise ``sqrt(eps) * xi``;
+    every other step writes the components themselves (``a = b = 1``). A
+    component that is zero (no localization, no weight decay) is left out:
+    adding zeros changes no bucket.
+
+    Example:
+        >>> names = row_names(True, weight_decay=0.0, localization=1.0, center=False)
+        >>> sketch_components(names, True, half=0.05, root=0.3, nbeta=2.0, gamma=1.0, lam=0.0)
+        [(0, 0, 0.05, 2.0), (1, 0, 0.05, 2.0), (2, 2, 0.05, 1.0), (4, 1, 0.3, 1.0)]
+    """
+    row = {n: i for i, n in enumerate(names)}
+    if not fast:
+        return [(c, c, 1.0, 1.0) for c in range(5) if (c != 2 or gamma) and (c != 3 or lam)]
+    out: list[SketchComponent] = [
+        (0, row["grad"], half, nbeta),
+        (1, row["grad"], half, nbeta),
+    ]
+    if gamma:
+        out.append((2, row.get("center_diff", row["distance"]), half, gamma))
+    if lam:
+        out.append((3, row["weight"], half, lam))
+    out.append((4, row["noise"], root, 1.0))
+    return out
 
 
 def direct_grads(params: list[torch.Tensor]) -> bool:
@@ -267,41 +307,21 @@ def reduce_plan(
 ) -> torch.Tensor | None:
     """Gram matrix of the workspace rows (returned, on CPU); the sketches added to ``sketches``.
 
-    :func:`~gradsketch.sampling._reduce.reduce_workspace` (of ``segments``
-    when given: the gradients are read in place) gives the Gram
-    (every norm and inner product, float64 across tiles) and, with
-    one scatter into a ``[rows, 2k + 1]`` scratch, the sketch of every
-    sketched row at once (signs folded into the bucket index, see
-    :meth:`CountSketch.folded_table`); the sketch rows are then combined
-    into the five components of ``sketches`` (``[5, k]``) with one small matmul.
+    :func:`~gradsketch.sketch.reduce_workspace` (of ``segments`` when
+    given: the gradients are read in place) gives the Gram (every norm and
+    inner product, float64 across tiles).
+    :func:`~gradsketch.sketch.scatter_components_` adds each sketched
+    component (:attr:`GroupPlan.components`) into its row of ``sketches``
+    (``[5, k]`` float32, the running sketches of the step): every element
+    scaled as devinterp scales it and added into its bucket in parameter
+    order, so the sketches are bit-equal to devinterp's ``scatter_add_`` of
+    each parameter's float32 component on the CPU.
     """
-    rows = plan.sketch_rows if sketch is not None else 0
-    scratch = None
-    if rows:
-        assert sketch is not None and plan.folded is not None
-        k = sketch.output_dim
-        scratch = plan.scratch
-        if scratch is None or scratch.dtype != block.dtype:
-            scratch = torch.zeros(rows, 2 * k + 1, dtype=block.dtype, device=block.device)
-            plan.scratch = scratch
-        else:
-            scratch.zero_()
-        tile = _reduce.REDUCE_TILE
-        if plan.folded.dtype != torch.int64 and (
-            plan.index_buffer is None or plan.index_buffer.numel() != tile
-        ):
-            plan.index_buffer = torch.empty(tile, dtype=torch.int64, device=block.device)
-    result = _reduce.reduce_workspace(
-        block if segments is None else segments,
-        gram=gram,
-        scratch=scratch,
-        folded=plan.folded,
-        rows=rows,
-        index_buffer=plan.index_buffer,
-    )
-    if scratch is not None:
-        assert sketch is not None and sketches is not None and plan.sketch_coef is not None
-        k = sketch.output_dim
-        sk = (scratch[:, :k] - scratch[:, k : 2 * k]).to(torch.float32)
-        sketches.add_(plan.sketch_coef @ sk)
+    rows = block if segments is None else segments
+    result = None
+    if gram:
+        result = reduce_workspace(rows, gram=True, scratch=None, folded=None, rows=0)
+    if sketch is not None and plan.components:
+        assert sketches is not None and plan.folded is not None
+        scatter_components_(sketches, plan.folded, rows, plan.components)
     return None if result is None else result.cpu()

@@ -6,15 +6,22 @@ coordinates (``project_into_`` / ``scatter_into_`` at an offset); inner
 products preserved in expectation, with the normalisation in each docstring.
 """
 
-from gradsketch.sketch._backend import NativeStatus, native_status
-from gradsketch.sketch._countsketch import SKETCH_QUANTITIES, CountSketch, SketchBuffer
+from gradsketch.sketch._backend import NativeStatus, default_backend, native_status
+from gradsketch.sketch._countsketch import (
+    SKETCH_QUANTITIES,
+    CountSketch,
+    SketchBuffer,
+)
 from gradsketch.sketch._factorized import (
+    TRANSPOSED_WEIGHT,
     FactorizedLayer,
     FactorizedLayoutError,
     FactorizedProjector,
     PlainParam,
+    param_layout,
 )
 from gradsketch.sketch._fingerprint import Fingerprint, FingerprintMismatchError
+from gradsketch.sketch._ordered import SketchComponent, scatter_components_
 from gradsketch.sketch._projectors import (
     AbstractProjector,
     BasicProjector,
@@ -26,6 +33,8 @@ from gradsketch.sketch._projectors import (
     ProjectionType,
     SparseProjector,
 )
+from gradsketch.sketch._reduce import REDUCE_TILE, reduce_workspace
+from gradsketch.sketch._validate import output_dtype
 
 __all__ = [
     # count sketch (devinterp-compatible)
@@ -52,4 +61,13 @@ __all__ = [
     # native CPU kernels (compiled at first use)
     "NativeStatus",
     "native_status",
+    # building blocks of the packages above (sampling's sketched steps, attribution's hooks)
+    "default_backend",
+    "reduce_workspace",
+    "REDUCE_TILE",
+    "scatter_components_",
+    "SketchComponent",
+    "param_layout",
+    "TRANSPOSED_WEIGHT",
+    "output_dtype",
 ]

@@ -13,6 +13,7 @@ from gradsketch._device import exact_device
 from gradsketch.masked import MaskLike
 from gradsketch.sketch import _backend
 from gradsketch.sketch._fingerprint import Fingerprint
+from gradsketch.sketch._ordered import scatter_components_
 from gradsketch.sketch._tables import buckets_and_signs, sparse_key
 from gradsketch.sketch._validate import (
     check_device,
@@ -179,6 +180,8 @@ class CountSketch:
         self._device = torch.device(device)
         self._key = sparse_key(self.seed, 0, 0)
         self._table: torch.Tensor | None = None
+        # The signs as assigned to `hash_signs` (devinterp's attribute), when they were.
+        self._assigned_signs: torch.Tensor | None = None
         if self.materialize:
             self._table = self._folded(0, self._input_dim)
 
@@ -214,7 +217,19 @@ class CountSketch:
 
     @property
     def device(self) -> torch.device:
-        """Device of the tables and of the tensors it accepts."""
+        """Device of the tables and of the tensors it accepts.
+
+        Raises:
+            RuntimeError: ``hash_signs`` was assigned a tensor on another device.
+        """
+        signs = self._assigned_signs
+        if signs is not None and signs.device != exact_device(self._device):
+            # devinterp's phrase first: its users' tests match it.
+            raise RuntimeError(
+                f"Inconsistent devices: hash_indices on {self._device}, hash_signs on "
+                f"{signs.device}. Move the sketch with `.to(device)` instead of assigning "
+                "`hash_signs` on another device."
+            )
         return self._device
 
     @property
@@ -256,8 +271,38 @@ class CountSketch:
     @property
     def hash_signs(self) -> torch.Tensor:
         """Sign of every coordinate, float32 ``[input_dim]`` (devinterp name)."""
+        if self._assigned_signs is not None:
+            return self._assigned_signs
         neg = self._folded(0, self._input_dim) >= self._output_dim
         return 1.0 - 2.0 * neg.float()
+
+    @hash_signs.setter
+    def hash_signs(self, signs: torch.Tensor) -> None:
+        # devinterp's CountSketch is a dataclass whose tables can be reassigned (to move
+        # them, say). Here the fingerprint fixes the map, so only the same signs are taken,
+        # on any device; one other than the sketch's makes `device` raise, as in devinterp.
+        if not isinstance(signs, torch.Tensor) or tuple(signs.shape) != (self._input_dim,):
+            got = (
+                f"a tensor of shape {tuple(signs.shape)}"
+                if isinstance(signs, torch.Tensor)
+                else repr(signs)
+            )
+            raise ValueError(
+                f"`hash_signs` must be a tensor of shape ({self._input_dim},), got {got}; "
+                "assign the sketch's own signs, e.g. `cs.hash_signs = cs.hash_signs.to(device)`."
+            )
+        if signs.device.type != "meta":
+            own = self._folded(0, self._input_dim).cpu() >= self._output_dim
+            if not torch.equal(signs.detach().cpu() < 0, own) or not bool(
+                (signs.detach().cpu().abs() == 1).all()
+            ):
+                raise ValueError(
+                    f"`hash_signs` differ from this sketch's signs, which its fingerprint (seed="
+                    f"{self.seed}, input_dim={self._input_dim}) fixes; assign the same signs "
+                    "(e.g. moved with `.to(device)`), or create a CountSketch with another seed "
+                    "for another map."
+                )
+        self._assigned_signs = signs
 
     def to(self, device: torch.device | str | int) -> CountSketch:
         """The same map on another device (tables moved, never regenerated)."""
@@ -268,6 +313,7 @@ class CountSketch:
         moved.__dict__.update(self.__dict__)
         moved._device = target
         moved._table = None if self._table is None else self._table.to(target)
+        moved._assigned_signs = None
         return moved
 
     def sketch(self, v: torch.Tensor) -> torch.Tensor:
@@ -296,7 +342,9 @@ class CountSketch:
 
         Linearity makes ``sketch(cat(p1, p2))`` equal to scattering ``p1`` at
         offset 0 and ``p2`` at ``len(p1)``: this is how a model is sketched
-        one parameter at a time.
+        one parameter at a time. As devinterp does it, each value times its
+        sign is added into its bucket in order (on the CPU, bit-equal to its
+        ``result.scatter_add_(0, idx, signs * v)``).
 
         Args:
             result: float32 or float64 ``[output_dim]`` buffer, modified in place.
@@ -311,8 +359,8 @@ class CountSketch:
                 f"{tuple(result.shape)}; allocate it with SketchBuffer.create(output_dim) or "
                 "torch.zeros(output_dim)."
             )
-        check_device("v", v, self._device)
-        check_device("result", result, self._device)
+        check_device("v", v, self.device)
+        check_device("result", result, self.device)
         flat = v.detach().reshape(-1)
         check_range(offset, flat.numel(), self._input_dim)
         if _backend.default_backend(result, kernel="hashed") == "triton":
@@ -326,7 +374,18 @@ class CountSketch:
         for start in range(0, flat.numel(), step):
             part = flat[start : start + step]
             folded = self._folded(offset + start, part.numel())
-            accumulate_folded(result, part, folded, self._output_dim, 1.0)
+            # devinterp's order: each value times its sign, added into its bucket in
+            # order (its tests compare a sampler's sketch with this at atol=0).
+            if result.dtype == torch.float32:
+                scatter_components_(
+                    result.unsqueeze(0), folded, part.unsqueeze(0), [(0, 0, 1.0, 1.0)]
+                )
+            else:
+                neg = folded >= self._output_dim
+                values = part.to(result.dtype)
+                result.scatter_add_(
+                    0, folded - self._output_dim * neg.long(), torch.where(neg, -values, values)
+                )
 
     def __repr__(self) -> str:
         mode = "tables" if self._table is not None else "on the fly"
@@ -379,7 +438,11 @@ class SketchBuffer:
         """The buffers' common device (an error if they disagree)."""
         devices = {q: getattr(self, q).device for q in self.QUANTITIES}
         if len(set(devices.values())) != 1:
-            raise RuntimeError(f"SketchBuffer buffers are on different devices: {devices}")
+            # devinterp's phrase first: its users' tests match it.
+            raise RuntimeError(
+                f"Inconsistent devices across buffers: {devices}. SketchBuffer buffers are on "
+                "different devices; move them with `.to(device)`."
+            )
         return next(iter(devices.values()))
 
     def zero_(self) -> None:

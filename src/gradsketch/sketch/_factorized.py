@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from gradsketch._checks import nonnegative_int, positive_int
 from gradsketch._hash import derive_key
-from gradsketch.errors import GradsketchError
+from gradsketch.errors import FactorizedLayoutError
 from gradsketch.sketch._countsketch import accumulate_folded
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._projectors import AbstractProjector, ProjectionType, parse_proj_type
@@ -42,10 +42,6 @@ _FACTORIZED_STREAM = 0xFAC7
 #: Layer index used for the count sketch of the parameters outside factorized layers.
 _REST_INDEX = 0xFFFFFFFF
 _IN, _OUT = 0, 1
-
-
-class FactorizedLayoutError(GradsketchError, ValueError):
-    """Raised when a model, a gradient or a factor does not fit a projector's layout."""
 
 
 @dataclass(frozen=True)

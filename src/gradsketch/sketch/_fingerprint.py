@@ -8,12 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsketch._settings import settings_from_record
-from gradsketch.errors import GradsketchError
+from gradsketch.errors import FingerprintMismatchError
 from gradsketch.sketch._tables import HASH_VERSION
-
-
-class FingerprintMismatchError(GradsketchError, ValueError):
-    """Raised when sketches or stored features made by different maps are combined."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,13 +49,15 @@ __all__ = [
 
 #: Must equal ``gs_abi_version()`` in ``gs_kernels.c``.
 ABI_VERSION = 5
+_VALUE = _native_build.VALUE_SUFFIX
+_INDEX = _native_build.INDEX_SUFFIX
 #: The C sources (package data), compiled and loaded by :mod:`gradsketch._native_build`.
-SPEC = _native_build.NativeSpec(
-    name="sketch",
-    source_dir=Path(__file__).with_name("csrc"),
-    sources=("gs_kernels.c", "gs_reduce.h"),
-    abi_version=ABI_VERSION,
-    symbols=tuple(f"gs_reduce_{v}_{i}" for v in ("f32", "f64") for i in ("i16", "i32", "i64")),
+SPEC = _native_build.NativeSpec.typed(
+    "sketch",
+    __file__,
+    ("gs_kernels.c", "gs_reduce_index.h", "gs_each_index.h", "gs_reduce.h"),
+    ABI_VERSION,
+    "gs_reduce",
 )
 #: Columns per chunk when threads split the columns: the chunk's rows stay in
 #: L1 from the scatter to the Gram (3 rows of 2048 float32 are 24 KB).
@@ -74,8 +75,6 @@ TRANSPOSED_MAX_BYTES = 1 << 20
 #: Fewest elements per thread worth a thread of its own.
 MIN_PER_THREAD = 1 << 15
 
-_VALUE = {torch.float32: "f32", torch.float64: "f64"}
-_INDEX = {torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
 _ARGTYPES = [
     ctypes.c_void_p,  # ptrs: row q of segment s at [s * r + q]
     ctypes.c_void_p,  # starts: int64 [nseg + 1] first column of each segment
@@ -103,27 +102,16 @@ _LIBRARY = ("library", "")
 
 def _load() -> tuple[NativeStatus, dict[tuple[str, str], Any] | None]:
     """Load :data:`SPEC`'s library (:func:`gradsketch._native_build.load`) and bind its kernels."""
-    status, lib = _native_build.load(SPEC)
-    if lib is None:
-        return status, None
-    kernels: dict[tuple[str, str], Any] = {_LIBRARY: lib}
-    for value in _VALUE.values():
-        for index in _INDEX.values():
-            fn = getattr(lib, f"gs_reduce_{value}_{index}")
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
-            kernels[value, index] = fn
-    return status, kernels
+    return _native_build.bind_kernels(
+        SPEC, "gs_reduce", _VALUE.values(), _INDEX.values(), _ARGTYPES, keep_library=True
+    )
 
 
 def _kernels() -> dict[tuple[str, str], Any] | None:
     global _state
     if _state is None:
-        with _lock:
-            if _state is None:
-                _state = _load()
-                # Once per process: WARNING unless turned off on purpose.
-                _native_build.report_fallback(SPEC, _state[0], "torch's scatter")
+        # Once per process: WARNING unless turned off on purpose.
+        _state = _native_build.load_once(_lock, lambda: _state, _load, SPEC, "torch's scatter")
     return _state[1]
 
 

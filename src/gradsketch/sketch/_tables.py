@@ -13,6 +13,7 @@ bit; this module turns them into count-sketch tables and dense JL blocks.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -96,6 +97,8 @@ def dense_block(
     kind: str,
     dtype: torch.dtype,
     device: torch.device,
+    *,
+    fast: bool = True,
 ) -> torch.Tensor:
     """Rows ``offset:offset+length``, columns ``col_start:col_stop`` of a dense JL matrix.
 
@@ -105,26 +108,17 @@ def dense_block(
     the sine of the same pair, so any column range gives identical values.
     Both kinds have mean 0 and variance 1.
 
+    On CPU the entries are computed in numpy (:func:`_dense_block_numpy`);
+    elsewhere, or with ``fast=False`` (:data:`dense_block_torch`, the
+    reference twin), in int64 torch arithmetic.
+
     Returns:
         ``[length, col_stop - col_start]`` tensor of ``dtype``.
     """
-    if device.type == "cpu":
-        return _dense_block_numpy(key, offset, length, col_start, col_stop, kind, dtype)
-    return dense_block_torch(key, offset, length, col_start, col_stop, kind, dtype, device)
-
-
-def dense_block_torch(
-    key: int,
-    offset: int,
-    length: int,
-    col_start: int,
-    col_stop: int,
-    kind: str,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """:func:`dense_block` in int64 torch arithmetic (any device; the reference twin)."""
-    rows = hash_indices(key, coordinate_range(offset, length, device)).unsqueeze(1)
+    row_hashes = hash_indices(key, coordinate_range(offset, length, device))
+    if fast and device.type == "cpu":
+        return _dense_block_numpy(row_hashes, key, col_start, col_stop, kind, dtype)
+    rows = row_hashes.unsqueeze(1)
     cols = torch.arange(col_start, col_stop, dtype=torch.int64, device=device)
     if kind == "rademacher":
         # One hash of (i, j // 32) gives the signs of 32 consecutive columns.
@@ -149,16 +143,19 @@ def dense_block_torch(
     return (radius * torch.where(odd, torch.sin(angle), torch.cos(angle))).to(dtype)
 
 
+#: :func:`dense_block` in int64 torch arithmetic on any device: the reference twin.
+dense_block_torch = functools.partial(dense_block, fast=False)
+
+
 def _dense_block_numpy(
+    row_hashes: torch.Tensor,
     key: int,
-    offset: int,
-    length: int,
     col_start: int,
     col_stop: int,
     kind: str,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """CPU twin of :func:`dense_block_torch` in numpy ``uint32`` (wrapping products).
+    """CPU twin of :func:`dense_block`'s torch path in numpy ``uint32`` (wrapping products).
 
     Same entries (Rademacher bit for bit; normal up to the last ulp of the
     transcendental functions), several times faster: 4-byte words instead of
@@ -166,8 +163,7 @@ def _dense_block_numpy(
     ``np.unpackbits``, and each Box-Muller pair hashed once for its two
     columns.
     """
-    rows = hash_indices(key, coordinate_range(offset, length, torch.device("cpu")))
-    rows_np = rows.numpy().astype(np.uint32)[:, None]
+    rows_np = row_hashes.numpy().astype(np.uint32)[:, None]
     if kind == "rademacher":
         first_word = col_start >> 5
         words = torch.arange(first_word, ((col_stop - 1) >> 5) + 1, dtype=torch.int64)
@@ -196,4 +192,4 @@ def _dense_block_numpy(
     angle = (2.0 * math.pi) * u2
     both = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), dim=2)
     lo = col_start - (first_pair << 1)
-    return both.reshape(length, -1)[:, lo : lo + (col_stop - col_start)].to(dtype)
+    return both.reshape(len(rows_np), -1)[:, lo : lo + (col_stop - col_start)].to(dtype)

@@ -36,7 +36,7 @@ import torch
 
 from gradsketch._checks import check_int, nonnegative_int, positive_int
 from gradsketch._hash import MASK32, mix32
-from gradsketch.errors import GradsketchError
+from gradsketch.errors import TritonUnavailableError
 from gradsketch.sketch._tables import AUX_SALT, PAIR_SALT, RADEMACHER_SALT
 from gradsketch.sketch._validate import check_block, check_float_tensor
 
@@ -88,10 +88,6 @@ _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "0") not 
 
 # Devices for which the choice of kernels has been logged (once each).
 _ANNOUNCED: set[str] = set()
-
-
-class TritonUnavailableError(GradsketchError, RuntimeError):
-    """The Triton kernels were asked for where they cannot run."""
 
 
 def interpret_mode() -> bool:
@@ -449,7 +445,7 @@ def triton_dense_project(
         offset: index of the block's first coordinate (row of ``M``).
         proj_dim: k, the number of columns of ``M``.
         proj_type: ``"rademacher"`` or ``"normal"``.
-        out: float32/float64 ``[batch, proj_dim]`` accumulator, modified in place.
+        out: the accumulator, as for :func:`triton_count_sketch`.
         splits: number of coordinate chunks summed separately (default: from
             the shapes only); changes rounding, never the map.
 
@@ -457,16 +453,15 @@ def triton_dense_project(
         ``out``.
 
     Raises:
-        TritonUnavailableError: without triton, or on a CPU tensor outside
-            the interpreter.
+        TritonUnavailableError: as :func:`triton_count_sketch`.
 
     Example:
-        >>> from gradsketch.sketch._tables import dense_key
-        >>> out = torch.zeros(2, 4)
-        >>> if use_triton(out.device):
-        ...     _ = triton_dense_project(torch.ones(2, 6), dense_key(0, 0), 0, 4, "normal", out)
-        >>> out.shape
-        torch.Size([2, 4])
+        >>> from gradsketch.sketch._tables import dense_block, dense_key
+        >>> x, out, key = torch.ones(2, 6), torch.zeros(2, 4), dense_key(0, 0)
+        >>> if use_triton(out.device):  # the product with the matrix dense_block makes
+        ...     _ = triton_dense_project(x, key, 0, 4, "rademacher", out)
+        ...     m = dense_block(key, 0, 6, 0, 4, "rademacher", torch.float32, out.device)
+        ...     assert torch.equal(out, x @ m)  # ±1 entries: exact integer sums
     """
     _check_operands(block, out, offset, positive_int("proj_dim", proj_dim))
     key = _check_key("key", key)

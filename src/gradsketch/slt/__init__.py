@@ -17,13 +17,16 @@ Needs the ``hf`` extra (transformers, datasets, xarray).
 """
 
 from gradsketch._processes import shutdown_workers
+from gradsketch.errors import OutputPathMismatchError, UnsupportedModelError
 from gradsketch.slt._bif_draws import (
     LossDraws,
     bayesian_influence,
     bif_from_draws,
     sample_loss_draws,
 )
-from gradsketch.slt._data import LossFn, NonFiniteLossError, per_token_loss
+from gradsketch.slt._cache import SamplingCache
+from gradsketch.slt._config import SAMPLING_METHODS, SamplerSettings
+from gradsketch.slt._data import LossFn, NonFiniteLossError, as_token_tensor, per_token_loss
 from gradsketch.slt._estimates import (
     FewChainsWarning,
     bif,
@@ -33,6 +36,7 @@ from gradsketch.slt._estimates import (
     llc,
     susceptibilities,
 )
+from gradsketch.slt._fast import FAST_PATHS
 from gradsketch.slt._restrictions import (
     PROJECTIONS,
     STRUCTURES,
@@ -45,14 +49,8 @@ from gradsketch.slt._restrictions import (
     register_structure,
     to_param_mask,
 )
-from gradsketch.slt._sample import (
-    SAMPLING_METHODS,
-    OutputPathMismatchError,
-    SamplerSettings,
-    SamplingCache,
-    UnsavedSamplesWarning,
-    sample,
-)
+from gradsketch.slt._sample import UnsavedSamplesWarning, sample
+from gradsketch.slt._schema import FAST_PATH_ATTR
 
 __all__ = [
     # sampling
@@ -61,11 +59,15 @@ __all__ = [
     "SamplerSettings",
     "SamplingCache",
     "SAMPLING_METHODS",
+    "FAST_PATHS",
+    "FAST_PATH_ATTR",
     "OutputPathMismatchError",
+    "UnsupportedModelError",
     "UnsavedSamplesWarning",
     "NonFiniteLossError",
     "LossFn",
     "per_token_loss",
+    "as_token_tensor",
     # estimates
     "llc",
     "compute_llc",

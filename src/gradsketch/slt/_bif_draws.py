@@ -42,8 +42,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 from tqdm.auto import tqdm
 
-from gradsketch.sampling import SGMCMC, default_nbeta
-from gradsketch.sampling._chain import DrawSchedule, run_chain
+from gradsketch.sampling import SGMCMC, DrawSchedule, default_nbeta, run_chain
 from gradsketch.slt._data import NonFiniteLossError, nonfinite_cause
 
 __all__ = ["LossDraws", "bayesian_influence", "bif_from_draws", "sample_loss_draws"]

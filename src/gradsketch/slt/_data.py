@@ -8,7 +8,6 @@ index lookups rather than a DataLoader's per-row collation.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,14 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsketch.errors import GradsketchError
-from gradsketch.slt._train_forward import token_cross_entropy
+from gradsketch._hash import tensors_digest
+from gradsketch._model_kind import classifier_task, hf_model_kind, model_label
+from gradsketch.errors import NonFiniteLossError, UnsupportedModelError
+from gradsketch.slt._fast import token_cross_entropy
 
 __all__ = [
     "LossFn",
     "NonFiniteLossError",
     "Observable",
     "as_token_tensor",
+    "check_causal_lm",
     "check_finite_weights",
     "check_token_range",
     "obs_id",
@@ -34,10 +36,6 @@ __all__ = [
 
 #: ``(model, input_ids [batch, seq]) -> per-token loss [batch, seq - 1]``.
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-class NonFiniteLossError(GradsketchError, ValueError):
-    """A chain's per-token loss was NaN or infinite."""
 
 
 def nonfinite_cause(step: int, lr: float) -> str:
@@ -154,7 +152,7 @@ def check_finite_weights(model: nn.Module) -> None:
         >>> check_finite_weights(layer)
         Traceback (most recent call last):
         ...
-        gradsketch.slt._data.NonFiniteLossError: `model` parameter 'bias' holds 1 NaN ...
+        gradsketch.errors.NonFiniteLossError: `model` parameter 'bias' holds 1 NaN ...
     """
     for pname, param in model.named_parameters():
         finite = torch.isfinite(param.detach())
@@ -169,9 +167,7 @@ def check_finite_weights(model: nn.Module) -> None:
 
 def token_digest(ids: torch.Tensor) -> str:
     """A short digest of a token tensor (its shape and values), for settings records."""
-    digest = hashlib.blake2b(repr(tuple(ids.shape)).encode(), digest_size=8)
-    digest.update(ids.numpy().tobytes())
-    return digest.hexdigest()
+    return tensors_digest([ids], shapes=True)
 
 
 def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -186,12 +182,59 @@ def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out  # type: ignore[no-any-return]
 
 
+def check_causal_lm(model: nn.Module, api: str = "gradsketch.slt") -> None:
+    """Refuse a transformers model that is not a causal LM, before any work (no forward pass).
+
+    :func:`per_token_loss` (the default loss) reads next-token logits
+    ``[batch, seq, vocab]`` of ``model(input_ids)``: an encoder-decoder
+    (``config.is_encoder_decoder``: T5, BART) needs decoder inputs, and an
+    encoder or a classification head (BERT, RoBERTa, ViT) has no
+    next-token logits. Modules that are not transformers models are left
+    to the forward pass (a plain ``nn.Module`` returning logits works).
+
+    Raises:
+        UnsupportedModelError: naming the model type, what ``slt`` samples
+            and what to use instead.
+
+    Example:
+        >>> check_causal_lm(torch.nn.Sequential(torch.nn.Embedding(5, 5)))  # not transformers
+    """
+    kind = hf_model_kind(model)
+    if kind in (None, "causal_lm"):
+        return
+    if kind == "encoder_decoder":
+        what = "an encoder-decoder (`config.is_encoder_decoder` is true)"
+        instead = (
+            "For training-data attribution of a sequence-to-sequence model use "
+            '`gradsketch.attribution.TRAKer(..., task="seq2seq_lm")`.'
+        )
+    else:
+        what = "not a causal language model (no causal LM head)"
+        task = classifier_task(model)
+        instead = (
+            f"For attribution of a classifier use `gradsketch.attribution.TRAKer(..., "
+            f'task="{task}")`.'
+            if task is not None
+            else "For an encoder, attribution has the classification tasks of "
+            '`gradsketch.attribution.TRAKer` (e.g. task="text_classification").'
+        )
+    raise UnsupportedModelError(
+        f"{api} samples causal language models, got {model_label(model)}: {what}. "
+        "Supported: AutoModelForCausalLM-style models (`config.is_encoder_decoder` false and "
+        "a causal LM head, e.g. GPT2LMHeadModel, LlamaForCausalLM) whose "
+        "`model(input_ids)` gives next-token logits. "
+        f"{instead} To sample this model anyway, pass `loss_fn=(model, input_ids) -> "
+        "[batch, seq - 1]` per-token losses that fit it; "
+        "`gradsketch.slt.bayesian_influence` takes any model with a per-example `loss_fn`."
+    )
+
+
 def per_token_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of every position: ``[batch, seq - 1]``.
 
     ``loss[b, t] = -log softmax(logits[b, t])[input_ids[b, t + 1]]``, computed
     by one fused cross-entropy
-    (:func:`~gradsketch.slt._train_forward.token_cross_entropy`) over every
+    (:func:`~gradsketch.slt._fast.token_cross_entropy`) over every
     position (the last one's target ignored), so that neither the forward
     pass copies the logits without their last position nor the backward pass
     scatters into zeros of their size.

@@ -29,9 +29,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gradsketch.sampling._divergence import warn_if_diverged
-from gradsketch.slt._data import LossFn, obs_id
-from gradsketch.slt._sample import NUMEL_ATTR, SamplingCache, sample
+from gradsketch.errors import StoreIntegrityError
+from gradsketch.sampling import warn_if_diverged
+from gradsketch.slt._cache import SamplingCache
+from gradsketch.slt._data import LossFn, check_causal_lm, obs_id
+from gradsketch.slt._sample import sample
+from gradsketch.slt._schema import NUMEL_ATTR
 
 __all__ = [
     "FewChainsWarning",
@@ -69,6 +72,19 @@ def _dataset(samples: Any) -> Any:
             "returned by gradsketch.slt.sample (or devinterp's sample)."
         )
     return ds
+
+
+def _read(ds: Any, name: str) -> Any:
+    """``ds[name].values``, or an error naming the variable where a chunk fails to decode."""
+    try:
+        return ds[name].values
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise StoreIntegrityError(
+            f"`{name}` of the sample store cannot be read ({exc}): a chunk file is damaged "
+            "(bit-flipped or truncated), so no estimate is computed from it. Fix: rerun "
+            "`sample` (or `llc`) with the same arguments and output_path: it names the array, "
+            "chunk and file, and samples the chain again."
+        ) from exc
 
 
 #: Chains below which :func:`compute_llc` warns :class:`FewChainsWarning`.
@@ -124,9 +140,18 @@ def compute_llc(samples: Any) -> Any:
     xr = _xr()
     ds = _dataset(samples)
     n_beta = float(ds.attrs["metadata"]["config"]["sampler"]["n_beta"])
-    init = np.asarray(ds["init_loss"].values, dtype=np.float64)
+    init = np.asarray(_read(ds, "init_loss"), dtype=np.float64)
+    if not np.isfinite(init).all():
+        # L(w*) is refused when not finite before it is stored: a NaN is a missing chunk.
+        chains = sorted(set(np.flatnonzero(~np.isfinite(init).all(axis=-1)).tolist()))
+        raise StoreIntegrityError(
+            f"`init_loss` of the sample store is missing for chains {chains} (a deleted chunk "
+            "reads as NaN), so no LLC is computed from it. Fix: rerun `sample` (or `llc`) with "
+            "the same arguments and output_path: it names the chunk and samples those chains "
+            "again."
+        )
     init_mean = float(init.mean())
-    micro = np.asarray(ds["sampling_loss_micro"].values)
+    micro = np.asarray(_read(ds, "sampling_loss_micro"))
     trace = micro.astype(np.float64).mean(axis=(2, 3))  # [chain, step]
     per_chain = n_beta * (trace.mean(axis=1) - init_mean)
     # A diverged chain (or an LLC far outside [0, d/2]) warns with the step size to try.
@@ -455,6 +480,19 @@ def _needs_observables(name: str, kwargs: Mapping[str, Any]) -> None:
         )
 
 
+def _given(
+    lr: float | str, n_beta: float, param_masks: Any, loss_fn: LossFn | None, cores: int
+) -> dict[str, Any]:
+    """The keywords of :func:`sample` that :func:`llc`, :func:`bif` and susceptibilities name."""
+    return {
+        "lr": lr,
+        "n_beta": n_beta,
+        "param_masks": param_masks,
+        "loss_fn": loss_fn,
+        "cores": cores,
+    }
+
+
 def llc(
     model: nn.Module,
     dataset: Any,
@@ -478,17 +516,8 @@ def llc(
     ``evaluate_observables=True`` to evaluate them all the same.
     """
     kwargs.setdefault("evaluate_observables", kwargs.get("output_path") is not None)
-    samples = sample(
-        model,
-        dataset,
-        observables,
-        lr=lr,
-        n_beta=n_beta,
-        param_masks=param_masks,
-        loss_fn=loss_fn,
-        cores=cores,
-        **kwargs,
-    )
+    given = _given(lr, n_beta, param_masks, loss_fn, cores)
+    samples = sample(model, dataset, observables, **given, **kwargs)
     return compute_llc(samples)
 
 
@@ -516,17 +545,8 @@ def bif(
     (:func:`~gradsketch.slt.sample`'s ``cores``).
     """
     _needs_observables("bif", kwargs)
-    samples = sample(
-        model,
-        dataset,
-        observables,
-        lr=lr,
-        n_beta=n_beta,
-        param_masks=param_masks,
-        loss_fn=loss_fn,
-        cores=cores,
-        **kwargs,
-    )
+    given = _given(lr, n_beta, param_masks, loss_fn, cores)
+    samples = sample(model, dataset, observables, **given, **kwargs)
     return compute_bif(
         samples,
         correlation_method=correlation_method,
@@ -564,6 +584,8 @@ def susceptibilities(
     one): L(w*) and ``lr="auto"``'s step, which ignore the restriction, are
     computed once.
     """
+    if loss_fn is None:
+        check_causal_lm(model)  # before any restriction is built or sampled
     if "full" not in weight_restrictions:
         raise ValueError(
             "`weight_restrictions` must include 'full' (None: the unrestricted model), got "
@@ -596,17 +618,8 @@ def susceptibilities(
         if base is not None:
             b = Path(str(base))
             extra["output_path"] = b.parent / f"{b.stem}_{name}{b.suffix}"
-        wr_map[name] = sample(
-            model,
-            dataset,
-            observables,
-            lr=lr,
-            n_beta=n_beta,
-            param_masks=masks,
-            loss_fn=loss_fn,
-            cores=cores,
-            **extra,
-        )
+        given = _given(lr, n_beta, masks, loss_fn, cores)
+        wr_map[name] = sample(model, dataset, observables, **given, **extra)
     return compute_susceptibilities(
         wr_map, sampling_task, include_sampling_task=include_sampling_task
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from gradsketch.errors import GradsketchError
+from gradsketch.errors import HookComputationError as HookComputationError
 
 #: ``rule(module, inputs, grad_output) -> {local parameter name: [B, *shape]}``.
 GradSampler = Callable[[nn.Module, tuple[Any, ...], Tensor], dict[str, Tensor]]
@@ -38,10 +38,6 @@ ROW_SPARSE_SAMPLERS: dict[type[nn.Module], RowSparseSampler] = {}
 #: example's rows. Their parameters' per-example gradients come from
 #: ``torch.func`` (or a loop over the examples) on the container's inputs.
 WHOLE_MODULES: set[type[nn.Module]] = set()
-
-
-class HookComputationError(GradsketchError, RuntimeError):
-    """Raised when a hooked forward / backward does not fit the per-example assumptions."""
 
 
 def _register(

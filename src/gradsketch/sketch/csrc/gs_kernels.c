@@ -1,7 +1,7 @@
 /*
  * gradsketch's native sketch kernels: the count-sketch scatter of a folded table (the fast
  * path of gradsketch.sketch._countsketch.scatter_folded_) and the sampler's fused Gram +
- * scatter pass (gradsketch.sampling._reduce). The SLT sampler's train-mode kernels are a
+ * scatter pass (gradsketch.sketch._reduce). The SLT sampler's train-mode kernels are a
  * library of their own (gradsketch/slt/csrc/gs_train.c).
  * gradsketch._native_build compiles this file at first use with the system C compiler and
  * gradsketch.sketch._native falls back to torch's scatter when it cannot. The
@@ -64,57 +64,21 @@ static inline void gs_transpose8(__m256 *r) {
 #define GS_CAT(a, b) a##_##b
 #define GS_NAME(base, suffix) GS_CAT(base, suffix)
 
+/* One instance of gs_reduce.h per value type (its 64-byte vector and loader) and, through
+ * gs_reduce_index.h, per index type: the exported names run gs_reduce_{f32,f64}_{i16,i32,i64}. */
 #define GS_F32 1
 #define T float
 #define VEC gs_v16f
-#define VLANES 16
 #define VLOAD gs_load_f32
-#define I int16_t
-#define NAME(base) GS_NAME(base, f32_i16)
-#include "gs_reduce.h"
-#undef I
-#undef NAME
-#define I int32_t
-#define NAME(base) GS_NAME(base, f32_i32)
-#include "gs_reduce.h"
-#undef I
-#undef NAME
-#define I int64_t
-#define NAME(base) GS_NAME(base, f32_i64)
-#include "gs_reduce.h"
-#undef I
-#undef NAME
-#undef T
-#undef VEC
-#undef VLANES
-#undef VLOAD
-#undef GS_F32
+#define TNAME f32
+#include "gs_reduce_index.h"
 
 #define GS_F32 0
 #define T double
 #define VEC gs_v8d
-#define VLANES 8
 #define VLOAD gs_load_f64
-#define I int16_t
-#define NAME(base) GS_NAME(base, f64_i16)
-#include "gs_reduce.h"
-#undef I
-#undef NAME
-#define I int32_t
-#define NAME(base) GS_NAME(base, f64_i32)
-#include "gs_reduce.h"
-#undef I
-#undef NAME
-#define I int64_t
-#define NAME(base) GS_NAME(base, f64_i64)
-#include "gs_reduce.h"
-#undef I
-#undef NAME
-#undef T
-#undef VEC
-#undef VLANES
-#undef VLOAD
-#undef GS_F32
+#define TNAME f64
+#include "gs_reduce_index.h"
 
 /* The interface version; gradsketch.sketch._native refuses a library that reports another. */
 int gs_abi_version(void) { return 5; }

@@ -1,7 +1,7 @@
 /*
- * One instantiation of gradsketch's reduction kernel, included by gs_kernels.c once per
+ * One instantiation of gradsketch's reduction kernel, included by gs_reduce_index.h once per
  * (value type T, index type I). T's vector type VEC of VLANES lanes and its loader VLOAD,
- * and NAME(base) (base suffixed by the types) are defined by the includer.
+ * and NAME(base) (base suffixed by the types) are defined by the includers.
  */
 
 /* dst[q][idx[i]] += src[q][i] for NR rows and i < len; skips and flags bad indices. */

@@ -1,10 +1,10 @@
 /*
- * Train-mode kernels of the SLT sampler's working copy (gradsketch.slt._train_forward):
+ * Train-mode kernels of the SLT sampler's working copy (gradsketch.slt._fast):
  * seeded dropout, the tanh form of GELU, attention weights' softmax with dropout, the
  * per-token cross-entropy, RMSNorm, SwiGLU and the rotary embedding, each forward and backward
  * in one memory pass.
  * A library of its own, compiled at first use by gradsketch._native_build and loaded by
- * gradsketch.slt._train_native (GRADSKETCH_NATIVE_TRAIN=0 turns it off). Every loop is
+ * gradsketch.slt._fast._native (GRADSKETCH_NATIVE_TRAIN=0 turns it off). Every loop is
  * written so that the compiler vectorizes it.
  */
 #include <math.h>
@@ -486,5 +486,5 @@ void gs_rotary_f32(const float *x, const int64_t *xs, const float *c, const floa
         }
 }
 
-/* The interface version; gradsketch.slt._train_native refuses a library that reports another. */
+/* The interface version; gradsketch.slt._fast._native refuses a library that reports another. */
 int gs_train_abi_version(void) { return 3; }

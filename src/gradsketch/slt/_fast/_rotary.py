@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsketch.slt import _train_forward
+from gradsketch.slt._fast import _native
 
 __all__ = ["FUNCTION", "rotary", "swap_rotary", "swapped"]
 
@@ -142,18 +142,18 @@ def rotary(
         >>> torch.equal(rotary(x, cos, sin), x * cos[:, None] + half * sin[:, None])
         True
     """
-    kernels = _train_forward._native_kernels() if _fits(x, cos, sin, unsqueeze_dim) else None
+    kernels = _native.native_kernels() if _fits(x, cos, sin, unsqueeze_dim) else None
     if kernels is None:
         return _torch_rotary(x, cos, sin, unsqueeze_dim)
-    return _native(x, cos, sin, unsqueeze_dim, kernels)
+    return _run_kernel(x, cos, sin, unsqueeze_dim, kernels)
 
 
-def _native(
+def _run_kernel(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_dim: int,
     kernels: dict[str, Any],
 ) -> torch.Tensor:  # fmt: skip
     """The kernel on arguments :func:`_fits` took: an autograd node only where one records."""
-    if not _train_forward._tracked(x):
+    if not _native.tracked(x):
         return _rotary_kernel(x, cos, sin, heads_dim, False, kernels)
     return _NativeRotary.apply(x, cos, sin, heads_dim, kernels)  # type: ignore[no-any-return]
 
@@ -209,13 +209,15 @@ def _fused(
     found = _arguments(signature, args, kwargs)
     if found is None:
         return None
-    kernels = _train_forward._native_kernels()
+    kernels = _native.native_kernels()
     if kernels is None:
         return None
     (q, k, cos, sin), heads_dim = found
     if not (_fits(q, cos, sin, heads_dim) and _fits(k, cos, sin, heads_dim)):
         return None
-    return _native(q, cos, sin, heads_dim, kernels), _native(k, cos, sin, heads_dim, kernels)
+    return _run_kernel(q, cos, sin, heads_dim, kernels), _run_kernel(
+        k, cos, sin, heads_dim, kernels
+    )
 
 
 def _takes_four(function: Callable[..., Any]) -> bool:

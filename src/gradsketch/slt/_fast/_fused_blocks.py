@@ -29,8 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradsketch.slt import _train_forward
-from gradsketch.slt._train_forward import _native_for, _tracked
+from gradsketch.slt._fast import _native
 
 __all__ = ["FusedRMSNorm", "SwiGLU", "rms_norm", "swap_blocks", "swiglu"]
 
@@ -57,18 +56,16 @@ class _NativeRMSNorm(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: dict[str, Any]
     ) -> Any:
         y, rstd = _rms_kernel(x, weight, eps, kernels)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.kernels = kernels
+        _native.keep(ctx, kernels, x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        x, weight, rstd = ctx.saved_tensors
-        grad = grad.contiguous()
+        grad, (x, weight, rstd), kernels = _native.kept(ctx, grad)
         d = x.shape[-1]
         dx = torch.empty_like(x)
         dw = torch.zeros(d, dtype=torch.float64)
-        ctx.kernels["rmsnorm_backward"](
+        kernels["rmsnorm_backward"](
             grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
             dw.data_ptr(), x.numel() // d, d,
         )  # fmt: skip
@@ -88,9 +85,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         >>> torch.allclose(rms_norm(x, w, 1e-6), want, atol=1e-6)
         True
     """
-    kernels = _native_for(x)
+    kernels = _native.native_for(x)
     if kernels is not None and weight.dtype == torch.float32 and weight.is_contiguous():
-        if not _tracked(x, weight):
+        if not _native.tracked(x, weight):
             return _rms_kernel(x, weight, eps, kernels)[0]
         return _NativeRMSNorm.apply(x, weight, eps, kernels)  # type: ignore[no-any-return]
     h = x.to(torch.float32)
@@ -119,18 +116,16 @@ class _NativeSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, kernels: dict[str, Any]) -> Any:
-        ctx.save_for_backward(gate, up)
-        ctx.kernels = kernels
+        _native.keep(ctx, kernels, gate, up)
         return _swiglu_kernel(gate, up, kernels)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        gate, up = ctx.saved_tensors
+        grad, (gate, up), kernels = _native.kept(ctx, grad)
         g, u = _rows(gate).contiguous(), _rows(up).contiguous()
         rows, f = g.shape
-        grad = grad.contiguous()
         dg, du = torch.empty_like(g), torch.empty_like(u)
-        ctx.kernels["swiglu_backward"](
+        kernels["swiglu_backward"](
             grad.data_ptr(), g.data_ptr(), u.data_ptr(), f, dg.data_ptr(), du.data_ptr(), f,
             rows, f,
         )  # fmt: skip
@@ -150,10 +145,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """
     ready = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (gate, up))
     # Read through the module: a test swapping its loader swaps it here too.
-    kernels = _train_forward._native_kernels() if ready and up.shape == gate.shape else None
+    kernels = _native.native_kernels() if ready and up.shape == gate.shape else None
     if kernels is None:
         return F.silu(gate) * up
-    if not _tracked(gate, up):
+    if not _native.tracked(gate, up):
         return _swiglu_kernel(gate, up, kernels)
     return _NativeSwiGLU.apply(gate, up, kernels)  # type: ignore[no-any-return]
 
@@ -200,7 +195,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         gp, up = self.gate_proj, self.up_proj
-        if _tracked(input, *self.parameters()):
+        if _native.tracked(input, *self.parameters()):
             # Training: apart (a stacked product's backward costs a copy of its gradient).
             return self.down_proj(swiglu(gp(input), up(input)))
         weight = torch.cat([gp.weight, up.weight])

@@ -1,4 +1,4 @@
-"""The Gram/sketch pass over a sampler step's workspace.
+"""The Gram/sketch pass over a workspace of rows (a sampler step's).
 
 A recording step writes, per parameter, the vectors it records into the rows
 of one ``[r, numel]`` workspace. :func:`reduce_workspace` reads that workspace:

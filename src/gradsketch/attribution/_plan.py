@@ -1,0 +1,519 @@
+"""The plan of an attribution run: store bytes, peak memory and time, before the work.
+
+Users bring 100M-7B-parameter models; a run that cannot fit must say so
+before it allocates, not be killed by the kernel. :class:`AttributionPlan`
+is what :class:`~gradsketch.attribution.TRAKer` estimates from the model
+(at construction) and from the first training batch (before featurizing
+it), logs, and refuses with (:class:`~gradsketch.errors.MemoryBudgetError`,
+naming the estimate, what is free and the fixes) where it does not fit the
+machine's available memory or the store's free disk.
+
+The estimates are upper-bound-minded, not exact:
+
+- parameters: the model's parameters and buffers, and one gradient of them;
+- curvature: K-FAC / EK-FAC's float64 factors ``d_in² + d_out²`` per layer,
+  their eigenbases (as many again) and the eigenvalues (``2 d_in d_out``);
+  TRAK's ``k²`` Gram matrix and its inverse;
+- gradients: one batch's per-example gradients (TRAK: ``B × d`` float32, twice:
+  per parameter and flattened for the projector;
+  per-layer methods: each layer's inputs and output gradients, ``B T (d_in +
+  d_out)``, and dense rows where they are kept dense) and the activations of
+  the model's linear layers (``2 B T Σ (d_in + d_out)`` float32);
+- projection: the tensors the projector holds;
+- working: the finalize and scoring blocks (``memory_budget``, or 64 MiB);
+- store: the rows of each document in the form they will be kept (``[a, g]``
+  per position, dense ``vec(G)``, or projected features) and Q.
+
+The time per document is measured on the first batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from gradsketch.attribution._io import DEFAULT_BLOCK_BYTES
+from gradsketch.attribution._layer_capture import FactoredLayer, find_layers
+from gradsketch.errors import MemoryBudgetError
+
+__all__ = [
+    "AttributionPlan",
+    "available_memory",
+    "free_disk",
+    "model_plan",
+    "plan_first_batch",
+    "traker_plan",
+]
+
+#: Methods whose curvature is K-FAC's factors (registered per-layer methods are counted so too).
+_NO_CURVATURE = ("identity",)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (``MemAvailable``), or ``None`` if unknown.
+
+    Read from ``/proc/meminfo`` (Linux), else ``os.sysconf``; the environment
+    variable ``GRADSKETCH_AVAILABLE_MEMORY`` (bytes) overrides both.
+    """
+    forced = os.environ.get("GRADSKETCH_AVAILABLE_MEMORY")
+    if forced:
+        return int(forced)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def free_disk(path: Path) -> int | None:
+    """Free bytes on the filesystem of ``path`` (its nearest existing folder), or ``None``."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return int(shutil.disk_usage(folder).free)
+    except OSError:
+        return None
+
+
+def _gb(n: float) -> str:
+    if n >= 1e8:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+@dataclass(frozen=True)
+class AttributionPlan:
+    """What an attribution run needs: store bytes, peak memory and time per document.
+
+    Read-only: :attr:`TRAKer.plan <gradsketch.attribution.TRAKer.plan>` gives the
+    latest (from the model alone until the first training batch, then from it).
+
+    Attributes:
+        method: the method (``"trak"``, ``"ekfac"``, ``"replay"``...).
+        train_set_size: documents n.
+        batch_rows: rows of the first batch (``None``: before it).
+        tokens: positions per document in the first batch (``None``: before it).
+        store_bytes_per_row: bytes stored per document (0 before the first batch).
+        parameter_bytes: the model's parameters, buffers and one gradient.
+        curvature_bytes: the method's factors, eigenbases, Gram matrix.
+        gradient_bytes: one batch's per-example gradients and activations.
+        projection_bytes: what the projector holds.
+        working_bytes: finalize and scoring blocks.
+        seconds_per_row: featurize time per document, measured on the first batch.
+        available_memory: bytes available when planned (``None``: unknown).
+        free_disk: free bytes at the store (``None``: unknown).
+        rows_left: documents still to featurize (the store may hold some).
+        notes: what the plan assumed or left out, one line each.
+    """
+
+    method: str
+    train_set_size: int
+    batch_rows: int | None = None
+    tokens: int | None = None
+    store_bytes_per_row: int = 0
+    parameter_bytes: int = 0
+    curvature_bytes: int = 0
+    gradient_bytes: int = 0
+    projection_bytes: int = 0
+    working_bytes: int = 0
+    seconds_per_row: float | None = None
+    available_memory: int | None = None
+    free_disk: int | None = None
+    rows_left: int | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def store_bytes(self) -> int:
+        """Bytes of the whole store's rows (``train_set_size`` documents)."""
+        return self.store_bytes_per_row * self.train_set_size
+
+    @property
+    def peak_bytes(self) -> int:
+        """Estimated peak memory: the sum of the parts."""
+        return (
+            self.parameter_bytes
+            + self.curvature_bytes
+            + self.gradient_bytes
+            + self.projection_bytes
+            + self.working_bytes
+        )
+
+    @property
+    def seconds(self) -> float | None:
+        """Estimated featurize seconds of the documents left (``None`` before the first batch)."""
+        if self.seconds_per_row is None:
+            return None
+        left = self.train_set_size if self.rows_left is None else self.rows_left
+        return self.seconds_per_row * left
+
+    def problems(self) -> list[str]:
+        """What does not fit: memory and disk, one sentence each (empty: it fits)."""
+        out = []
+        if self.available_memory is not None and self.peak_bytes > self.available_memory:
+            out.append(
+                f"peak memory ~{_gb(self.peak_bytes)} but {_gb(self.available_memory)} is available"
+            )
+        left = self.train_set_size if self.rows_left is None else self.rows_left
+        need = self.store_bytes_per_row * left
+        if self.free_disk is not None and need > self.free_disk:
+            out.append(f"the store needs ~{_gb(need)} on disk but {_gb(self.free_disk)} is free")
+        return out
+
+    def __str__(self) -> str:
+        per_row = (
+            "after the first batch"
+            if self.batch_rows is None
+            else f"{_gb(self.store_bytes_per_row)} per document"
+        )
+        lines = [
+            f"attribution plan (method={self.method!r}, {self.train_set_size} documents"
+            + ("" if self.tokens is None else f" of {self.tokens} tokens")
+            + "):",
+            f"  store:       {per_row}"
+            + ("" if self.batch_rows is None else f", {_gb(self.store_bytes)} in total"),
+            f"  peak memory: ~{_gb(self.peak_bytes)} = parameters {_gb(self.parameter_bytes)}"
+            f" + curvature {_gb(self.curvature_bytes)} + per-example gradients "
+            f"{_gb(self.gradient_bytes)} + projection {_gb(self.projection_bytes)} + working "
+            f"{_gb(self.working_bytes)}",
+        ]
+        if self.seconds_per_row is not None:
+            total = self.seconds or 0.0
+            lines.append(
+                f"  time:        {self.seconds_per_row:.3g} s per document (first batch), "
+                f"~{_duration(total)} for the {self.rows_left} left"
+            )
+        free = []
+        if self.available_memory is not None:
+            free.append(f"{_gb(self.available_memory)} memory available")
+        if self.free_disk is not None:
+            free.append(f"{_gb(self.free_disk)} free at the store")
+        if free:
+            lines.append("  machine:     " + ", ".join(free))
+        lines += [f"  note:        {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def with_time(self, seconds_per_row: float) -> AttributionPlan:
+        """The plan with the measured featurize time per document."""
+        return replace(self, seconds_per_row=float(seconds_per_row))
+
+
+def fixes(method: str, layered: bool) -> str:
+    """The ways out, as one sentence for the refusal."""
+    ways = []
+    if layered:
+        ways.append(
+            "`projection=(k_in, k_out)` to project each layer's inputs and output gradients "
+            "(e.g. (16, 16))"
+        )
+    elif method != "replay":
+        ways.append("a smaller `proj_dim` (or a `projector`)")
+    else:
+        ways.append("a smaller `query_block` or `checkpoint_every` near √(steps)")
+    if method != "replay":
+        ways.append(
+            "`grad_wrt` naming fewer layers (e.g. the blocks' attention and MLP weights, "
+            "'*.h.*.weight')"
+        )
+    ways.append("`memory_budget` (bytes) to bound the finalize and scoring blocks")
+    ways.append("fewer tokens per document or smaller batches")
+    return "; ".join(ways)
+
+
+def refuse(plan: AttributionPlan, layered: bool) -> None:
+    """Raise :class:`MemoryBudgetError` naming the estimate, what is free and the fixes.
+
+    Raises:
+        MemoryBudgetError: the plan does not fit (:meth:`AttributionPlan.problems`).
+    """
+    problems = plan.problems()
+    if problems:
+        raise MemoryBudgetError(
+            f"attribution with method={plan.method!r} does not fit this machine: "
+            + "; ".join(problems)
+            + f". Fixes: {fixes(plan.method, layered)}. The plan:\n{plan}"
+        )
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors an object holds as attributes (one level deep)."""
+    seen: set[int] = set()
+    total = 0
+    for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for t in items:
+            if isinstance(t, Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def model_bytes(model: nn.Module) -> int:
+    """The model's parameters (twice: values and one gradient) and buffers."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return 2 * params + buffers
+
+
+def _all_layers(model: nn.Module) -> list[FactoredLayer]:
+    try:
+        return find_layers(model, None, None)
+    except ValueError:
+        return []
+
+
+def curvature_bytes(method: str, layers: list[FactoredLayer], width: int) -> int:
+    """The method's curvature: per-layer float64 factors and eigenbases, or TRAK's Gram."""
+    if method == "trak":
+        return 2 * 8 * width * width  # XᵀX and its inverse
+    if method in _NO_CURVATURE or not layers:
+        return 0
+    # A and S sums, their eigenvectors; the eigenvalues and EK-FAC's sums of squares.
+    return sum(8 * (2 * (x.k_in**2 + x.k_out**2) + 2 * x.k_in * x.k_out) for x in layers)
+
+
+def first_batch_shape(batch: Any) -> tuple[int, int]:
+    """``(rows, positions per row)`` of a batch: token ids ``[B, T]`` give ``T``, else 1."""
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    if isinstance(batch, dict):
+        first = batch.get("input_ids", next(iter(batch.values())))
+    rows = int(first.shape[0])
+    tokens = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else 1
+    return rows, tokens
+
+
+def plan_features(
+    *,
+    method: str,
+    model: nn.Module,
+    layers: list[FactoredLayer],
+    featurizer: Any,
+    projector: Any,
+    train_set_size: int,
+    width: int,
+    grad_dim: int,
+    itemsize: int,
+    sampled: bool,
+    memory_budget: int | None,
+    save_dir: Path,
+    batch: Any = None,
+    rows_left: int | None = None,
+) -> AttributionPlan:
+    """The plan of a stored-features method (TRAK, identity, K-FAC, EK-FAC, registered ones).
+
+    Args:
+        method: the method.
+        model: the model.
+        layers: the factored layers (per-layer methods; else empty).
+        featurizer: the per-layer featurizer (``None`` for projected methods).
+        projector: the flat projector (projected methods).
+        train_set_size: n.
+        width: stored features per row k.
+        grad_dim: differentiated coordinates d (projected methods).
+        itemsize: bytes per stored number.
+        sampled: ``curvature="sampled"`` (a second set of rows).
+        memory_budget: the TRAKer's ``memory_budget``.
+        save_dir: the store.
+        batch: the first training batch (``None``: the model-only plan).
+        rows_left: documents not featurized yet.
+    """
+    layered = featurizer is not None
+    notes = []
+    every = _all_layers(model)
+    rows, tokens = first_batch_shape(batch) if batch is not None else (0, 1)
+    activations = 2 * 4 * rows * tokens * sum(x.d_in + x.d_out for x in every)
+    if layered:
+        side = sum(x.k_in + x.k_out for x in layers)
+        dense = featurizer.dense_width()
+        if tokens == 1:
+            row = featurizer.row_width("rank_one")
+            form = "each layer's [a, g]"
+        else:
+            factored = featurizer.row_width("token_factors", [tokens] * len(layers))
+            row = min(factored, dense)
+            form = "each position's [a, g]" if factored < dense else "dense vec(G)"
+        per_row = row * itemsize * (2 if sampled else 1) + 8
+        gradients = 4 * rows * tokens * side + (4 * rows * dense if row == dense else 0)
+        if batch is not None:
+            notes.append(f"rows kept as {form} ({row} numbers per document)")
+    else:
+        per_row = width * itemsize + 4
+        # The per-parameter gradients and their flat copy for the projector: GPT-2 small,
+        # 16 x 128 tokens, peaked at 17.3 GB RSS for 2 x 8 GB of them (2026-11-29).
+        gradients = 2 * 4 * rows * grad_dim + 4 * rows * width
+    working = memory_budget if memory_budget is not None else DEFAULT_BLOCK_BYTES
+    return AttributionPlan(
+        method=method,
+        train_set_size=train_set_size,
+        batch_rows=rows if batch is not None else None,
+        tokens=tokens if batch is not None else None,
+        store_bytes_per_row=per_row if batch is not None else 0,
+        parameter_bytes=model_bytes(model),
+        curvature_bytes=curvature_bytes(method, layers, width),
+        gradient_bytes=gradients + activations if batch is not None else 0,
+        projection_bytes=0 if projector is None else _tensor_bytes(projector),
+        working_bytes=int(working),
+        available_memory=available_memory(),
+        free_disk=free_disk(save_dir),
+        rows_left=rows_left,
+        notes=tuple(notes),
+    )
+
+
+def plan_replay(
+    *,
+    model: nn.Module,
+    replay: Any,
+    train_set_size: int,
+    memory_budget: int | None,
+    save_dir: Path,
+    batch: Any = None,
+    rows_left: int | None = None,
+) -> AttributionPlan:
+    """The plan of ``method="replay"``: the training rows it keeps, and the run's memory.
+
+    The run's own memory (checkpoints, segment, adjoints) is
+    :meth:`ReplayAttributor.memory_estimate` of one query where ``replay`` is a
+    :class:`~gradsketch.attribution.ReplayAttributor`; a
+    :class:`~gradsketch.attribution.ReplaySettings` builds the run at
+    ``finalize_features``, so only the model's part is planned here.
+    """
+    notes = []
+    planner = getattr(replay, "plan", None)
+    working = 0
+    # Measuring the run's activations runs a step: done at the first batch, not at construction.
+    if callable(planner) and batch is not None:
+        working = int(planner(1).working_bytes)
+        notes.append("the run's memory: ReplayAttributor.plan(1)")
+    else:
+        notes.append("the run's memory is estimated when it is built (finalize_features)")
+    if memory_budget is not None:
+        working = min(working, int(memory_budget)) if working else int(memory_budget)
+    per_row = 0
+    if batch is not None:
+        tensors = batch.values() if isinstance(batch, dict) else batch
+        rows = int(first_batch_shape(batch)[0])
+        kept = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+        # The row itself, and one float64 score per query later: 8 n per query.
+        per_row = math.ceil(kept / max(rows, 1))
+    rows, tokens = first_batch_shape(batch) if batch is not None else (0, 1)
+    return AttributionPlan(
+        method="replay",
+        train_set_size=train_set_size,
+        batch_rows=rows if batch is not None else None,
+        tokens=tokens if batch is not None else None,
+        store_bytes_per_row=per_row,
+        parameter_bytes=model_bytes(model),
+        working_bytes=working,
+        available_memory=available_memory(),
+        free_disk=free_disk(save_dir),
+        rows_left=rows_left,
+        notes=tuple(notes),
+    )
+
+
+def model_plan(traker: Any, maker: Any, curvature: str) -> AttributionPlan:
+    """A stored-features TRAKer's plan from the model alone, from its feature maker ``maker``.
+
+    Made before the TRAKer's store, so a refused run leaves nothing behind.
+    """
+    return plan_features(
+        method=traker.method,
+        model=traker.model,
+        layers=list(maker.layers),
+        featurizer=maker.featurizer if maker.layered else None,
+        projector=maker.projector,
+        train_set_size=traker.train_set_size,
+        width=maker.proj_dim,
+        grad_dim=maker.grad_dim,
+        itemsize=maker.dtype.itemsize,
+        sampled=curvature == "sampled",
+        memory_budget=traker.memory_budget,
+        save_dir=traker.save_dir,
+    )
+
+
+def traker_plan(traker: Any, batch: Any = None, rows_left: int | None = None) -> AttributionPlan:
+    """The plan of a :class:`~gradsketch.attribution.TRAKer` (and its first batch ``batch``)."""
+    common: dict[str, Any] = dict(
+        train_set_size=traker.train_set_size,
+        memory_budget=traker.memory_budget,
+        save_dir=traker.save_dir,
+        batch=batch,
+        rows_left=rows_left,
+    )
+    if traker.method == "replay":
+        replay = getattr(traker._method, "_attributor", None)
+        return plan_replay(model=traker.model, replay=replay, **common)
+    layered = traker._kind == "per-layer"
+    return plan_features(
+        method=traker.method,
+        model=traker.model,
+        layers=list(traker.layers),
+        featurizer=traker.featurizer if layered else None,
+        projector=traker.projector,
+        width=traker.proj_dim,
+        grad_dim=traker.grad_dim,
+        itemsize=traker.dtype.itemsize,
+        sampled=traker.settings.curvature == "sampled",
+        **common,
+    )
+
+
+class FirstBatch:
+    """The first batch's plan, timed while it is featurized (see :func:`plan_first_batch`)."""
+
+    def __init__(self, plan: AttributionPlan, rows: int, logger: logging.Logger) -> None:
+        self.plan, self.rows, self.logger = plan, rows, logger
+        self.start = time.perf_counter()
+
+    def done(self) -> AttributionPlan:
+        """The plan with the measured time per document (logged)."""
+        plan = self.plan.with_time((time.perf_counter() - self.start) / max(self.rows, 1))
+        self.logger.info(
+            "featurize: %.3g s per document on the first batch, ~%s for the %s left",
+            plan.seconds_per_row,
+            _duration(plan.seconds or 0.0),
+            plan.rows_left,
+        )
+        return plan
+
+
+@contextlib.contextmanager
+def plan_first_batch(traker: Any, batch: Any, idx: Any) -> Iterator[FirstBatch | None]:
+    """Plan from the first batch with rows to do, log it, refuse if it does not fit, then time it.
+
+    Yields ``None`` where every row of the batch is stored already (nothing to plan from).
+
+    Raises:
+        MemoryBudgetError: the plan does not fit (before the batch is computed).
+    """
+    done = traker._method.done
+    if done is not None and bool(done[idx].all()):
+        yield None
+        return
+    left = traker.train_set_size - (0 if done is None else int(done.sum()))
+    plan = traker_plan(traker, batch, left)
+    refuse(plan, traker._kind == "per-layer")
+    traker.logger.info("%s", plan)
+    yield FirstBatch(plan, len(idx), traker.logger)

@@ -1,0 +1,259 @@
+"""The TRAKer's plan (store bytes, peak memory, time), its refusal, the vocabulary default
+and the per-layer "auto" damping's fraction."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from gradsketch.attribution import (  # noqa: E402
+    AttributionPlan,
+    TRAKer,
+    _plan,
+)
+from gradsketch.attribution import _layout as layout  # noqa: E402
+from gradsketch.attribution._kfac import (  # noqa: E402
+    LAYER_AUTO_DAMPING_FRACTION,
+    resolve_damping,
+)
+from gradsketch.attribution._preconditioners import (  # noqa: E402
+    KFACPreconditioner,
+    PreconditionerSpec,
+)
+from gradsketch.errors import MemoryBudgetError  # noqa: E402
+
+N, T, VOCAB = 8, 6, 13
+
+#: The plan's store and curvature estimates against what is allocated: within this factor.
+FACTOR = 1.5
+
+
+def _gpt2(vocab: int = VOCAB, *, tie: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=T,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tie,
+    )
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _traker(model: nn.Module, tmp_path, method: str, **kwargs) -> TRAKer:
+    return TRAKer(
+        model,
+        "language_modeling",
+        N,
+        save_dir=tmp_path / method,
+        device="cpu",
+        method=method,
+        progress=False,
+        logging_level=logging.WARNING,
+        **kwargs,
+    )
+
+
+def _ids(vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (N, T), generator=torch.Generator().manual_seed(1))
+
+
+def _featurize(traker: TRAKer, model: nn.Module, ids: torch.Tensor) -> None:
+    traker.load_checkpoint(model.state_dict(), model_id=0)
+    traker.featurize_loader([{"input_ids": ids[:4]}, {"input_ids": ids[4:]}], batch_size=4)
+
+
+def _stored_bytes(traker: TRAKer, names: list[str]) -> int:
+    total = 0
+    for name in names:
+        path = layout.checkpoint_array(0, name)
+        if traker.store.has(path):
+            total += int(traker.store.array(path).nbytes)
+    return total
+
+
+@pytest.mark.parametrize("method", ["trak", "ekfac"])
+def test_plan_estimates_match_what_is_stored_and_allocated(tmp_path, method):
+    model = _gpt2()
+    traker = _traker(model, tmp_path, method, proj_dim=64)
+    before = traker.plan
+    assert isinstance(before, AttributionPlan) and before.batch_rows is None
+    assert before.store_bytes_per_row == 0 and before.parameter_bytes > 0
+    _featurize(traker, model, _ids())
+    plan = traker.plan
+    assert (plan.batch_rows, plan.tokens, plan.rows_left) == (4, T, N)
+    assert plan.seconds_per_row is not None and plan.seconds_per_row > 0
+    assert plan.store_bytes == N * plan.store_bytes_per_row
+    kept = "grads" if method == "trak" else "token_factors"
+    stored = _stored_bytes(traker, [kept, "out_to_loss"])
+    assert stored / FACTOR <= plan.store_bytes <= stored * FACTOR
+    assert "attribution plan" in str(plan) and "per document" in str(plan)
+    with pytest.raises(AttributeError):
+        plan.method = "x"  # type: ignore[misc]  # read-only
+    if method == "ekfac":
+        traker.finalize_features()
+        precond = traker.preconditioner(0)
+        eig = [t for basis in precond.eigen for t in basis]
+        # The statistics' sums (A, S; EK-FAC's squares) are as large as the bases and values.
+        allocated = 2 * sum(t.numel() * t.element_size() for t in eig)
+        assert allocated / FACTOR <= plan.curvature_bytes <= allocated * FACTOR
+
+
+def test_plan_is_logged_before_featurizing(tmp_path, caplog):
+    model = _gpt2()
+    traker = _traker(model, tmp_path, "ekfac")
+    traker.logger.setLevel(logging.INFO)
+    with caplog.at_level(logging.INFO, logger="gradsketch.attribution.TRAKer"):
+        _featurize(traker, model, _ids())
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("attribution plan") and "peak memory" in m for m in messages)
+    assert any("s per document on the first batch" in m for m in messages)
+
+
+def test_refuses_at_construction_when_memory_is_short(tmp_path, monkeypatch):
+    monkeypatch.setattr(_plan, "available_memory", lambda: 1000)
+    with pytest.raises(MemoryBudgetError, match=r"peak memory ~.* but 1\.0 kB is available") as e:
+        _traker(_gpt2(), tmp_path, "ekfac")
+    for fix in ("`projection=", "`grad_wrt`", "`memory_budget`", "fewer tokens"):
+        assert fix in str(e.value)
+    with pytest.raises(MemoryBudgetError, match=r"Fixes: a smaller `proj_dim`"):
+        _traker(_gpt2(), tmp_path, "trak")
+    # Refused before the store is made: rerunning with a fix into the same folder works.
+    assert not (tmp_path / "ekfac").exists()
+
+
+def test_refuses_before_the_first_batch_when_disk_is_short(tmp_path, monkeypatch):
+    model = _gpt2()
+    traker = _traker(model, tmp_path, "ekfac")
+    traker.load_checkpoint(model.state_dict(), model_id=0)
+    monkeypatch.setattr(_plan, "free_disk", lambda path: 10)
+    with pytest.raises(MemoryBudgetError, match=r"the store needs ~.* on disk but 0\.0 kB is free"):
+        traker.featurize({"input_ids": _ids()[:4]}, inds=range(4))
+    assert not traker._method.done.any()  # nothing was computed
+
+
+def test_memory_override_by_environment(monkeypatch):
+    monkeypatch.setenv("GRADSKETCH_AVAILABLE_MEMORY", "12345")
+    assert _plan.available_memory() == 12345
+    monkeypatch.delenv("GRADSKETCH_AVAILABLE_MEMORY")
+    assert (_plan.available_memory() or 1) > 0
+
+
+def test_large_vocabulary_head_left_out_and_construction_cheap(tmp_path):
+    vocab = 20000
+    model = _gpt2(vocab)
+    traker = _traker(model, tmp_path, "ekfac")
+    names = [x.name for x in traker.layers]
+    assert "lm_head" not in names and len(names) == 4
+    # Nothing is accumulated at construction; the plan's curvature is the blocks' only.
+    assert traker._method.accumulated.precond is None
+    assert traker.plan.curvature_bytes < 10**6
+    _featurize(traker, model, _ids(vocab))
+    traker.finalize_features()
+    traker.start_scoring_checkpoint("q", model.state_dict(), model_id=0, num_targets=2)
+    traker.score_loader([{"input_ids": _ids(vocab)[:2]}])
+    assert np.isfinite(traker.finalize_scores("q")).all()
+
+
+def test_grad_wrt_keeps_an_untied_vocabulary_head(tmp_path, monkeypatch):
+    vocab = 20000
+    model = _gpt2(vocab, tie=False)
+    assert "lm_head" not in [x.name for x in _traker(model, tmp_path, "kfac").layers]
+    traker = _traker(model, tmp_path / "b", "kfac", grad_wrt="lm_head.weight|transformer.h.*")
+    assert "lm_head" in [x.name for x in traker.layers]
+    # Planned, not allocated: 2 x 20000² float64 factors and bases (~6.4 GB) at construction.
+    assert traker.plan.curvature_bytes > 6e9
+    assert traker._method.accumulated.precond is None
+    monkeypatch.setattr(_plan, "available_memory", lambda: 2 * 10**9)
+    with pytest.raises(MemoryBudgetError, match=r"curvature 6\.4\d GB"):
+        _traker(model, tmp_path / "c", "kfac", grad_wrt="lm_head.weight|transformer.h.*")
+
+
+def test_kfac_factors_are_allocated_lazily():
+    layer = _traker_layers()
+    precond = KFACPreconditioner(
+        PreconditionerSpec(feature_dim=1, damping="auto", device=torch.device("cpu"), layers=layer)
+    )
+    assert precond._factors is None
+    assert precond.factors[0].a_sum.shape == (layer[0].k_in, layer[0].k_in)
+
+
+def _traker_layers():
+    from gradsketch.attribution._layer_capture import find_layers
+
+    return find_layers(nn.Sequential(nn.Linear(3, 2)), None, None)
+
+
+def test_damping_fraction_default_is_the_old_constant(tmp_path):
+    lam = torch.tensor([1.0, 2.0, 6.0])
+    assert LAYER_AUTO_DAMPING_FRACTION == 0.3
+    assert resolve_damping("auto", lam) == pytest.approx(0.9)
+    assert resolve_damping("auto", lam, fraction=0.1) == pytest.approx(0.3)
+    model = _gpt2()
+    ids = _ids()
+    scores = {}
+    for name, kwargs in {
+        "default": {},
+        "0.3": {"damping_fraction": 0.3},
+        "0.1": {"damping_fraction": 0.1},
+    }.items():
+        traker = _traker(model, tmp_path / name, "ekfac", dtype=torch.float64, **kwargs)
+        _featurize(traker, model, ids)
+        traker.finalize_features()
+        traker.start_scoring_checkpoint("q", model.state_dict(), model_id=0, num_targets=2)
+        traker.score_loader([{"input_ids": ids[:2]}])
+        scores[name] = np.asarray(traker.finalize_scores("q"))
+        record = json.loads((traker.save_dir / layout.scores_record("q")).read_text())
+        assert record.get("damping_fraction") == (0.1 if name == "0.1" else None)
+    np.testing.assert_array_equal(scores["default"], scores["0.3"])
+    assert not np.allclose(scores["default"], scores["0.1"])
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, float("nan"), float("inf"), "0.1", True, None])
+def test_damping_fraction_refuses_bad_values(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"`damping_fraction` must be a finite number > 0"):
+        _traker(_gpt2(), tmp_path, "ekfac", damping_fraction=bad)
+
+
+def test_damping_fraction_refused_where_it_does_not_apply(tmp_path):
+    with pytest.raises(ValueError, match=r"`damping_fraction`=0\.1 .*method='trak'"):
+        _traker(_gpt2(), tmp_path / "a", "trak", damping_fraction=0.1)
+    with pytest.raises(ValueError, match=r"`damping_fraction`=0\.1 .*identity"):
+        _traker(_gpt2(), tmp_path / "b", "identity", damping_fraction=0.1)
+    with pytest.raises(ValueError, match=r"but lambda_reg=0\.5; pass lambda_reg='auto'"):
+        _traker(_gpt2(), tmp_path / "c", "ekfac", damping_fraction=0.1, lambda_reg=0.5)
+
+
+def test_replay_plans_from_its_memory_estimate_and_refuses_what_does_not_fit(monkeypatch):
+    from gradsketch.attribution import ReplayAttributor
+    from helpers.attribution import REPLAY_BATCH, REPLAY_N, REPLAY_STEPS, replay_data, replay_mlp
+
+    x, y = replay_data(REPLAY_N)
+    r = ReplayAttributor(
+        replay_mlp(),
+        "image_classification",
+        (x, y),
+        num_steps=REPLAY_STEPS,
+        batch_size=REPLAY_BATCH,
+        progress=False,
+    )
+    r.train()
+    state = torch.get_rng_state()
+    plan = r.plan(2)
+    assert torch.equal(state, torch.get_rng_state())  # measuring leaves the random state alone
+    assert plan.method == "replay" and plan.working_bytes == r.memory_estimate(2).total
+    assert "reverse pass over 2 queries" in str(plan)
+    monkeypatch.setattr(_plan, "available_memory", lambda: 100)
+    with pytest.raises(MemoryBudgetError, match=r"peak memory ~.* but 0\.1 kB is available.*"):
+        r.metagradients((x[:2], y[:2]))

@@ -21,6 +21,16 @@ from gradsketch.errors import UnsupportedModelError
 from helpers.hf_families import BY_NAME
 
 IDS = torch.randint(0, 32, (8, 6))
+#: The smallest run `sample` takes: one chain of one draw on one batch.
+ONE_DRAW = dict(
+    lr=1e-6,
+    n_beta=1.0,
+    num_chains=1,
+    num_draws=1,
+    batch_size=4,
+    num_init_loss_batches=1,
+    batches_per_draw=1,
+)
 
 # family -> (what the message must say it is, the alternative it must name)
 CASES = {
@@ -69,19 +79,13 @@ def test_the_refusal_names_the_escape_hatch() -> None:
 
 
 def test_a_causal_lm_is_not_refused() -> None:
-    model = BY_NAME["gpt2"].build(dtype=torch.float32)
+    model = _model("gpt2")
     ids = torch.randint(0, model.config.vocab_size, (4, 6))
     tree = slt.sample(
         model,
         ids,
         {"probe": ids},
-        lr=1e-6,
-        n_beta=1.0,
-        num_chains=1,
-        num_draws=1,
-        batch_size=4,
-        num_init_loss_batches=1,
-        batches_per_draw=1,
+        **ONE_DRAW,
         progress=False,
     )
     assert tree is not None
@@ -99,13 +103,7 @@ def test_a_user_loss_fn_lifts_the_refusal() -> None:
         model,
         IDS,
         {"probe": IDS},
-        lr=1e-6,
-        n_beta=1.0,
-        num_chains=1,
-        num_draws=1,
-        batch_size=4,
-        num_init_loss_batches=1,
-        batches_per_draw=1,
+        **ONE_DRAW,
         loss_fn=loss_fn,
         progress=False,
     )

@@ -19,6 +19,10 @@ Sections (``--section`` or ``--part``):
   kernels run it again under ``ATEN_CPU_CAPABILITY=avx2
   MKL_ENABLE_INSTRUCTIONS=AVX2 OPENBLAS_CORETYPE=Haswell`` (torch, MKL and
   SciPy's OpenBLAS each pick their kernels by themselves).
+- pipeline: both TRAKers end to end after featurizing (:func:`bench_pipeline`):
+  ``finalize_features`` and ``finalize_scores`` of two query sets, each
+  phase timed, at the shapes of :data:`PIPELINE_SHAPES` (``--shape`` for one)
+  and each ``--threads`` count.
 - scoring: n training rows, k features, m targets (default 50,000 / 2,048 /
   5,000). traker's ``BasicScoreComputer`` phases (get_xtx, get_x_xtx_inv,
   get_scores, plus the out-to-loss weighting of ``finalize_scores``) against
@@ -154,7 +158,7 @@ def scoring_traker_pipeline(n: int, k: int, m: int, repeats: int) -> dict:
             for start in range(0, m, 5000):
                 stop = min(m, start + 5000)
                 traker.score((x[start:stop], y[start:stop]), num_samples=stop - start)
-            seconds, scores = time_once(lambda t=traker: t.finalize_scores("bench"))
+            seconds, scores = time_once(functools.partial(traker.finalize_scores, "bench"))
             timings["finalize_scores"].append(seconds)
             assert tuple(scores.shape) == (n, m)
     return {phase: float(np.median(v)) for phase, v in timings.items()}
@@ -358,6 +362,159 @@ def _scoring_kernel_row(n: int, k: int, m: int, repeats: int) -> dict:
         "repeats": repeats,
         "load_1min": [load_before, load_after],
     }
+
+
+#: ``(n_train, k, n_targets)`` of ``--section pipeline`` (the issue-48 workload first).
+PIPELINE_SHAPES = ((20_000, 2048, 2_000), (20_000, 2048, 500), (20_000, 2048, 5_000))
+PIPELINE_SHAPES_QUICK = ((4_000, 512, 400),)
+
+
+def bench_pipeline(shapes, repeats: int) -> None:
+    """Both TRAKers end to end after featurizing: finalize_features, then finalize_scores twice.
+
+    The same phases on both sides, each reading its own on-disk store and
+    writing its scores there: ``finalize_features`` (traker: XᵀX and the
+    ``[n, k]`` features ``X (XᵀX)⁻¹`` written to disk; gradsketch: XᵀX kept
+    in the store's record), then ``finalize_scores`` of a first and a
+    second query set of ``m`` targets (traker: one ``n k m`` product from
+    the stored features; gradsketch: the damped solve of the targets and
+    the ``n k m`` product), so the split shows where each pays. Rows are
+    written into traker's store directly (its featurizing at this size
+    would take minutes) and gradsketch's are featurized from a bias-free
+    ``Linear(k // 2, 4)`` (:func:`scoring_traker_pipeline`); neither is
+    timed. λ = 0, float32, torch and BLAS at the threads set by
+    :func:`setup_torch`; one round of each side per repeat (1 warmup),
+    medians of CPU seconds (``time.process_time``, every thread of the
+    process) and wall seconds.
+    """
+    for n, k, m in shapes:
+        emit(_pipeline_row(n, k, m, repeats))
+
+
+def _pipeline_traker(n: int, k: int, m: int) -> dict[str, tuple[float, float]]:
+    """traker 0.3.2's TRAKer phases on injected rows: ``{phase: (cpu_s, wall_s)}``."""
+    from trak import TRAKer as RefTRAKer
+    from trak.projectors import NoOpProjector
+
+    x, t, q = _scoring_data(n, k, m)
+    model = torch.nn.Linear(k // 2, 2, bias=False)
+    out: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = RefTRAKer(
+            model,
+            "image_classification",
+            n,
+            save_dir=tmp,
+            device="cpu",
+            projector=NoOpProjector(),
+            proj_dim=k,
+            use_half_precision=False,
+            logging_level=QUIET,
+        )
+        ref.load_checkpoint(model.state_dict(), model_id=0)
+        store = ref.saver.current_store
+        store["grads"][:] = x.numpy()
+        store["out_to_loss"][:] = q.numpy()[:, None]
+        store["is_featurized"][:] = 1
+        ref.saver.serialize_current_model_id_metadata()
+        out["finalize_features"] = _cpu_wall(ref.finalize_features)
+        for name in ("first", "second"):
+            ref.start_scoring_checkpoint(name, model.state_dict(), model_id=0, num_targets=m)
+            ref.saver.current_store[f"{name}_grads"][:] = t.numpy()
+            out[f"finalize_scores_{name}"] = _cpu_wall(lambda e=name: ref.finalize_scores(e))
+    return out
+
+
+def _pipeline_ours(n: int, k: int, m: int) -> dict[str, tuple[float, float]]:
+    """gradsketch's TRAKer phases after featurizing (untimed): ``{phase: (cpu_s, wall_s)}``."""
+    from gradsketch.attribution import TRAKer
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(k // 2, 4, bias=False)
+    x = torch.randn(n, k // 2, generator=gen)
+    y = torch.randint(0, 4, (n,), generator=gen)
+    out: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = TRAKer(
+            model,
+            "image_classification",
+            n,
+            save_dir=tmp,
+            device="cpu",
+            proj_dim=k,
+            use_half_precision=False,
+            logging_level=QUIET,
+            progress=False,
+        )
+        ours.load_checkpoint(model.state_dict(), model_id=0)
+        for start in range(0, n, 5000):
+            stop = min(n, start + 5000)
+            ours.featurize((x[start:stop], y[start:stop]), num_samples=stop - start)
+        out["finalize_features"] = _cpu_wall(ours.finalize_features)
+        for name in ("first", "second"):
+            ours.start_scoring_checkpoint(name, model.state_dict(), model_id=0, num_targets=m)
+            for start in range(0, m, 5000):
+                stop = min(m, start + 5000)
+                ours.score((x[start:stop], y[start:stop]), num_samples=stop - start)
+            out[f"finalize_scores_{name}"] = _cpu_wall(lambda e=name: ours.finalize_scores(e))
+    return out
+
+
+def _cpu_wall(fn) -> tuple[float, float]:
+    import time
+
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.process_time() - c0, time.perf_counter() - w0
+
+
+def _pipeline_row(n: int, k: int, m: int, repeats: int) -> dict:
+    import os
+    import statistics
+
+    sides = {"traker": _pipeline_traker, "gradsketch": _pipeline_ours}
+    for fn in sides.values():
+        fn(n, k, m)  # warmup
+    runs: dict[str, list[dict[str, tuple[float, float]]]] = {s: [] for s in sides}
+    load_before = os.getloadavg()[0]
+    for _ in range(repeats):
+        for side, fn in sides.items():
+            runs[side].append(fn(n, k, m))
+    row: dict = {
+        "bench": "scoring_pipeline",
+        "n": n,
+        "k": k,
+        "m": m,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "env": {
+            v: os.environ.get(v)
+            for v in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OPENBLAS_CORETYPE")
+        },
+    }
+    totals: dict[str, dict[str, float]] = {}
+    for side, rounds in runs.items():
+        totals[side] = {}
+        for which, index in (("cpu", 0), ("wall", 1)):
+            for phase in rounds[0]:
+                value = statistics.median(r[phase][index] for r in rounds)
+                row[f"{side}_{phase}_{which}_s"] = value
+            first = [
+                r["finalize_features"][index] + r["finalize_scores_first"][index] for r in rounds
+            ]
+            totals[side][which] = statistics.median(first)
+            row[f"{side}_features_plus_first_scores_{which}_s"] = totals[side][which]
+    for which in ("cpu", "wall"):
+        row[f"speedup_features_plus_first_scores_{which}"] = (
+            totals["traker"][which] / totals["gradsketch"][which]
+        )
+        row[f"speedup_second_scores_{which}"] = (
+            row[f"traker_finalize_scores_second_{which}_s"]
+            / row[f"gradsketch_finalize_scores_second_{which}_s"]
+        )
+    row["repeats"] = repeats
+    row["load_1min"] = [load_before, os.getloadavg()[0]]
+    return row
 
 
 def _max_rel_diff(ref_path: str, our_path: str, n: int) -> float:
@@ -654,7 +811,7 @@ def main(argv: list[str] | None = None) -> None:
         "--section",
         "--part",
         dest="section",
-        choices=["all", "scoring", "scoring-kernel", "featurize", "lds"],
+        choices=["all", "scoring", "scoring-kernel", "pipeline", "featurize", "lds"],
         default="all",
     )
     parser.add_argument(
@@ -668,8 +825,9 @@ def main(argv: list[str] | None = None) -> None:
         "--shape",
         type=int,
         nargs=3,
+        action="append",
         metavar=("N", "K", "M"),
-        help="one (n_train, k, n_targets) for the scoring-kernel section instead of its three",
+        help="(n_train, k, n_targets) for the scoring-kernel and pipeline sections (repeatable)",
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--repeats", type=int, default=3)
@@ -682,11 +840,16 @@ def main(argv: list[str] | None = None) -> None:
             bench_scoring(5_000, 256, 500, args.repeats)
         else:
             bench_scoring(50_000, 2048, 5_000, args.repeats)
+    given = [(int(n), int(k), int(m)) for n, k, m in args.shape or ()]
     if args.section in ("all", "scoring-kernel"):
-        shapes = KERNEL_SHAPES_QUICK if args.quick else KERNEL_SHAPES
-        if args.shape:
-            shapes = (tuple(args.shape),)
+        shapes = given or list(KERNEL_SHAPES_QUICK if args.quick else KERNEL_SHAPES)
         bench_scoring_kernel(shapes, tuple(args.threads), args.repeats)
+    if args.section in ("all", "pipeline"):
+        shapes = given or list(PIPELINE_SHAPES_QUICK if args.quick else PIPELINE_SHAPES)
+        for count in args.threads:
+            setup_torch(count)
+            bench_pipeline(shapes, args.repeats)
+        setup_torch()
     if args.section in ("all", "featurize"):
         bench_featurize(2048, 128, args.repeats, args.quick)
     if args.section in ("all", "lds"):

@@ -6,7 +6,10 @@ library's ``llc`` (1 chain, ``--draws`` draws, batch 32 x seq 65, the
 under cProfile and prints one JSON line per library: total CPU seconds and
 the cumulative seconds of the parts of a step (the model's forward calls,
 autograd's backward, the sampler's step, the observables' evaluation, the
-initial loss).
+initial loss), and per draw the observables' pass against the step
+(``obs_ms_per_draw``, ``step_ms_per_draw``, ``obs_over_step``; with
+``--store kept`` the ``{"train": ...}`` observable is 3 batches of 32 fixed
+sequences, three times the step's rows, forward only).
 
 Run: ``.venv/bin/python benchmarks/profile_slt.py --model llama [--draws 30]
 [--store kept|none]``.
@@ -100,8 +103,16 @@ def main() -> None:
         cpu = cpu_seconds() - cpu
         stats = pstats.Stats(prof)
         parts = _cumulative(stats)
+        # Per draw (one step between draws): the observables' pass against the step itself.
+        step = parts["train_forward"] + parts["backward"] + parts["sgld_step"]
+        per_draw = {
+            "obs_ms_per_draw": 1e3 * parts["observables"] / args.draws,
+            "step_ms_per_draw": 1e3 * step / args.draws,
+            "obs_over_step": parts["observables"] / step if step else None,
+        }
         emit({"bench": "profile_slt", "lib": lib, "model": args.model, "draws": args.draws,
-              "threads": args.threads, "cpu_s": cpu, **parts, **machine_info()})  # fmt: skip
+              "threads": args.threads, "store": args.store, "cpu_s": cpu, **parts, **per_draw,
+              **machine_info()})  # fmt: skip
         if args.top:
             stats.sort_stats("tottime").print_stats(args.top)
 

@@ -1,22 +1,30 @@
-"""The TRAK pipeline the torch.distributed tests run, in one process or under torchrun.
+"""The attribution pipelines the torch.distributed tests run, in one process or under torchrun.
 
 ``python -m torch.distributed.run --nproc_per_node 2 _trak_dist_worker.py OUT`` runs
-:func:`pipeline` on every rank (gloo, one thread each) in ``OUT/store`` and
-saves each rank's returned arrays to ``OUT/rank{r}.npz``. The tests run the
-same :func:`pipeline` in one process and compare.
+:func:`pipeline` on every rank (gloo, one thread each) in stores under ``OUT``
+and saves each rank's returned arrays to ``OUT/rank{r}.npz``. The tests run the
+same :func:`pipeline` in one process and compare. Every method goes through
+it: TRAK (loaders, the TRAK loop, scores on disk, ``del_grads``, TRAK's score
+computer), identity, K-FAC, EK-FAC (and its per-token scores of a tiny GPT-2),
+TRAK and EK-FAC with ``rows="recompute"`` (where the TRAKer has it), and the
+replay (queries split over ranks). Each rank also returns the rows it
+wrote to the store (``written_*``) and the query blocks it reversed, which
+the tests compare with the rank's share.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradsketch.attribution import BasicScoreComputer, TRAKer
+from gradsketch.attribution import BasicScoreComputer, ReplaySettings, TRAKer
 
 N_TRAIN, N_TARGETS, PROJ_DIM = 100, 24, 16
 CHUNK_ROWS, BATCH = 16, 8  # BATCH divides CHUNK_ROWS: the same batches as one process
@@ -25,6 +33,14 @@ SMALL_BUDGET = 8_000
 #: The per-token language model: training sequences, targets, tokens per sequence.
 N_LM, LM_TARGETS, LM_T = 16, 5, 6
 QUIET = {"logging_level": logging.WARNING, "progress": False, "device": "cpu"}
+#: Methods run once each through the loaders, beside TRAK and EK-FAC (one checkpoint).
+LAYER_METHODS = ("identity", "kfac")
+#: The replay: training rows, queries, and the queries a rank carries through one
+#: reverse pass (ceil(M_REPLAY / 2): each of 2 ranks reverses its share as one block,
+#: and one process reverses the same blocks one after the other).
+N_REPLAY, M_REPLAY = 24, 6
+REPLAY_BLOCK = 3
+REPLAY = ReplaySettings(optimizer="sgd", lr=0.1, momentum=0.9, num_steps=8, batch_size=6, seed=3)
 
 
 def problem():
@@ -41,6 +57,37 @@ def problem():
     return model, ckpts, x[:N_TRAIN], y[:N_TRAIN], x[N_TRAIN:], y[N_TRAIN:]
 
 
+class WrittenRows:
+    """The rows this process writes to a TRAKer's store: training rows and target rows.
+
+    Wraps the store's ``write_rows`` on the instance (a torchrun rank writes
+    only its own share; one process writes every row).
+    """
+
+    def __init__(self, traker: TRAKer) -> None:
+        self.train: set[int] = set()
+        self.targets: set[int] = set()
+        store = traker.store
+        write = store.write_rows  # the bound method of this store
+
+        def counted(rows, data, **kw):
+            if isinstance(rows, slice):
+                rows = range(rows.start, rows.stop)
+            for kind, kept in (("checkpoints/", self.train), ("experiments/", self.targets)):
+                if any(name.startswith(kind) for name in data):
+                    kept.update(int(r) for r in np.asarray(rows).reshape(-1))
+            return write(rows, data, **kw)
+
+        store.write_rows = counted  # type: ignore[method-assign]
+
+    def arrays(self, name: str) -> dict[str, np.ndarray]:
+        """``written_train_<name>`` and ``written_targets_<name>``: sorted row indices."""
+        return {
+            f"written_train_{name}": np.array(sorted(self.train), dtype=np.int64),
+            f"written_targets_{name}": np.array(sorted(self.targets), dtype=np.int64),
+        }
+
+
 def pipeline(root: Path) -> dict[str, np.ndarray]:
     """Featurize, finalize, score (in memory, on disk, and with ``del_grads``).
 
@@ -51,6 +98,7 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
     model, ckpts, x, y, xt, yt = problem()
     kw = {"proj_dim": PROJ_DIM, "chunk_rows": CHUNK_ROWS, "lambda_reg": 0.05, **QUIET}
     traker = TRAKer(model, "image_classification", N_TRAIN, save_dir=root / "store", **kw)
+    written = {"trak": WrittenRows(traker)}
     for mid, state in enumerate(ckpts):
         traker.load_checkpoint(state, model_id=mid)
         if mid == 0:
@@ -121,6 +169,7 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
         lambda_reg="auto",
         **QUIET,
     )
+    written["ekfac"] = WrittenRows(ek)
     for mid, state in enumerate(ckpts):
         ek.load_checkpoint(state, model_id=mid)
         ek.featurize_loader(DataLoader(TensorDataset(x, y), batch_size=BATCH))
@@ -130,7 +179,14 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
         ek.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
     scores_ekfac = np.array(ek.finalize_scores("exp"))
     top = ek.topk("exp", 3)
+    shares = {
+        key: value for name, rows in written.items() for key, value in rows.arrays(name).items()
+    }
     return {
+        **layer_methods(root),
+        **replay(root),
+        **recompute(root),
+        **shares,
         "scores_lm_tokens": lm_per_token(root),
         "top_ekfac": top.proponents.numpy(),
         "top_ekfac_scores": top.proponent_scores.numpy(),
@@ -142,6 +198,130 @@ def pipeline(root: Path) -> dict[str, np.ndarray]:
         "on_disk": np.array(on_disk),
         "scores_pre": scores_pre,
     }
+
+
+def layer_methods(root: Path) -> dict[str, np.ndarray]:
+    """Identity and K-FAC through the loaders: ``scores_<method>`` and the rows written."""
+    model, ckpts, x, y, xt, yt = problem()
+    out: dict[str, np.ndarray] = {}
+    for method in LAYER_METHODS:
+        traker = TRAKer(
+            model,
+            "image_classification",
+            N_TRAIN,
+            save_dir=root / method,
+            method=method,
+            chunk_rows=CHUNK_ROWS,
+            **QUIET,
+        )
+        written = WrittenRows(traker)
+        traker.load_checkpoint(ckpts[0], model_id=0)
+        traker.featurize_loader(DataLoader(TensorDataset(x, y), batch_size=BATCH))
+        traker.finalize_features()
+        traker.start_scoring_checkpoint("exp", ckpts[0], model_id=0, num_targets=N_TARGETS)
+        traker.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
+        out[f"scores_{method}"] = np.array(traker.finalize_scores("exp"))
+        out.update(written.arrays(method))
+    return out
+
+
+def has_recompute() -> bool:
+    """Whether this TRAKer has recompute mode (``rows="recompute"``)."""
+    return "rows" in inspect.signature(TRAKer.__init__).parameters
+
+
+def recompute(root: Path) -> dict[str, np.ndarray]:
+    """TRAK and EK-FAC with ``rows="recompute"``: nothing stored per training row but Q.
+
+    Each rank accumulates the curvature of its rows and, at scoring, recomputes
+    the training gradients of its shard of the rows from the loader.
+    """
+    if not has_recompute():
+        return {}
+    model, ckpts, x, y, xt, yt = problem()
+    out: dict[str, np.ndarray] = {}
+    settings = {"trak": {"proj_dim": PROJ_DIM, "lambda_reg": 0.05}, "ekfac": {"lambda_reg": "auto"}}
+    for method, kw in settings.items():
+        traker = TRAKer(
+            model,
+            "image_classification",
+            N_TRAIN,
+            save_dir=root / f"recompute_{method}",
+            method=method,
+            rows="recompute",
+            chunk_rows=CHUNK_ROWS,
+            **kw,
+            **QUIET,
+        )
+        written = WrittenRows(traker)
+        traker.load_checkpoint(ckpts[0], model_id=0)
+        traker.featurize_loader(DataLoader(TensorDataset(x, y), batch_size=BATCH))
+        traker.finalize_features()
+        traker.start_scoring_checkpoint("exp", ckpts[0], model_id=0, num_targets=N_TARGETS)
+        traker.score_loader(DataLoader(TensorDataset(xt, yt), batch_size=BATCH))
+        out[f"scores_recompute_{method}"] = np.array(traker.finalize_scores("exp"))
+        out.update(written.arrays(f"recompute_{method}"))
+    return out
+
+
+def replay_problem() -> tuple[torch.nn.Module, dict, tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """The replay's float64 MLP, its initial state, N_REPLAY training rows and M_REPLAY queries."""
+    model, ckpts, x, y, xt, yt = problem()
+    model = model.double()
+    model.load_state_dict(ckpts[0])
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    train = (x[:N_REPLAY].double(), y[:N_REPLAY])
+    return model, init, train, (xt[:M_REPLAY].double(), yt[:M_REPLAY])
+
+
+def replay(root: Path) -> dict[str, np.ndarray]:
+    """The replay through TRAKer's TRAK loop: ``scores_replay`` and this rank's share.
+
+    Every rank is given every training batch and keeps every row (each replays
+    the whole run); the queries come in blocks of REPLAY_BLOCK, and each rank
+    reverses only the block of its share. A second experiment of one query
+    leaves a rank with no query at all.
+    """
+    model, init, (x, y), (xq, yq) = replay_problem()
+    traker = TRAKer(
+        model,
+        "image_classification",
+        N_REPLAY,
+        save_dir=root / "replay",
+        method="replay",
+        replay=REPLAY,
+        logging_level=logging.WARNING,
+        progress=False,
+    )
+    written = WrittenRows(traker)
+    traker.load_checkpoint(init, model_id=0)
+    for s in range(0, N_REPLAY, BATCH):
+        traker.featurize((x[s : s + BATCH], y[s : s + BATCH]), num_samples=len(x[s : s + BATCH]))
+    traker.finalize_features()
+    blocks: list[int] = []
+    attributor = traker.attributor
+    reverse = attributor.metagradients
+
+    def counted(queries, **kw):
+        blocks.append(int(queries[0].shape[0]))
+        return reverse(queries, **kw)
+
+    attributor.metagradients = counted  # type: ignore[method-assign]
+    traker.start_scoring_checkpoint("q", init, model_id=0, num_targets=M_REPLAY)
+    traker.score_loader(DataLoader(TensorDataset(xq, yq), batch_size=REPLAY_BLOCK))
+    out = {
+        "scores_replay": np.array(traker.finalize_scores("q")),
+        "replay_blocks": np.array(blocks, dtype=np.int64),
+        # Bytes of one reverse pass over this rank's largest block, and over every query.
+        "replay_bytes_share": np.array(attributor.memory_estimate(max(blocks, default=1)).total),
+        "replay_bytes_all": np.array(attributor.memory_estimate(M_REPLAY).total),
+        **written.arrays("replay"),
+    }
+    # Fewer queries than ranks: one rank reverses nothing and gathers the other's column.
+    traker.start_scoring_checkpoint("one", init, model_id=0, num_targets=1)
+    traker.score((xq[-1:], yq[-1:]), num_samples=1)
+    out["scores_replay_one"] = np.array(traker.finalize_scores("one"))
+    return out
 
 
 def lm_per_token(root: Path) -> np.ndarray:

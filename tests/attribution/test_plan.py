@@ -133,6 +133,25 @@ def test_refuses_at_construction_when_memory_is_short(tmp_path, monkeypatch):
     assert not (tmp_path / "ekfac").exists()
 
 
+def test_trak_gram_is_refused_at_finalize_not_at_construction(tmp_path, monkeypatch, caplog):
+    """trak builds the TRAKer and featurizes with a Gram that will not fit (its NoOpProjector
+    on a ResNet); so does the drop-in, with a warning, and refuses at finalize_features."""
+    model = _gpt2()
+    free = 100 * 2**20  # the 64 MiB working blocks fit, beside them 2 x 8 x 2048² (67 MB) not
+    monkeypatch.setattr(_plan, "available_memory", lambda: free)
+    with caplog.at_level(logging.WARNING, logger="gradsketch.attribution.TRAKer"):
+        traker = _traker(model, tmp_path, "trak", proj_dim=2048)
+    assert traker.plan.curvature_at_finalize
+    assert traker.plan.stage_bytes("featurize") < free < traker.plan.stage_bytes("finalize")
+    assert any("finalize_features will be refused" in r.getMessage() for r in caplog.records)
+    _featurize(traker, model, _ids())
+    assert traker._method.done.all()
+    with pytest.raises(MemoryBudgetError, match=r"finalize_features needs ~.* but .* available"):
+        traker.finalize_features()
+    with pytest.raises(ValueError, match="`stage` must be"):
+        traker.plan.problems("score")
+
+
 def test_refuses_before_the_first_batch_when_disk_is_short(tmp_path, monkeypatch):
     model = _gpt2()
     traker = _traker(model, tmp_path, "ekfac")
@@ -257,3 +276,42 @@ def test_replay_plans_from_its_memory_estimate_and_refuses_what_does_not_fit(mon
     monkeypatch.setattr(_plan, "available_memory", lambda: 100)
     with pytest.raises(MemoryBudgetError, match=r"peak memory ~.* but 0\.1 kB is available.*"):
         r.metagradients((x[:2], y[:2]))
+
+
+def test_disk_override_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADSKETCH_AVAILABLE_DISK", "4321")
+    assert _plan.free_disk(tmp_path) == 4321
+    monkeypatch.delenv("GRADSKETCH_AVAILABLE_DISK")
+    assert (_plan.free_disk(tmp_path) or 1) > 0
+
+
+def test_recompute_plan_stores_q_only_and_fits_where_rows_do_not(tmp_path, monkeypatch):
+    """rows="recompute" stores Q (float64) and a done flag per document: 9 bytes.
+
+    The disk given (1 kB) holds those (N * 9 = 72 bytes) but not the rows
+    (the stored plan refuses, as in the test above).
+    """
+    model = _gpt2()
+    traker = _traker(model, tmp_path, "ekfac", rows="recompute")
+    monkeypatch.setattr(_plan, "free_disk", lambda path: 1000)
+    _featurize(traker, model, _ids())
+    plan = traker.plan
+    assert plan.store_bytes_per_row == 9 and plan.store_bytes == 9 * N
+    assert any("rows='recompute'" in note for note in plan.notes)
+    stored = _traker(model, tmp_path / "stored", "ekfac", rows="stored")
+    stored.load_checkpoint(model.state_dict(), model_id=0)
+    with pytest.raises(MemoryBudgetError, match="the store needs"):
+        stored.featurize({"input_ids": _ids()[:4]}, inds=range(4))
+
+
+def test_choose_rows_reads_the_mode_of_an_existing_store(tmp_path, caplog):
+    model = _gpt2()
+    _traker(model, tmp_path, "kfac", rows="recompute")
+    logger = logging.getLogger("gradsketch.attribution.TRAKer")
+    plan = _plan.AttributionPlan(method="kfac", train_set_size=N, free_disk=10**15)
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        rows = _plan.choose_rows("auto", plan, 100, tmp_path / "kfac", logger)
+    assert rows == "recompute"
+    assert any("as the store at" in r.getMessage() for r in caplog.records)
+    assert _plan.choose_rows("auto", plan, 100, tmp_path / "new", logger) == "stored"
+    assert _plan.choose_rows("stored", plan, 10**20, tmp_path / "new", logger) == "stored"

@@ -597,3 +597,35 @@ def test_the_unwarmed_adam_advice_fits_the_run(monkeypatch, caplog, kw, advice, 
     assert advice in notes[0]
     if not_advised is not None:
         assert not_advised not in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("kw", "warned"),
+    [
+        ({"optimizer": "adam", "weight_decay": 1e-4, "batch_size": N}, True),
+        ({"optimizer": "adam", "weight_decay": 1e-4, "batch_size": BATCH}, False),  # minibatch
+        ({"optimizer": "adam", "batch_size": N}, False),  # no L2
+        ({"optimizer": "adamw", "weight_decay": 1e-4, "batch_size": N}, False),  # decoupled
+        (
+            {"optimizer": "adam", "weight_decay": 1e-4, "batch_size": N,
+             "lr": [0.0] + [1e-2] * (STEPS - 1)},
+            False,
+        ),  # warmed up from 0
+    ],
+    ids=["adam-l2-full-batch", "minibatch", "no-l2", "adamw", "warmed-up"],
+)  # fmt: skip
+def test_the_runs_the_suite_cannot_predict_are_warned_with_the_measured_lds(caplog, kw, warned):
+    """Full-batch unwarmed Adam with L2 (where the protocol suite measured the replay
+    below K-FAC at every setting) warns with the measured LDS and no setting to try;
+    the runs the suite did not show failing do not."""
+    x, y = replay_data(N)
+    kw = {"lr": 0.01, **kw}
+    with caplog.at_level("WARNING", logger="gradsketch.attribution._replay"):
+        ReplayAttributor(
+            replay_mlp(), "image_classification", (x, y), num_steps=STEPS, progress=False, **kw
+        )
+    notes = [r.getMessage() for r in caplog.records if "protocol suite" in r.getMessage()]
+    assert len(notes) == (1 if warned else 0)
+    if warned:
+        assert "0.29-0.31 against fresh-seed retrains" in notes[0]
+        assert "TRAKer(method='kfac')" in notes[0]

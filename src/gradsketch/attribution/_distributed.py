@@ -263,8 +263,8 @@ def all_gather_columns(local: Tensor, n_columns: int) -> Tensor:
 class RowWindow:
     """Rows ``[start, stop)`` of a tensor, numpy or zarr array, read lazily.
 
-    Supports ``shape`` and slicing by a step-1 ``slice`` (what the streaming
-    kernels need), so a rank can stream its own rows of an on-disk array.
+    Supports ``shape``, ``dtype`` and slicing by a step-1 ``slice`` (what the
+    streaming kernels need), so a rank can stream its own rows of an on-disk array.
     """
 
     def __init__(self, array: Any, start: int, stop: int) -> None:
@@ -274,6 +274,11 @@ class RowWindow:
     def shape(self) -> tuple[int, ...]:
         """``(stop - start, *array.shape[1:])``."""
         return (self.stop - self.start, *(int(s) for s in self.array.shape[1:]))
+
+    @property
+    def dtype(self) -> Any:
+        """The array's dtype (the replay's float64 score rows stay float64 in a rank's window)."""
+        return self.array.dtype
 
     def __getitem__(self, key: slice) -> Any:
         if not isinstance(key, slice) or key.step not in (None, 1):

@@ -118,10 +118,34 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         return result
 
     def project(self, batch: Sequence[Tensor], projector: Any, model_id: int | None) -> Tensor:
-        """``[batch, proj_dim]`` projected gradients (through the hooks once they took over)."""
+        """``[batch, proj_dim]`` projected gradients: vmap's, or the hooks' once they take over.
+
+        The batch that vmap fails on is projected by the hooks'
+        :meth:`HookGradientComputer.project` too, which streams each layer
+        into the projector instead of holding every per-example gradient. A
+        subclass that overrides :meth:`compute_per_sample_grad` has that
+        projected (the interface's default).
+        """
         if self.hooks is not None:
             return self.hooks.project(batch, projector, model_id)
-        return super().project(batch, projector, model_id)
+        if (
+            type(self).compute_per_sample_grad
+            is not FunctionalGradientComputer.compute_per_sample_grad
+        ):
+            # A subclass's own per-example gradients are what it projects.
+            return super().project(batch, projector, model_id)
+        self.check_batch(batch)
+        fn = self._per_sample_fn(len(batch))
+        # vmap's gradients are projected outside the choice, so that an error of
+        # the projector itself is never taken for a tracing failure.
+        grads: dict[str, Tensor] | Tensor = self._vmap.run(
+            lambda: fn(self.func_weights, self.func_buffers, *batch),
+            lambda reason: self._on_hooks(reason, lambda h: h.project(batch, projector, model_id)),
+            on_switch=self._log_switch,
+        )
+        if isinstance(grads, Tensor):
+            return grads
+        return projector.project(grads, model_id=model_id)  # type: ignore[no-any-return]
 
     def _on_hooks(self, reason: str, work: Callable[[HookGradientComputer], T]) -> T:
         """``work`` on the layer-hook computer; a new one is kept only if ``work`` succeeds."""
@@ -173,7 +197,13 @@ class FunctionalGradientComputer(AbstractGradientComputer):
         )
 
     def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
-        """``[batch, 1]`` out-to-loss terms from the task."""
+        """``[batch, 1]`` out-to-loss terms from the task.
+
+        Once the hooks took over, theirs: right after they projected the same
+        batch, the model output of that forward is reused instead of another.
+        """
+        if self.hooks is not None:
+            return self.hooks.compute_loss_grad(batch)
         return self.modelout_fn.get_out_to_loss_grad(
             self.model, self.func_weights, self.func_buffers, batch
         )

@@ -26,7 +26,11 @@ sees the batch, which then gets its parameters' per-example gradients.
 With a :class:`gradsketch.sketch.FactorizedProjector`, Linear and Conv2d
 layers hand ``(a, g)`` to the projector, which returns
 ``sum_t (P_out g_t) ⊗ (P_in a_t)``: per-example gradients of those layers
-are never built.
+are never built. With a flat projector (count sketch, JL) each call's
+per-example gradient is projected at its parameters' offsets as soon as it
+is formed (a weight with Kronecker factors in row chunks, Embedding rows
+where they are) and dropped: a linear map of a concatenation is the sum of
+its blocks' images, so no ``[batch, grad_dim]`` tensor is ever held.
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from gradsketch.attribution._batch_shared import (
+    broadcasts_over_batch,
+    expand_shared,
+    expand_to_batch,
+)
 from gradsketch.attribution._capture import (
     CallRecord,
     OutputRouter,
@@ -167,7 +175,12 @@ class HookGradientComputer(AbstractGradientComputer):
 
     :meth:`project` with a :class:`gradsketch.sketch.FactorizedProjector`
     returns projected features without per-example gradients of the factorized
-    layers; with any other projector it projects :meth:`compute_per_sample_grad`.
+    layers; with any other projector that streams by coordinates (every
+    gradsketch projector without a mask) it projects each layer's per-example
+    gradient as soon as it is formed and drops it, so peak memory holds one
+    layer's (at most :data:`REST_CHUNK_BYTES` of a weight with Kronecker
+    factors), never the ``[batch, grad_dim]`` gradient; with others it projects
+    :meth:`compute_per_sample_grad`.
 
     Hooks are installed on construction and stay idle outside this object's
     calls; :meth:`remove_hooks` (idempotent, also ``with`` exit) takes them off.
@@ -409,17 +422,17 @@ class HookGradientComputer(AbstractGradientComputer):
             capture = self._capture
             if capture is None:
                 return None
-            if capture.batch_size > 1 and _broadcasts_over_batch(args, kwargs, output):
+            if capture.batch_size > 1 and broadcasts_over_batch(args, kwargs, output):
                 # Learned position embeddings return [1, T, D] and let `+`
                 # broadcast it; expanded to the batch here, the gradient keeps
                 # one row per example and the rule sees per-example inputs.
-                args, kwargs, output = _expand_to_batch((args, kwargs, output), capture.batch_size)
+                args, kwargs, output = expand_to_batch((args, kwargs, output), capture.batch_size)
             rows = capture.layout.call_rows((args, kwargs), output)
             if rows is None and capture.batch_size > 1:
                 # T5's attention returns its relative position bias as [1, heads, q, k],
                 # made from its parameters alone and broadcast over the batch later:
                 # expanded here, its gradient keeps one row per example.
-                expanded = _expand_shared(args, kwargs, output, capture.batch_size)
+                expanded = expand_shared(args, kwargs, output, capture.batch_size)
                 if expanded is not output:
                     rows = capture.layout.call_rows((args, kwargs), expanded)
                     output = expanded if rows is not None else output
@@ -608,20 +621,81 @@ class HookGradientComputer(AbstractGradientComputer):
         are, and only the remaining parameters' per-example gradients are
         formed (a factorized layer inside a module hooked as a whole, such as
         a mixture-of-experts container, is projected from its per-example
-        gradient); otherwise ``projector.project(compute_per_sample_grad(batch))``.
+        gradient). With any other projector that streams by coordinates
+        (``projector.streams_by_coordinates``: every gradsketch projector
+        without a mask), each layer's per-example gradient is projected at its
+        parameters' offsets as soon as its call is reached and then dropped:
+        the ``[batch, grad_dim]`` gradient never exists, a weight with Kronecker
+        factors (a Linear, GPT-2's ``Conv1D``, a tied LM head) is formed
+        :data:`REST_CHUNK_BYTES` at a time, and Embedding rows are projected
+        where they are (:meth:`~gradsketch.sketch.SparseProjector.project_sparse_into_`).
+        By linearity the result is ``projector.project(compute_per_sample_grad(batch))``
+        up to the order of float additions. Otherwise that is what is computed.
         """
-        if not isinstance(projector, FactorizedProjector):
+        if isinstance(projector, FactorizedProjector):
+            self._check_layout(projector)
+            projector.set_model_id(model_id)
+            capture = self._run(batch)
+            dtype = output_dtype(next(iter(self.func_weights.values())).dtype)
+            out = torch.zeros(
+                capture.batch_size, projector.proj_dim, dtype=dtype, device=projector.device
+            )
+            layout = param_layout(projector)
+            for call in _drain(capture):
+                self._project_call(call, projector, layout, out, capture.batch_size)
+            return out
+        if not getattr(projector, "streams_by_coordinates", False):
             return projector.project(self.compute_per_sample_grad(batch), model_id=model_id)
-        self._check_layout(projector)
+        return self._project_streamed(batch, projector, model_id)
+
+    def _flat_offsets(self) -> dict[str, int]:
+        """Each differentiated parameter's first coordinate in the flat gradient (model order)."""
+        params = dict(self.model.named_parameters())
+        offsets, offset = {}, 0
+        for name in self._names if self.grad_wrt is None else self.grad_wrt:
+            offsets[name] = offset
+            offset += params[name].numel()
+        offsets[""] = offset  # the total, under a name no parameter has
+        return offsets
+
+    def _project_streamed(
+        self, batch: Sequence[Tensor], projector: Any, model_id: int | None
+    ) -> Tensor:
+        """:meth:`project` through a flat projector, one hooked call at a time."""
+        offsets = self._flat_offsets()
+        total = offsets.pop("")
+        if total != projector.grad_dim:
+            raise ValueError(
+                f"the model's differentiated parameters have {total} coordinates per example but "
+                f"`projector` was built with grad_dim={projector.grad_dim}; build it with "
+                f"grad_dim={total} (the same `grad_wrt` as the gradient computer)."
+            )
         projector.set_model_id(model_id)
         capture = self._run(batch)
-        dtype = output_dtype(next(iter(self.func_weights.values())).dtype)
-        out = torch.zeros(
-            capture.batch_size, projector.proj_dim, dtype=dtype, device=projector.device
-        )
-        layout = param_layout(projector)
-        for call in capture.calls:
-            self._project_call(call, projector, layout, out, capture.batch_size)
+        batch_size = capture.batch_size
+        out: Tensor = projector.new_output(batch_size, next(iter(self.func_weights.values())).dtype)
+
+        def dense(block: Tensor, offset: int) -> None:
+            projector.project_into_(out, block, offset)
+
+        for call in _drain(capture):
+            unit = call.unit
+            module_type = type(unit.module)
+            if not unit.fallback and module_type in ROW_SPARSE_SAMPLERS:
+                _project_row_sparse(
+                    call, batch_size, offsets.__getitem__, projector.project_sparse_into_, out
+                )
+                continue
+            if _weight_layer(unit):
+                g = _single_grad(call)
+                if g is None:
+                    continue
+                weight = offsets[unit.params["weight"]]
+                bias = offsets.get(unit.params.get("bias", ""))
+                if self._stream_weight(call, g, dense, weight, bias, batch_size):
+                    continue
+            for name, grad in self._call_grads(call, batch_size).items():
+                dense(grad.reshape(batch_size, -1), offsets[name])
         return out
 
     def _project_call(
@@ -644,42 +718,42 @@ class HookGradientComputer(AbstractGradientComputer):
                 projector.project_layer_into_(out, unit.name, a, g3)
             return
         if not unit.fallback and module_type in ROW_SPARSE_SAMPLERS:
+            _project_row_sparse(
+                call, batch_size, projector.rest_offset_of, projector.project_rest_sparse_into_, out
+            )
+            return
+        if _weight_layer(unit):
             g = _single_grad(call)
             if g is None:
                 return
-            for local, (rows, values) in ROW_SPARSE_SAMPLERS[module_type](
-                unit.module, call.rule_inputs(batch_size), call.rule_grad(g, batch_size)
-            ).items():
-                if local not in unit.params:
-                    continue
-                width = values.shape[-1]
-                base = projector.rest_offset_of(unit.params[local])
-                cols = torch.arange(width, device=rows.device)
-                coords = (base + rows.unsqueeze(-1) * width + cols).reshape(batch_size, -1)
-                projector.project_rest_sparse_into_(out, coords, values.reshape(batch_size, -1))
-            return
-        if (
-            not unit.fallback
-            and module_type in LAYER_FACTORS
-            and set(unit.params) <= {"weight", "bias"}
-            and "weight" in unit.params
-        ):
-            g = _single_grad(call)
-            if g is None or self._project_rest_weight(call, g, projector, out, batch_size):
+            params = unit.params
+
+            def rest(block: Tensor, offset: int) -> None:
+                projector.project_rest_into_(out, block, offset)
+
+            weight = projector.rest_offset_of(params["weight"])
+            bias = projector.rest_offset_of(params["bias"]) if "bias" in params else None
+            if self._stream_weight(call, g, rest, weight, bias, batch_size):
                 return
         _project_dense(self._call_grads(call, batch_size), projector, layout, out, batch_size)
 
-    def _project_rest_weight(
-        self, call: _Call, g: Tensor, projector: FactorizedProjector, out: Tensor, batch_size: int
+    def _stream_weight(
+        self,
+        call: _Call,
+        g: Tensor,
+        sink: Callable[[Tensor, int], None],
+        weight_offset: int,
+        bias_offset: int | None,
+        batch_size: int,
     ) -> bool:
-        """A layer with Kronecker factors whose weight is a rest parameter, in row chunks.
+        """A layer with Kronecker factors: its weight gradient handed on in row chunks.
 
-        That is a weight shared with another module (an LM head tied to the
-        input embedding): its per-example gradient ``sum_t g_t a_t^T`` would be
-        ``[B, vocab, width]`` at once, so it is formed and count-sketched
-        :data:`REST_CHUNK_BYTES` at a time. The bias gradient is ``sum_t g_t``.
-        Returns False, projecting nothing, for an instance without factors
-        (a grouped Conv2d).
+        Its per-example gradient ``sum_t g_t a_t^T`` (``[B, vocab, width]`` for
+        an LM head) is formed :data:`REST_CHUNK_BYTES` at a time, rows of the
+        stored weight in order, and each ``[B, rows * width]`` chunk goes to
+        ``sink(chunk, offset)`` at its coordinates; the bias gradient
+        ``sum_t g_t`` goes at ``bias_offset``. Returns False, handing on
+        nothing, for an instance without factors (a grouped Conv2d).
         """
         unit = call.unit
         try:
@@ -692,16 +766,14 @@ class HookGradientComputer(AbstractGradientComputer):
         # Rows of the stored weight: d_out rows of d_in, or d_in rows of d_out when transposed.
         rows_f, cols_f = (a, g3) if type(unit.module) in TRANSPOSED_WEIGHT else (g3, a)
         n_rows, width = rows_f.shape[-1], cols_f.shape[-1]
-        base = projector.rest_offset_of(unit.params["weight"])
         step = max(1, REST_CHUNK_BYTES // max(1, batch_size * width * g3.element_size()))
+        rows_t = rows_f.transpose(1, 2)  # [B, rows, T]
         for r0 in range(0, n_rows, step):
             r1 = min(n_rows, r0 + step)
-            chunk = torch.einsum("btr,btc->brc", rows_f[..., r0:r1], cols_f)
-            projector.project_rest_into_(out, chunk.reshape(batch_size, -1), base + r0 * width)
-        if "bias" in unit.params:
-            projector.project_rest_into_(
-                out, g3.sum(1), projector.rest_offset_of(unit.params["bias"])
-            )
+            chunk = torch.bmm(rows_t[:, r0:r1], cols_f)
+            sink(chunk.reshape(batch_size, -1), weight_offset + r0 * width)
+        if bias_offset is not None:
+            sink(g3.sum(1), bias_offset)
         return True
 
     def _check_layout(self, projector: FactorizedProjector) -> None:
@@ -821,81 +893,53 @@ def _project_dense(
         raise HookComputationError(f"layers {sorted(pending)} got part of their parameters.")
 
 
-def _broadcasts_over_batch(args: Any, kwargs: Any, output: Any) -> bool:
-    """Whether a call saw no batch and returned values meant to broadcast over it.
+def _weight_layer(unit: _Unit) -> bool:
+    """Whether a unit is a rule's layer with Kronecker factors owning its weight (and bias)."""
+    return (
+        not unit.fallback
+        and type(unit.module) in LAYER_FACTORS
+        and set(unit.params) <= {"weight", "bias"}
+        and "weight" in unit.params
+    )
 
-    True when no input is floating point (indices such as ``position_ids
-    [1, T]``, or nothing) and every floating output has a leading dim of 1:
-    the same values for every example, as learned position embeddings give.
-    A floating input would carry the batch itself (or be sequence-first).
+
+def _drain(capture: _Capture) -> Iterator[_Call]:
+    """The capture's calls in order, each dropped from it once handled (its tensors freed)."""
+    calls = capture.calls
+    calls.reverse()
+    while calls:
+        yield calls.pop()
+
+
+def _project_row_sparse(
+    call: _Call,
+    batch_size: int,
+    offset_of: Callable[[str], int],
+    project: Callable[[Tensor, Tensor, Tensor], Any],
+    out: Tensor,
+) -> None:
+    """A row-sparse layer's (an embedding's) per-example gradient, projected as coordinates.
+
+    ``offset_of(name)`` is the flat offset of the parameter ``name``;
+    ``project(out, coords, values)`` adds the sparse rows into ``out``.
     """
-    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-    if any(t.is_floating_point() or t.is_complex() for t in inputs):
-        return False
-    outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
-    return bool(outs) and all(t.dim() > 0 and t.shape[0] == 1 for t in outs)
+    g = _single_grad(call)
+    if g is None:
+        return
+    unit = call.unit
+    for local, (rows, values) in ROW_SPARSE_SAMPLERS[type(unit.module)](
+        unit.module, call.rule_inputs(batch_size), call.rule_grad(g, batch_size)
+    ).items():
+        if local in unit.params:
+            coords = _row_coordinates(rows, values, offset_of(unit.params[local]))
+            project(out, coords, values.reshape(batch_size, -1))
 
 
-def _expand_shared(args: Any, kwargs: Any, output: Any, batch_size: int) -> Any:
-    """``output`` with its shared ``[1, ...]`` floating tensors expanded (views) to the batch.
-
-    Shared: computed without any floating input of the call (found by
-    walking the output's autograd graph, which must not reach an input's).
-    Returns ``output`` itself when nothing is shared or it cannot be told
-    (no input requires grad, or the graph is too large to walk).
-    """
-    sources = [
-        t
-        for t in tree_flatten((args, kwargs))[0]
-        if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad
-    ]
-    leading_one = [
-        t
-        for t in tree_flatten(output)[0]
-        if isinstance(t, Tensor) and t.is_floating_point() and t.dim() and t.shape[0] == 1
-    ]
-    if not sources or not leading_one:
-        return output
-    inputs = {get_gradient_edge(t).node for t in sources}
-    shared = {id(t) for t in leading_one if not _reaches(t, inputs)}
-    if not shared:
-        return output
-
-    def expand(t: Any) -> Any:
-        if isinstance(t, Tensor) and id(t) in shared:
-            return t.expand(batch_size, *t.shape[1:])
-        return t
-
-    return tree_map(expand, output)
-
-
-def _reaches(t: Tensor, nodes: set[Any], limit: int = 10_000) -> bool:
-    """Whether ``t``'s autograd graph reaches one of ``nodes`` (True past ``limit`` nodes)."""
-    if t.grad_fn is None:
-        return False
-    stack, visited = [t.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node in nodes:
-            return True
-        if node in visited:
-            continue
-        visited.add(node)
-        if len(visited) > limit:
-            return True
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return False
-
-
-def _expand_to_batch(tree: Any, batch_size: int) -> Any:
-    """Every tensor with a leading dim of 1 expanded (a view) to ``batch_size``."""
-
-    def expand(t: Any) -> Any:
-        if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == 1:
-            return t.expand(batch_size, *t.shape[1:])
-        return t
-
-    return tree_map(expand, tree)
+def _row_coordinates(rows: Tensor, values: Tensor, base: int) -> Tensor:
+    """``[B, n * width]`` flat coordinates of values ``[B, n, width]`` at rows ``[B, n]``."""
+    width = values.shape[-1]
+    cols = torch.arange(width, device=rows.device)
+    return (base + rows.unsqueeze(-1) * width + cols).reshape(rows.shape[0], -1)
 
 
 def _single_grad(call: _Call) -> Tensor | None:

@@ -27,6 +27,8 @@ records are JSON files::
     experiments/{exp_name}/{model_id}/done  uint8 [m] targets featurized
     scores/{exp_name}                       [n, m] scores (float64 for method="replay")
     scores/{exp_name}.json                  {"model_ids", "num_targets"}
+    scores/{exp_name}.done                  uint8 [n] score rows written (rows="recompute":
+                                            a killed finalize_scores resumes from them)
 
 Example:
     >>> checkpoint_array(3, "grads")
@@ -111,6 +113,11 @@ def target_array(exp_name: str, model_id: int, array: str) -> str:
 def scores_array(exp_name: str) -> str:
     """``scores/{exp_name}``: the ensembled ``[n, m]`` scores."""
     return f"{SCORES}/{exp_name}"
+
+
+def scores_done(exp_name: str) -> str:
+    """``scores/{exp_name}.done``: which rows of the scores are written (``rows="recompute"``)."""
+    return f"{SCORES}/{exp_name}.done"
 
 
 def scores_record(exp_name: str) -> str:

@@ -69,8 +69,12 @@ def xtx_blocked(
     n, k = int(x.shape[0]), int(x.shape[1])
     out = torch.zeros(k, k, dtype=dtype, device=device)
     edges = [*range(0, k, tile), k]
-    blocks = iter_row_blocks(x, block_rows, device=device, dtype=dtype, stop=n, prefetch=prefetch)
     syrk = _blas_syrk(out)
+    if syrk is not None and _in_place_rows(x, device, dtype):
+        # Rows already in memory as they are multiplied: one syrk over all of
+        # them needs no extra memory, and BLAS blocks them better than we do.
+        block_rows = max(block_rows, n)
+    blocks = iter_row_blocks(x, block_rows, device=device, dtype=dtype, stop=n, prefetch=prefetch)
     for _, _, xb in blocks:
         if syrk is not None:
             syrk(xb)
@@ -86,6 +90,17 @@ def xtx_blocked(
     if syrk is not None or len(edges) > 3:
         out = mirror_triangle(out, upper=True)
     return out
+
+
+def _in_place_rows(x: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``x`` is a C-contiguous tensor on ``device`` in ``dtype`` (its rows are views)."""
+    return (
+        isinstance(x, Tensor)
+        and x.device == device
+        and x.dtype == dtype
+        and x.is_contiguous()
+        and x.dim() == 2
+    )
 
 
 def mirror_triangle(a: Tensor, *, upper: bool, dtype: torch.dtype | None = None) -> Tensor:
@@ -266,6 +281,86 @@ def damped_inverse(xtx: Tensor, lam: float) -> Tensor:
     inv_evals = torch.where(live, 1.0 / evals, torch.zeros_like(evals))
     inv = (evecs * inv_evals) @ evecs.T
     return inv.to(xtx.dtype)
+
+
+def damped_solver(xtx: Tensor, lam: float) -> Callable[[Tensor], Tensor]:
+    """``t -> t (XᵀX + λI)⁻¹`` for ``[m, k]`` rows ``t``, without forming the inverse.
+
+    The scores of ``t @ damped_inverse(xtx, lam)`` for less work. On CPU,
+    :func:`damped_inverse` factorises ``A = XᵀX + λI = L Lᵀ`` (``k³/3``
+    flops, float64), inverts it (``potri``, ``2k³/3``), certifies the
+    spectrum from the inverse's norm and multiplies the targets by it
+    (``2 k² m``). Here the exact gate (:func:`_clear_of_rounding`, a float64
+    Cholesky of ``A - cI``, ``k³/3``) certifies the spectrum instead, and
+    the targets are solved against ``L`` by two triangular solves in their
+    own dtype (``2 k² m``, the GEMM's flops): ``k³/3`` fewer flops, all of
+    them float64 ones, and no inverse norms or mirror. At k = 2,048,
+    m = 2,000 on one Xeon core: 0.45 s against 0.55 s for the inverse and
+    GEMM (CPU seconds, medians of 5 interleaved calls).
+
+    Precision: ``L`` is computed in float64 and rounded to ``t``'s dtype,
+    a backward error ``|ΔA| <= 2u |L| |Lᵀ|`` (``u = 2⁻²⁴`` for float32);
+    the two solves add ``|ΔL| <= γ_k |L|`` each (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, Thm 8.5), so the solved rows carry a
+    backward error ``(2u + 2γ_k) ‖ |L| |Lᵀ| ‖₂ <= (2u + 2γ_k) trace(A)``.
+    A float32 XᵀX already carries ``γ_n ‖ |X|ᵀ |X| ‖₂ <= γ_n trace(XᵀX)``
+    from its own sums, so with ``n >= k`` training rows the solves at most
+    about triple the worst-case perturbation of ``A`` that float32 features
+    impose anyway (both then scale with ``κ(A)`` in the scores); in
+    practice both errors grow like ``√k u`` and ``√n u``.
+
+    Zero columns of XᵀX with λ = 0 (empty count-sketch buckets) are handled
+    as :func:`damped_inverse` handles them: the live block is solved, the
+    other columns of the result are 0. Anything else (not CPU, no SciPy, a
+    spectrum not clear of rounding) goes through :func:`damped_inverse`
+    (its pseudo-inverse for singular matrices) and one GEMM.
+
+    Args:
+        xtx: ``[k, k]`` symmetric XᵀX.
+        lam: damping λ >= 0.
+
+    Returns:
+        A function of ``[m, k]`` rows giving ``[m, k]`` rows in their dtype.
+
+    Example:
+        >>> x = torch.randn(40, 5, generator=torch.Generator().manual_seed(0))
+        >>> solve = damped_solver(x.T @ x, 0.0)
+        >>> torch.allclose(solve(x[:3]), x[:3] @ torch.linalg.inv(x.T @ x), atol=1e-5)
+        True
+    """
+    k = xtx.shape[0]
+    usable = xtx.device.type == "cpu" and _scipy_lapack() is not None and math.isfinite(lam)
+    if usable and lam == 0 and _all_finite(xtx):
+        live = torch.nonzero(torch.diagonal(xtx) != 0).reshape(-1)
+        if 0 < len(live) < k:
+            # Zero columns: as damped_inverse, the live block's inverse padded with zeros.
+            inner = damped_solver(xtx.index_select(0, live).index_select(1, live), lam)
+            return functools.partial(_solve_live, inner, live)
+    a = xtx.to(torch.float64, copy=True) if usable else xtx
+    if usable and not math.isfinite(float(a.sum())):
+        usable = False  # damped_inverse raises its error
+    if usable:
+        a.diagonal().add_(lam)
+        if _clear_of_rounding(a, torch.finfo(xtx.dtype).eps):
+            chol, info = _cholesky(a)
+            if info == 0:
+                return functools.partial(_solve_triangles, chol)
+    inv = damped_inverse(xtx, lam)
+    return lambda t: t @ inv.to(t.dtype)
+
+
+def _solve_live(inner: Callable[[Tensor], Tensor], live: Tensor, t: Tensor) -> Tensor:
+    """``t``'s ``live`` columns solved by ``inner``; the other columns 0."""
+    out = torch.zeros_like(t)
+    out[:, live] = inner(t.index_select(1, live.to(t.device)))
+    return out
+
+
+def _solve_triangles(chol: Tensor, t: Tensor) -> Tensor:
+    """``t L⁻ᵀ L⁻¹ = t (L Lᵀ)⁻¹`` by two triangular solves in ``t``'s dtype (``chol`` is ``L``)."""
+    low = chol.to(device=t.device, dtype=t.dtype)
+    half = torch.linalg.solve_triangular(low.T, t, upper=True, left=False)  # Y Lᵀ = t
+    return torch.linalg.solve_triangular(low, half, upper=False, left=False)  # Z L = Y
 
 
 def _clear_of_rounding(a: Tensor, eps: float) -> bool:

@@ -22,7 +22,13 @@ The estimates are upper-bound-minded, not exact:
 - projection: the tensors the projector holds;
 - working: the finalize and scoring blocks (``memory_budget``, or 64 MiB);
 - store: the rows of each document in the form they will be kept (``[a, g]``
-  per position, dense ``vec(G)``, or projected features) and Q.
+  per position, dense ``vec(G)``, or projected features) and Q; with
+  ``rows="recompute"`` only Q and a done flag (the rows are recomputed while
+  scoring, :mod:`~gradsketch.attribution._traker_recompute`).
+
+``TRAKer(rows="auto")`` (:func:`choose_rows`) keeps the rows on disk unless
+they would not fit the free disk in their widest form, and then recomputes
+them.
 
 The time per document is measured on the first batch.
 """
@@ -30,6 +36,7 @@ The time per document is measured on the first batch.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -42,6 +49,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from gradsketch._store import SETTINGS_FILE
+from gradsketch.attribution._hook_computer import REST_CHUNK_BYTES
 from gradsketch.attribution._io import DEFAULT_BLOCK_BYTES
 from gradsketch.attribution._layer_capture import FactoredLayer, find_layers
 from gradsketch.errors import MemoryBudgetError
@@ -49,6 +58,7 @@ from gradsketch.errors import MemoryBudgetError
 __all__ = [
     "AttributionPlan",
     "available_memory",
+    "choose_rows",
     "free_disk",
     "model_plan",
     "plan_first_batch",
@@ -82,7 +92,13 @@ def available_memory() -> int | None:
 
 
 def free_disk(path: Path) -> int | None:
-    """Free bytes on the filesystem of ``path`` (its nearest existing folder), or ``None``."""
+    """Free bytes on the filesystem of ``path`` (its nearest existing folder), or ``None``.
+
+    The environment variable ``GRADSKETCH_AVAILABLE_DISK`` (bytes) overrides it.
+    """
+    forced = os.environ.get("GRADSKETCH_AVAILABLE_DISK")
+    if forced:
+        return int(forced)
     folder = Path(path)
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -125,6 +141,10 @@ class AttributionPlan:
         free_disk: free bytes at the store (``None``: unknown).
         rows_left: documents still to featurize (the store may hold some).
         notes: what the plan assumed or left out, one line each.
+        curvature_at_finalize: the curvature is formed by ``finalize_features``
+            (TRAK's Gram matrix with stored rows), not while featurizing: it is
+            checked there (``stage="finalize"``), so that a run trak accepts
+            at construction and featurizing is accepted at those calls too.
     """
 
     method: str
@@ -142,6 +162,7 @@ class AttributionPlan:
     free_disk: int | None = None
     rows_left: int | None = None
     notes: tuple[str, ...] = ()
+    curvature_at_finalize: bool = False
 
     @property
     def store_bytes(self) -> int:
@@ -167,13 +188,38 @@ class AttributionPlan:
         left = self.train_set_size if self.rows_left is None else self.rows_left
         return self.seconds_per_row * left
 
-    def problems(self) -> list[str]:
-        """What does not fit: memory and disk, one sentence each (empty: it fits)."""
-        out = []
-        if self.available_memory is not None and self.peak_bytes > self.available_memory:
-            out.append(
-                f"peak memory ~{_gb(self.peak_bytes)} but {_gb(self.available_memory)} is available"
+    def stage_bytes(self, stage: str = "featurize") -> int:
+        """Memory needed by ``stage``: ``"featurize"`` (its peak) or ``"finalize"``.
+
+        A curvature formed at ``finalize_features`` (:attr:`curvature_at_finalize`)
+        counts at ``"finalize"`` only, beside the parameters, the projector and
+        the working blocks; otherwise both stages need :attr:`peak_bytes`.
+        """
+        if not self.curvature_at_finalize:
+            return self.peak_bytes
+        if stage == "finalize":
+            return (
+                self.parameter_bytes
+                + self.curvature_bytes
+                + self.projection_bytes
+                + self.working_bytes
             )
+        return self.peak_bytes - self.curvature_bytes
+
+    def problems(self, stage: str = "featurize") -> list[str]:
+        """What does not fit ``stage`` (:meth:`stage_bytes`): memory and disk, one sentence each.
+
+        Empty: it fits. The disk is a featurize stage's problem only.
+        """
+        if stage not in ("featurize", "finalize"):
+            raise ValueError(f"`stage` must be 'featurize' or 'finalize', got {stage!r}.")
+        out = []
+        need = self.stage_bytes(stage)
+        if self.available_memory is not None and need > self.available_memory:
+            what = "peak memory" if stage == "featurize" else "finalize_features needs"
+            out.append(f"{what} ~{_gb(need)} but {_gb(self.available_memory)} is available")
+        if stage == "finalize":
+            return out
         left = self.train_set_size if self.rows_left is None else self.rows_left
         need = self.store_bytes_per_row * left
         if self.free_disk is not None and need > self.free_disk:
@@ -240,13 +286,14 @@ def fixes(method: str, layered: bool) -> str:
     return "; ".join(ways)
 
 
-def refuse(plan: AttributionPlan, layered: bool) -> None:
+def refuse(plan: AttributionPlan, layered: bool, stage: str = "featurize") -> None:
     """Raise :class:`MemoryBudgetError` naming the estimate, what is free and the fixes.
 
     Raises:
-        MemoryBudgetError: the plan does not fit (:meth:`AttributionPlan.problems`).
+        MemoryBudgetError: the plan does not fit ``stage``
+            (:meth:`AttributionPlan.problems`).
     """
-    problems = plan.problems()
+    problems = plan.problems(stage)
     if problems:
         raise MemoryBudgetError(
             f"attribution with method={plan.method!r} does not fit this machine: "
@@ -318,6 +365,7 @@ def plan_features(
     save_dir: Path,
     batch: Any = None,
     rows_left: int | None = None,
+    recompute: bool = False,
 ) -> AttributionPlan:
     """The plan of a stored-features method (TRAK, identity, K-FAC, EK-FAC, registered ones).
 
@@ -336,6 +384,7 @@ def plan_features(
         save_dir: the store.
         batch: the first training batch (``None``: the model-only plan).
         rows_left: documents not featurized yet.
+        recompute: ``rows="recompute"``: Q and a done flag are stored per document.
     """
     layered = featurizer is not None
     notes = []
@@ -358,9 +407,21 @@ def plan_features(
             notes.append(f"rows kept as {form} ({row} numbers per document)")
     else:
         per_row = width * itemsize + 4
-        # The per-parameter gradients and their flat copy for the projector: GPT-2 small,
-        # 16 x 128 tokens, peaked at 17.3 GB RSS for 2 x 8 GB of them (2026-11-29).
-        gradients = 2 * 4 * rows * grad_dim + 4 * rows * width
+        if getattr(projector, "streams_by_coordinates", False):
+            # The hooks project each layer as it comes (HookGradientComputer.project): one
+            # REST_CHUNK_BYTES chunk of a weight with Kronecker factors, or one other
+            # parameter's per-example gradient, at a time; vmap holds each [B, *shape] once.
+            largest = max((p.numel() for p in model.parameters()), default=0)
+            held = min(4 * rows * grad_dim, REST_CHUNK_BYTES + 4 * rows * largest)
+        else:
+            # The per-parameter gradients and their flat copy for the projector: GPT-2
+            # small, 16 x 128 tokens, peaked at 17.3 GB RSS for 2 x 8 GB of them.
+            held = 2 * 4 * rows * grad_dim
+        gradients = held + 4 * rows * width
+    if recompute:
+        per_row = 8 + 1  # Q (float64) and the done flag; the rows are recomputed
+        if batch is not None:
+            notes.append("rows='recompute': no training rows stored, recomputed while scoring")
     working = memory_budget if memory_budget is not None else DEFAULT_BLOCK_BYTES
     return AttributionPlan(
         method=method,
@@ -377,7 +438,19 @@ def plan_features(
         free_disk=free_disk(save_dir),
         rows_left=rows_left,
         notes=tuple(notes),
+        curvature_at_finalize=method == "trak" and not recompute,
     )
+
+
+def warn_finalize(plan: AttributionPlan, layered: bool, logger: logging.Logger) -> None:
+    """Warn, before any work, where ``finalize_features`` will be refused (it refuses there)."""
+    problems = plan.problems("finalize")
+    if problems:
+        logger.warning(
+            "finalize_features will be refused with this plan: %s. Fixes: %s.",
+            "; ".join(problems),
+            fixes(plan.method, layered),
+        )
 
 
 def plan_replay(
@@ -476,8 +549,68 @@ def traker_plan(traker: Any, batch: Any = None, rows_left: int | None = None) ->
         grad_dim=traker.grad_dim,
         itemsize=traker.dtype.itemsize,
         sampled=traker.settings.curvature == "sampled",
+        recompute=getattr(traker, "rows", "stored") == "recompute",
         **common,
     )
+
+
+def stored_row_bytes(maker: Any, sampled: bool) -> int:
+    """Bytes per document of stored rows in their widest form, and Q.
+
+    Per-layer rows are kept narrower where the layers see few positions
+    (``[a, g]``), but how many is known only from the first batch; the
+    dense ``vec(G)`` bounds every form.
+    """
+    if maker.layered:
+        width = maker.kronecker().dense_width() * (2 if sampled else 1)
+    else:
+        width = maker.proj_dim
+    return int(width) * maker.dtype.itemsize + 8
+
+
+def _rows_of_store(save_dir: Path) -> str | None:
+    """The ``rows`` of the store at ``save_dir`` (``None``: no store there yet)."""
+    path = Path(save_dir) / SETTINGS_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return str(record.get("rows", "stored")) if isinstance(record, dict) else None
+
+
+def choose_rows(
+    rows: str, plan: AttributionPlan, row_bytes: int, save_dir: Path, logger: logging.Logger
+) -> str:
+    """``"stored"`` or ``"recompute"`` for ``TRAKer(rows=rows)``; ``"auto"`` decided and logged.
+
+    ``"auto"``: an existing store keeps its own mode; otherwise the rows are
+    stored unless ``row_bytes`` per document (:func:`stored_row_bytes`) for
+    every document exceed the free disk at the store (``GRADSKETCH_AVAILABLE_DISK``
+    overrides it).
+    """
+    if rows != "auto":
+        return rows
+    existing = _rows_of_store(save_dir)
+    if existing is not None:
+        logger.info("rows='auto': %r, as the store at `%s` was made", existing, save_dir)
+        return existing
+    need = row_bytes * plan.train_set_size
+    free = plan.free_disk if plan.free_disk is not None else free_disk(save_dir)
+    if free is not None and need > free:
+        logger.info(
+            "rows='auto': 'recompute': the stored rows would need ~%s on disk but %s is free; "
+            "training gradients are recomputed while scoring instead (only the curvature and "
+            "Q are stored)",
+            _gb(need),
+            _gb(free),
+        )
+        return "recompute"
+    logger.info(
+        "rows='auto': 'stored': the rows need at most ~%s on disk%s",
+        _gb(need),
+        "" if free is None else f" and {_gb(free)} is free",
+    )
+    return "stored"
 
 
 class FirstBatch:

@@ -17,6 +17,17 @@ step computes changes:
 Arguments of :class:`TRAKer` that belong to projected or preconditioned
 features (``proj_dim``, ``lambda_reg``, ``projector``, ...) are refused by
 the table of :mod:`~gradsketch.attribution._traker_arguments`.
+
+Under ``torch.distributed`` (``torchrun``) every rank keeps every training
+row and trains the same run (it must, to replay it; the run's fingerprint is
+checked equal across ranks), while the queries are split: their rows are
+stored one per chunk, so rank ``r`` reverses only the queries of its
+:func:`~gradsketch.attribution.chunk_shard` (``ceil(m / W)`` at most, as one
+block when its batches hold them) and the reverse pass's memory is that of
+its share (its adjoints, score rows and activations; the run's checkpoints are
+held whole by every rank). The score columns are then gathered as every
+method's are. A store begun by one process keeps its ~1 MiB chunks of query
+rows, whose queries then fall to one rank each.
 """
 
 from __future__ import annotations
@@ -31,6 +42,12 @@ from torch import Tensor, nn
 
 from gradsketch._device import exact_device
 from gradsketch._store import default_chunk_rows
+from gradsketch.attribution._distributed import (
+    barrier,
+    rank_and_world,
+    rank_zero_first,
+    require_same_across_ranks,
+)
 from gradsketch.attribution._replay import ReplayAttributor, ReplaySettings
 from gradsketch.attribution._scores import CheckpointGrads
 from gradsketch.attribution._traker_arguments import REPLAY_UNUSED_ARGUMENTS as WHY_NOT_USED
@@ -157,10 +174,14 @@ class ReplayMethod:
         self.progress, self.logger = progress, logger
         # A query's row holds its metagradient for each training row, in float64.
         self.width, self.dtype, self.np_dtype = n, torch.float64, np.float64
-        self.dense_chunk_rows = default_chunk_rows((n,), np.dtype(np.float64))
+        # Ranks split the queries by whole chunks of their rows: one query per chunk
+        # there, so that every rank gets its share (a query costs a reverse pass, a
+        # chunk file is cheap beside it). One process keeps ~1 MiB chunks.
+        one_per_chunk = rank_and_world()[1] > 1
+        self.dense_chunk_rows = 1 if one_per_chunk else default_chunk_rows((n,), np.float64)
         self.lambda_reg, self.score_computer = 0.0, None
         self.done = np.zeros(n, dtype=bool)
-        # One process replays the run: it owns every row.
+        # Every rank replays the whole run: it owns every training row.
         self.owned = np.ones(n, dtype=bool)
         self._columns: list[Tensor] | None = None
         self.model_id: int | None = None
@@ -194,7 +215,8 @@ class ReplayMethod:
                     "of the given ReplayAttributor; pass the state the attributor was built from "
                     "(model.state_dict() before building it)."
                 )
-        self.records.claim_checkpoint(model_id, sha)
+        with rank_zero_first():  # rank 0 writes the record, the others read it
+            self.records.claim_checkpoint(model_id, sha)
         self.model.load_state_dict(checkpoint)
         self.model_id = int(model_id)
 
@@ -242,6 +264,12 @@ class ReplayMethod:
                 progress=self.progress,
             )
         run = self._run_fingerprint(self._attributor)
+        # Every rank replays the same run, or the ranks' queries would not be comparable.
+        require_same_across_ranks(
+            "the replayed run (training rows and batch order)",
+            run,
+            fix="Give every rank every training row, in the same order, with the same settings.",
+        )
         stored = self.records.checkpoint(self.model_id).get("run")
         if stored not in (None, run) and self.load_from_save_dir:
             raise SettingsMismatchError(
@@ -252,7 +280,10 @@ class ReplayMethod:
             )
         if self._attributor.final is None:
             self._attributor.train()
-        self.records.update_checkpoint(self.model_id, finalized=True, run=run)
+        barrier()  # every rank has read the record before rank 0 rewrites it
+        if rank_and_world()[0] == 0:
+            self.records.update_checkpoint(self.model_id, finalized=True, run=run)
+        barrier()
 
     @property
     def attributor(self) -> ReplayAttributor:
@@ -268,7 +299,8 @@ class ReplayMethod:
     def load_weights(self, checkpoint: Mapping[str, Any], model_id: int) -> None:
         """Check that ``checkpoint`` is the run's start: queries are scored at its end."""
         self._check_run(model_id, "start_scoring_checkpoint")
-        self.records.claim_checkpoint(model_id, checkpoint_fingerprint(checkpoint))
+        with rank_zero_first():
+            self.records.claim_checkpoint(model_id, checkpoint_fingerprint(checkpoint))
 
     def target_rows(
         self, batch: tuple[Tensor, ...], model_id: int, per_token: bool

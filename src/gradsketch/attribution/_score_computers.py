@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from gradsketch._checks import positive_int
-from gradsketch.attribution._linalg import damped_inverse, resolve_lambda, xtx_blocked
+from gradsketch.attribution._linalg import damped_solver, resolve_lambda, xtx_blocked
 from gradsketch.attribution._scores import check_lambda
 
 
@@ -120,14 +120,18 @@ class BasicScoreComputer(AbstractScoreComputer):
         )
 
     def get_x_xtx_inv(self, grads: Tensor, xtx: Tensor) -> Tensor:
-        """``X (XᵀX + λI)⁻¹``, block by block (no mean-abs rescaling, unlike traker)."""
+        """``X (XᵀX + λI)⁻¹``, block by block (no mean-abs rescaling, unlike traker).
+
+        The rows are solved against the Cholesky factor (:func:`damped_solver`:
+        the flops of the product with the inverse, without forming it).
+        """
         dev = torch.device(self.device)
         lam = resolve_lambda(self.lambda_reg, xtx.float())
-        inv = damped_inverse(xtx.to(dev, torch.float32), lam)
-        out = torch.empty(grads.shape[0], inv.shape[1], dtype=self.dtype, device=dev)
+        solve = damped_solver(xtx.to(dev, torch.float32), lam)
+        out = torch.empty(grads.shape[0], xtx.shape[1], dtype=self.dtype, device=dev)
         for start in range(0, grads.shape[0], self.CUDA_MAX_DIM_SIZE):
             stop = start + self.CUDA_MAX_DIM_SIZE
-            out[start:stop] = (grads[start:stop].to(dev, torch.float32) @ inv).to(self.dtype)
+            out[start:stop] = solve(grads[start:stop].to(dev, torch.float32)).to(self.dtype)
         return out
 
     def get_scores(self, features: Tensor, target_grads: Tensor, accumulator: Tensor) -> None:

@@ -54,6 +54,7 @@ from gradsketch.attribution._io import (
 )
 from gradsketch.attribution._linalg import (
     damped_inverse,
+    damped_solver,
     matmul_nt,
     resolve_lambda,
     resolve_precision,
@@ -308,17 +309,18 @@ def score_checkpoints(
     # float64 stores (influence's exact mode) are multiplied in float64.
     work = torch.float64 if any(_is_float64(ck.train) for ck in checkpoints) else torch.float32
 
-    # Pass 1: per checkpoint, XᵀX and its damped inverse; mean out-to-loss.
-    inverses: list[Tensor | None] = []
+    # Pass 1: per checkpoint, XᵀX and its damped inverse (applied to the
+    # targets: only its solve, never the [k, k] matrix); mean out-to-loss.
+    inverses: list[Tensor | None] = [None] * cks
+    solves = [ck.solve for ck in checkpoints]
     q_mean = torch.zeros(n, dtype=work)
     q_each: list[Tensor] = []
-    for ck in checkpoints:
+    for c, ck in enumerate(checkpoints):
         q_c = rows_as_tensor(ck.out_to_loss, 0, n, device=torch.device("cpu"), dtype=work)
         q_mean += q_c.reshape(n)
         if ck.q_per_checkpoint:
             q_each.append((q_c.reshape(n) / cks).to(dev))
         if ck.preconditioned or ck.solve is not None:
-            inverses.append(None)
             continue
         xtx = ck.xtx
         if xtx is None:
@@ -328,7 +330,10 @@ def score_checkpoints(
         xtx = xtx.to(device=dev, dtype=torch.float32)
         lam = resolve_lambda(lam_setting, xtx)
         logger.debug("damping λ = %g (lambda_reg=%r)", lam, lambda_reg)
-        inverses.append(damped_inverse(xtx, lam))
+        if order == "targets":
+            solves[c] = damped_solver(xtx, lam)
+        else:
+            inverses[c] = damped_inverse(xtx, lam)
     q_mean /= cks
 
     n_tiles = ceil_div(n, n_block) * ceil_div(m, m_block)
@@ -348,12 +353,9 @@ def score_checkpoints(
             j1 = min(m, j0 + m_block)
             # Right-hand sides for these targets: (A_c⁻¹ T_cᵀ)ᵀ = T_c A_c⁻¹ ([mj, k]).
             rhs = []
-            for ck, inv in zip(checkpoints, inverses):
+            for ck, solve in zip(checkpoints, solves):
                 t = rows_as_tensor(ck.targets, j0, j1, device=dev, dtype=work)
-                if ck.solve is not None:
-                    rhs.append(ck.solve(t).to(work))
-                else:
-                    rhs.append(t @ inv.to(work) if order == "targets" and inv is not None else t)
+                rhs.append(t if solve is None else solve(t).to(work))
             streams = [
                 iter_row_blocks(
                     ck.train,
@@ -594,7 +596,7 @@ def _distributed_scores(
         scores = zarr.open_array(str(path), mode="r+")
         out = ColumnWindow(scores, cols.start, cols.stop)
     if len(cols) == 0:
-        local = np.zeros((n, 0), dtype=np.float32)
+        local = np.zeros((n, 0), dtype=score_dtype(checkpoints))
     elif score_computer is not None:
         local = scores_with_computer(score_computer, mine, device=device)
         if out is not None:

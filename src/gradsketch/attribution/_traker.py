@@ -46,10 +46,13 @@ from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._plan import (
     AttributionPlan,
+    choose_rows,
     model_plan,
     plan_first_batch,
     refuse,
+    stored_row_bytes,
     traker_plan,
+    warn_finalize,
 )
 from gradsketch.attribution._preconditioners import CurvaturePreconditioner, resolve_method
 from gradsketch.attribution._replay import ReplayAttributor
@@ -59,7 +62,6 @@ from gradsketch.attribution._scores import (
     CheckpointGrads,
     check_lambda,
     ensemble_scores,
-    score_checkpoints,
     score_dtype,
 )
 from gradsketch.attribution._topk import TopK, topk_checkpoints
@@ -72,12 +74,14 @@ from gradsketch.attribution._traker_inputs import (
     select_rows,
 )
 from gradsketch.attribution._traker_method import FeatureMethod
+from gradsketch.attribution._traker_recompute import check_rows
 from gradsketch.attribution._traker_records import (
     TRAKRecords,
     TRAKSettings,
     checkpoint_fingerprint,
     model_fingerprint,
 )
+from gradsketch.attribution._traker_tokens import per_token_scores
 from gradsketch.attribution._vocab_layers import default_layer_parameters
 from gradsketch.errors import ModelIDException
 from gradsketch.masked import MaskLike
@@ -199,6 +203,15 @@ class TRAKer:
             damping is this fraction of each layer's mean eigenvalue (0.3,
             chosen by LDS in benchmarks/RESULTS.md; Kronfluence's heuristic is
             0.1). Recorded with each score matrix, as ``lambda_reg`` is.
+        rows: ``"stored"`` keeps each training document's row on disk;
+            ``"recompute"`` keeps only the curvature (factors, eigenbases,
+            corrections, XᵀX) and Q, and recomputes the training gradients
+            while scoring, from the (re-iterable) loader given to
+            :meth:`featurize_loader` and the weights given to
+            :meth:`load_checkpoint` / :meth:`start_scoring_checkpoint`, kept by
+            reference (:mod:`~gradsketch.attribution._traker_recompute`);
+            ``"auto"`` (default): stored unless the rows would not fit the
+            free disk (:func:`~gradsketch.attribution._plan.choose_rows`, logged).
 
     Scale is planned (:attr:`plan`, :mod:`~gradsketch.attribution._plan`): logged
     before featurizing, refused up front where it does not fit. Per-layer
@@ -274,6 +287,7 @@ class TRAKer:
         dtype: torch.dtype | None = None,
         replay: Any = None,
         damping_fraction: float = LAYER_AUTO_DAMPING_FRACTION,
+        rows: str = "auto",
     ) -> None:
         # Every argument as given, before another local exists: the refusal table reads them.
         given = dict(locals())
@@ -291,6 +305,7 @@ class TRAKer:
                     f"`curvature` must be one of {list(CURVATURES)}, got {curvature!r}."
                 )
         refuse_unused(method, self._kind, given, _defaults())
+        self.rows = check_rows(rows)
         positive_int("memory_budget", memory_budget, optional=True, fix=MEMORY_BUDGET_FIX)
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
@@ -387,6 +402,18 @@ class TRAKer:
         self._plan = model_plan(self, maker, curvature)
         refuse(self._plan, layered)
         computer = a["score_computer"]
+        if computer is not None and self.rows == "recompute":
+            raise ValueError(
+                "`score_computer` multiplies stored rows in memory, but rows='recompute' stores "
+                "none; pass score_computer=None, or rows='stored'."
+            )
+        rows_bytes = stored_row_bytes(maker, curvature == "sampled")
+        rows = "stored" if computer is not None else self.rows
+        self.rows = choose_rows(rows, self._plan, rows_bytes, self.save_dir, self.logger)
+        if self.rows == "recompute":  # TRAK's Gram is then summed while featurizing
+            self._plan = dataclasses.replace(self._plan, curvature_at_finalize=False)
+            refuse(self._plan, layered)
+        warn_finalize(self._plan, layered, self.logger)
         if computer is not None:
             computer = computer(
                 dtype=dtype,
@@ -407,6 +434,7 @@ class TRAKer:
             curvature=curvature,
             sample_seed=self.sample_seed if curvature == "sampled" else 0,
             layers=[x.name for x in maker.layers],
+            rows=self.rows,
         )
         self.records = TRAKRecords(self.save_dir, self.settings, self.logger)
         positive_int(
@@ -427,6 +455,7 @@ class TRAKer:
             progress=self.progress,
             logger=self.logger,
             damping_fraction=self.damping_fraction,
+            rows=self.rows,
         )
 
     @property
@@ -436,6 +465,7 @@ class TRAKer:
 
     def _init_replay(self, replay: Any, device: Any) -> None:
         """Exact metagradients through the replayed run ``replay``."""
+        self.rows = "stored"  # the replay keeps its own rows
         settings = replay_settings(replay)
         self.device = replay_device(self.model, device)
         n = self.train_set_size
@@ -570,7 +600,12 @@ class TRAKer:
         re-batched over this rank's rows still to do, so each rank loads only
         the examples it featurizes; other iterables are read in full and each
         rank keeps its own rows.
+
+        ``rows="recompute"``: ``loader`` is kept (it must be re-iterable) and
+        read again by ``finalize_features`` and the scoring.
         """
+        if isinstance(self._method, FeatureMethod):
+            self._method.keep_loader(loader, self._last_ind, batch_size)
         self._feed(loader, batch_size, targets=False)
 
     def _feed(self, loader: Iterable[Any], batch_size: int, targets: bool) -> None:
@@ -608,11 +643,16 @@ class TRAKer:
         ``[n, k]`` features ``X (XᵀX + λI)⁻¹`` are only formed when
         ``del_grads=True`` (TRAK only; then they replace the gradients);
         otherwise the preconditioner is applied to the targets at scoring
-        time, which is cheaper.
+        time, which is cheaper. ``rows="recompute"``: the statistics were summed while
+        featurizing; passes over rows (EK-FAC's correction) recompute them from the loader.
         """
         refuse_unused(self.method, self._kind, {"del_grads": del_grads}, {"del_grads": False})
+        if del_grads and self.rows == "recompute":
+            raise ValueError("`del_grads`=True deletes stored rows; rows='recompute' has none.")
         ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
         require_same_across_ranks("the model ids to finalize", ids)
+        if self._kind != "replay":  # TRAK's Gram is formed here: refused before it is
+            refuse(self._plan, self._kind == "per-layer", stage="finalize")
         self._method.finalize(ids, bool(del_grads))
 
     def preconditioner(self, model_id: int) -> CurvaturePreconditioner:
@@ -633,7 +673,8 @@ class TRAKer:
         Per-layer methods keep each layer's ``[a, g]`` where every layer sees one
         position per example; the returned view then expands ``vec(g aᵀ)`` as
         row slices are read (``view[i:j]``, a numpy array). ``name="fisher_grads"``:
-        the features under sampled labels (``curvature="sampled"``).
+        the features under sampled labels (``curvature="sampled"``). ``rows="recompute"``:
+        an array whose row slices are computed from the loader when read.
         """
         return self._method.stored_features(model_id, name)
 
@@ -814,21 +855,25 @@ class TRAKer:
         """
         experiment, used, ckpts = self._scoring_inputs(exp_name, model_ids, allow_skip)
         if per_token:
-            return self._per_token_scores(exp_name, experiment, used, ckpts)
+            return per_token_scores(self, exp_name, experiment, used, ckpts)
         n, m = self.train_set_size, int(experiment["num_targets"])
-        scores = ensemble_scores(
-            ckpts,
-            self.lambda_reg,
-            self.memory_budget,
-            path=self.save_dir / layout.scores_array(exp_name),
-            copy_to=lambda: self.store.require_array(
-                layout.scores_array(exp_name), (n, m), score_dtype(ckpts)
-            ),
-            score_computer=self.score_computer,
-            precision=self.precision,
-            device=self.device,
-            progress=self.progress,
-        )
+        recompute = getattr(self._method, "recompute", None)
+        if recompute is not None:
+            scores = recompute.scores(exp_name, used, ckpts, **self._recompute_args())
+        else:
+            scores = ensemble_scores(
+                ckpts,
+                self.lambda_reg,
+                self.memory_budget,
+                path=self.save_dir / layout.scores_array(exp_name),
+                copy_to=lambda: self.store.require_array(
+                    layout.scores_array(exp_name), (n, m), score_dtype(ckpts)
+                ),
+                score_computer=self.score_computer,
+                precision=self.precision,
+                device=self.device,
+                progress=self.progress,
+            )
         if rank_and_world()[0] == 0:
             self.records.write_scores(
                 exp_name,
@@ -843,57 +888,6 @@ class TRAKer:
         barrier()
         self.scores = scores
         return scores
-
-    def _per_token_scores(
-        self,
-        exp_name: str,
-        experiment: Mapping[str, Any],
-        model_ids: Sequence[int],
-        ckpts: Sequence[CheckpointGrads],
-    ) -> np.ndarray:
-        """``[n, m, T]`` scores of each target token (targets' token rows in memory)."""
-        if not experiment.get("per_token"):
-            raise ValueError(
-                f"experiment {exp_name!r} was not started with per_token=True; start a new one "
-                "with start_scoring_checkpoint(..., per_token=True) to get per-token scores."
-            )
-        n, m = self.train_set_size, int(experiment["num_targets"])
-        if self.memory_budget is not None and 4 * n * m > self.memory_budget:
-            raise ValueError(
-                f"per-token scores need at least {4 * n * m} bytes but `memory_budget`="
-                f"{self.memory_budget}; score fewer targets per experiment."
-            )
-        # Under torch.distributed each rank scores its column shard of the targets.
-        rank, world = rank_and_world()
-        cols = column_shard(m) if world > 1 else range(m)
-        wide = np.float64 if self.dtype == torch.float64 else np.float32
-        k = self.proj_dim
-        per_token, length = [], 0
-        for model_id, ck in zip(model_ids, ckpts, strict=True):
-            # The targets' rows: [m, T * k] stored, [m * T, k] for the kernel.
-            stored = self.store.array(layout.target_array(exp_name, model_id, "token_grads"))
-            length = int(stored.shape[1]) // k
-            rows = np.asarray(stored[cols.start : cols.stop], dtype=wide)
-            tokens = torch.from_numpy(rows.reshape(len(cols) * length, k))
-            per_token.append(dataclasses.replace(ck, targets=tokens))
-        if len(cols):
-            local = score_checkpoints(
-                per_token,
-                self.lambda_reg,
-                self.memory_budget,
-                precision=self.precision,
-                device=self.device,
-                progress=self.progress and rank == 0,
-            )
-            local = torch.as_tensor(np.asarray(local)).reshape(n, len(cols), length)
-        else:
-            local = torch.zeros(n, 0, length)
-        if world == 1:
-            return local.numpy()
-        # [n, m_r, T] -> [n T, m_r] columns, gathered -> [n, m, T] (bits copied).
-        flat = local.permute(0, 2, 1).reshape(n * length, len(cols))
-        whole = all_gather_columns(flat, m).reshape(n, length, m).permute(0, 2, 1)
-        return whole.contiguous().numpy()
 
     def topk(
         self,
@@ -917,13 +911,18 @@ class TRAKer:
             indices and scores (proponents highest first, opponents lowest first).
         """
         positive_int("k", k, fix="pass the number of proponents to keep per target")
-        _, _, ckpts = self._scoring_inputs(exp_name, model_ids, allow_skip)
+        _, used, ckpts = self._scoring_inputs(exp_name, model_ids, allow_skip)
+        recompute = getattr(self._method, "recompute", None)
+        if recompute is not None:  # the scores on disk (made, or resumed), read in blocks
+            scores = recompute.scores(exp_name, used, ckpts, **self._recompute_args())
+            return recompute.topk(scores, k, self.memory_budget)
         m = int(ckpts[0].targets.shape[0])
         rank, world = rank_and_world()
         cols = column_shard(m) if world > 1 else range(m)
         if len(cols) == 0:
             kk = min(int(k), self.train_set_size)
-            idx, val = torch.zeros(kk, 0, dtype=torch.int64), torch.zeros(kk, 0)
+            idx = torch.zeros(kk, 0, dtype=torch.int64)
+            val = torch.zeros(kk, 0, dtype=getattr(torch, score_dtype(ckpts)))
             local = TopK(idx, val, idx.clone(), val.clone())
         else:
             local = topk_checkpoints(
@@ -938,6 +937,14 @@ class TRAKer:
             return local
         parts = (local.proponents, local.proponent_scores, local.opponents, local.opponent_scores)
         return TopK(*(all_gather_columns(t, m) for t in parts))
+
+    def _recompute_args(self) -> dict[str, Any]:
+        rank = rank_and_world()[0]
+        return {
+            "lambda_reg": self.lambda_reg,
+            "memory_budget": self.memory_budget,
+            "progress": self.progress and rank == 0,
+        }
 
     def _damping_record(self) -> dict[str, float]:
         """``damping_fraction`` for the score record, where it applied and is not the default."""

@@ -59,6 +59,7 @@ REPLAY_UNUSED_ARGUMENTS: dict[str, str] = {
     "precision": "scores come from the reverse pass, not a GEMM",
     "saver": "scores are stored in the TRAKer's store under `save_dir`",
     "del_grads": "no training features are stored",
+    "rows": "the replay keeps the rows it trains on; it has no gradients to recompute",
 }
 
 _DEFAULT_FIX = "leave it at its default ({default!r})"
@@ -80,6 +81,12 @@ ARGUMENT_REFUSALS: dict[tuple[str, str], Refusal | None] = {
         show_value=False,
     ),
     ("replay", "replay"): None,
+    ("replay", "rows"): Refusal(
+        "does not apply to method='replay' (the replay keeps the rows it trains on; it has "
+        "no gradients to recompute)",
+        _DEFAULT_FIX,
+        harmless=("stored",),
+    ),
     ("*", "score_computer"): Refusal(
         "is TRAK's own kernel; method={method!r} scores with its preconditioner",
         "pass score_computer=None",

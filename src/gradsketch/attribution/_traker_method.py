@@ -4,7 +4,10 @@ These methods store one row per training example (projected gradients or
 per-layer factors, :mod:`~gradsketch.attribution._traker_features`), fit a
 preconditioner ``P`` from them (``finalize_features``), and store one row of
 features per target; scoring is the kernel
-``Φ P⁻¹ φ_targetᵀ ⊙ Q`` of :mod:`~gradsketch.attribution._scores`.
+``Φ P⁻¹ φ_targetᵀ ⊙ Q`` of :mod:`~gradsketch.attribution._scores`. With
+``rows="recompute"`` no training row is stored: the statistics are
+accumulated while featurizing and the rows are computed again where they
+are read (:mod:`~gradsketch.attribution._traker_recompute`).
 :class:`~gradsketch.attribution.TRAKer` runs the flow; this object does
 each step's method-specific part.
 """
@@ -46,6 +49,11 @@ from gradsketch.attribution._scores import CheckpointGrads
 from gradsketch.attribution._traker_accumulated import Accumulated
 from gradsketch.attribution._traker_features import FeatureMaker, numpy_dtype
 from gradsketch.attribution._traker_inputs import select_rows
+from gradsketch.attribution._traker_recompute import (
+    AccumulatedGram,
+    Recompute,
+    recompute_train_rows,
+)
 from gradsketch.attribution._traker_records import TRAKRecords, require_all_rows
 from gradsketch.attribution._traker_rows import DENSE_ROWS, StoredRows
 from gradsketch.errors import ModelIDException
@@ -70,6 +78,8 @@ class FeatureMethod:
         logger: the TRAKer's logger.
         damping_fraction: per-layer ``"auto"`` damping's fraction of each
             layer's mean eigenvalue (``None``: the library's default).
+        rows: ``"stored"`` (one row per training document on disk) or
+            ``"recompute"`` (none: :mod:`~gradsketch.attribution._traker_recompute`).
     """
 
     targets_follow_run = False
@@ -91,7 +101,12 @@ class FeatureMethod:
         progress: bool,
         logger: logging.Logger,
         damping_fraction: float | None = None,
+        rows: str = "stored",
     ) -> None:
+        #: Recompute mode's state (``None``: stored rows).
+        self.recompute = Recompute(self, logger) if rows == "recompute" else None
+        if self.recompute is not None and precond_cls is GramPreconditioner:
+            precond_cls = AccumulatedGram  # XᵀX summed while featurizing: no rows to read
         self.method, self.precond_cls = method, precond_cls
         self.damping_fraction = damping_fraction
         self.maker, self.records, self.n = maker, records, int(train_set_size)
@@ -105,7 +120,7 @@ class FeatureMethod:
         self.np_dtype = numpy_dtype(maker.dtype)
         # An instance to ask what it stores beside the features.
         stored = self.new_preconditioner().stored_arrays
-        if maker.layered and "rank_one" not in stored:
+        if maker.layered and "rank_one" not in stored and self.recompute is None:
             # Rows whose layers each see one position keep [a, g], not vec(g aᵀ).
             stored = (*stored, "rank_one")
         self.stored_arrays: tuple[str, ...] = tuple(stored)
@@ -172,16 +187,17 @@ class FeatureMethod:
         if self.precond_cls.accumulates:
             self.accumulated.hold(model_id)
         store = self.records.store
+        recompute = self.recompute is not None
         with rank_zero_first() as first:
             self.records.claim_checkpoint(model_id, sha)
-            if not self.maker.layered:
+            if not self.maker.layered and not recompute:
                 store.require_array(arr("grads"), (n, k), self.np_dtype, chunk_rows=self.chunk_rows)
             # Per-layer methods create the dense rows when a batch needs them.
             rows_q = store.require_array(
                 arr("out_to_loss"), (n, 1), self.q_dtype, chunk_rows=self.chunk_rows
             )
             for extra in self.stored_arrays:
-                if extra in DENSE_ROWS:
+                if extra in DENSE_ROWS or recompute:
                     continue
                 width = self.maker.kronecker().row_width(extra)
                 store.require_array(
@@ -193,7 +209,8 @@ class FeatureMethod:
                 for path in self.accumulated.files(model_id):
                     path.unlink()
                 self.records.write_checkpoint(model_id, {"checkpoint": sha, "finalized": False})
-            if self.maker.layered and first and world > 1 and not store.has(arr("grads")):
+            dense_now = self.maker.layered and not recompute and not store.has(arr("grads"))
+            if dense_now and first and world > 1:
                 # Ranks featurize at once, so the row form cannot be picked by whichever
                 # batch comes first: dense rows under torch.distributed (stored ones rewritten).
                 self.rows.tokens = self.records.checkpoint(model_id).get("tokens")
@@ -217,6 +234,8 @@ class FeatureMethod:
                 "" if covered is None else f", {int(covered.sum())} in the curvature statistics",
             )
         self.maker.load_weights(checkpoint, model_id)
+        if self.recompute is not None:
+            self.recompute.keep_weights(model_id, checkpoint)
         self.model_id = int(model_id)
 
     def _train_rows(
@@ -227,6 +246,8 @@ class FeatureMethod:
         Features are ``None`` where rank-one rows stand for them.
         """
         assert self.model_id is not None
+        if self.recompute is not None:
+            return self._recompute_rows(batch, idx)
         if not self.maker.layered:
             projected = self.maker.features(batch, self.model_id)
             return projected, self.maker.gradient_computer.compute_loss_grad(batch), None, {}
@@ -248,6 +269,27 @@ class FeatureMethod:
         if tokens is not None:
             extra["token_factors"] = featurizer.factored_rows(parts, tokens)
         return None, q, parts, extra
+
+    def _recompute_rows(
+        self, batch: Sequence[Tensor], idx: np.ndarray
+    ) -> tuple[Tensor | None, Tensor, Any, dict[str, Tensor]]:
+        """Recompute mode: Q, and what the curvature statistics read (no rows are stored)."""
+        assert self.model_id is not None
+        if not self.maker.layered:
+            computer = self.maker.gradient_computer
+            if not self.precond_cls.accumulates:
+                return None, computer.compute_loss_grad(batch), None, {}
+            # Rounded to the storage dtype, as the stored rows XᵀX is summed from are.
+            phi = self.maker.features(batch, self.model_id).to(self.dtype)
+            return phi, computer.compute_loss_grad(batch), None, {}
+        sampled = self.curvature == "sampled"
+        parts, q = self.maker.kronecker().layer_parts(batch, idx if sampled else None)
+        return None, q, parts, {}
+
+    def keep_loader(self, loader: Any, first: int, batch_size: int) -> None:
+        """Recompute mode: the loaded checkpoint's rows from ``first`` are read from ``loader``."""
+        if self.recompute is not None and self.model_id is not None:
+            self.recompute.keep_loader(self.model_id, first, loader, batch_size)
 
     def featurize(self, batch: tuple[Tensor, ...], idx: np.ndarray) -> None:
         """Compute and store the rows ``idx`` not stored yet (and not yet accumulated)."""
@@ -285,6 +327,8 @@ class FeatureMethod:
         arrays = {
             arr("out_to_loss"): q.detach().cpu().numpy().astype(self.q_dtype).reshape(-1, 1),
         }
+        if self.recompute is not None:
+            phi, extra = None, {}  # recompute mode stores Q and the done flags only
         if phi is not None:  # dense rows: the row form made the store dense already
             arrays[arr("grads")] = phi.detach().to(self.dtype).cpu().numpy()
         for name, x in extra.items():
@@ -378,9 +422,13 @@ class FeatureMethod:
         self.records.require_intact_rows(model_id, self.rows.row_arrays(model_id))
         rows_q = store.array(arr("out_to_loss"))
         # Each rank reads its own rows; the preconditioner sums across ranks.
-        rank, world = rank_and_world()
+        world = rank_and_world()[1]
         mine = chunk_shard(self.n, int(rows_q.chunks[0])) if world > 1 else range(self.n)
         names = [x for x in ("grads", *self.stored_arrays) if x != "rank_one"]
+        if self.recompute is not None:
+            train = recompute_train_rows(self, model_id, names, rows_q, mine, self._row_block())
+            self._fit(model_id, record, precond, train, del_grads, mine)
+            return
         arrays = {name: self.rows.array(model_id, name) for name in names}
         # Rows kept factored: the preconditioner may read the factors themselves.
         factored, tokens = self.rows.factored(model_id)
@@ -396,7 +444,25 @@ class FeatureMethod:
             prefetch=self.memory_budget is None,
             tokens=tokens,
         )
+        self._fit(model_id, record, precond, train, del_grads, mine)
+
+    def _fit(
+        self,
+        model_id: int,
+        record: Mapping[str, Any],
+        precond: CurvaturePreconditioner,
+        train: TrainRows,
+        del_grads: bool,
+        mine: range,
+    ) -> None:
+        """Finalize ``precond`` on ``train``, save its state and mark ``model_id`` final."""
+        store = self.records.store
+        arr = functools.partial(layout.checkpoint_array, model_id)
+        rank = rank_and_world()[0]
+        before = None if self.recompute is None else self.recompute.loaded
         precond.finalize(train)
+        if self.recompute is not None:
+            self.recompute.restore(before)  # the pass loaded each checkpoint's weights
         state = precond.state_dict()
         if rank == 0:
             for key, value in state.items():
@@ -478,6 +544,8 @@ class FeatureMethod:
     def load_weights(self, checkpoint: Mapping[str, Any], model_id: int) -> None:
         """Load the weights that the targets of ``model_id`` are featurized under."""
         self.maker.load_weights(checkpoint, model_id)
+        if self.recompute is not None:
+            self.recompute.keep_weights(model_id, checkpoint)
 
     def target_rows(
         self, batch: tuple[Tensor, ...], model_id: int, per_token: bool
@@ -505,8 +573,10 @@ class FeatureMethod:
                 store.array(arr("features")), targets, out_to_loss, preconditioned=True
             )
         precond = self._load_preconditioner(model_id, record)
-        return precond.checkpoint_grads(self.rows.array(model_id), targets, out_to_loss)
+        return precond.checkpoint_grads(self.stored_features(model_id), targets, out_to_loss)
 
     def stored_features(self, model_id: int, name: str = "grads") -> Any:
-        """The stored ``[n, k]`` training features of ``model_id``."""
+        """The ``[n, k]`` training features of ``model_id`` (recompute mode: computed when read)."""
+        if self.recompute is not None:
+            return self.recompute.rows(model_id, name)
         return self.rows.array(model_id, name)

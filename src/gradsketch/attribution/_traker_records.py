@@ -58,6 +58,8 @@ class TRAKSettings:
         replay: ``method="replay"``: the run's
             :meth:`~gradsketch.attribution.ReplaySettings.record` (else ``None``,
             and absent from the record).
+        rows: ``"stored"`` or ``"recompute"`` (absent from the record where
+            ``"stored"``: stores made before the option keep their fingerprint).
     """
 
     train_set_size: int
@@ -73,6 +75,7 @@ class TRAKSettings:
     sample_seed: int = 0
     layers: list[str] = field(default_factory=list)
     replay: dict[str, Any] | None = None
+    rows: str = "stored"
 
     def __post_init__(self) -> None:
         for name in ("train_set_size", "proj_dim"):
@@ -92,6 +95,8 @@ class TRAKSettings:
         record = asdict(self)
         if record["replay"] is None:
             del record["replay"]
+        if record["rows"] == "stored":
+            del record["rows"]
         return record
 
 

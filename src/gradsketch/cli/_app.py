@@ -188,21 +188,148 @@ def sketch_demo(
 
 
 @app.command()
-def attribute(config: Path = _CONFIG, out: Path = _OUT, verbose: bool = True) -> None:
-    """Attribute with your own model, checkpoints and loaders defined in CONFIG.py.
+def attribute(
+    config: Path | None = typer.Argument(
+        None,
+        help="A Python config file (CONFIG.py). Leave it out to attribute a Hugging Face model "
+        "folder with --model, --train and --queries.",
+        show_default=False,
+    ),
+    out: Path = _OUT,
+    model: Path | None = typer.Option(
+        None,
+        "--model",
+        help="A local Hugging Face causal LM folder (save_pretrained), with its tokenizer.",
+        show_default=False,
+    ),
+    train: Path | None = typer.Option(
+        None,
+        "--train",
+        help="Training documents: a datasets folder (save_to_disk), a .jsonl "
+        "or .parquet file, or a folder of text files.",
+        show_default=False,
+    ),
+    queries: Path | None = typer.Option(
+        None, "--queries", help="Query documents, in any form --train takes.", show_default=False
+    ),
+    method: str = typer.Option("trak", "--method", help="trak, identity, kfac or ekfac."),
+    proj_dim: int | None = typer.Option(
+        None, "--proj-dim", help="TRAK's projection size (default 2048).", show_default=False
+    ),
+    projection: str | None = typer.Option(
+        None,
+        "--projection",
+        help="Per-layer methods: K_IN,K_OUT projects each layer's rows "
+        "(e.g. 16,16); default exact rows.",
+        show_default=False,
+    ),
+    max_length: int = typer.Option(128, "--max-length", help="Tokens per document."),
+    text_column: str = typer.Option("text", "--text-column", help="The column of text."),
+    top_k: int = typer.Option(5, "--top-k", help="Proponents and opponents per query."),
+    memory_budget: int | None = typer.Option(
+        None,
+        "--memory-budget",
+        help="Bytes of working memory for finalize and scoring blocks.",
+        show_default=False,
+    ),
+    batch_size: int = typer.Option(8, "--batch-size", help="Documents per featurize call."),
+    grad_wrt: str | None = typer.Option(
+        None,
+        "--grad-wrt",
+        help="'|'-separated parameter-name patterns, e.g. "
+        "'*.h.*.attn.c_attn.weight|*.h.*.mlp.c_fc.weight'.",
+        show_default=False,
+    ),
+    lambda_reg: str | None = typer.Option(
+        None,
+        "--lambda-reg",
+        help="Damping: a number >= 0 or 'auto' (default: the method's).",
+        show_default=False,
+    ),
+    per_token: bool = typer.Option(
+        False,
+        help="Also score each query token, shaded in the report: T gradients per query, T at a "
+        "time (memory: about max-length / batch-size times the plan's gradients).",
+    ),
+    device: str | None = typer.Option(
+        None, "--device", help="torch device (default: CUDA when available).", show_default=False
+    ),
+    verbose: bool = True,
+) -> None:
+    """Attribute with CONFIG.py, or a local Hugging Face LM over local documents.
 
-    TRAK by default; `method = "ekfac"` (or another method) in the config picks
-    another, and `method = "replay"` trains and replays the run it describes.
+    CONFIG.py: your own model, checkpoints and loaders; TRAK by default,
+    `method = "ekfac"` (or another method) in the config picks another, and
+    `method = "replay"` trains and replays the run it describes.
+
+    --model DIR --train DATA --queries DATA: prints the plan, builds (or
+    resumes) the store in --out, and writes each query's top-k proponents and
+    opponents as topk.json and report.html.
     """
     _setup_logging(verbose)
-    from gradsketch._distributed import process_group_from_env, rank
-    from gradsketch.cli._attribute import attribute_command
+    hf = {"--model": model, "--train": train, "--queries": queries}
+    if config is not None and config.suffix == ".py":
+        given = [name for name, value in hf.items() if value is not None]
+        if given:
+            raise typer.BadParameter(
+                f"{config} is a config file, which defines the model and data itself; drop "
+                f"{', '.join(given)}, or drop the config to attribute a model folder.",
+                param_hint="CONFIG",
+            )
+        if not config.is_file():
+            raise typer.BadParameter(
+                f"config file {config} does not exist; pass an existing .py file (template: "
+                "examples/attribute_config.py).",
+                param_hint="CONFIG",
+            )
+        from gradsketch._distributed import process_group_from_env, rank
+        from gradsketch.cli._attribute import attribute_command
 
-    # Under torchrun (RANK/WORLD_SIZE set) the TRAKer shards the work across ranks.
-    with process_group_from_env():
-        summary = attribute_command(config, out, progress=rank() == 0)
-        if rank() == 0:
-            typer.echo(summary.get("report") or json.dumps(summary, indent=2, default=str))
+        # Under torchrun (RANK/WORLD_SIZE set) the TRAKer shards the work across ranks.
+        with process_group_from_env():
+            summary = attribute_command(config, out, progress=rank() == 0)
+            if rank() == 0:
+                typer.echo(summary.get("report") or json.dumps(summary, indent=2, default=str))
+        return
+    if config is not None:
+        if not config.is_dir() or model is not None:
+            raise typer.BadParameter(
+                f"{config} is not a .py config file; pass CONFIG.py, or a model folder with "
+                "--model DIR --train DATA --queries DATA.",
+                param_hint="CONFIG",
+            )
+        hf["--model"] = model = config
+    missing = [name for name, value in hf.items() if value is None]
+    if missing:
+        raise typer.BadParameter(
+            f"attributing a model folder needs --model DIR --train DATA --queries DATA; missing "
+            f"{', '.join(missing)}. Or pass a CONFIG.py.",
+            param_hint=missing[0],
+        )
+    from gradsketch.cli._attribute_hf import attribute_hf_command, parse_lambda, parse_projection
+
+    assert model is not None and train is not None and queries is not None
+    summary = attribute_hf_command(
+        model,
+        train,
+        queries,
+        out,
+        progress=verbose,
+        echo=typer.echo,
+        method=method,
+        proj_dim=proj_dim,
+        projection=parse_projection(projection),
+        max_length=max_length,
+        text_column=text_column,
+        top_k=top_k,
+        memory_budget=memory_budget,
+        batch_size=batch_size,
+        grad_wrt=grad_wrt,
+        lambda_reg=parse_lambda(lambda_reg),
+        per_token=per_token,
+        device=device,
+    )
+    typer.echo(summary["report"])
 
 
 @app.command()

@@ -94,14 +94,19 @@ def shaded_tokens(data: bytes, scores: np.ndarray) -> str:
         >>> page.count('class="tok"'), "&lt;" in page, "rgba(210,30,30,0.850)" in page
         (2, True, True)
     """
+    return shaded_spans([_byte_html(b) for b in data], scores)
+
+
+def shaded_spans(pieces: Sequence[str], scores: np.ndarray) -> str:
+    """``<span>`` per token's HTML in ``pieces``, shaded as :func:`shaded_tokens` shades."""
     scale = float(np.abs(scores).max()) if scores.size else 0.0
     parts = []
-    for t, b in enumerate(data):
+    for t, piece in enumerate(pieces):
         s = float(scores[t])
         parts.append(
             f'<span class="tok" data-t="{t}" data-score="{s!r}" '
             f'style="background:{_shade(s, scale)}" title="token {t}: {s:.3g}">'
-            f"{_byte_html(b)}</span>"
+            f"{piece}</span>"
         )
     return "".join(parts)
 
@@ -111,13 +116,23 @@ def _chunk_text(data: bytes) -> str:
 
 
 def _rows(kind: str, items: Sequence[tuple[int, Chunk, float]]) -> str:
+    return table_rows(
+        kind,
+        [
+            (row, f"{html.escape(chunk.source)}:{chunk.line}", _chunk_text(chunk.data), score)
+            for row, chunk, score in items
+        ],
+    )
+
+
+def table_rows(kind: str, items: Sequence[tuple[int, str, str, float]]) -> str:
+    """A ``<tr>`` per ``(train row, source HTML, text HTML, score)``, ranked from 1."""
     out = []
-    for rank, (row, chunk, score) in enumerate(items, 1):
+    for rank, (row, source, text, score) in enumerate(items, 1):
         out.append(
             f'<tr class="{kind}" data-train-row="{row}" data-score="{float(score)!r}">'
             f'<td class="kind">{kind} {rank}</td><td class="score">{score:+.4g}</td>'
-            f'<td class="src">{html.escape(chunk.source)}:{chunk.line}</td>'
-            f"<td><pre>{_chunk_text(chunk.data)}</pre></td></tr>"
+            f'<td class="src">{source}</td><td><pre>{text}</pre></td></tr>'
         )
     return "".join(out)
 
@@ -130,15 +145,6 @@ def render_report(views: Sequence[QueryView], *, title: str, facts: Mapping[str,
         title: the page's heading.
         facts: ``{label: value}`` lines shown under the heading.
     """
-    head = "".join(
-        f"<div><b>{html.escape(str(k))}</b>: {html.escape(str(v))}</div>" for k, v in facts.items()
-    )
-    legend = (
-        '<p class="legend">Query tokens are shaded by their per-token score for the top '
-        'proponent: <span style="background:rgba(0,160,60,.6)">raised the token\'s '
-        'log-odds</span> <span style="background:rgba(210,30,30,.6)">lowered it</span>. '
-        "\u21b5 is a newline. Hover a token for its score.</p>"
-    )
     sections = []
     for i, v in enumerate(views):
         sections.append(
@@ -151,6 +157,23 @@ def render_report(views: Sequence[QueryView], *, title: str, facts: Mapping[str,
             f"{_rows('proponent', v.proponents)}{_rows('opponent', v.opponents)}</table>"
             "</section>"
         )
+    return page(title, facts, LEGEND, sections)
+
+
+#: The legend of shaded query tokens.
+LEGEND = (
+    '<p class="legend">Query tokens are shaded by their per-token score for the top '
+    'proponent: <span style="background:rgba(0,160,60,.6)">raised the token\'s '
+    'log-odds</span> <span style="background:rgba(210,30,30,.6)">lowered it</span>. '
+    "\u21b5 is a newline. Hover a token for its score.</p>"
+)
+
+
+def page(title: str, facts: Mapping[str, Any], legend: str, sections: Sequence[str]) -> str:
+    """The whole HTML page: heading, ``facts`` lines, the legend and the query sections."""
+    head = "".join(
+        f"<div><b>{html.escape(str(k))}</b>: {html.escape(str(v))}</div>" for k, v in facts.items()
+    )
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"

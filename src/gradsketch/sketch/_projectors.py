@@ -39,6 +39,8 @@ from gradsketch.sketch._validate import (
 
 #: Entries of a dense tile generated at once (8 MiB of float32).
 _TILE_ENTRIES = 1 << 21
+#: Values densified at once by the generic sparse path (64 MiB of float32).
+_SPARSE_SPAN_ENTRIES = 1 << 24
 
 
 class ProjectionType(str, Enum):
@@ -217,6 +219,97 @@ class AbstractProjector(ABC):
         self._accumulate(out, block, offset)
         return out
 
+    @property
+    def streams_by_coordinates(self) -> bool:
+        """Whether projecting a mapping equals accumulating its entries at their offsets.
+
+        True unless a mask first selects entries of each parameter (then
+        coordinates are those of the selection, not of the parameters).
+        Gradient computers that make per-example gradients one layer at a time
+        then call :meth:`project_into_` and :meth:`project_sparse_into_` at each
+        parameter's offset into :meth:`new_output`, and never hold the
+        ``[batch, grad_dim]`` gradient.
+        """
+        return self.mask is None
+
+    def new_output(self, batch_size: int, dtype: torch.dtype) -> Tensor:
+        """The zero ``[batch_size, proj_dim]`` accumulator :meth:`project` starts from.
+
+        ``dtype`` is the gradients' dtype; the accumulator is float64 when it
+        (or the projector's own dtype) is, float32 otherwise.
+        """
+        return torch.zeros(
+            batch_size, self.proj_dim, dtype=self._out_dtype(dtype), device=self.device
+        )
+
+    def project_sparse_into_(
+        self, out: Tensor, coords: Tensor, values: Tensor, *, model_id: int | None = None
+    ) -> Tensor:
+        """``out[b] += sum_j P[:, coords[b, j]] * values[b, j]``: a sparse gradient per example.
+
+        Repeated coordinates add up, so this equals :meth:`project` of the
+        dense ``[batch, grad_dim]`` gradient with ``values`` scatter-added at
+        ``coords`` (an Embedding's per-example gradient: a few rows of a
+        ``[vocab, width]`` weight), without forming it.
+
+        Args:
+            out: float32/float64 ``[batch, proj_dim]`` accumulator.
+            coords: int64 ``[batch, n]`` coordinates in ``[0, grad_dim)``.
+            values: ``[batch, n]`` values.
+            model_id: checkpoint id; ``None`` keeps the current one.
+
+        Returns:
+            ``out``, for chaining.
+        """
+        check_float_tensor("out", out)
+        check_float_tensor("values", values)
+        if coords.dtype != torch.int64 or coords.dim() != 2 or coords.shape != values.shape:
+            raise ValueError(
+                f"`coords` must be int64 [batch, n] with the shape of `values` "
+                f"{tuple(values.shape)}, got {coords.dtype} {tuple(coords.shape)}; pass "
+                "coords.long() of the same shape."
+            )
+        if out.shape != (coords.shape[0], self.proj_dim):
+            raise ValueError(
+                f"`out` must have shape ({coords.shape[0]}, {self.proj_dim}), got "
+                f"{tuple(out.shape)}."
+            )
+        for name, t in (("coords", coords), ("values", values), ("out", out)):
+            check_device(name, t, self.device)
+        if coords.numel() == 0:
+            return out
+        low, high = int(coords.min()), int(coords.max())
+        if low < 0 or high >= self.grad_dim:
+            raise ValueError(
+                f"`coords` run from {low} to {high}, outside [0, grad_dim={self.grad_dim}); "
+                "pass coordinates of this projector's input."
+            )
+        self.set_model_id(model_id)
+        self._accumulate_sparse(out, coords, values, low, high + 1)
+        return out
+
+    def _accumulate_sparse(
+        self, out: Tensor, coords: Tensor, values: Tensor, low: int, high: int
+    ) -> None:
+        """Densify the coordinates ``[low, high)`` a span at a time and :meth:`_accumulate` it.
+
+        Memory stays at one span of :data:`_SPARSE_SPAN_ENTRIES` values, and
+        spans no coordinate falls in are skipped.
+        """
+        batch = coords.shape[0]
+        step = max(1, _SPARSE_SPAN_ENTRIES // max(1, batch))
+        values = values.to(out.dtype)
+        zero = values.new_zeros(())
+        for start in range(low, high, step):
+            stop = min(high, start + step)
+            inside = (coords >= start) & (coords < stop)
+            if not bool(inside.any()):
+                continue
+            block = values.new_zeros(batch, stop - start)
+            where = torch.where(inside, coords - start, 0)
+            block.scatter_add_(1, where, torch.where(inside, values, zero))
+            self._accumulate(out, block, start)
+
     def free_memory(self) -> None:  # noqa: B027 - optional hook
         """Release cached tables or matrices (they are rebuilt on demand)."""
 
@@ -261,6 +354,11 @@ class NoOpProjector(AbstractProjector):
             total, _ = batch_blocks(grads)
             self.grad_dim = self.proj_dim = total
         return super().project(grads, model_id)
+
+    @property
+    def streams_by_coordinates(self) -> bool:
+        """False while the width is unknown (``grad_dim=0``: set by the first projection)."""
+        return not self._any_width and super().streams_by_coordinates
 
     def _accumulate(self, out: Tensor, block: Tensor, offset: int) -> None:
         out[:, offset : offset + block.shape[1]] += block.to(out.dtype)
@@ -388,6 +486,21 @@ class SparseProjector(AbstractProjector):
                 for row in range(self.nnz):
                     scatter_folded_(scratch, self._table(row, offset + start, part.shape[1]), part)
             offset += n
+        out.add_(scratch[:, :k] - scratch[:, k:], alpha=self.scale)
+
+    def _accumulate_sparse(
+        self, out: Tensor, coords: Tensor, values: Tensor, low: int, high: int
+    ) -> None:
+        if not self.materialize:
+            # Tables hashed per call come in coordinate ranges: densify by span.
+            super()._accumulate_sparse(out, coords, values, low, high)
+            return
+        k = self.proj_dim
+        scratch = out.new_zeros(out.shape[0], 2 * k)
+        values = values.to(out.dtype)
+        for row in range(self.nnz):
+            folded = self._table(row, low, high - low)[coords - low]
+            scratch.scatter_add_(1, folded, values)
         out.add_(scratch[:, :k] - scratch[:, k:], alpha=self.scale)
 
 

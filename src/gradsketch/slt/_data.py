@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from gradsketch._hash import tensors_digest
 from gradsketch._model_kind import classifier_task, hf_model_kind, model_label
 from gradsketch.errors import NonFiniteLossError, UnsupportedModelError
-from gradsketch.slt._fast import token_cross_entropy
 
 __all__ = [
     "LossFn",
@@ -233,11 +233,14 @@ def per_token_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of every position: ``[batch, seq - 1]``.
 
     ``loss[b, t] = -log softmax(logits[b, t])[input_ids[b, t + 1]]``, computed
-    by one fused cross-entropy
-    (:func:`~gradsketch.slt._fast.token_cross_entropy`) over every
-    position (the last one's target ignored), so that neither the forward
-    pass copies the logits without their last position nor the backward pass
-    scatters into zeros of their size.
+    by torch's ``cross_entropy`` over every position (the last one's target
+    ignored), so that the forward pass does not copy the logits without their
+    last position. It rounds as devinterp's default loss (``log_softmax``,
+    then ``gather``) and as a ``loss_fn`` a user writes that way, forward and
+    backward, on every CPU instruction set: a loss scaled by 2 at half the
+    ``n_beta`` then gives the same chains and LLC bit for bit. (The native
+    one-pass kernel, :func:`~gradsketch.slt._fast.token_cross_entropy`,
+    rounds its own way.)
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 5))
@@ -248,7 +251,7 @@ def per_token_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     b, s, v = logits.shape
     targets = torch.full_like(input_ids, -100)  # cross_entropy's ignore_index
     targets[:, :-1] = input_ids[:, 1:]
-    loss = token_cross_entropy(logits.reshape(b * s, v), targets.view(-1))
+    loss = F.cross_entropy(logits.reshape(b * s, v), targets.view(-1), reduction="none")
     return loss.view(b, s)[:, :-1]
 
 

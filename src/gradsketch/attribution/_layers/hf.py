@@ -42,6 +42,11 @@ from gradsketch.attribution._layers._registry import (
 from gradsketch.attribution._layers.embedding import embedding_grad_sample, embedding_rows
 from gradsketch.attribution._layers.linear import linear_factors, linear_grad_sample
 from gradsketch.attribution._layers.norm import elementwise_scale_grad_sample
+from gradsketch.sketch import TRANSPOSED_WEIGHT
+
+# Its weight is stored [d_in, d_out]: per-example weight gradients formed from its
+# factors a row at a time (the hooks' streamed projection) read them in that order.
+TRANSPOSED_WEIGHT.add(Conv1D)
 
 #: transformers subclasses of ``nn.Linear`` whose forward is ``x W^T + b`` (by class name).
 LINEAR_EQUIVALENTS = frozenset({"FalconLinear"})

@@ -1,0 +1,166 @@
+"""The protocol suite: every method's LDS per setup, rules chosen on half A, reported on half B.
+
+Run ``python benchmarks/bench_protocols.py --half A`` to measure the
+candidates the recommendations are chosen from, and ``--half B`` to report
+them (``--quick``: the setups at test size, GPT-2 included, a smoke run). The setups, their
+split and :data:`~gradsketch.demos.protocols.suite.RECOMMENDED` live in
+:mod:`gradsketch.demos.protocols.suite`.
+
+Per setup (``--setups``, default: the half's digits setups; name a GPT-2
+setup to run it), one JSON line per figure:
+
+- ``part: loop``: the replay's trained model against the torch loop's
+  (largest entry-wise difference: the replay describes the run exactly);
+- ``part: lds``: one method (a replay setting or another method's variant)
+  with its LDS against ``--retrains`` same-initialization retrains and
+  ``--retrains`` fresh-seed retrains on random halves, each with a bootstrap
+  95 % interval, and its CPU seconds;
+- ``part: ceiling``: a ridge datamodel fitted to ``--ceiling-retrains``
+  same-initialization retrains on other halves, scored on the evaluation's
+  (0 skips it), and the CPU seconds of those retrains.
+
+Half A scores every candidate (``REPLAY_CANDIDATES``, ``OTHER_CANDIDATES``);
+half B scores the recommended replay setting per optimizer and the
+recommended variant of each other method (``--all`` scores every candidate,
+``--methods`` the named ones only). ``--queries N`` scores the first ``N``
+queries of each setup (the reverse pass costs in proportion to them). One
+thread per run (``--threads``); CPU seconds by ``time.process_time``.
+
+The figures of the report were measured with, per half::
+
+    python benchmarks/bench_protocols.py --half A --queries 25 --retrains 30 \
+        --ceiling-retrains 0
+    python benchmarks/bench_protocols.py --half B --queries 25 --retrains 30 \
+        --ceiling-retrains 0 --methods kept_mean@1,full_batch@0.5,trak-auto,identity,kfac,ekfac
+
+and the GPT-2 setups run with ``--setups A-gpt2-scratch`` / ``B-gpt2-finetune``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradsketch.demos.protocols import emit, setup_torch
+from gradsketch.demos.protocols import suite as S
+
+
+def cpu_timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``(process CPU seconds, result)`` of one call."""
+    c0 = time.process_time()
+    out = fn()
+    return time.process_time() - c0, out
+
+
+def methods_of(
+    setup: S.Setup, half: str, everything: bool, only: list[str]
+) -> tuple[list[str], list[str]]:
+    """The replay settings and other variants scored on ``setup``."""
+    if only:
+        return (
+            [m for m in only if m in S.REPLAY_CANDIDATES],
+            [m for m in only if m in S.OTHER_CANDIDATES],
+        )
+    if half == "A" or everything:
+        return list(S.REPLAY_CANDIDATES), list(S.OTHER_CANDIDATES)
+    return [S.RECOMMENDED["replay"][setup.optimizer]], list(S.RECOMMENDED["others"])
+
+
+def run_setup(setup: S.Setup, args: argparse.Namespace) -> None:
+    base = {"bench": "protocols", "setup": setup.name, "half": setup.half}
+    emit({**base, "part": "setup", **{k: v for k, v in vars(setup).items() if k != "name"}})
+    run = S.SuiteRun(setup)
+    c_train, _ = cpu_timed(lambda: run.truth_run)
+    diff = S.max_abs_diff(run.truth_run.retrain(torch.ones(run.n_train)), run.torch_final())
+    emit({**base, "part": "loop", "replay_vs_torch_loop_max_abs": diff, "train_cpu_s": c_train})
+    masks = S.halves(run.n_train, args.retrains, 10_000)
+    c_same, same = cpu_timed(lambda: S.same_init_retrains(run, masks))
+    fresh_masks = S.halves(run.n_train, args.retrains, 30_000)
+    c_fresh, fresh = cpu_timed(lambda: S.fresh_seed_retrains(run, fresh_masks, 50_000))
+    truths = {"same_init": (masks, same), "fresh_seed": (fresh_masks, fresh)}
+    emit(
+        {
+            **base,
+            "part": "truth",
+            "retrains": args.retrains,
+            "same_init_cpu_s": c_same,
+            "fresh_seed_cpu_s": c_fresh,
+        }
+    )
+    if args.ceiling_retrains:
+        fit_masks = S.halves(run.n_train, args.ceiling_retrains, 20_000)
+        c_fit, fit = cpu_timed(lambda: S.same_init_retrains(run, fit_masks))
+        for name, ceiling in S.datamodel_ceiling(fit_masks, fit, truths).items():
+            emit({**base, "part": "ceiling", "truth": name, **ceiling, "retrains_cpu_s": c_fit})
+    replays, others = methods_of(setup, args.half, args.all, args.methods)
+    jobs: list[tuple[str, str, Callable[[], np.ndarray]]] = [
+        ("replay", label, functools.partial(S.replay_scores, run, label)) for label in replays
+    ] + [("other", label, functools.partial(S.other_scores, run, label)) for label in others]
+    for kind, label, fn in jobs:
+        try:
+            cpu, scores = cpu_timed(fn)
+        except Exception as exc:  # keep the other methods' rows
+            emit({**base, "part": "lds", "method": label, "error": repr(exc)})
+            continue
+        row: dict[str, Any] = {**base, "part": "lds", "kind": kind, "method": label}
+        if kind == "replay":
+            at, loss = S.REPLAY_CANDIDATES[label]
+            row["settings"] = {"linearize_at": at, "subset_loss": loss}
+        else:
+            row["settings"] = S.OTHER_CANDIDATES[label][1]
+        for name, truth in truths.items():
+            row[name], row[f"{name}_ci95"] = S.lds_row(scores, truth)
+        emit({**row, "cpu_s": cpu})
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--half", choices=S.HALVES, default="B")
+    p.add_argument("--setups", default="", help="comma-separated names (default: the half's)")
+    p.add_argument("--quick", action="store_true", help="the setups at test size")
+    p.add_argument(
+        "--retrains", type=int, default=None, help="evaluation halves per truth (40; quick: 8)"
+    )
+    p.add_argument("--ceiling-retrains", type=int, default=200, help="0 skips the ceiling")
+    p.add_argument(
+        "--queries", type=int, default=0, help="score the first N queries only (0: the setup's)"
+    )
+    p.add_argument("--all", action="store_true", help="score every candidate on half B too")
+    p.add_argument("--methods", default="", help="comma-separated candidate labels only")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = set(args.methods) - set(S.REPLAY_CANDIDATES) - set(S.OTHER_CANDIDATES)
+    if unknown:
+        p.error(
+            f"--methods {sorted(unknown)} are not candidates; choose from "
+            f"{[*S.REPLAY_CANDIDATES, *S.OTHER_CANDIDATES]}"
+        )
+    setup_torch(args.threads)
+    if args.setups:
+        chosen = [S.setup_named(n) for n in args.setups.split(",")]
+    else:
+        chosen = [s for s in S.SETUPS if s.half == args.half and not s.is_lm]
+    if args.queries:
+        chosen = [
+            s if s.is_lm else dataclasses.replace(s, n_queries=min(s.n_queries, args.queries))
+            for s in chosen
+        ]
+    if args.quick:
+        chosen = [s.tiny() for s in chosen]
+        args.ceiling_retrains = min(args.ceiling_retrains, 20) if args.ceiling_retrains else 0
+    if args.retrains is None:
+        args.retrains = 8 if args.quick else 40
+    for setup in chosen:
+        run_setup(setup, args)
+
+
+if __name__ == "__main__":
+    main()

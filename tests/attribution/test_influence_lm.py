@@ -23,6 +23,7 @@ from gradsketch._hash import derive_key  # noqa: E402
 from gradsketch.attribution import InfluenceComputer, TRAKer  # noqa: E402
 from gradsketch.attribution._fisher import draw_labels  # noqa: E402
 from gradsketch.attribution._kronecker_features import SAMPLE_STREAM as _SAMPLE_STREAM  # noqa: E402
+from helpers.hf_families import tiny_gpt2  # noqa: E402
 
 N, M, T, VOCAB = 6, 2, 5, 11
 SAMPLE_SEED = 3
@@ -34,18 +35,7 @@ AUTO_FRACTION = 0.3
 
 
 def _gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=T,
-        n_embd=8,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(cfg).double().eval()
+    return tiny_gpt2(VOCAB, T)
 
 
 def _batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

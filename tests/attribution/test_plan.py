@@ -28,6 +28,7 @@ from gradsketch.attribution._preconditioners import (  # noqa: E402
     PreconditionerSpec,
 )
 from gradsketch.errors import MemoryBudgetError  # noqa: E402
+from helpers.hf_families import tiny_gpt2  # noqa: E402
 
 N, T, VOCAB = 8, 6, 13
 
@@ -36,19 +37,7 @@ FACTOR = 1.5
 
 
 def _gpt2(vocab: int = VOCAB, *, tie: bool = True) -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=vocab,
-        n_positions=T,
-        n_embd=8,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        tie_word_embeddings=tie,
-    )
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return tiny_gpt2(vocab, T, tie=tie, dtype=torch.float32)
 
 
 def _traker(model: nn.Module, tmp_path, method: str, **kwargs) -> TRAKer:

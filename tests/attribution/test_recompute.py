@@ -41,6 +41,7 @@ from gradsketch.attribution import _traker_recompute as recompute_module
 from gradsketch.errors import MemoryBudgetError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers.hf_families import tiny_gpt2
 from helpers.launch import one_thread, torchrun
 
 N, M, D_IN, HIDDEN, CLASSES, BATCH = 24, 3, 4, 5, 3, 5
@@ -272,19 +273,8 @@ T, VOCAB, N_LM, M_LM = 5, 11, 8, 2
 
 
 def _gpt2() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=T,
-        n_embd=8,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(cfg).double().eval()
+    pytest.importorskip("transformers")
+    return tiny_gpt2(VOCAB, T)
 
 
 @pytest.mark.parametrize("method", ["ekfac", "identity"])

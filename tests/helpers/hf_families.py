@@ -38,6 +38,26 @@ def _transformers() -> Any:
     return transformers
 
 
+def tiny_gpt2(
+    vocab: int, positions: int, *, tie: bool = True, dtype: torch.dtype = torch.float64
+) -> nn.Module:
+    """A one-layer GPT-2 (width 8, two heads, no dropout) from seed 0, in eval mode."""
+    transformers = _transformers()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tie,
+    )
+    return transformers.GPT2LMHeadModel(cfg).to(dtype).eval()
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family: its config, the head class and the kind of task it serves.

@@ -385,7 +385,10 @@ def bench_pipeline(shapes, repeats: int) -> None:
     timed. λ = 0, float32, torch and BLAS at the threads set by
     :func:`setup_torch`; one round of each side per repeat (1 warmup),
     medians of CPU seconds (``time.process_time``, every thread of the
-    process) and wall seconds.
+    process) and wall seconds. gradsketch's phases include what traker's
+    skip: checking the stored rows before using them (each chunk's crc32c
+    and NaN holes; a later phase reads only chunks changed since) and, in
+    ``finalize_features``, the featurizing writes still queued behind it.
     """
     for n, k, m in shapes:
         emit(_pipeline_row(n, k, m, repeats))

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.metadata
 import logging
 import os
@@ -433,6 +434,15 @@ def gpt2_methods(c: int) -> dict[str, tuple[Any, slice, dict[str, Any]]]:
             every,
             {"method": "ekfac", "lambda_reg": "auto", "projection": (32, 32)},
         ),
+        # LoGra's cost against the exact rows (issue 49 item 4): k = 16 is the scale default.
+        **{
+            f"gradsketch ekfac projected {k}x{k}": (
+                run_lm_influence,
+                every,
+                {"method": "ekfac", "lambda_reg": "auto", "projection": (k, k)},
+            )
+            for k in (16, 64)
+        },
         "gradsketch kfac curvature=sampled (1 ckpt)": (
             run_lm_influence,
             one,
@@ -490,14 +500,21 @@ def lm_pass_floor(models, train_ids, query_ids, batch_size: int = 64) -> float:
     return time.perf_counter() - start
 
 
+def _selects(option: str, name: str) -> bool:
+    """``--only`` entry ``option`` picks ``name``: a part of it, or (``=name``) exactly it."""
+    return option[1:] == name if option.startswith("=") else option in name
+
+
 def gpt2_protocol(args: argparse.Namespace) -> None:
     """HF GPT-2 on standard-library chunks: LDS and fit+score time of every method."""
 
     import gradsketch.attribution._lm  # noqa: F401  (registers "language_modeling")
-    from gradsketch.attribution import linear_datamodeling_score
+    from gradsketch.attribution import linear_datamodeling_interval, linear_datamodeling_score
     from gradsketch.demos.lm import train_lm
 
     s = gpt2_settings(args.quick, args.lm_lds_models)
+    if args.quick and args.quick_lm_lds_models is not None:
+        s = dataclasses.replace(s, lds_models=args.quick_lm_lds_models)
     train_ids, query_ids = lm_split(s)
     seconds, (masks, outputs, cached) = time_once(
         lambda: gpt2_ground_truth(s, train_ids, query_ids, args.cache_dir)
@@ -521,9 +538,11 @@ def gpt2_protocol(args: argparse.Namespace) -> None:
             "loadavg_1min": os.getloadavg()[0],
         }
     )
+    # Scores of the exact rows, kept for the paired LDS of each projection against them.
+    exact: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (fn, used, kwargs) in gpt2_methods(len(models)).items():
-            if only and not any(o in name for o in only):
+            if only and not any(_selects(o, name) for o in only):
                 continue
             if "bif" in name and not any("bif" in o for o in only):
                 emit({"bench": "influence_gpt2", "method": name, "skipped": "opt-in: --only bif"})
@@ -543,18 +562,26 @@ def gpt2_protocol(args: argparse.Namespace) -> None:
                     raise
                 emit({"bench": "influence_gpt2", "method": name, "error": repr(err)[:500]})
                 continue
-            emit(
-                {
-                    "bench": "influence_gpt2",
-                    "method": name,
-                    "checkpoints": len(ckpts),
-                    "lds": linear_datamodeling_score(scores, masks, outputs),
-                    "seconds": seconds,
-                    "lds_models": s.lds_models,
-                    "loadavg_1min": os.getloadavg()[0],
-                    "options": {k: v for k, v in kwargs.items()},
-                }
-            )
+            row = {
+                "bench": "influence_gpt2",
+                "method": name,
+                "checkpoints": len(ckpts),
+                "lds": linear_datamodeling_score(scores, masks, outputs),
+                "seconds": seconds,
+                "lds_models": s.lds_models,
+                "loadavg_1min": os.getloadavg()[0],
+                "options": {k: v for k, v in kwargs.items()},
+            }
+            base_name = name.split(" projected ")[0]
+            if " projected " not in name:
+                exact[name] = scores
+            elif base_name in exact:
+                paired = linear_datamodeling_interval(
+                    scores, masks, outputs, baseline_scores=exact[base_name]
+                )
+                row["paired_vs"] = base_name
+                row["lds_minus_exact"] = list(paired)
+            emit(row)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -566,7 +593,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--lds-models", type=int, default=40)
     parser.add_argument("--checkpoints", type=int, default=3)
-    parser.add_argument("--only", default="", help="comma-separated method names to run")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated parts of method names to run ('=name': exactly that method)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -579,6 +610,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--lm-lds-models", type=int, default=20, help="GPT-2 models retrained on random halves"
+    )
+    parser.add_argument(
+        "--quick-lm-lds-models",
+        type=int,
+        default=None,
+        help="GPT-2 models retrained on random halves under --quick (default 6)",
     )
     parser.add_argument(
         "--cache-dir", default=None, help="folder caching the GPT-2 ground truth between runs"

@@ -15,9 +15,21 @@ setup to run it), one JSON line per figure:
   with its LDS against ``--retrains`` same-initialization retrains and
   ``--retrains`` fresh-seed retrains on random halves, each with a bootstrap
   95 % interval, and its CPU seconds;
-- ``part: ceiling``: a ridge datamodel fitted to ``--ceiling-retrains``
-  same-initialization retrains on other halves, scored on the evaluation's
-  (0 skips it), and the CPU seconds of those retrains.
+- ``part: paired``: per truth, each replay setting minus each other method,
+  ``LDS(replay) − LDS(other)`` with a paired bootstrap 95 % interval (the
+  retrains resampled once for both); ``best_other`` marks the other method
+  with the highest LDS on that truth;
+- ``part: ceiling``: ridge datamodels fitted to the first ``N`` of one
+  sequence of same-initialization retrains on other halves, for each ``N`` of
+  ``--ceiling-retrains`` (e.g. ``100,200,400,1000``) whose retrains fit
+  ``--ceiling-cpu-s``, scored on the evaluation's same-init halves beside
+  the recommended replay (its LDS, the paired replay − datamodel difference
+  and whether issue 50's target holds:
+  :func:`~gradsketch.demos.protocols.ceiling.verdict`).
+
+``--part lds`` skips the ceiling, ``--part ceiling`` the fresh-seed truth and
+the other methods. Same-init retrains of the digits setups are trained
+``--side-by-side`` at a time (one ``vmap`` per step).
 
 Half A scores every candidate (``REPLAY_CANDIDATES``, ``OTHER_CANDIDATES``);
 half B scores the recommended replay setting per optimizer and the
@@ -34,6 +46,11 @@ The figures of the report were measured with, per half::
         --ceiling-retrains 0 --methods kept_mean@1,full_batch@0.5,trak-auto,identity,kfac,ekfac
 
 and the GPT-2 setups run with ``--setups A-gpt2-scratch`` / ``B-gpt2-finetune``.
+The ceiling and the paired intervals of half B::
+
+    python benchmarks/bench_protocols.py --half B --queries 25 --retrains 30 \
+        --methods kept_mean@1,kfac,ekfac --ceiling-retrains 100,200,400,1000 \
+        --ceiling-cpu-s 700
 """
 
 from __future__ import annotations
@@ -50,6 +67,7 @@ import torch
 
 from gradsketch.demos.protocols import emit, setup_torch
 from gradsketch.demos.protocols import suite as S
+from gradsketch.demos.protocols.ceiling import ceiling_curve, paired
 
 
 def cpu_timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -81,31 +99,27 @@ def run_setup(setup: S.Setup, args: argparse.Namespace) -> None:
     diff = S.max_abs_diff(run.truth_run.retrain(torch.ones(run.n_train)), run.torch_final())
     emit({**base, "part": "loop", "replay_vs_torch_loop_max_abs": diff, "train_cpu_s": c_train})
     masks = S.halves(run.n_train, args.retrains, 10_000)
-    c_same, same = cpu_timed(lambda: S.same_init_retrains(run, masks))
-    fresh_masks = S.halves(run.n_train, args.retrains, 30_000)
-    c_fresh, fresh = cpu_timed(lambda: S.fresh_seed_retrains(run, fresh_masks, 50_000))
-    truths = {"same_init": (masks, same), "fresh_seed": (fresh_masks, fresh)}
-    emit(
-        {
-            **base,
-            "part": "truth",
-            "retrains": args.retrains,
-            "same_init_cpu_s": c_same,
-            "fresh_seed_cpu_s": c_fresh,
-        }
+    c_same, same = cpu_timed(
+        lambda: S.same_init_retrains(run, masks, side_by_side=args.side_by_side)
     )
-    if args.ceiling_retrains:
-        fit_masks = S.halves(run.n_train, args.ceiling_retrains, 20_000)
-        c_fit, fit = cpu_timed(lambda: S.same_init_retrains(run, fit_masks))
-        for name, ceiling in S.datamodel_ceiling(fit_masks, fit, truths).items():
-            emit({**base, "part": "ceiling", "truth": name, **ceiling, "retrains_cpu_s": c_fit})
+    truths = {"same_init": (masks, same)}
+    truth_row = {**base, "part": "truth", "retrains": args.retrains, "same_init_cpu_s": c_same}
+    if args.part != "ceiling":
+        fresh_masks = S.halves(run.n_train, args.retrains, 30_000)
+        c_fresh, fresh = cpu_timed(lambda: S.fresh_seed_retrains(run, fresh_masks, 50_000))
+        truths["fresh_seed"] = (fresh_masks, fresh)
+        truth_row["fresh_seed_cpu_s"] = c_fresh
+    emit(truth_row)
     replays, others = methods_of(setup, args.half, args.all, args.methods)
+    if args.part == "ceiling":  # the recommended replay only, beside the datamodel
+        replays, others = replays[:1], []
     jobs: list[tuple[str, str, Callable[[], np.ndarray]]] = [
         ("replay", label, functools.partial(S.replay_scores, run, label)) for label in replays
     ] + [("other", label, functools.partial(S.other_scores, run, label)) for label in others]
+    scores: dict[str, np.ndarray] = {}
     for kind, label, fn in jobs:
         try:
-            cpu, scores = cpu_timed(fn)
+            cpu, scores[label] = cpu_timed(fn)
         except Exception as exc:  # keep the other methods' rows
             emit({**base, "part": "lds", "method": label, "error": repr(exc)})
             continue
@@ -116,8 +130,54 @@ def run_setup(setup: S.Setup, args: argparse.Namespace) -> None:
         else:
             row["settings"] = S.OTHER_CANDIDATES[label][1]
         for name, truth in truths.items():
-            row[name], row[f"{name}_ci95"] = S.lds_row(scores, truth)
+            row[name], row[f"{name}_ci95"] = S.lds_row(scores[label], truth)
         emit({**row, "cpu_s": cpu})
+    emit_paired(base, scores, [r for r in replays if r in scores], truths)
+    if args.ceiling_retrains and replays and replays[0] in scores:
+        curve = ceiling_curve(
+            run,
+            truths["same_init"],
+            args.ceiling_retrains,
+            budget_cpu_s=args.ceiling_cpu_s,
+            replay=scores[replays[0]],
+            side_by_side=args.side_by_side,
+        )
+        for ceiling in curve:
+            emit({**base, "part": "ceiling", "truth": "same_init", "replay": replays[0], **ceiling})
+
+
+def emit_paired(
+    base: dict[str, Any],
+    scores: dict[str, np.ndarray],
+    replays: list[str],
+    truths: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> None:
+    """Per truth, each replay setting against each other method: paired LDS difference.
+
+    ``best_other`` marks the other method with the highest LDS on that truth
+    (the one issue 50's target compares with).
+    """
+    others = [label for label in scores if label not in replays]
+    for name, truth in truths.items():
+        if not others:
+            break
+        lds = {label: S.lds_row(scores[label], truth)[0] for label in others}
+        best = max(others, key=lambda label: lds[label])
+        for replay in replays:
+            for other in others:
+                diff, interval = paired(scores[replay], scores[other], truth)
+                emit(
+                    {
+                        **base,
+                        "part": "paired",
+                        "truth": name,
+                        "replay": replay,
+                        "other": other,
+                        "best_other": other == best,
+                        "replay_minus_other": diff,
+                        "ci95": interval,
+                    }
+                )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,7 +188,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--retrains", type=int, default=None, help="evaluation halves per truth (40; quick: 8)"
     )
-    p.add_argument("--ceiling-retrains", type=int, default=200, help="0 skips the ceiling")
+    p.add_argument(
+        "--part",
+        choices=("all", "lds", "ceiling"),
+        default="all",
+        help="lds: methods against both truths, paired; ceiling: the datamodel beside the "
+        "recommended replay (same-init truth only); all: both",
+    )
+    p.add_argument(
+        "--ceiling-retrains",
+        default="200",
+        help="comma-separated datamodel sizes N, fitted on one growing set of retrains (0: skip)",
+    )
+    p.add_argument(
+        "--ceiling-cpu-s",
+        type=float,
+        default=600.0,
+        help="CPU seconds the datamodel's retrains may take per setup; stops at the last N reached",
+    )
+    p.add_argument(
+        "--side-by-side",
+        type=int,
+        default=40,
+        help="same-init retrains trained at once (one vmap per step; digits setups)",
+    )
     p.add_argument(
         "--queries", type=int, default=0, help="score the first N queries only (0: the setup's)"
     )
@@ -137,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
+    sizes = [int(n) for n in args.ceiling_retrains.split(",") if n.strip()]
+    args.ceiling_retrains = [] if sizes == [0] or args.part == "lds" else sizes
     unknown = set(args.methods) - set(S.REPLAY_CANDIDATES) - set(S.OTHER_CANDIDATES)
     if unknown:
         p.error(
@@ -155,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
     if args.quick:
         chosen = [s.tiny() for s in chosen]
-        args.ceiling_retrains = min(args.ceiling_retrains, 20) if args.ceiling_retrains else 0
+        args.ceiling_retrains = [20] if args.ceiling_retrains else []
     if args.retrains is None:
         args.retrains = 8 if args.quick else 40
     for setup in chosen:

@@ -6,13 +6,20 @@ library's ``llc`` (1 chain, ``--draws`` draws, batch 32 x seq 65, the
 under cProfile and prints one JSON line per library: total CPU seconds and
 the cumulative seconds of the parts of a step (the model's forward calls,
 autograd's backward, the sampler's step, the observables' evaluation, the
-initial loss), and per draw the observables' pass against the step
-(``obs_ms_per_draw``, ``step_ms_per_draw``, ``obs_over_step``; with
+initial loss), and per draw the split of a draw's CPU time: the step
+(forward, backward, sampler step), the observables' pass and the rest
+(``other_ms_per_draw``: the store's writes, also those of gradsketch's
+writer thread, which cProfile does not see but the process's CPU time
+counts, with setup and per-draw Python; the initial loss is left out). With
 ``--store kept`` the ``{"train": ...}`` observable is 3 batches of 32 fixed
-sequences, three times the step's rows, forward only).
+sequences, three times the step's rows, forward only: ``obs_gflop_per_draw``
+(its floating-point operations, counted by ``torch.utils.flop_counter``, the
+same for both libraries) over ``obs_ms_per_draw`` gives the rate each
+library's pass reaches (``obs_gflops``), against ``step_gflop_per_draw``
+(the 32 rows forward and backward).
 
 Run: ``.venv/bin/python benchmarks/profile_slt.py --model llama [--draws 30]
-[--store kept|none]``.
+[--chains 1] [--store kept|none]``.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="llama")
     parser.add_argument("--draws", type=int, default=30)
+    parser.add_argument("--chains", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-epochs", type=int, default=1)
     parser.add_argument("--libs", nargs="+", default=["devinterp", "gradsketch"])
@@ -86,9 +94,11 @@ def main() -> None:
     model = build_model(args.model)
     train_briefly(model, ids, args.train_epochs)
     kw: dict[str, Any] = dict(
-        lr=1e-4, n_beta=30.0, localization=100.0, num_chains=1, num_draws=args.draws,
+        lr=1e-4, n_beta=30.0, localization=100.0, num_chains=args.chains, num_draws=args.draws,
         batch_size=32, save_metrics=True,
     )  # fmt: skip
+    draws = args.draws * args.chains
+    flops = _gflop(model, ids)
     for lib in args.libs:
         fn = d_llc.llc if lib == "devinterp" else slt.llc
         extra = {"fast_path": args.fast_path} if lib == "gradsketch" else {}
@@ -105,16 +115,46 @@ def main() -> None:
         parts = _cumulative(stats)
         # Per draw (one step between draws): the observables' pass against the step itself.
         step = parts["train_forward"] + parts["backward"] + parts["sgld_step"]
+        other = cpu - parts["init_loss"] - parts["observables"] - step
         per_draw = {
-            "obs_ms_per_draw": 1e3 * parts["observables"] / args.draws,
-            "step_ms_per_draw": 1e3 * step / args.draws,
+            "step_ms_per_draw": 1e3 * step / draws,
+            "obs_ms_per_draw": 1e3 * parts["observables"] / draws,
+            "other_ms_per_draw": 1e3 * other / draws,
             "obs_over_step": parts["observables"] / step if step else None,
+            **flops,
+            "obs_gflops": flops["obs_gflop_per_draw"] * draws / parts["observables"]
+            if parts["observables"] > 1e-3 and args.store == "kept"
+            else None,
         }
         emit({"bench": "profile_slt", "lib": lib, "model": args.model, "draws": args.draws,
+              "chains": args.chains,
               "threads": args.threads, "store": args.store, "cpu_s": cpu, **parts, **per_draw,
               **machine_info()})  # fmt: skip
         if args.top:
             stats.sort_stats("tottime").print_stats(args.top)
+
+
+def _gflop(model: Any, ids: Any) -> dict[str, float]:
+    """GFLOP of one draw's observable pass (96 rows, forward) and of one step (32 rows, both ways).
+
+    Counted on the model itself (``torch.utils.flop_counter``: matrix
+    products and attention; element-wise work is not counted), so the same
+    for both libraries.
+    """
+    import copy
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gradsketch.slt import per_token_loss
+
+    work = copy.deepcopy(model).train()
+    with FlopCounterMode(display=False) as count, torch.no_grad():
+        per_token_loss(work, ids[:96])
+    obs = count.get_total_flops()
+    with FlopCounterMode(display=False) as count:
+        per_token_loss(work, ids[:32]).mean().backward()
+    return {"obs_gflop_per_draw": obs / 1e9, "step_gflop_per_draw": count.get_total_flops() / 1e9}
 
 
 if __name__ == "__main__":

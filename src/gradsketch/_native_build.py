@@ -69,6 +69,7 @@ __all__ = [
     "load",
     "record",
     "report_fallback",
+    "segment_pointers",
     "sidecar",
     "switched_off",
 ]
@@ -485,3 +486,37 @@ def find_sgemm(*, torch_first: bool = True) -> int | None:
     api.PyCapsule_GetPointer.restype = ctypes.c_void_p
     api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
     return api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))  # type: ignore[no-any-return]
+
+
+def segment_pointers(
+    segments: list[list[torch.Tensor]],
+) -> tuple[list[int], list[int]] | None:
+    """Rows given as segments, as a kernel reads them: data pointers and segment starts.
+
+    ``segments[s][q]`` is row q's part s. Every part of a segment has the
+    segment's length, and every part is contiguous CPU memory of the first
+    part's dtype. Returns the pointers (segment by segment, row by row) and
+    each segment's first column, the last entry the total width; None where a
+    part breaks those rules, so that the caller runs its torch path instead.
+
+    Example:
+        >>> rows = [[torch.ones(3), torch.zeros(3)], [torch.ones(2), torch.ones(2)]]
+        >>> segment_pointers(rows)[1]
+        [0, 3, 5]
+    """
+    r = len(segments[0])
+    dtype = segments[0][0].dtype
+    ptrs: list[int] = []
+    starts = [0]
+    for seg in segments:
+        if len(seg) != r:
+            return None
+        length = seg[0].numel()
+        for t in seg:
+            if t.dtype != dtype or t.device.type != "cpu" or t.numel() != length:
+                return None
+            if not (t.is_contiguous() or length <= 1):
+                return None
+            ptrs.append(t.data_ptr())
+        starts.append(starts[-1] + length)
+    return ptrs, starts

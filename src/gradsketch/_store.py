@@ -40,7 +40,11 @@ Rules that make runs resumable:
   decoded, or reads NaN, each named by array, chunk and file;
   :meth:`RowStore.unflag_damaged` marks them for recomputation. Arrays
   written by gradsketch before checksums (no ``crc32c`` codec) still open
-  and are checked for missing and undecodable chunks.
+  and are checked for missing and undecodable chunks. A store checks each
+  chunk once: a later :meth:`RowStore.damage` of the same object reads only
+  chunks whose files changed since they were found intact
+  (:class:`gradsketch._integrity.VerifiedChunks` says why that is safe), and
+  every read of rows checks each chunk's crc32c as it reads it.
 
 Example:
     >>> import tempfile, numpy as np
@@ -77,7 +81,7 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from gradsketch._hash import text_digest
-from gradsketch._integrity import ChunkDamage, read_json, scan_array
+from gradsketch._integrity import ChunkDamage, VerifiedChunks, read_json, scan_array
 from gradsketch._json import jsonable
 from gradsketch._settings import (
     VERSIONS_KEY,
@@ -353,6 +357,9 @@ class RowStore:
         # from disk (~1.5 ms), and an array's shape never changes once created.
         self._arrays: dict[str, zarr.Array] = {}
         self._writer: BackgroundWriter[_Job] | None = None
+        # Chunks found intact by damage(), by file identity: a later check in this
+        # process reads only what changed (see VerifiedChunks for why that is safe).
+        self._verified = VerifiedChunks()
 
     # -- the settings record, kept redundantly ----------------------------------
     def _array_fingerprints(self) -> dict[str, str | None]:
@@ -587,6 +594,7 @@ class RowStore:
         # Forget cached arrays at or below ``name``.
         for key in [k for k in self._arrays if k == name or k.startswith(f"{name}/")]:
             del self._arrays[key]
+        self._verified.forget(name)
         with self.lock.held():
             if target.exists():
                 shutil.rmtree(target)
@@ -631,7 +639,11 @@ class RowStore:
         (truncated, garbled); and this store's own: in a float array whose
         fill value is NaN, a row holding NaN (never-written entries read NaN;
         callers store finite data only). Only flagged rows are reported.
-        Reads one chunk at a time.
+        Reads one chunk at a time, and only chunks not already found intact
+        by an earlier call on this object whose files are unchanged since
+        (:class:`~gradsketch._integrity.VerifiedChunks`: same inode, size,
+        mtime and ctime), so that each phase of a run does not read the whole
+        store again before reading it.
 
         Raises:
             StoreIntegrityError: an array's ``zarr.json`` is unreadable (its rows
@@ -646,15 +658,22 @@ class RowStore:
             arr = self.array(name)
             fill = arr.fill_value
             nan_fill = arr.dtype.kind == "f" and fill is not None and bool(np.isnan(fill))
+            # Chunks this store found intact before, unchanged since, are not read again.
+            todo, taken = self._verified.unverified(self.path, name, flagged)
+            if not todo.size:
+                continue
             scanned = scan_array(
-                self.path, name, rows=flagged, inspect=_nan_holes if nan_fill else None
+                self.path, name, rows=todo, inspect=_nan_holes if nan_fill else None
             )
+            here: list[ChunkDamage] = []
             for d in scanned:
                 if not d.chunk:
                     raise self._damaged_metadata(name, d.problem)
                 rows = tuple(r for r in d.rows if flags[r])
                 if rows:
-                    found.append(dataclasses.replace(d, rows=rows))
+                    here.append(dataclasses.replace(d, rows=rows))
+            self._verified.record(name, todo, taken, here)
+            found.extend(here)
         return found
 
     def damaged_rows(self, names: Sequence[str], done: str) -> dict[str, np.ndarray]:

@@ -35,6 +35,7 @@ from gradsketch.attribution import TRAKer  # noqa: E402
 from gradsketch.cli._app import app  # noqa: E402
 from gradsketch.cli._attribute_hf import (  # noqa: E402
     HFAttributeSettings,
+    _traker_projection,
     attribute_hf_command,
     load_documents,
     load_tokenizer,
@@ -382,8 +383,22 @@ def test_bad_options_are_refused(options, match):
 def test_option_parsers():
     assert parse_projection("16,8") == (16, 8) and parse_projection(None) is None
     assert parse_lambda("auto") == "auto" and parse_lambda("0.5") == 0.5
-    with pytest.raises(ConfigError, match=r"`--projection` must be two sizes K_IN,K_OUT, got 'x'"):
+    with pytest.raises(ConfigError, match=r"`--projection` must be two sizes K_IN,K_OUT or exact"):
         parse_projection("x")
+
+
+def test_projection_not_given_is_the_disk_aware_default_and_exact_is_asked_for():
+    """No ``--projection``: TRAKer's ``"auto"``; ``exact``: ``None``; a pair is kept."""
+    assert parse_projection("Exact") == "exact"
+    assert _traker_projection(None) == "auto"
+    assert _traker_projection("exact") is None
+    assert _traker_projection((16, 8)) == (16, 8)
+    settings = HFAttributeSettings(method="ekfac", projection="exact")
+    assert settings.to_dict()["projection"] == "exact"
+    with pytest.raises(ConfigError, match=r"`--projection` exact projects per-layer rows"):
+        HFAttributeSettings(method="trak", projection="exact")
+    with pytest.raises(ConfigError, match=r"`--projection` must be two sizes"):
+        HFAttributeSettings(method="ekfac", projection="16")
     with pytest.raises(ConfigError, match=r"`--lambda-reg` must be a number >= 0 or 'auto'"):
         parse_lambda("-1")
 

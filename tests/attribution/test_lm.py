@@ -400,3 +400,105 @@ def test_half_model_featurized_in_its_dtype_with_float32_features(tmp_path, half
     assert np.isfinite(bf16).all() and np.isfinite(xtx16).all()
     np.testing.assert_allclose(bf16, f32, rtol=0, atol=3e-2 * np.abs(f32).max())
     np.testing.assert_allclose(xtx16, xtx32, rtol=0, atol=6e-2 * np.abs(xtx32).max())
+
+
+def _masked_log_odds(z, labels):
+    """``z_y - logsumexp_{j≠y} z_j`` from a masked copy (the obvious formula), float64."""
+    target = labels[:, 1:]
+    valid = target != -100
+    safe = target.clamp(min=0).unsqueeze(-1)
+    is_label = torch.arange(z.shape[-1]) == safe
+    zz = z[:, :-1]
+    odds = zz.gather(-1, safe).squeeze(-1) - zz.masked_fill(is_label, float("-inf")).logsumexp(-1)
+    odds = odds.masked_fill(~valid, 0.0)
+    return torch.cat([torch.zeros_like(odds[:, :1]), odds], dim=1)
+
+
+def test_token_log_odds_float32_within_rounding_of_float64_and_confident_tokens_exact():
+    """The fused log-odds in float32 against the masked float64 formula, values and gradients.
+
+    Rounding: ``f = z_y - max z - log Σ_{j≠y} exp(z_j - max z)``; each of the
+    ``V`` terms is rounded once (relative ``u = 2⁻²⁴``), their sum adds at
+    most ``u log₂ V`` relative (pairwise), the log turns a relative error
+    into an absolute one, and the subtractions of numbers up to ``M = max
+    |z|`` add ``2 u M``: ``|Δf| ≤ u (2 M + log₂ V + 2)``; the gradient
+    ``onehot - softmax_{j≠y}`` has entries ≤ 1 with the same error through
+    ``exp(z - (z_y - f))``, times ``1 + M``. Tolerances use 4× these. Three
+    tokens are confident (``1 - p`` near 1e-4, 1e-6 and 1e-9): a formula
+    through ``log(1 - p)`` with ``p`` rounded to float32 would be off there
+    by up to ``u / (1 - p)``, 0.06 at 1e-6, far outside the tolerance.
+    """
+    from gradsketch.attribution._lm import token_log_odds
+
+    gen = torch.Generator().manual_seed(0)
+    b, t, v = 3, 7, 301
+    z64 = 3 * torch.randn(b, t, v, generator=gen, dtype=F64)
+    labels = torch.randint(0, v, (b, t), generator=gen)
+    labels[0, 4] = -100
+    for (row, pos), margin in zip([(1, 2), (2, 4), (0, 5)], [16.0, 21.0, 28.0], strict=True):
+        z64[row, pos, labels[row, pos + 1]] = z64[row, pos].max() + margin
+    m = float(z64.abs().max())
+    u = 2.0**-24
+    tol = 4 * u * (2 * m + np.log2(v) + 2)
+    ref = z64.clone().requires_grad_()
+    f_ref = _masked_log_odds(ref, labels)
+    weights = torch.randn(b, t, generator=gen, dtype=F64)
+    (f_ref * weights).sum().backward()
+    z = z64.float().requires_grad_()
+    f = token_log_odds(z, labels)
+    (f * weights.float()).sum().backward()
+    assert f.dtype == torch.float32 and (f[0, 4] == 0).item() and (f[:, 0] == 0).all()
+    assert f_ref[1, 3].item() > 9 and f_ref[0, 6].item() > 20  # the confident tokens
+    torch.testing.assert_close(f.double(), f_ref.detach(), rtol=0, atol=tol)
+    scale = float(weights.abs().max())
+    torch.testing.assert_close(z.grad.double(), ref.grad, rtol=0, atol=tol * (1 + m) * scale)
+    # float64: the same numbers as the masked formula, and exact higher derivatives.
+    exact = token_log_odds(z64, labels)
+    torch.testing.assert_close(exact, f_ref.detach(), rtol=1e-13, atol=1e-12)
+    small = z64[:2, :3, :11].clone().requires_grad_()
+    lab = labels[:2, :3] % 11
+    assert torch.autograd.gradcheck(lambda x: token_log_odds(x, lab), (small,))
+    assert torch.autograd.gradgradcheck(lambda x: token_log_odds(x, lab), (small,))
+
+
+def test_token_log_odds_stays_finite_past_float32_exp_range():
+    """A label 300 nats above every other logit: ``exp`` of the others relative to it
+    underflows in float32, but the others are summed relative to their own largest,
+    so ``f`` and its gradient are finite and match float64 (the bound of the test
+    above, with ``M = 300``)."""
+    from gradsketch.attribution._lm import token_log_odds
+
+    gen = torch.Generator().manual_seed(5)
+    z64 = torch.randn(2, 4, 50, generator=gen, dtype=F64)
+    labels = torch.randint(0, 50, (2, 4), generator=gen)
+    z64[1, 1, labels[1, 2]] = 300.0
+    ref = z64.clone().requires_grad_()
+    f_ref = _masked_log_odds(ref, labels)
+    f_ref.sum().backward()
+    z = z64.float().requires_grad_()
+    f = token_log_odds(z, labels)
+    f.sum().backward()
+    assert torch.isfinite(f).all() and torch.isfinite(z.grad).all()
+    assert f_ref[1, 2].item() > 290
+    tol = 4 * 2.0**-24 * (2 * 300 + np.log2(50) + 2)
+    torch.testing.assert_close(f.double(), f_ref.detach(), rtol=0, atol=tol)
+    torch.testing.assert_close(z.grad.double(), ref.grad, rtol=0, atol=tol * 301)
+
+
+def test_token_log_odds_per_example_gradients_under_vmap_equal_a_loop():
+    """``torch.func.vmap(grad(...))`` over the fused log-odds == one example at a time (float64)."""
+    from gradsketch.attribution._lm import token_log_odds
+
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(4, 5, 17, generator=gen, dtype=F64)
+    labels = torch.randint(0, 17, (4, 5), generator=gen)
+    labels[1, 2] = -100
+
+    def out(zb, lb):
+        return token_log_odds(zb[None], lb[None]).sum()
+
+    batched = torch.func.vmap(torch.func.grad(out))(z, labels)
+    for i in range(4):
+        zi = z[i].clone().requires_grad_()
+        _masked_log_odds(zi[None], labels[i][None]).sum().backward()
+        torch.testing.assert_close(batched[i], zi.grad, rtol=1e-12, atol=1e-14)

@@ -137,8 +137,8 @@ def test_trak_gram_is_refused_at_finalize_not_at_construction(tmp_path, monkeypa
     assert traker._method.done.all()
     with pytest.raises(MemoryBudgetError, match=r"finalize_features needs ~.* but .* available"):
         traker.finalize_features()
-    with pytest.raises(ValueError, match="`stage` must be"):
-        traker.plan.problems("score")
+    with pytest.raises(ValueError, match=r"`stage` must be one of \['featurize', 'finalize'"):
+        traker.plan.problems("scoring")
 
 
 def test_refuses_before_the_first_batch_when_disk_is_short(tmp_path, monkeypatch):
@@ -304,3 +304,106 @@ def test_choose_rows_reads_the_mode_of_an_existing_store(tmp_path, caplog):
     assert any("as the store at" in r.getMessage() for r in caplog.records)
     assert _plan.choose_rows("auto", plan, 100, tmp_path / "new", logger) == "stored"
     assert _plan.choose_rows("stored", plan, 10**20, tmp_path / "new", logger) == "stored"
+
+
+def _activation_bytes(model: nn.Module, rows: int, tokens: int) -> int:
+    """Every Linear / Conv1D's inputs and outputs and their gradients: ``2·4 R T Σ(d_in+d_out)``.
+
+    Counted from the modules here (Conv1D's weight is ``[d_in, d_out]``, a
+    Linear's ``[d_out, d_in]``; the bias column adds one input), not by the plan's code.
+    """
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            d_out, d_in = module.weight.shape
+        elif type(module).__name__ == "Conv1D":
+            d_in, d_out = module.weight.shape
+        else:
+            continue
+        total += d_in + d_out + (getattr(module, "bias", None) is not None)
+    return 2 * 4 * rows * tokens * total
+
+
+@pytest.mark.parametrize("queries", [2, 13])
+def test_per_token_scoring_is_planned_as_its_expanded_rows(tmp_path, queries):
+    """Per-token scoring of B targets of T tokens runs passes of R = T·max(1, B // T) rows.
+
+    The pass's estimate is a derived count: the streamed projection's largest
+    formed gradient (one 64 MiB chunk plus the largest parameter that is not
+    a factored weight or an embedding, here a LayerNorm's or the position
+    table's, times R), the R × k projected rows, the activations of every
+    linear layer (:func:`_activation_bytes`) and the log-odds' one ``[R, T,
+    V]`` float32 tensor. B = 2 < T gives R = T; B = 13 gives two targets a
+    pass, R = 2 T.
+    """
+    model = _gpt2()
+    ids = torch.randint(0, VOCAB, (queries, T), generator=torch.Generator().manual_seed(2))
+    traker = _traker(model, tmp_path, "trak", proj_dim=64)
+    _featurize(traker, model, _ids())
+    traker.finalize_features()
+    before = traker.plan
+    assert before.scoring_rows is None and before.scoring_bytes == 0
+    traker.start_scoring_checkpoint(
+        "q", model.state_dict(), model_id=0, num_targets=queries, per_token=True
+    )
+    traker.score_loader([{"input_ids": ids}], batch_size=queries)
+    plan = traker.plan
+    rows = T * max(1, queries // T)
+    assert plan.scoring_rows == rows
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    factored = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+    }
+    largest = max(p.numel() for p in model.parameters() if id(p) not in embeddings | factored)
+    held = min(4 * rows * traker.grad_dim, (64 << 20) + 4 * rows * largest)
+    derived = held + 4 * rows * 64 + _activation_bytes(model, rows, T) + 4 * rows * T * VOCAB
+    assert plan.scoring_bytes == derived
+    assert plan.stage_bytes("score") == (
+        plan.parameter_bytes + plan.projection_bytes + plan.working_bytes + derived
+    )
+    assert f"{rows} rows a pass" in str(plan)
+    scores = traker.finalize_scores("q", per_token=True)
+    assert scores.shape == (N, queries, T) and np.isfinite(scores).all()
+
+
+def test_per_token_scoring_refused_before_its_rows_are_made(tmp_path, monkeypatch):
+    """Memory that holds featurizing (4 rows) but not a per-token pass (T² positions)."""
+    model = _gpt2()
+    traker = _traker(model, tmp_path, "trak", proj_dim=64)
+    _featurize(traker, model, _ids())
+    traker.finalize_features()
+    traker.start_scoring_checkpoint("q", model.state_dict(), model_id=0, num_targets=2)
+    traker.score_loader([{"input_ids": _ids()[:2]}])  # not per token: not planned
+    assert traker.plan.scoring_rows is None
+    traker.start_scoring_checkpoint(
+        "t", model.state_dict(), model_id=0, num_targets=2, per_token=True
+    )
+    featurize = traker.plan.stage_bytes("featurize")
+    rows, _ = _plan.per_token_rows(traker.task, (_ids()[:2],))
+    assert rows == T
+    monkeypatch.setattr(_plan, "available_memory", lambda: featurize + 1)
+    with pytest.raises(
+        MemoryBudgetError, match=r"per-token scoring \(6 rows a pass\) needs ~.* available"
+    ) as e:
+        traker.score_loader([{"input_ids": _ids()[:2]}])
+    assert "Fixes: score fewer tokens per target" in str(e.value)
+    assert "per_token=False" in str(e.value)
+    done = traker.store.array(layout.target_array("t", 0, "done"))
+    assert not np.asarray(done[:]).any()  # refused before any row was computed
+    # The scores [n, m, T] are refused before they are computed too.
+    monkeypatch.setattr(_plan, "available_memory", lambda: None)
+    traker.score({"input_ids": _ids()[:2]}, inds=range(2))  # the refused call used 0..1
+    result = 4 * N * 2 * T  # float32 [n, m, T]
+    monkeypatch.setattr(_plan, "available_memory", lambda: result)
+    with pytest.raises(
+        MemoryBudgetError, match=r"'t' \(\[n=8, m=2, T=6\] .* but 0\.00 GB is avail"
+    ):
+        traker.finalize_scores("t", per_token=True)
+    monkeypatch.setattr(_plan, "available_memory", lambda: None)
+    traker.memory_budget = result - 1
+    with pytest.raises(MemoryBudgetError, match=r"`memory_budget`=383; score fewer targets"):
+        traker.finalize_scores("t", per_token=True)
+    traker.memory_budget = None
+    assert traker.finalize_scores("t", per_token=True).shape == (N, 2, T)

@@ -217,7 +217,7 @@ def test_ceiling_recovers_a_linear_datamodel() -> None:
 
 @pytest.mark.slow
 def test_bench_quick_runs_one_setup(capsys: pytest.CaptureFixture[str]) -> None:
-    """``bench_protocols.py --quick`` prints a loop, truth, ceiling and lds line per method."""
+    """``bench_protocols.py --quick`` prints loop, truth, lds, paired and ceiling lines."""
     import importlib.util
     import json
     from pathlib import Path
@@ -230,10 +230,22 @@ def test_bench_quick_runs_one_setup(capsys: pytest.CaptureFixture[str]) -> None:
     bench.main(["--half", "B", "--quick", "--setups", "B-mlp-adam-l2-fb-issue"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     parts = [r["part"] for r in rows]
-    assert parts[:3] == ["setup", "loop", "truth"] and parts.count("ceiling") == 2
+    assert parts[:3] == ["setup", "loop", "truth"] and parts.count("ceiling") == 1
     lds = [r for r in rows if r["part"] == "lds"]
-    assert len(lds) == 1 + len(S.RECOMMENDED["others"])
+    others = len(S.RECOMMENDED["others"])
+    assert len(lds) == 1 + others
     assert all(-1 <= r["same_init"] <= 1 and "fresh_seed_ci95" in r for r in lds)
+    pairs = [r for r in rows if r["part"] == "paired"]
+    assert len(pairs) == 2 * others  # per truth, the replay against each other method
+    for truth in ("same_init", "fresh_seed"):
+        best = [r for r in pairs if r["truth"] == truth and r["best_other"]]
+        assert len(best) == 1
+        scored = {r["method"]: r[truth] for r in lds}
+        assert best[0]["replay_minus_other"] == pytest.approx(
+            scored["kept_mean@1"] - scored[best[0]["other"]], abs=2e-4
+        )
+    ceiling = next(r for r in rows if r["part"] == "ceiling")
+    assert ceiling["fit_retrains"] == 20 and "target" in ceiling
 
 
 @pytest.mark.slow
@@ -251,3 +263,83 @@ def test_gpt2_setups_replay_the_lm_loop(name: str) -> None:
     masks = S.halves(run.n_train, 2, 0)
     assert S.same_init_retrains(run, masks).shape == (2, 4)
     assert S.fresh_seed_retrains(run, masks, 5).shape == (2, 4)
+
+
+# -- the ceiling and paired comparisons ----------------------------------------------------
+def test_side_by_side_retrains_equal_one_by_one() -> None:
+    """Same-init retrains trained side by side (one vmap per step) equal the one-by-one loop.
+
+    float32, 12 SGD steps of a width-8 MLP: the two paths differ only in the
+    order of a few reductions (~6e-8 relative each), and margins of order 1
+    move by far less than 1e-5 after 12 steps.
+    """
+    run = S.SuiteRun(S.setup_named("A-mlp-sgd-mb").tiny())
+    masks = S.halves(run.n_train, 5, 4)
+    one = S.same_init_retrains(run, masks)
+    many = S.same_init_retrains(run, masks, side_by_side=2)
+    np.testing.assert_allclose(many, one, rtol=0, atol=1e-5)
+    assert np.ptp(one, axis=0).max() > 1e-3  # the masks change the outputs
+
+
+def test_ceiling_curve_rows_grow_and_stop_at_the_budget() -> None:
+    """Each size reached gives one row (replay beside it); a spent budget ends with `stopped_at`."""
+    from gradsketch.demos.protocols.ceiling import ceiling_curve
+
+    run = S.SuiteRun(S.setup_named("A-mlp-sgd-mb").tiny())
+    evaluation_masks = S.halves(run.n_train, 8, 10_000)
+    evaluation = (evaluation_masks, S.same_init_retrains(run, evaluation_masks))
+    replay = S.replay_scores(run, "kept_mean@1")
+    rows = list(
+        ceiling_curve(run, evaluation, [15, 30], budget_cpu_s=1e9, replay=replay, side_by_side=10)
+    )
+    assert [r["fit_retrains"] for r in rows] == [15, 30]
+    assert rows[0]["retrains_cpu_s"] < rows[1]["retrains_cpu_s"]
+    for r in rows:
+        assert -1 <= r["lds"] <= 1 and r["ridge"] > 0
+        assert r["replay_same_init"] == S.lds_row(replay, evaluation)[0]
+        assert r["target"] in ("holds", "misses", "ceiling below 0.85")
+    cut = list(ceiling_curve(run, evaluation, [15, 30], budget_cpu_s=1e-9, side_by_side=15))
+    assert [r.get("fit_retrains") for r in cut] == [15, None]
+    assert cut[-1]["stopped_at"] == 15 and cut[-1]["not_reached"] == [30]
+    assert "replay_same_init" not in cut[0]
+
+
+def test_ceiling_curve_refuses_too_few_retrains() -> None:
+    from gradsketch.demos.protocols.ceiling import ceiling_curve
+
+    run = S.SuiteRun(S.setup_named("A-mlp-sgd-mb").tiny())
+    truth = (np.zeros((3, 64), bool), np.zeros((3, 4)))
+    with pytest.raises(ValueError, match=r"`sizes`=\[10, 100\]: a datamodel needs at least 15"):
+        next(ceiling_curve(run, truth, [10, 100], budget_cpu_s=1.0))
+
+
+@pytest.mark.parametrize(
+    ("replay", "ceiling", "expected"),
+    [(0.81, 0.9, "holds"), (0.79, 0.85, "misses"), (0.5, 0.84, "ceiling below 0.85")],
+    ids=["holds", "misses", "low-ceiling"],
+)
+def test_verdict(replay: float, ceiling: float, expected: str) -> None:
+    from gradsketch.demos.protocols.ceiling import verdict
+
+    assert verdict(replay, ceiling) == expected
+
+
+def test_paired_difference_is_the_difference_of_the_two_lds() -> None:
+    """The paired estimate is LDS(a) − LDS(b) on the same retrains; a better `a` excludes 0.
+
+    ``a`` is the true linear model of outputs ``masks @ a + noise`` (noise sd
+    1 against a signal sd of √(30/4) ≈ 2.7: LDS ≈ 0.93), ``b`` is ``a`` plus
+    noise of sd 1 per score (its predictions gain variance 30/4 · 1: LDS
+    ≈ 0.66), so over 60 retrains the gap of ~0.27 sits many bootstrap
+    standard errors (~0.05) above 0.
+    """
+    from gradsketch.demos.protocols.ceiling import paired
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(30, 4))
+    b = a + rng.normal(size=(30, 4))
+    masks = S.halves(30, 60, 1)
+    truth = (masks, masks @ a + rng.normal(size=(60, 4)))
+    diff, (low, high) = paired(a, b, truth)
+    assert diff == pytest.approx(S.lds_row(a, truth)[0] - S.lds_row(b, truth)[0], abs=2e-4)
+    assert 0 < low <= diff <= high

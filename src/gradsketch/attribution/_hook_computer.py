@@ -678,22 +678,10 @@ class HookGradientComputer(AbstractGradientComputer):
         def dense(block: Tensor, offset: int) -> None:
             projector.project_into_(out, block, offset)
 
+        sparse = projector.project_sparse_into_
         for call in _drain(capture):
-            unit = call.unit
-            module_type = type(unit.module)
-            if not unit.fallback and module_type in ROW_SPARSE_SAMPLERS:
-                _project_row_sparse(
-                    call, batch_size, offsets.__getitem__, projector.project_sparse_into_, out
-                )
+            if self._stream_flat(call, batch_size, out, offsets.__getitem__, sparse, dense):
                 continue
-            if _weight_layer(unit):
-                g = _single_grad(call)
-                if g is None:
-                    continue
-                weight = offsets[unit.params["weight"]]
-                bias = offsets.get(unit.params.get("bias", ""))
-                if self._stream_weight(call, g, dense, weight, bias, batch_size):
-                    continue
             for name, grad in self._call_grads(call, batch_size).items():
                 dense(grad.reshape(batch_size, -1), offsets[name])
         return out
@@ -717,25 +705,44 @@ class HookGradientComputer(AbstractGradientComputer):
                 )
                 projector.project_layer_into_(out, unit.name, a, g3)
             return
-        if not unit.fallback and module_type in ROW_SPARSE_SAMPLERS:
-            _project_row_sparse(
-                call, batch_size, projector.rest_offset_of, projector.project_rest_sparse_into_, out
-            )
+
+        def rest(block: Tensor, offset: int) -> None:
+            projector.project_rest_into_(out, block, offset)
+
+        sparse = projector.project_rest_sparse_into_
+        if self._stream_flat(call, batch_size, out, projector.rest_offset_of, sparse, rest):
             return
-        if _weight_layer(unit):
-            g = _single_grad(call)
-            if g is None:
-                return
-            params = unit.params
-
-            def rest(block: Tensor, offset: int) -> None:
-                projector.project_rest_into_(out, block, offset)
-
-            weight = projector.rest_offset_of(params["weight"])
-            bias = projector.rest_offset_of(params["bias"]) if "bias" in params else None
-            if self._stream_weight(call, g, rest, weight, bias, batch_size):
-                return
         _project_dense(self._call_grads(call, batch_size), projector, layout, out, batch_size)
+
+    def _stream_flat(
+        self,
+        call: _Call,
+        batch_size: int,
+        out: Tensor,
+        offset_of: Callable[[str], int],
+        sparse_into: Callable[..., object],
+        dense: Callable[[Tensor, int], None],
+    ) -> bool:
+        """A call's gradient streamed into a flat projection, if its layer allows.
+
+        An embedding's rows go to ``sparse_into``; a layer with Kronecker
+        factors hands its weight gradient to ``dense`` in row chunks
+        (:meth:`_stream_weight`), each at ``offset_of(parameter name)``.
+        Returns False where neither applies (the caller forms the gradients).
+        """
+        unit = call.unit
+        if not unit.fallback and type(unit.module) in ROW_SPARSE_SAMPLERS:
+            _project_row_sparse(call, batch_size, offset_of, sparse_into, out)
+            return True
+        if not _weight_layer(unit):
+            return False
+        g = _single_grad(call)
+        if g is None:
+            return True
+        params = unit.params
+        weight = offset_of(params["weight"])
+        bias = offset_of(params["bias"]) if "bias" in params else None
+        return self._stream_weight(call, g, dense, weight, bias, batch_size)
 
     def _stream_weight(
         self,

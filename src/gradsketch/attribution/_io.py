@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import zarr
 from torch import Tensor
 
+from gradsketch._integrity import read_rows
 from gradsketch._writer import BackgroundWriter
 
 #: Bytes of one row block read at once when no memory budget is given: large
@@ -33,11 +35,19 @@ DEFAULT_TARGET_BYTES = 1 << 30
 def rows_as_tensor(
     array: Any, start: int, stop: int, *, device: torch.device, dtype: torch.dtype
 ) -> Tensor:
-    """Rows ``start:stop`` of a tensor, numpy array, memmap or zarr array, as a tensor."""
+    """Rows ``start:stop`` of a tensor, numpy array, memmap or zarr array, as a tensor.
+
+    A zarr array on local disk is read from its chunk files, each checked
+    against its crc32c (:func:`gradsketch._integrity.read_rows`), else through zarr.
+    """
     if isinstance(array, Tensor):
         block = array[start:stop]
     else:
-        block = torch.from_numpy(np.ascontiguousarray(np.asarray(array[start:stop])))
+        # A store's chunk files are read (and their checksums checked) directly.
+        raw = read_rows(array, start, stop) if isinstance(array, zarr.Array) else None
+        if raw is None:
+            raw = np.ascontiguousarray(np.asarray(array[start:stop]))
+        block = torch.from_numpy(raw)
     return block.to(device=device, dtype=dtype)
 
 

@@ -37,6 +37,7 @@ y_<t)`` over ``labels != -100`` (the decoder's logits at ``t`` predict
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -158,11 +159,75 @@ def _upcast_half(t: Tensor) -> Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+def _scatter_into(t: Tensor, index: Tensor, src: Tensor | float) -> Tensor:
+    """``t.scatter_(-1, index, src)``: under ``torch.func.vmap`` it runs per example.
+
+    functorch has no batching rule for in-place ``scatter_`` and warns that it
+    falls back to a loop over the batch; the fallback is exact and the vmap
+    path serves small models only, so the warning is silenced here.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        return t.scatter_(-1, index, src)
+
+
+class _LogOdds(torch.autograd.Function):
+    """``f = z_y - log Σ_{j≠y} exp(z_j)`` over the last dim, one vocabulary-sized tensor each way.
+
+    Forward: ``e = exp(z - m)``, ``m`` the largest of the other classes'
+    logits (the largest or second largest of ``z``: no vocabulary-sized
+    mask), with ``e_y`` set to 0 in place, so the other classes are summed
+    without ``e_y`` (no cancellation where ``p_y`` is close to 1; the sum is
+    at least 1, so it never underflows however confident the label), and
+    ``f = z_y - m - log Σ e``. Backward:
+    ``df/dz = onehot(y) - softmax_{j≠y}(z)``, recomputed from the saved logits
+    as ``exp(z - (z_y - f))`` (``z_y - f`` is the others' log-sum-exp) in one
+    tensor, in place; where the graph is differentiated again
+    (``create_graph``, ``torch.func``) it is built from out-of-place
+    operations, so higher derivatives are exact.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(z: Tensor, index: Tensor) -> Tensor:  # type: ignore[override]
+        best = z.topk(min(2, z.shape[-1]), dim=-1)
+        first = best.values[..., :1]
+        second = best.values[..., -1:]
+        top = torch.where(best.indices[..., :1] == index, second, first)
+        e = z - top
+        e.exp_()
+        _scatter_into(e, index, 0.0)
+        others = top + e.sum(-1, keepdim=True).log()
+        return (z.gather(-1, index) - others).squeeze(-1)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+        z, index = inputs
+        ctx.save_for_backward(z, index, output)
+        ctx.mark_non_differentiable(index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        z, index, f = ctx.saved_tensors
+        shift = z.gather(-1, index) - f.unsqueeze(-1)
+        g = grad.unsqueeze(-1)
+        if torch.is_grad_enabled():
+            return (-g * torch.exp(z - shift)).scatter(-1, index, g), None
+        out = z - shift
+        out.exp_().mul_(-g)
+        return _scatter_into(out, index, g), None
+
+
 def token_log_odds(logits: Tensor, labels: Tensor) -> Tensor:
     """``[B, T]`` log-odds ``f_t = log(p_t / (1 - p_t))`` of each label, 0 where ignored.
 
     Follows Hugging Face's shift: ``labels[:, t]`` is predicted from
     ``logits[:, t - 1]``, so position 0 is never predicted (its entry is 0).
+    ``f_t = z_y - log Σ_{j≠y} exp(z_j)`` is computed without a vocabulary-sized
+    mask or softmax copy: one ``exp`` pass forward and one backward (see
+    :class:`_LogOdds`), where the masked ``logsumexp`` it replaces made about
+    ten vocabulary-sized tensors per token.
 
     Args:
         logits: ``[B, T, V]`` next-token logits.
@@ -176,11 +241,8 @@ def token_log_odds(logits: Tensor, labels: Tensor) -> Tensor:
     z = _upcast_half(logits[:, :-1])
     target = labels[:, 1:]
     valid = target != IGNORE_INDEX
-    safe = target.masked_fill(~valid, 0).long()
-    is_label = torch.arange(z.shape[-1], device=z.device) == safe.unsqueeze(-1)
-    correct = (z * is_label).sum(-1)
-    others = z.masked_fill(is_label, float("-inf")).logsumexp(-1)
-    odds = (correct - others).masked_fill(~valid, 0.0)
+    safe = target.masked_fill(~valid, 0).long().unsqueeze(-1)
+    odds = _LogOdds.apply(z, safe).masked_fill(~valid, 0.0)
     return torch.cat([torch.zeros_like(odds[:, :1]), odds], dim=1)
 
 
@@ -188,8 +250,12 @@ def token_one_minus_p(logits: Tensor, labels: Tensor, temperature: float = 1.0) 
     """``[B, T]`` per-token out-to-loss terms ``1 - p_t`` (0 where ignored), detached."""
     target = labels[:, 1:]
     valid = target != IGNORE_INDEX
-    probs = torch.softmax(_upcast_half(logits[:, :-1]) / temperature, dim=-1)
-    p = probs.gather(-1, target.masked_fill(~valid, 0).long().unsqueeze(-1)).squeeze(-1)
+    z = _upcast_half(logits[:, :-1])
+    if temperature != 1.0:
+        z = z / temperature
+    # p_y = exp(z_y - logsumexp z): one vocabulary-sized temporary, not a softmax copy.
+    z_y = z.gather(-1, target.masked_fill(~valid, 0).long().unsqueeze(-1)).squeeze(-1)
+    p = torch.exp(z_y - z.logsumexp(-1))
     q = (1 - p) * valid.to(p.dtype)
     return torch.cat([torch.zeros_like(q[:, :1]), q], dim=1).detach()
 

@@ -15,12 +15,20 @@ The estimates are upper-bound-minded, not exact:
   their eigenbases (as many again) and the eigenvalues (``2 d_in d_out``);
   TRAK's ``k²`` Gram matrix and its inverse;
 - gradients: one batch's per-example gradients (TRAK: ``B × d`` float32, twice:
-  per parameter and flattened for the projector;
+  per parameter and flattened for the projector; with a streaming projector
+  only the largest parameter that is neither a factored weight nor an
+  embedding is formed whole;
   per-layer methods: each layer's inputs and output gradients, ``B T (d_in +
   d_out)``, and dense rows where they are kept dense) and the activations of
   the model's linear layers (``2 B T Σ (d_in + d_out)`` float32);
 - projection: the tensors the projector holds;
 - working: the finalize and scoring blocks (``memory_budget``, or 64 MiB);
+- per-token scoring (``stage="score"``, :func:`plan_per_token`, checked at
+  each scored batch before it is expanded): each of ``B`` targets becomes
+  ``T`` rows of ``T`` tokens, ``max(1, B // T)`` targets a pass, planned as a
+  training batch of that many rows; a language task's loss head adds one
+  ``[rows, T, V]`` float32 tensor (:func:`~gradsketch.attribution._lm.token_log_odds`)
+  beside the logits and their gradient, which the activations count;
 - store: the rows of each document in the form they will be kept (``[a, g]``
   per position, dense ``vec(G)``, or projected features) and Q; with
   ``rows="recompute"`` only Q and a done flag (the rows are recomputed while
@@ -47,6 +55,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from gradsketch._store import SETTINGS_FILE
@@ -62,8 +71,16 @@ __all__ = [
     "free_disk",
     "model_plan",
     "plan_first_batch",
+    "plan_per_token",
     "traker_plan",
 ]
+
+#: The stages a plan is checked at, and how a refusal names their memory.
+STAGES = {
+    "featurize": "peak memory",
+    "finalize": "finalize_features needs",
+    "score": "per-token scoring needs",
+}
 
 #: Methods whose curvature is K-FAC's factors (registered per-layer methods are counted so too).
 _NO_CURVATURE = ("identity",)
@@ -145,6 +162,10 @@ class AttributionPlan:
             (TRAK's Gram matrix with stored rows), not while featurizing: it is
             checked there (``stage="finalize"``), so that a run trak accepts
             at construction and featurizing is accepted at those calls too.
+        scoring_bytes: one per-token scoring pass's per-example gradients,
+            activations and loss head (:func:`plan_per_token`; 0 until a
+            ``per_token=True`` batch is scored).
+        scoring_rows: rows of that pass: ``T`` copies of each target in it.
     """
 
     method: str
@@ -163,6 +184,8 @@ class AttributionPlan:
     rows_left: int | None = None
     notes: tuple[str, ...] = ()
     curvature_at_finalize: bool = False
+    scoring_bytes: int = 0
+    scoring_rows: int | None = None
 
     @property
     def store_bytes(self) -> int:
@@ -189,12 +212,25 @@ class AttributionPlan:
         return self.seconds_per_row * left
 
     def stage_bytes(self, stage: str = "featurize") -> int:
-        """Memory needed by ``stage``: ``"featurize"`` (its peak) or ``"finalize"``.
+        """Memory needed by ``stage``: ``"featurize"`` (its peak), ``"finalize"`` or ``"score"``.
 
         A curvature formed at ``finalize_features`` (:attr:`curvature_at_finalize`)
         counts at ``"finalize"`` only, beside the parameters, the projector and
         the working blocks; otherwise both stages need :attr:`peak_bytes`.
+        ``"score"`` (per-token scoring, :func:`plan_per_token`): the parameters,
+        the projector, the working blocks and :attr:`scoring_bytes` in place of
+        the training batch's gradients; a curvature formed while featurizing is
+        still held.
         """
+        if stage == "score":
+            curvature = 0 if self.curvature_at_finalize else self.curvature_bytes
+            return (
+                self.parameter_bytes
+                + curvature
+                + self.projection_bytes
+                + self.working_bytes
+                + self.scoring_bytes
+            )
         if not self.curvature_at_finalize:
             return self.peak_bytes
         if stage == "finalize":
@@ -211,14 +247,16 @@ class AttributionPlan:
 
         Empty: it fits. The disk is a featurize stage's problem only.
         """
-        if stage not in ("featurize", "finalize"):
-            raise ValueError(f"`stage` must be 'featurize' or 'finalize', got {stage!r}.")
+        if stage not in STAGES:
+            raise ValueError(f"`stage` must be one of {list(STAGES)}, got {stage!r}.")
         out = []
         need = self.stage_bytes(stage)
         if self.available_memory is not None and need > self.available_memory:
-            what = "peak memory" if stage == "featurize" else "finalize_features needs"
+            what = STAGES[stage]
+            if stage == "score":
+                what = f"per-token scoring ({self.scoring_rows} rows a pass) needs"
             out.append(f"{what} ~{_gb(need)} but {_gb(self.available_memory)} is available")
-        if stage == "finalize":
+        if stage != "featurize":
             return out
         left = self.train_set_size if self.rows_left is None else self.rows_left
         need = self.store_bytes_per_row * left
@@ -243,6 +281,12 @@ class AttributionPlan:
             f"{_gb(self.gradient_bytes)} + projection {_gb(self.projection_bytes)} + working "
             f"{_gb(self.working_bytes)}",
         ]
+        if self.scoring_rows is not None:
+            lines.append(
+                f"  per-token:   ~{_gb(self.stage_bytes('score'))} while scoring, "
+                f"{self.scoring_rows} rows a pass ({_gb(self.scoring_bytes)} of gradients, "
+                "activations and the loss head)"
+            )
         if self.seconds_per_row is not None:
             total = self.seconds or 0.0
             lines.append(
@@ -264,8 +308,19 @@ class AttributionPlan:
         return replace(self, seconds_per_row=float(seconds_per_row))
 
 
-def fixes(method: str, layered: bool) -> str:
+def fixes(method: str, layered: bool, stage: str = "featurize") -> str:
     """The ways out, as one sentence for the refusal."""
+    if stage == "score":
+        return (
+            "score fewer tokens per target (each target is expanded into T rows of T tokens, so "
+            "a pass costs T² positions; truncate the targets to the tokens of interest); "
+            "per_token=False where per-token scores are not needed; "
+            + (
+                "`projection=(k_in, k_out)`"
+                if layered
+                else "`grad_wrt` naming fewer layers (e.g. '*.h.*.weight')"
+            )
+        )
     ways = []
     if layered:
         ways.append(
@@ -298,7 +353,7 @@ def refuse(plan: AttributionPlan, layered: bool, stage: str = "featurize") -> No
         raise MemoryBudgetError(
             f"attribution with method={plan.method!r} does not fit this machine: "
             + "; ".join(problems)
-            + f". Fixes: {fixes(plan.method, layered)}. The plan:\n{plan}"
+            + f". Fixes: {fixes(plan.method, layered, stage)}. The plan:\n{plan}"
         )
 
 
@@ -327,6 +382,27 @@ def _all_layers(model: nn.Module) -> list[FactoredLayer]:
         return find_layers(model, None, None)
     except ValueError:
         return []
+
+
+def _largest_per_example(model: nn.Module, layers: list[FactoredLayer]) -> int:
+    """Numbers of the largest parameter whose per-example gradient the streamed hooks form.
+
+    A factored layer's weight is projected from its Kronecker factors a chunk
+    at a time and an embedding's rows where they are; every other parameter's
+    ``[B, *shape]`` gradient is formed whole, one at a time.
+    """
+    weights = (getattr(x.module, "weight", None) for x in layers if x.param is None)
+    skipped = {id(w) for w in weights if isinstance(w, Tensor)}
+    skipped |= {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return max((p.numel() for p in model.parameters() if id(p) not in skipped), default=0)
+
+
+def vocabulary_head(model: nn.Module) -> int:
+    """The output vocabulary of a Hugging Face language model (0 if it has none)."""
+    head = getattr(model, "get_output_embeddings", None)
+    module = head() if callable(head) else None
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, Tensor) else 0
 
 
 def curvature_bytes(method: str, layers: list[FactoredLayer], width: int) -> int:
@@ -366,6 +442,7 @@ def plan_features(
     batch: Any = None,
     rows_left: int | None = None,
     recompute: bool = False,
+    head_width: int = 0,
 ) -> AttributionPlan:
     """The plan of a stored-features method (TRAK, identity, K-FAC, EK-FAC, registered ones).
 
@@ -385,12 +462,17 @@ def plan_features(
         batch: the first training batch (``None``: the model-only plan).
         rows_left: documents not featurized yet.
         recompute: ``rows="recompute"``: Q and a done flag are stored per document.
+        head_width: the vocabulary of a language task's loss head: its log-odds
+            hold one ``[B, T, V]`` float32 tensor at a time (the forward's
+            ``exp``, then the backward's gradient) beside the logits and their
+            gradient (those are counted with the activations).
     """
     layered = featurizer is not None
     notes = []
     every = _all_layers(model)
     rows, tokens = first_batch_shape(batch) if batch is not None else (0, 1)
     activations = 2 * 4 * rows * tokens * sum(x.d_in + x.d_out for x in every)
+    activations += 4 * rows * tokens * head_width
     if layered:
         side = sum(x.k_in + x.k_out for x in layers)
         dense = featurizer.dense_width()
@@ -411,7 +493,7 @@ def plan_features(
             # The hooks project each layer as it comes (HookGradientComputer.project): one
             # REST_CHUNK_BYTES chunk of a weight with Kronecker factors, or one other
             # parameter's per-example gradient, at a time; vmap holds each [B, *shape] once.
-            largest = max((p.numel() for p in model.parameters()), default=0)
+            largest = _largest_per_example(model, every)
             held = min(4 * rows * grad_dim, REST_CHUNK_BYTES + 4 * rows * largest)
         else:
             # The per-parameter gradients and their flat copy for the projector: GPT-2
@@ -550,8 +632,66 @@ def traker_plan(traker: Any, batch: Any = None, rows_left: int | None = None) ->
         itemsize=traker.dtype.itemsize,
         sampled=traker.settings.curvature == "sampled",
         recompute=getattr(traker, "rows", "stored") == "recompute",
+        head_width=_head_width(traker),
         **common,
     )
+
+
+def _head_width(traker: Any) -> int:
+    """The vocabulary a TRAKer's task scores over (language tasks: per-token outputs)."""
+    return vocabulary_head(traker.model) if hasattr(traker.task, "per_token_batch") else 0
+
+
+def per_token_rows(task: Any, batch: Any) -> tuple[int, int]:
+    """``(rows, tokens)`` of the largest pass of per-token scoring over ``batch``.
+
+    Each of the ``B`` targets becomes ``T`` rows of ``T`` tokens, a few
+    targets at a time (``max(1, B // T)``, as
+    :meth:`~gradsketch.attribution._traker_features.FeatureMaker.token_features`
+    groups them), so that a pass holds at most ``max(B, T)`` rows.
+    """
+    size = int(first_batch_shape(batch)[0])
+    count = getattr(task, "per_token_length", None)
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    length = int(count(batch)) if callable(count) else int(first.shape[1])
+    group = min(size, max(1, size // max(length, 1)))
+    return group * length, length
+
+
+def plan_per_token(traker: Any, batch: Any) -> AttributionPlan:
+    """The TRAKer's plan with per-token scoring of ``batch`` counted; refused if it does not fit.
+
+    Per-token scoring featurizes ``T`` copies of each target, each keeping
+    one target token (:func:`per_token_rows`): the pass is planned as a
+    training batch of that many rows would be (per-example gradients,
+    activations, the loss head), and :meth:`AttributionPlan.stage_bytes`
+    (``"score"``) adds the model, projector and working blocks. Logged at
+    the first pass of each shape.
+
+    Raises:
+        MemoryBudgetError: the pass does not fit the available memory (before
+            any of it is computed), naming the fixes.
+    """
+    current = traker.plan
+    if traker.method == "replay":
+        # The replay scores each token's query in its own reverse pass (ReplayAttributor.plan).
+        return current
+    rows, tokens = per_token_rows(traker.task, batch)
+    if current.scoring_rows == rows and current.scoring_bytes:
+        plan = replace(current, available_memory=available_memory())
+    else:
+        shape = torch.zeros(rows, tokens, dtype=torch.long)
+        expanded = traker_plan(traker, (shape,), current.rows_left)
+        plan = replace(
+            current,
+            scoring_bytes=expanded.gradient_bytes,
+            scoring_rows=rows,
+            available_memory=expanded.available_memory,
+        )
+    refuse(plan, traker._kind == "per-layer", stage="score")
+    if plan.scoring_rows != current.scoring_rows:
+        traker.logger.info("%s", plan)
+    return plan
 
 
 def stored_row_bytes(maker: Any, sampled: bool) -> int:

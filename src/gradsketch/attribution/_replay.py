@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -131,15 +131,8 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        """The sum of the parts."""
-        return (
-            self.checkpoints
-            + self.segment
-            + self.adjoints
-            + self.scores
-            + self.activations
-            + self.graphs
-        )
+        """The sum of the parts (every field)."""
+        return sum(getattr(self, part.name) for part in fields(self))
 
 
 def _note_unwarmed_adam(settings: ReplaySettings) -> None:

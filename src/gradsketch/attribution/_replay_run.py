@@ -657,6 +657,45 @@ class ReplayRun:
             )
         return self.layout.views(theta)
 
+    def retrain_many(self, weights: Tensor) -> Tensor:
+        """Flat final parameters ``[K, P]`` of the run at each row of ``weights`` ``[K, n_train]``.
+
+        The ``K`` runs share the initialization and batch order and go side by
+        side: each step takes one ``torch.func.vmap`` of the weighted loss's
+        gradient and of the optimizer step over the ``K`` parameter vectors,
+        so a tiny model pays its per-step overhead once for all of them
+        (datamodels need hundreds of such retrains). Row ``k`` is
+        :meth:`retrain` at ``weights[k]`` up to the order of a few float sums.
+        Memory: ``K`` times the parameters, state and one step's activations.
+        """
+        w = torch.as_tensor(weights, dtype=torch.float64)
+        if w.ndim != 2 or w.shape[1] != self.n_train:
+            raise ValueError(
+                f"`weights` has shape {tuple(w.shape)}; give [K, n_train] = [K, {self.n_train}], "
+                "one row of per-example weights per run."
+            )
+        w = w.to(dtype=self.dtype, device=self.device)
+        count = int(w.shape[0])
+        theta = self.theta0().expand(count, -1).clone()
+        state = {n: s.expand(count, -1).clone() for n, s in self.init_state().items()}
+
+        def loss(th: Tensor, wb: Tensor, batch: tuple[Tensor, ...]) -> Tensor:
+            return self.batch_loss(self.layout.views(th), wb, batch)
+
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(0, 0, None))
+        with torch.no_grad():
+            for t, idx in enumerate(self.order):
+
+                def one_step(
+                    th: Tensor, st: dict[str, Tensor], g: Tensor, t: int = t
+                ) -> tuple[Tensor, dict[str, Tensor]]:
+                    return opt_step(self.settings, self.layout, t, th, st, g)
+
+                with torch.enable_grad():
+                    g = grads(theta, w[:, idx], rows_of(self.data, idx))
+                theta, state = torch.func.vmap(one_step)(theta, state, g)
+        return theta
+
     def require_trained(self) -> Params:
         """The trained parameters (refused before :meth:`train`)."""
         if self.final is None:

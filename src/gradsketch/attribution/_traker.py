@@ -39,7 +39,7 @@ from gradsketch.attribution._distributed import (
 )
 from gradsketch.attribution._gradient_computers import FunctionalGradientComputer
 from gradsketch.attribution._integrity import check_finite_rows, check_weights
-from gradsketch.attribution._kfac import LAYER_AUTO_DAMPING_FRACTION, check_damping_fraction
+from gradsketch.attribution._kfac import LAYER_AUTO_DAMPING_FRACTION
 from gradsketch.attribution._kronecker_features import CURVATURES
 from gradsketch.attribution._lm_data import as_loader, check_token_batch
 from gradsketch.attribution._lm_params import select_parameters
@@ -49,23 +49,24 @@ from gradsketch.attribution._plan import (
     choose_rows,
     model_plan,
     plan_first_batch,
+    plan_per_token,
     refuse,
     stored_row_bytes,
     traker_plan,
     warn_finalize,
 )
 from gradsketch.attribution._preconditioners import CurvaturePreconditioner, resolve_method
+from gradsketch.attribution._projection_default import default_projection, given_projection
 from gradsketch.attribution._replay import ReplayAttributor
 from gradsketch.attribution._replay_traker import ReplayMethod, replay_device, replay_settings
 from gradsketch.attribution._scores import (
     MEMORY_BUDGET_FIX,
     CheckpointGrads,
-    check_lambda,
     ensemble_scores,
     score_dtype,
 )
 from gradsketch.attribution._topk import TopK, topk_checkpoints
-from gradsketch.attribution._traker_arguments import refuse_unused
+from gradsketch.attribution._traker_arguments import checked_damping, refuse_unused
 from gradsketch.attribution._traker_features import FeatureMaker, storage_dtype
 from gradsketch.attribution._traker_inputs import (
     batch_rows,
@@ -190,7 +191,10 @@ class TRAKer:
             See :mod:`gradsketch.attribution._kronecker_features`.
         projection: per-layer methods: ``(k_in, k_out)`` projects each layer's
             inputs and output gradients (LoGra), or ``None`` for exact
-            per-layer gradients.
+            per-layer gradients. ``"auto"`` (default): exact, unless the exact
+            rows would not fit the free disk and ``rows="auto"``; then
+            ``(16, 16)`` per layer, logged
+            (:mod:`~gradsketch.attribution._projection_default`).
         sample_seed: seed of ``curvature="sampled"`` (default: ``projector_seed``).
         dtype: storage dtype of the features (default: float16 on CUDA for
             TRAK, else float32; per-layer methods also take float64).
@@ -282,7 +286,7 @@ class TRAKer:
         chunk_rows: int | None = None,
         method: str = "trak",
         curvature: str = "loss",
-        projection: tuple[int, int] | None = None,
+        projection: tuple[int, int] | str | None = "auto",
         sample_seed: int | None = None,
         dtype: torch.dtype | None = None,
         replay: Any = None,
@@ -350,28 +354,27 @@ class TRAKer:
             device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         )
         dtype = storage_dtype(layered, method, self.device, a["dtype"], a["use_half_precision"])
-        lambda_reg = a["lambda_reg"]
-        if lambda_reg is None:  # TRAK's 0; the per-layer methods' evidence-chosen "auto"
-            lambda_reg = "auto" if layered and method != "identity" else 0.0
-        lambda_reg = check_lambda(lambda_reg)
-        self.damping_fraction = check_damping_fraction(a["damping_fraction"])
-        if self.damping_fraction != LAYER_AUTO_DAMPING_FRACTION and lambda_reg != "auto":
-            raise ValueError(
-                f"`damping_fraction`={self.damping_fraction} sets the damping of "
-                f"lambda_reg='auto', but lambda_reg={lambda_reg!r}; pass lambda_reg='auto', or "
-                "drop `damping_fraction`."
-            )
-        if layered and method != "identity" and lambda_reg == 0:
-            self.logger.warning(
-                "TRAKer(method=%r, lambda_reg=0): no damping, so directions of near-zero "
-                "curvature dominate the scores; pass lambda_reg='auto' (0.3 of each layer's "
-                "mean eigenvalue) or a positive number.",
-                method,
-            )
+        lambda_reg, self.damping_fraction = checked_damping(
+            a["lambda_reg"], a["damping_fraction"], method, layered, self.logger
+        )
         self.grad_wrt = select_parameters(model, a["grad_wrt"], a["mask"])
-        chosen = (a["grad_wrt"], a["mask"], a["projection"], a["projector"])
+        chosen = (a["grad_wrt"], a["mask"], given_projection(a["projection"]), a["projector"])
         if layered and all(x is None for x in chosen):
             self.grad_wrt = default_layer_parameters(model, self.grad_wrt, self.logger)
+        projection = a["projection"]
+        if not layered or a["projector"] is not None:
+            projection = given_projection(projection)
+        a["projection"] = default_projection(  # LoGra where exact rows do not fit the disk
+            projection,
+            model=model,
+            grad_wrt=self.grad_wrt,
+            train_set_size=self.train_set_size,
+            itemsize=dtype.itemsize,
+            sampled=a["curvature"] == "sampled",
+            rows=self.rows,
+            save_dir=self.save_dir,
+            logger=self.logger,
+        )
         self.proj_seed = a["projector_seed"]
         sample_seed = a["sample_seed"]
         self.sample_seed = self.proj_seed if sample_seed is None else int(sample_seed)
@@ -755,6 +758,8 @@ class TRAKer:
         if not todo.any():
             return
         batch, idx = select_rows(batch, idx, todo)
+        if self._exp_per_token:  # planned, and refused, before its B T rows are made
+            self._plan = plan_per_token(self, batch)
         arr = functools.partial(layout.target_array, self._exp, self._exp_model_id)
         phi, tokens = self._method.target_rows(batch, self._exp_model_id, self._exp_per_token)
         rows: dict[str, np.ndarray] = {}

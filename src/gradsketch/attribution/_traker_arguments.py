@@ -16,9 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from gradsketch.attribution._kfac import LAYER_AUTO_DAMPING_FRACTION, check_damping_fraction
+from gradsketch.attribution._scores import check_lambda
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,11 @@ ARGUMENT_REFUSALS: dict[tuple[str, str], Refusal | None] = {
         show_value=False,
     ),
     ("replay", "replay"): None,
+    ("replay", "projection"): Refusal(
+        f"does not apply to method='replay' ({REPLAY_UNUSED_ARGUMENTS['projection']})",
+        _DEFAULT_FIX,
+        harmless=(None,),
+    ),
     ("replay", "rows"): Refusal(
         "does not apply to method='replay' (the replay keeps the rows it trains on; it has "
         "no gradients to recompute)",
@@ -107,6 +116,7 @@ ARGUMENT_REFUSALS: dict[tuple[str, str], Refusal | None] = {
         "projects each layer's inputs and output gradients for the per-layer methods; "
         "method={method!r} takes `projector` or `proj_dim`",
         "pass projection=None",
+        harmless=(None,),
     ),
     ("*", "damping_fraction"): Refusal(
         "sets the per-layer methods' lambda_reg='auto' damping (a fraction of each layer's "
@@ -167,3 +177,39 @@ def refuse_unused(
         raise ValueError(
             f"`{name}`{shown} {row.says.format(**fields)}; {row.fix.format(**fields)}."
         )
+
+
+def checked_damping(
+    lambda_reg: float | str | None,
+    damping_fraction: float,
+    method: str,
+    layered: bool,
+    logger: logging.Logger,
+) -> tuple[float | str, float]:
+    """``TRAKer``'s ``lambda_reg`` (``None``: the method's default) and ``damping_fraction``.
+
+    ``None`` is TRAK's 0 and the per-layer curvature methods' ``"auto"``
+    (chosen on the protocol suite's first half). A ``damping_fraction`` other
+    than its default needs ``lambda_reg="auto"``, whose damping it sets;
+    an undamped per-layer curvature method is warned about.
+
+    Raises:
+        ValueError: a bad value, or a ``damping_fraction`` without ``"auto"``.
+    """
+    if lambda_reg is None:
+        lambda_reg = "auto" if layered and method != "identity" else 0.0
+    lam = check_lambda(lambda_reg)
+    fraction = check_damping_fraction(damping_fraction)
+    if fraction != LAYER_AUTO_DAMPING_FRACTION and lam != "auto":
+        raise ValueError(
+            f"`damping_fraction`={fraction} sets the damping of lambda_reg='auto', but "
+            f"lambda_reg={lam!r}; pass lambda_reg='auto', or drop `damping_fraction`."
+        )
+    if layered and method != "identity" and lam == 0:
+        logger.warning(
+            "TRAKer(method=%r, lambda_reg=0): no damping, so directions of near-zero "
+            "curvature dominate the scores; pass lambda_reg='auto' (0.3 of each layer's "
+            "mean eigenvalue) or a positive number.",
+            method,
+        )
+    return lam, fraction

@@ -327,7 +327,13 @@ class TRAKRecords:
         return rows
 
     def require_intact_rows(self, model_id: int, arrays: list[str]) -> None:
-        """Refuse (and unflag) training rows of ``model_id`` that are missing or damaged."""
+        """Refuse (and unflag) training rows of ``model_id`` that are missing or damaged.
+
+        Each phase calls it before reading the rows; the store reads only the
+        chunks it has not found intact before or whose files changed since
+        (:meth:`gradsketch._store.RowStore.damage`), so a second phase of the same
+        TRAKer does not read the whole ``[n, k]`` store twice.
+        """
         found, rows = self._damaged(layout.checkpoint_array(model_id, "done"), arrays)
         if rows.size:
             raise StoreIntegrityError(

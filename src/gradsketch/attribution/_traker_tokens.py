@@ -18,8 +18,10 @@ import numpy as np
 import torch
 
 from gradsketch.attribution import _layout as layout
+from gradsketch.attribution import _plan
 from gradsketch.attribution._distributed import all_gather_columns, column_shard, rank_and_world
 from gradsketch.attribution._scores import CheckpointGrads, score_checkpoints
+from gradsketch.errors import MemoryBudgetError
 
 
 def per_token_scores(
@@ -32,8 +34,9 @@ def per_token_scores(
     """``[n, m, T]`` scores of each target token of ``exp_name`` (a TRAKer's, in memory).
 
     Raises:
-        ValueError: the experiment was not started with ``per_token=True``, or
-            the scores do not fit ``memory_budget``.
+        ValueError: the experiment was not started with ``per_token=True``.
+        MemoryBudgetError: the scores do not fit ``memory_budget`` or the
+            available memory (:func:`check_token_memory`).
     """
     if not experiment.get("per_token"):
         raise ValueError(
@@ -41,18 +44,15 @@ def per_token_scores(
             "with start_scoring_checkpoint(..., per_token=True) to get per-token scores."
         )
     n, m = traker.train_set_size, int(experiment["num_targets"])
+    wide = np.float64 if traker.dtype == torch.float64 else np.float32
+    k = traker.proj_dim
+    first = traker.store.array(layout.target_array(exp_name, model_ids[0], "token_grads"))
+    check_token_memory(exp_name, n, m, int(first.shape[1]) // k, k, len(model_ids), wide, traker)
     budget = traker.memory_budget
-    if budget is not None and 4 * n * m > budget:
-        raise ValueError(
-            f"per-token scores need at least {4 * n * m} bytes but `memory_budget`="
-            f"{budget}; score fewer targets per experiment."
-        )
     recompute = getattr(traker._method, "recompute", None)
     rank, world = rank_and_world()
     # Stored rows: each rank scores its column shard of the targets.
     cols = column_shard(m) if world > 1 and recompute is None else range(m)
-    wide = np.float64 if traker.dtype == torch.float64 else np.float32
-    k = traker.proj_dim
     per_token, length = [], 0
     for model_id, ck in zip(model_ids, ckpts, strict=True):
         # The targets' rows: [m, T * k] stored, [m * T, k] for the kernel.
@@ -82,3 +82,39 @@ def per_token_scores(
     flat = local.permute(0, 2, 1).reshape(n * length, len(cols))
     whole = all_gather_columns(flat, m).reshape(n, length, m).permute(0, 2, 1)
     return whole.contiguous().numpy()
+
+
+def check_token_memory(
+    exp_name: str,
+    n: int,
+    m: int,
+    length: int,
+    k: int,
+    checkpoints: int,
+    dtype: Any,
+    traker: Any,
+) -> None:
+    """Refuse per-token scores that cannot be held, before any is computed.
+
+    The result is ``[n, m, T]`` numbers of ``dtype``, and each checkpoint's
+    ``m T`` per-token target rows of ``k`` features are read beside it;
+    ``memory_budget`` bounds the result, the available memory both.
+
+    Raises:
+        MemoryBudgetError: naming the shape, the bytes and the fixes.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    result = itemsize * n * m * length
+    need = result + itemsize * m * length * k * checkpoints
+    budget, free = traker.memory_budget, _plan.available_memory()
+    if budget is not None and result > budget:
+        short = f"`memory_budget`={budget}"
+    elif free is not None and need > free:
+        short = f"{free / 1e9:.2f} GB is available"
+    else:
+        return
+    raise MemoryBudgetError(
+        f"per-token scores of experiment {exp_name!r} ([n={n}, m={m}, T={length}] and "
+        f"{checkpoints} checkpoint(s)' per-token target rows) need ~{need} bytes but {short}; "
+        "score fewer targets per experiment, or truncate the targets to the tokens of interest."
+    )

@@ -220,7 +220,7 @@ def attribute(
         None,
         "--projection",
         help="Per-layer methods: K_IN,K_OUT projects each layer's rows "
-        "(e.g. 16,16); default exact rows.",
+        "(e.g. 16,16), or exact; default exact rows where they fit the disk, else 16,16.",
         show_default=False,
     ),
     max_length: int = typer.Option(128, "--max-length", help="Tokens per document."),

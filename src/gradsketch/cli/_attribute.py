@@ -60,7 +60,6 @@ row of ``train_loader``; the options of projected features (``proj_dim``,
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -84,7 +83,7 @@ from gradsketch.attribution import (
     FunctionalGradientComputer,
     HookGradientComputer,
 )
-from gradsketch.cli._paths import check_folder, output_folder
+from gradsketch.cli._paths import check_folder, output_folder, write_summary
 from gradsketch.demos import to_numpy
 from gradsketch.errors import ConfigError
 
@@ -446,14 +445,13 @@ def attribute_command(
             f"with {len(checkpoints)} checkpoint(s) (method={settings.method}, "
             f"k={settings.proj_dim}, lambda_reg={settings.lambda_reg})"
         )
-    summary["report"] = (
+    return write_summary(
+        out,
+        summary,
         f"gradsketch attribute: scored {settings.num_targets} targets against "
-        f"{settings.train_set_size} training rows {how} in {timings['total']:.1f} s\n"
-        f"  scores: {scores_where} {tuple(int(s) for s in result.shape)}\n"
-        f"  summary: {out / 'summary.json'}"
+        f"{settings.train_set_size} training rows {how} in {timings['total']:.1f} s",
+        f"scores: {scores_where} {tuple(int(s) for s in result.shape)}",
     )
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def batch_size(batch: Any) -> int:

@@ -44,7 +44,7 @@ import numpy as np
 from torch import nn
 
 from gradsketch._checks import check_int, positive_int
-from gradsketch.cli._paths import check_folder, output_folder
+from gradsketch.cli._paths import check_folder, output_folder, write_summary
 from gradsketch.errors import (
     ConfigError,
     ConfigFileError,
@@ -79,6 +79,8 @@ NAME_COLUMNS = ("name", "title", "id", "source", "path", "file")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 #: TRAK's projection size when ``--proj-dim`` is not given.
 DEFAULT_PROJ_DIM = 2048
+#: ``--projection exact``: exact per-layer rows, whatever the disk holds.
+EXACT = "exact"
 STORE = "store"
 INPUTS_FILE = "inputs.json"
 #: How the refusal of a plan that does not fit reads on the command line.
@@ -111,7 +113,9 @@ class HFAttributeSettings:
         proj_dim: TRAK's projection size (default 2048); per-layer methods take
             ``projection`` instead.
         projection: per-layer methods: ``(k_in, k_out)`` projects each layer's
-            inputs and output gradients (LoGra); ``None``: exact per-layer rows.
+            inputs and output gradients (LoGra); ``"exact"``: exact per-layer rows
+            (recomputed while scoring where they do not fit the disk); ``None``:
+            exact rows where they fit the free disk, else 16 × 16.
         max_length: tokens per document (longer ones are cut).
         text_column: the column holding each document's text.
         top_k: proponents and opponents kept per query.
@@ -129,7 +133,7 @@ class HFAttributeSettings:
 
     method: str = "trak"
     proj_dim: int | None = None
-    projection: tuple[int, int] | None = None
+    projection: tuple[int, int] | str | None = None
     max_length: int = 128
     text_column: str = "text"
     top_k: int = 5
@@ -162,8 +166,8 @@ class HFAttributeSettings:
                 "--projection."
             )
         positive_int("--proj-dim", self.proj_dim, optional=True, error=ConfigError)
-        if self.projection is not None:
-            if len(self.projection) != 2:
+        if self.projection is not None and self.projection != EXACT:
+            if isinstance(self.projection, str) or len(self.projection) != 2:
                 raise ConfigError(
                     f"`--projection` must be two sizes K_IN,K_OUT, got {self.projection!r}; "
                     "e.g. --projection 16,16."
@@ -196,7 +200,8 @@ class HFAttributeSettings:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready settings."""
         record = dataclasses.asdict(self)
-        record["projection"] = None if self.projection is None else list(self.projection)
+        p = self.projection
+        record["projection"] = p if p is None or isinstance(p, str) else list(p)
         return record
 
 
@@ -453,7 +458,7 @@ def _make_traker(
     from gradsketch.attribution import HookGradientComputer, TRAKer
 
     extra: dict[str, Any] = (
-        {"projection": s.projection}
+        {"projection": _traker_projection(s.projection)}
         if _layered(s.method)
         else {
             "gradient_computer": HookGradientComputer,
@@ -617,14 +622,14 @@ def attribute_hf_command(
             "summary": str(out_dir / "summary.json"),
         },
     }
-    summary["report"] = (
+    return write_summary(
+        out_dir,
+        summary,
         f"gradsketch attribute: {m} queries against {n} training documents with "
-        f"method={s.method} in {timings['total']:.1f} s\n"
-        f"  top-{min(s.top_k, n)}: {result['topk']}\n  report: {result['report']}\n"
-        f"  summary: {out_dir / 'summary.json'}"
+        f"method={s.method} in {timings['total']:.1f} s",
+        f"top-{min(s.top_k, n)}: {result['topk']}",
+        f"report: {result['report']}",
     )
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def _write_results(
@@ -721,8 +726,8 @@ def _write_results(
     return {"topk": str(topk_path), "report": str(report)}
 
 
-def parse_projection(value: str | None) -> tuple[int, int] | None:
-    """``"16,16"`` as ``(16, 16)``; ``None`` as ``None``.
+def parse_projection(value: str | None) -> tuple[int, int] | str | None:
+    """``"16,16"`` as ``(16, 16)``; ``"exact"`` as :data:`EXACT`; ``None`` as ``None``.
 
     Example:
         >>> parse_projection("16,8")
@@ -730,14 +735,29 @@ def parse_projection(value: str | None) -> tuple[int, int] | None:
     """
     if value is None:
         return None
+    if value.strip().lower() == EXACT:
+        return EXACT
     parts = value.replace("x", ",").split(",")
     try:
         k_in, k_out = (int(p) for p in parts)
     except ValueError:
         raise ConfigError(
-            f"`--projection` must be two sizes K_IN,K_OUT, got {value!r}; e.g. --projection 16,16."
+            f"`--projection` must be two sizes K_IN,K_OUT or exact, got {value!r}; e.g. "
+            "--projection 16,16."
         ) from None
     return k_in, k_out
+
+
+def _traker_projection(projection: tuple[int, int] | str | None) -> Any:
+    """``TRAKer(projection=)`` for ``--projection``: exact rows only when asked for.
+
+    Not given: ``"auto"`` (exact rows where they fit the free disk, else 16 × 16
+    per layer, logged); ``exact``: ``None`` (exact rows, recomputed while
+    scoring where they do not fit).
+    """
+    if projection is None:
+        return "auto"
+    return None if projection == EXACT else projection
 
 
 def parse_lambda(value: str | None) -> float | str | None:

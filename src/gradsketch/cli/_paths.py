@@ -18,10 +18,12 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["check_folder", "output_folder"]
+__all__ = ["check_folder", "output_folder", "write_summary"]
 
 
 def check_folder(path: str | os.PathLike[str], *, name: str = "--out") -> Path:
@@ -43,3 +45,17 @@ def output_folder(path: str | os.PathLike[str], *, name: str = "--out") -> Path:
     out = check_folder(path, name=name)
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def write_summary(
+    out: Path, summary: dict[str, Any], headline: str, *details: str
+) -> dict[str, Any]:
+    """``summary`` written to ``out/summary.json``, with its ``report`` first set.
+
+    The report is what the command prints: ``headline``, then each detail and
+    the summary's own path on indented lines.
+    """
+    path = out / "summary.json"
+    summary["report"] = "\n".join([headline, *(f"  {d}" for d in details), f"  summary: {path}"])
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import math
+import operator
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -80,6 +81,11 @@ def clean_latent_size(latent: int | float, in_size: int, out_size: int, name: st
     return resolve_rank(latent, smaller, smaller, name=name)
 
 
+def _alias(attribute: str, doc: str) -> Any:
+    """A read-only property giving ``self.<attribute>`` under torch's name for it."""
+    return property(operator.attrgetter(attribute), doc=doc)
+
+
 class _FactorizedModule(nn.Module, abc.ABC):
     """Shared machinery: ``module1(module0(x))`` with a resizable latent size.
 
@@ -112,6 +118,11 @@ class _FactorizedModule(nn.Module, abc.ABC):
                 f"large for factorizing to save multiply-adds; it must be <= {limit}. Use "
                 f"`{type(self).__name__}.max_allowed_{self.latent_name}(...)` or a smaller value."
             )
+
+    def _build(self, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        """Make the two children at the latent size, on ``device`` in ``dtype``."""
+        self.module0, self.module1 = self._build_children(self.latent_size)
+        self.to(device=device, dtype=dtype)
 
     @property
     def fan_in(self) -> int:
@@ -394,23 +405,11 @@ class FactorizedLinear(_FactorizedModule):
     ) -> None:
         super().__init__(in_features, out_features, latent_features, kernel=())
         self.bias = bias
-        self.module0, self.module1 = self._build_children(self.latent_size)
-        self.to(device=device, dtype=dtype)
+        self._build(device, dtype)
 
-    @property
-    def in_features(self) -> int:
-        """See :class:`torch.nn.Linear`."""
-        return self.in_size
-
-    @property
-    def out_features(self) -> int:
-        """See :class:`torch.nn.Linear`."""
-        return self.out_size
-
-    @property
-    def latent_features(self) -> int:
-        """Size of the latent space between the two linear maps."""
-        return self.latent_size
+    in_features = _alias("in_size", "See :class:`torch.nn.Linear`.")
+    out_features = _alias("out_size", "See :class:`torch.nn.Linear`.")
+    latent_features = _alias("latent_size", "Size of the latent space between the two maps.")
 
     def _build_children(self, rank: int) -> tuple[nn.Module, nn.Module]:
         return (
@@ -603,28 +602,12 @@ class FactorizedConv2d(_FactorizedModule):
         device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
         self.bias = bool(kwargs.pop("bias", True))
         self.conv_kwargs: dict[str, Any] = kwargs
-        self.module0, self.module1 = self._build_children(self.latent_size)
-        self.to(device=device, dtype=dtype)
+        self._build(device, dtype)
 
-    @property
-    def in_channels(self) -> int:
-        """See :class:`torch.nn.Conv2d`."""
-        return self.in_size
-
-    @property
-    def out_channels(self) -> int:
-        """See :class:`torch.nn.Conv2d`."""
-        return self.out_size
-
-    @property
-    def kernel_size(self) -> tuple[int, ...]:
-        """See :class:`torch.nn.Conv2d`."""
-        return self.kernel
-
-    @property
-    def latent_channels(self) -> int:
-        """Output channels of ``module0`` and input channels of ``module1``."""
-        return self.latent_size
+    in_channels = _alias("in_size", "See :class:`torch.nn.Conv2d`.")
+    out_channels = _alias("out_size", "See :class:`torch.nn.Conv2d`.")
+    kernel_size = _alias("kernel", "See :class:`torch.nn.Conv2d`.")
+    latent_channels = _alias("latent_size", "Channels between ``module0`` and ``module1``.")
 
     def _build_children(self, rank: int) -> tuple[nn.Module, nn.Module]:
         return (

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -124,16 +125,15 @@ def warn_if_diverged(
     loss_trace: np.ndarray,
     init_loss: float | np.ndarray,
     *,
-    nbeta: float,
-    numel: int | None,
-    lr: float | None = None,
-    lr_name: str = "lr",
     stacklevel: int = 2,
+    **settings: Any,
 ) -> bool:
-    """Warn (:class:`ChainDivergenceWarning`) with :func:`divergence_report`; True when it did."""
-    report = divergence_report(
-        loss_trace, init_loss, nbeta=nbeta, numel=numel, lr=lr, lr_name=lr_name
-    )
+    """Warn (:class:`ChainDivergenceWarning`) with :func:`divergence_report`; True when it did.
+
+    ``settings`` are :func:`divergence_report`'s keywords (``nbeta``,
+    ``numel``, ``lr``, ``lr_name``).
+    """
+    report = divergence_report(loss_trace, init_loss, **settings)
     if report is None:
         return False
     warnings.warn(

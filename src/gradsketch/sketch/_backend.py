@@ -160,17 +160,13 @@ def default_backend(
 
 
 def reduce_(
-    out: torch.Tensor | None,
-    index: torch.Tensor | None,
-    block: torch.Tensor,
-    *,
-    rows: int | None = None,
-    gram: torch.Tensor | None = None,
+    out: torch.Tensor | None, index: torch.Tensor | None, block: torch.Tensor, **options: Any
 ) -> bool:
     """The native scatter (and Gram) of a ``[r, n]`` block: :func:`._native.reduce_`.
 
     Returns False, touching nothing, where the native kernels do not run or
     do not take these tensors: the caller then runs its torch path.
+    ``options`` (``rows``, ``gram``) are :func:`._native.reduce_`'s.
 
     Example:
         >>> out = torch.zeros(1, 2)
@@ -181,16 +177,14 @@ def reduce_(
     """
     if default_backend(block, kernel="scatter") != "native":
         return False
-    return _native.reduce_(out, index, block, rows=rows, gram=gram)
+    return _native.reduce_(out, index, block, **options)
 
 
 def reduce_rows_(
     out: torch.Tensor | None,
     index: torch.Tensor | None,
     segments: list[list[torch.Tensor]],
-    *,
-    rows: int | None = None,
-    gram: torch.Tensor | None = None,
+    **options: Any,
 ) -> bool:
     """:func:`reduce_` of a block given as segments of rows (:func:`._native.reduce_rows_`).
 
@@ -200,7 +194,7 @@ def reduce_rows_(
         return False
     if default_backend(segments[0][0], kernel="scatter") != "native":
         return False
-    return _native.reduce_rows_(out, index, segments, rows=rows, gram=gram)
+    return _native.reduce_rows_(out, index, segments, **options)
 
 
 def __getattr__(name: str) -> Any:

@@ -213,23 +213,14 @@ def reduce_rows_(
 
     Returns False, touching nothing, when the kernels or the tensors do not fit.
     """
-    if not segments:
+    if not segments or not segments[0]:
+        return False
+    found = _native_build.segment_pointers(segments)
+    if found is None:
         return False
     r = len(segments[0])
-    dtype = segments[0][0].dtype if r else None
-    starts = [0]
-    ptrs: list[int] = []
-    for seg in segments:
-        if len(seg) != r:
-            return False
-        length = seg[0].numel()
-        for t in seg:
-            if t.dtype != dtype or t.device.type != "cpu" or t.numel() != length:
-                return False
-            if not (t.is_contiguous() or length <= 1):
-                return False
-            ptrs.append(t.data_ptr())
-        starts.append(starts[-1] + length)
+    ptrs, starts = found
+    dtype = segments[0][0].dtype
     return _run(ptrs, starts, r, r if rows is None else rows, index, out, gram, dtype)
 
 

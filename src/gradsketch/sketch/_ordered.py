@@ -51,13 +51,9 @@ SketchComponent = tuple[int, int, float, float]
 ABI_VERSION = 1
 _VALUE = _native_build.VALUE_SUFFIX
 _INDEX = _native_build.INDEX_SUFFIX
-SPEC = _native_build.NativeSpec.typed(
-    "ordered",
-    __file__,
-    ("gs_ordered.c", "gs_ordered.h", "gs_each_index.h", "gs_ordered_index.h"),
-    ABI_VERSION,
-    "gs_ordered",
-)
+#: The C sources (package data), compiled and loaded by :mod:`gradsketch._native_build`.
+SOURCES = ("gs_ordered.c", "gs_ordered.h", "gs_each_index.h", "gs_ordered_index.h")
+SPEC = _native_build.NativeSpec.typed("ordered", __file__, SOURCES, ABI_VERSION, "gs_ordered")
 #: Most components one call takes (``GS_MAX_COMPONENTS`` in ``gs_ordered.c``).
 MAX_COMPONENTS = 8
 #: Columns per tile of the torch path: bounds its float32 temporaries.
@@ -183,16 +179,10 @@ def _native(
         if not rows or not rows[0]:
             return False
         r, dtype, device = len(rows[0]), rows[0][0].dtype, rows[0][0]
-        ptrs, starts = [], [0]
-        for seg in rows:
-            length = seg[0].numel()
-            for t in seg:
-                if t.dtype != dtype or t.device.type != "cpu" or t.numel() != length:
-                    return False
-                if not (t.is_contiguous() or length <= 1):
-                    return False
-                ptrs.append(t.data_ptr())
-            starts.append(starts[-1] + length)
+        found = _native_build.segment_pointers(rows)
+        if found is None:
+            return False
+        ptrs, starts = found
     if dtype not in _VALUE or len(components) > MAX_COMPONENTS:
         return False
     if _backend.default_backend(device, kernel="scatter") != "native":

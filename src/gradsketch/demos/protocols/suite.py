@@ -608,9 +608,22 @@ def halves(n: int, count: int, seed: int) -> np.ndarray:
     return np.stack([subset_mask(rng, n) for _ in range(count)])
 
 
-def same_init_retrains(run: SuiteRun, masks: np.ndarray) -> np.ndarray:
-    """``[len(masks), m]`` outputs of same-initialization retrains on each mask's kept rows."""
+def same_init_retrains(run: SuiteRun, masks: np.ndarray, *, side_by_side: int = 1) -> np.ndarray:
+    """``[len(masks), m]`` outputs of same-initialization retrains on each mask's kept rows.
+
+    ``side_by_side > 1`` trains that many masks at once
+    (:meth:`~gradsketch.attribution._replay_run.ReplayRun.retrain_many`, one
+    ``vmap`` per step; the digits setups only, whose models ``vmap`` traces).
+    """
     r = run.truth_run
+    if side_by_side > 1 and not run.setup.is_lm:
+        outs = []
+        for start in range(0, len(masks), side_by_side):
+            chunk = torch.from_numpy(masks[start : start + side_by_side].astype(np.float64))
+            for theta in r.run.retrain_many(chunk):
+                params = r.run.layout.views(theta)
+                outs.append(r.outputs(run.targets, params).double().cpu().numpy())
+        return np.stack(outs)
     outs = []
     for mask in masks:
         params = r.retrain(torch.from_numpy(mask.astype(np.float32)))

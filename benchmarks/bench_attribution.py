@@ -48,6 +48,7 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -127,37 +128,12 @@ def scoring_traker_pipeline(n: int, k: int, m: int, repeats: int) -> dict:
     full rank; featurizing is not timed.
     """
     setup_torch()
-    from gradsketch.attribution import TRAKer
-
-    gen = torch.Generator().manual_seed(0)
-    model = torch.nn.Linear(k // 2, 4, bias=False)
-    x = torch.randn(n, k // 2, generator=gen)
-    y = torch.randint(0, 4, (n,), generator=gen)
     timings: dict[str, list[float]] = {"finalize_features": [], "finalize_scores": []}
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as tmp:
-            traker = TRAKer(
-                model,
-                "image_classification",
-                n,
-                save_dir=tmp,
-                device="cpu",
-                proj_dim=k,
-                use_half_precision=False,
-                logging_level=QUIET,
-                progress=False,
-            )
-            traker.load_checkpoint(model.state_dict(), model_id=0)
-            for start in range(0, n, 5000):
-                traker.featurize(
-                    (x[start : start + 5000], y[start : start + 5000]),
-                    num_samples=min(5000, n - start),
-                )
+            traker, model, x, y = _featurized_traker(n, k, tmp)
             timings["finalize_features"].append(time_once(traker.finalize_features)[0])
-            traker.start_scoring_checkpoint("bench", model.state_dict(), model_id=0, num_targets=m)
-            for start in range(0, m, 5000):
-                stop = min(m, start + 5000)
-                traker.score((x[start:stop], y[start:stop]), num_samples=stop - start)
+            _score_targets(traker, "bench", model, x, y, m)
             seconds, scores = time_once(functools.partial(traker.finalize_scores, "bench"))
             timings["finalize_scores"].append(seconds)
             assert tuple(scores.shape) == (n, m)
@@ -430,37 +406,52 @@ def _pipeline_traker(n: int, k: int, m: int) -> dict[str, tuple[float, float]]:
 
 def _pipeline_ours(n: int, k: int, m: int) -> dict[str, tuple[float, float]]:
     """gradsketch's TRAKer phases after featurizing (untimed): ``{phase: (cpu_s, wall_s)}``."""
+    out: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, model, x, y = _featurized_traker(n, k, tmp)
+        out["finalize_features"] = _cpu_wall(ours.finalize_features)
+        for name in ("first", "second"):
+            _score_targets(ours, name, model, x, y, m)
+            out[f"finalize_scores_{name}"] = _cpu_wall(lambda e=name: ours.finalize_scores(e))
+    return out
+
+
+def _featurized_traker(n: int, k: int, save_dir: str) -> tuple[Any, Any, Any, Any]:
+    """A TRAKer over ``n`` rows of width ``k`` featurized (untimed): ``(traker, model, x, y)``.
+
+    The rows are a bias-free ``Linear(k // 2, 4)``'s gradients (see
+    :func:`scoring_traker_pipeline`).
+    """
     from gradsketch.attribution import TRAKer
 
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(k // 2, 4, bias=False)
     x = torch.randn(n, k // 2, generator=gen)
     y = torch.randint(0, 4, (n,), generator=gen)
-    out: dict[str, tuple[float, float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        ours = TRAKer(
-            model,
-            "image_classification",
-            n,
-            save_dir=tmp,
-            device="cpu",
-            proj_dim=k,
-            use_half_precision=False,
-            logging_level=QUIET,
-            progress=False,
-        )
-        ours.load_checkpoint(model.state_dict(), model_id=0)
-        for start in range(0, n, 5000):
-            stop = min(n, start + 5000)
-            ours.featurize((x[start:stop], y[start:stop]), num_samples=stop - start)
-        out["finalize_features"] = _cpu_wall(ours.finalize_features)
-        for name in ("first", "second"):
-            ours.start_scoring_checkpoint(name, model.state_dict(), model_id=0, num_targets=m)
-            for start in range(0, m, 5000):
-                stop = min(m, start + 5000)
-                ours.score((x[start:stop], y[start:stop]), num_samples=stop - start)
-            out[f"finalize_scores_{name}"] = _cpu_wall(lambda e=name: ours.finalize_scores(e))
-    return out
+    traker = TRAKer(
+        model,
+        "image_classification",
+        n,
+        save_dir=save_dir,
+        device="cpu",
+        proj_dim=k,
+        use_half_precision=False,
+        logging_level=QUIET,
+        progress=False,
+    )
+    traker.load_checkpoint(model.state_dict(), model_id=0)
+    for start in range(0, n, 5000):
+        stop = min(n, start + 5000)
+        traker.featurize((x[start:stop], y[start:stop]), num_samples=stop - start)
+    return traker, model, x, y
+
+
+def _score_targets(traker: Any, name: str, model: Any, x: Any, y: Any, m: int) -> None:
+    """Featurize the first ``m`` rows as experiment ``name``'s targets (untimed)."""
+    traker.start_scoring_checkpoint(name, model.state_dict(), model_id=0, num_targets=m)
+    for start in range(0, m, 5000):
+        stop = min(m, start + 5000)
+        traker.score((x[start:stop], y[start:stop]), num_samples=stop - start)
 
 
 def _cpu_wall(fn) -> tuple[float, float]:

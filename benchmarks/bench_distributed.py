@@ -2,14 +2,14 @@
 
 TRAKer runs each method on the digits MLP (64-256-256-10, 85,002 parameters):
 TRAK (its CPU default projector, CountSketchProjector, k = 2048), identity,
-K-FAC and EK-FAC (per-layer rows projected to 16 × 16 per layer, LoGra; exact
-per-layer rows of 85,002 floats would make the ranks' dense store 490 MB),
-each featurizing the 1,438 training digits (batches of 64, chunks of 16 rows)
-and scoring 128 test digits; and the replay (exact metagradients) on 256 of
-the training digits, 64 SGD steps, 8 queries. One rank runs in a plain
-process; ``--ranks`` ranks run under ``torchrun`` (gloo on CPU; with
-``--device cuda`` each rank uses GPU ``LOCAL_RANK`` and NCCL), each doing
-its share in the same store:
+K-FAC and EK-FAC (per-layer rows projected to 16 × 16 per layer, LoGra; every
+rank keeps them as one process does, each layer's ``[a, g]``: 96 floats per
+row against 768 for the dense ``vec(g aᵀ)``), each featurizing the 1,438
+training digits (batches of 64, chunks of 16 rows) and scoring 128 test
+digits; and the replay (exact metagradients) on 256 of the training digits,
+64 SGD steps, 8 queries. One rank runs in a plain process; ``--ranks`` ranks
+run under ``torchrun`` (gloo on CPU; with ``--device cuda`` each rank uses
+GPU ``LOCAL_RANK`` and NCCL), each doing its share in the same store:
 
 * ``featurize`` = ``load_checkpoint`` + ``featurize_loader``: rank r featurizes
   its chunk shard of the rows (the replay: every rank keeps every row);

@@ -289,9 +289,12 @@ def gradsketch_model_worker(spec: dict[str, Any], out: str) -> dict:
     """gradsketch's exact EK-FAC on the blocks' weights; scores saved to ``out``."""
     import logging
 
-    from gradsketch.attribution import TRAKer
+    from gradsketch.attribution import TRAKer, _kfac
 
     setup_torch(spec["threads"])
+    if not spec.get("low_rank", True):
+        # Full float64 eigendecompositions of every factor (the path before eigh_low_rank).
+        _kfac.LOW_RANK_MIN_WIDTH = 2**62
     model, train, queries = _gpt2(spec)
     params = {f"{name}.{kind}" for name in block_modules(model) for kind in ("weight", "bias")}
     grad_wrt = [name for name, _ in model.named_parameters() if name in params]
@@ -394,6 +397,24 @@ def run_model(spec: dict[str, Any]) -> dict[str, Any]:
     )
     a = np.load(tmp / "gradsketch.npy").ravel().astype(np.float64)
     b = np.load(tmp / "kf.npy").ravel()
+    full: dict[str, Any] = {}
+    if spec.get("compare_full_eigh"):
+        # gradsketch again with every factor's full eigh: the reduced bases' cost and scores.
+        run = run_isolated(
+            "bench_influence_scale:gradsketch_model_worker",
+            {**spec, "low_rank": False},
+            str(tmp / "gradsketch_full.npy"),
+            timeout=timeout,
+        )
+        c = np.load(tmp / "gradsketch_full.npy").ravel().astype(np.float64)
+        full = {
+            "full_eigh_cpu_s": run["result"]["cpu_s"],
+            "full_eigh_stages": run["result"]["stages"],
+            "full_eigh_peak_rss_mb": round(run["peak_rss_mb"]),
+            # Largest score change from the reduced bases, relative to the largest score.
+            "low_rank_max_rel_diff": float(np.abs(a - c).max() / np.abs(c).max()),
+            "low_rank_pearson": round(float(np.corrcoef(a, c)[0, 1]), 7),
+        }
     row = {
         "bench": "influence_scale_gpt2",
         **{k: spec[k] for k in ("layers", "width", "vocab", "seq", "documents", "queries")},
@@ -410,6 +431,7 @@ def run_model(spec: dict[str, Any]) -> dict[str, Any]:
         "pearson": round(float(np.corrcoef(a, b)[0, 1]), 5),
         "gradsketch_peak_rss_mb": round(ours["peak_rss_mb"]),
         "kronfluence_peak_rss_mb": round(ref["peak_rss_mb"]),
+        **full,
         "cpu": cpu_model(),
     }
     emit(row)
@@ -437,6 +459,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="documents per batch, both sides")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (--layers runs)")
     parser.add_argument(
+        "--compare-full-eigh",
+        action="store_true",
+        help="also run gradsketch with full eigendecompositions of every factor (--layers runs)",
+    )
+    parser.add_argument(
         "--damping-fraction",
         type=float,
         default=0.1,
@@ -451,6 +478,7 @@ def main() -> None:
                 **{k: getattr(args, k) for k in ("width", "heads", "vocab", "seq", "documents")},
                 **{k: getattr(args, k) for k in ("queries", "batch", "threads")},
                 "damping_fraction": args.damping_fraction,
+                "compare_full_eigh": args.compare_full_eigh,
             }
             run_model(spec)
         return

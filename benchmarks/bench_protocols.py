@@ -31,7 +31,12 @@ setup to run it), one JSON line per figure:
 the other methods. Same-init retrains of the digits setups are trained
 ``--side-by-side`` at a time (one ``vmap`` per step).
 
-Half A scores every candidate (``REPLAY_CANDIDATES``, ``OTHER_CANDIDATES``);
+Half A scores every candidate (``REPLAY_CANDIDATES``, ``BLEND_CANDIDATES``,
+``OTHER_CANDIDATES``); a blend's ``cpu_s`` is the blending alone, its parts
+have their own rows; ``auto`` is ``linearize_at="auto"`` (chosen from
+``suite.AUTO_RETRAINS`` validation retrains on ``suite.AUTO_QUERIES`` held-out
+test digits; its row's ``auto`` field holds the choice, each candidate's
+validation LDS and the CPU seconds, which its ``cpu_s`` includes);
 half B scores the recommended replay setting per optimizer and the
 recommended variant of each other method (``--all`` scores every candidate,
 ``--methods`` the named ones only). ``--queries N`` scores the first ``N``
@@ -46,6 +51,18 @@ The figures of the report were measured with, per half::
         --ceiling-retrains 0 --methods kept_mean@1,full_batch@0.5,trak-auto,identity,kfac,ekfac
 
 and the GPT-2 setups run with ``--setups A-gpt2-scratch`` / ``B-gpt2-finetune``.
+The Adam rule (the replay over three checkpoints blended with K-FAC), chosen on
+half A and then reported on half B::
+
+    python benchmarks/bench_protocols.py --half A --queries 25 --retrains 30 \
+        --ceiling-retrains 0 --setups A-mlp-adam-l2-fb-short,A-mlp-adam-l2-mb \
+        --methods kept_mean@1,kept_mean@ckpt3,full_batch@0.5,kfac,ekfac,\
+    z:kept_mean@1+kfac,z.25:kept_mean@1+kfac,z.75:kept_mean@1+kfac,\
+    rank:kept_mean@1+kfac,z:kept_mean@ckpt3+kfac
+    python benchmarks/bench_protocols.py --half B --queries 25 --retrains 30 \
+        --ceiling-retrains 0 --setups B-mlp-adam-l2-fb-issue,B-cnn-adam-l2-mb \
+        --methods z:kept_mean@ckpt3+kfac,kept_mean@1,kept_mean@ckpt3,\
+    z:kept_mean@1+kfac,trak-auto,identity,kfac,ekfac
 The ceiling and the paired intervals of half B::
 
     python benchmarks/bench_protocols.py --half B --queries 25 --retrains 30 \
@@ -83,11 +100,11 @@ def methods_of(
     """The replay settings and other variants scored on ``setup``."""
     if only:
         return (
-            [m for m in only if m in S.REPLAY_CANDIDATES],
+            [m for m in only if m in S.REPLAY_CANDIDATES or m in S.BLEND_CANDIDATES],
             [m for m in only if m in S.OTHER_CANDIDATES],
         )
     if half == "A" or everything:
-        return list(S.REPLAY_CANDIDATES), list(S.OTHER_CANDIDATES)
+        return [*S.REPLAY_CANDIDATES, *S.BLEND_CANDIDATES], list(S.OTHER_CANDIDATES)
     return [S.RECOMMENDED["replay"][setup.optimizer]], list(S.RECOMMENDED["others"])
 
 
@@ -113,9 +130,14 @@ def run_setup(setup: S.Setup, args: argparse.Namespace) -> None:
     replays, others = methods_of(setup, args.half, args.all, args.methods)
     if args.part == "ceiling":  # the recommended replay only, beside the datamodel
         replays, others = replays[:1], []
+    # Blends last: their parts are then scored (and timed) once, as their own rows.
+    replays = sorted(replays, key=lambda label: label in S.BLEND_CANDIDATES)
+    plain = [label for label in replays if label not in S.BLEND_CANDIDATES]
+    blends = [label for label in replays if label in S.BLEND_CANDIDATES]
     jobs: list[tuple[str, str, Callable[[], np.ndarray]]] = [
-        ("replay", label, functools.partial(S.replay_scores, run, label)) for label in replays
+        ("replay", label, functools.partial(S.replay_scores, run, label)) for label in plain
     ] + [("other", label, functools.partial(S.other_scores, run, label)) for label in others]
+    jobs += [("replay", label, functools.partial(S.replay_scores, run, label)) for label in blends]
     scores: dict[str, np.ndarray] = {}
     for kind, label, fn in jobs:
         try:
@@ -124,9 +146,22 @@ def run_setup(setup: S.Setup, args: argparse.Namespace) -> None:
             emit({**base, "part": "lds", "method": label, "error": repr(exc)})
             continue
         row: dict[str, Any] = {**base, "part": "lds", "kind": kind, "method": label}
-        if kind == "replay":
+        if label in S.BLEND_CANDIDATES:
+            replay, other, how, weight = S.BLEND_CANDIDATES[label]
+            row["settings"] = {"replay": replay, "other": other, "how": how, "weight": weight}
+        elif kind == "replay":
             at, loss = S.REPLAY_CANDIDATES[label]
             row["settings"] = {"linearize_at": at, "subset_loss": loss}
+            if at == "auto" and run.auto is not None and run.auto.linearization is not None:
+                choice = run.auto.linearization  # cpu_s below includes its retrains
+                row["auto"] = {
+                    "chosen": choice.label,
+                    "validation_lds": choice.lds,
+                    "skipped": sorted(choice.skipped),
+                    "retrains": choice.retrains,
+                    "retrain_cpu_s": choice.retrain_cpu_s,
+                    "candidate_cpu_s": choice.candidate_cpu_s,
+                }
         else:
             row["settings"] = S.OTHER_CANDIDATES[label][1]
         for name, truth in truths.items():
@@ -222,12 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     args.methods = [m for m in args.methods.split(",") if m]
     sizes = [int(n) for n in args.ceiling_retrains.split(",") if n.strip()]
     args.ceiling_retrains = [] if sizes == [0] or args.part == "lds" else sizes
-    unknown = set(args.methods) - set(S.REPLAY_CANDIDATES) - set(S.OTHER_CANDIDATES)
+    known = [*S.REPLAY_CANDIDATES, *S.BLEND_CANDIDATES, *S.OTHER_CANDIDATES]
+    unknown = set(args.methods) - set(known)
     if unknown:
-        p.error(
-            f"--methods {sorted(unknown)} are not candidates; choose from "
-            f"{[*S.REPLAY_CANDIDATES, *S.OTHER_CANDIDATES]}"
-        )
+        p.error(f"--methods {sorted(unknown)} are not candidates; choose from {known}")
     setup_torch(args.threads)
     if args.setups:
         chosen = [S.setup_named(n) for n in args.setups.split(",")]

@@ -57,7 +57,7 @@ def scatter_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
         if request.node.get_closest_marker("slow") is not None:
             pytest.skip("slow tests run once, with the native kernels")
         off = (_native.NativeStatus(False, "disabled by the test"), None)
-        monkeypatch.setattr(_native, "_state", off)
+        monkeypatch.setattr(_native._LOADED, "state", off)
     return str(request.param)
 
 

@@ -49,7 +49,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from filelock import FileLock
@@ -385,6 +385,7 @@ def kernel_symbols(prefix: str) -> tuple[str, ...]:
 
 #: Bound kernels by (value type, index type) name, as :func:`bind_kernels` returns them.
 Kernels = dict[tuple[str, str], Any]
+_Bound = TypeVar("_Bound")
 
 
 def bind_kernels(
@@ -415,24 +416,51 @@ def bind_kernels(
     return status, kernels
 
 
-def load_once(
-    lock: threading.Lock,
-    current: Callable[[], tuple[NativeStatus, Kernels | None] | None],
-    bind: Callable[[], tuple[NativeStatus, Kernels | None]],
-    spec: NativeSpec,
-    instead: str,
-) -> tuple[NativeStatus, Kernels | None]:
-    """``current()`` if another thread has loaded it, else ``bind()`` under ``lock``.
+class OnceLoaded(Generic[_Bound]):
+    """A native library's kernels, bound the first time any thread asks for them.
 
-    A library that is not used is reported once (:func:`report_fallback`), at
-    the load that found it missing.
+    ``bind`` runs once per process, under a lock; a library that is not used
+    is reported then (:func:`report_fallback`), ``instead`` naming what the
+    callers use in its place. :attr:`state` is ``None`` until then; tests set
+    it to switch the kernels off or to force a fresh load.
+
+    Example:
+        >>> spec = NativeSpec("demo", Path("."), ("gs_demo.c",), 1, ())
+        >>> loaded = OnceLoaded(spec, lambda: (NativeStatus(False, "disabled by a test"), None),
+        ...                     "plain torch")
+        >>> loaded.get() is None, loaded.status().reason
+        (True, 'disabled by a test')
     """
-    with lock:
-        state = current()
+
+    def __init__(
+        self,
+        spec: NativeSpec,
+        bind: Callable[[], tuple[NativeStatus, _Bound | None]],
+        instead: str,
+    ) -> None:
+        self.spec = spec
+        self._bind = bind
+        self._instead = instead
+        self._lock = threading.Lock()
+        self.state: tuple[NativeStatus, _Bound | None] | None = None
+
+    def _loaded(self) -> tuple[NativeStatus, _Bound | None]:
+        state = self.state
         if state is None:
-            state = bind()
-            report_fallback(spec, state[0], instead)
-    return state
+            with self._lock:
+                state = self.state
+                if state is None:
+                    state = self.state = self._bind()
+                    report_fallback(self.spec, state[0], self._instead)
+        return state
+
+    def get(self) -> _Bound | None:
+        """The bound kernels (or library), loading them first; None when unavailable."""
+        return self._loaded()[1]
+
+    def status(self) -> NativeStatus:
+        """Whether the kernels are in use, and why not when they are not (loads them first)."""
+        return self._loaded()[0]
 
 
 def report_fallback(spec: NativeSpec, status: NativeStatus, instead: str) -> None:

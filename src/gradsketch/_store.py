@@ -631,8 +631,13 @@ class RowStore:
                 "it flagged is recomputed."
             ) from exc
 
-    def damage(self, names: Sequence[str], done: str) -> list[ChunkDamage]:
+    def damage(
+        self, names: Sequence[str], done: str, only: np.ndarray | None = None
+    ) -> list[ChunkDamage]:
         """Each damaged chunk of ``names`` that holds rows flagged in ``done``, with those rows.
+
+        ``only`` (boolean, one per row): only those rows' chunks are read (a
+        ``torch.distributed`` rank checks the rows it wrote; ``None``: every row).
 
         Every store's checks (:func:`gradsketch._integrity.scan_array`): a
         chunk file that is missing, fails its checksum or cannot be decoded
@@ -650,6 +655,8 @@ class RowStore:
                 cannot be rewritten; the message names the directory to delete).
         """
         flags = self.done_rows(done)
+        if only is not None:
+            flags &= np.asarray(only, dtype=bool)
         flagged = np.flatnonzero(flags)
         found: list[ChunkDamage] = []
         if not flagged.size:
@@ -687,9 +694,11 @@ class RowStore:
             rows.setdefault(d.array, set()).update(d.rows)
         return {name: np.array(sorted(r), dtype=np.int64) for name, r in rows.items()}
 
-    def unflag_damaged(self, names: Sequence[str], done: str) -> list[ChunkDamage]:
+    def unflag_damaged(
+        self, names: Sequence[str], done: str, only: np.ndarray | None = None
+    ) -> list[ChunkDamage]:
         """:meth:`damage`, its rows unflagged in ``done`` (so that a rerun recomputes them)."""
-        found = self.damage(names, done)
+        found = self.damage(names, done, only)
         if found:
             self.unflag(done, np.array([r for d in found for r in d.rows], dtype=np.int64))
         return found

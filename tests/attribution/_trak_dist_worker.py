@@ -327,9 +327,9 @@ def replay(root: Path) -> dict[str, np.ndarray]:
 def lm_per_token(root: Path) -> np.ndarray:
     """EK-FAC per-token scores of a tiny float32 GPT-2: ``[N_LM, LM_TARGETS, LM_T]``.
 
-    One process keeps each layer's per-position factors; under torch.distributed
-    the per-layer rows are dense and each rank scores its column shard of the
-    targets' tokens.
+    Each rank keeps its rows as one process does (each layer's per-position
+    factors, or dense rows where those are not narrower) and scores its column
+    shard of the targets' tokens.
     """
     import transformers
 

@@ -83,6 +83,14 @@ def test_plan_estimates_match_what_is_stored_and_allocated(tmp_path, method):
     plan = traker.plan
     assert (plan.batch_rows, plan.tokens, plan.rows_left) == (4, T, N)
     assert plan.seconds_per_row is not None and plan.seconds_per_row > 0
+    assert plan.cpu_seconds_per_row is not None and plan.cpu_seconds_per_row > 0
+    assert "CPU s" in str(plan)
+    # The process's peak counts what was resident when planned (the interpreter, torch...).
+    resident = _plan.resident_memory()
+    assert resident / FACTOR <= plan.baseline_bytes <= resident * FACTOR
+    for stage in ("featurize", "finalize"):
+        assert plan.process_bytes(stage) == plan.baseline_bytes + plan.stage_bytes(stage)
+    assert "resident at the featurize peak" in str(plan)
     assert plan.store_bytes == N * plan.store_bytes_per_row
     kept = "grads" if method == "trak" else "token_factors"
     stored = _stored_bytes(traker, [kept, "out_to_loss"])
@@ -149,6 +157,39 @@ def test_refuses_before_the_first_batch_when_disk_is_short(tmp_path, monkeypatch
     with pytest.raises(MemoryBudgetError, match=r"the store needs ~.* on disk but 0\.0 kB is free"):
         traker.featurize({"input_ids": _ids()[:4]}, inds=range(4))
     assert not traker._method.done.any()  # nothing was computed
+
+
+def test_resident_baseline_is_in_the_process_peak_not_in_the_fit():
+    """The available memory already excludes what is resident: only the stages are checked."""
+    plan = AttributionPlan(
+        method="trak",
+        train_set_size=10,
+        parameter_bytes=1_000,
+        working_bytes=1_000,
+        baseline_bytes=10**12,
+        available_memory=2_000,
+    )
+    assert plan.problems() == [] and plan.stage_bytes() == 2_000
+    assert plan.process_bytes() == 10**12 + 2_000
+    short = AttributionPlan(
+        method="trak", train_set_size=10, working_bytes=2_001, available_memory=2_000
+    )
+    assert short.problems() and short.process_bytes() == 2_001  # no baseline: unknown
+
+
+def test_first_batch_time_is_wall_and_cpu(caplog):
+    """A sleeping first batch takes wall seconds, not CPU seconds (``process_time``)."""
+    import time
+
+    logger = logging.getLogger("test.plan.first_batch")
+    first = _plan.FirstBatch(AttributionPlan(method="trak", train_set_size=4), 2, logger)
+    time.sleep(0.2)
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        plan = first.done()
+    assert plan.seconds_per_row is not None and plan.seconds_per_row >= 0.1
+    assert plan.cpu_seconds_per_row is not None
+    assert 0 <= plan.cpu_seconds_per_row < plan.seconds_per_row / 2
+    assert any("CPU s" in r.getMessage() for r in caplog.records)
 
 
 def test_memory_override_by_environment(monkeypatch):

@@ -6,10 +6,12 @@ same pipeline runs here in one process with one thread. Where the arithmetic
 is the same (features, target features, the reduction of per-rank partial
 products, per-column scoring, the replay's run and query blocks) the results
 must be bit-identical; where the summation order legitimately differs (XᵀX
-summed as X₀ᵀX₀ + X₁ᵀX₁ rather than in one product; per-layer rows kept
-factored by one process and dense by the ranks) the tolerance is derived
-below. Each rank's memory is its share: the rows it writes to the store and
-the queries it carries through a reverse pass are checked against its shard.
+summed as X₀ᵀX₀ + X₁ᵀX₁ rather than in one product; the per-layer factors
+summed over each rank's rows) the tolerance is derived below. Per-layer rows
+are kept factored by the ranks as by one process (float64 runs of every
+per-layer method: ``test_factored_distributed.py``). Each rank's memory is
+its share: the rows it writes to the store and the queries it carries
+through a reverse pass are checked against its shard.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         for s in range(0, CHUNK_ROWS, BATCH):
             first.featurize((x[s : s + BATCH], y[s : s + BATCH]), num_samples=BATCH)
         single = pipeline(single_root)
-    torchrun(Path(__file__).with_name("_trak_dist_worker.py"), str(dist_root), nproc=WORLD)
+    worker = Path(__file__).with_name("_trak_dist_worker.py")
+    torchrun(worker, str(dist_root), nproc=WORLD, timeout=600)
     ranks = [dict(np.load(dist_root / f"rank{r}.npz")) for r in range(WORLD)]
     return {"dist": dist_root, "single": single_root, "ranks": ranks, "ref": single}
 
@@ -115,9 +118,9 @@ def test_every_rank_returns_the_same_scores(runs):
 
 def test_per_token_scores_across_ranks_equal_one_process(runs):
     """Each rank scores its column shard of the targets' tokens and the [n, m, T] blocks
-    are gathered. One process keeps the per-layer rows factored, the ranks dense: the
-    same products summed in another order, float32 (the tolerance of the EK-FAC test
-    below, whose reasoning holds here too)."""
+    are gathered. Both runs keep the per-layer rows in the same form; the factors are
+    float32-rounded sums split across ranks (the tolerance of the EK-FAC test below,
+    whose reasoning holds here too)."""
     got, want = runs["ranks"][0]["scores_lm_tokens"], runs["ref"]["scores_lm_tokens"]
     assert got.shape == want.shape == (16, 5, 6)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -156,26 +159,31 @@ def test_layer_method_within_float32_bound_of_one_process(runs, method):
 
     With one checkpoint, score_ij = q_i x_i·s_j, where x_i is the training row
     (vec(g aᵀ) per layer, width K), s_j = P⁻¹ t_j the preconditioned target row
-    (identity: t_j) and q_i the out-to-loss term. The ranks keep x_i dense and
-    take the dot product of K float32 products; one process keeps each layer's
-    a and g and forms the same K products in another grouping ((a·a')(g·g') or
-    gᵀ S a). Both are sums of the same K terms, each computed with at most a
-    few roundings (the entry of vec(g aᵀ); s_j's entries, P⁻¹ being applied in
-    float64 and rounded once to float32; the product; the factor q): by
-    Higham's bound (Accuracy and Stability, eq. 3.5) each run is within
+    (identity: t_j) and q_i the out-to-loss term. The ranks keep each layer's a
+    and g, as one process does (checked below), and form the K products as
+    (a·a')(g·g') or gᵀ S a; the bound allows any grouping of the same K terms,
+    each computed with at most a few roundings (the entry of vec(g aᵀ); s_j's
+    entries, P⁻¹ being applied in float64 and rounded once to float32; the
+    product; the factor q): by Higham's bound (Accuracy and Stability, eq. 3.5) each run is within
     γ_{K+7} |q_i| (|X| |S|ᵀ)_ij of the exact value, so the two runs differ by at
     most twice that. K-FAC's factors are float64 sums over the rows
     split across ranks: their order changes them by ~n 2⁻⁵³ relative, which the
     eigendecomposition (damped by λ = 'auto') keeps far below float32's 2⁻²⁴,
     and one more γ (γ_{K+8}) covers it. S is read from the ranks' store in
-    float64 (``preconditioner(0).solve``), X and T are its stored rows.
+    float64 (``preconditioner(0).solve``), X and T are its stored rows (X expanded
+    from the stored [a, g]).
     """
     root = runs["dist"] / method
-    x = _array(root, "checkpoints/0/grads").astype(np.float64)
+    single = runs["single"] / method
+    assert not (root / "checkpoints/0/grads").exists()  # the rows stay factored, as in one
+    assert np.array_equal(
+        _array(root, "checkpoints/0/rank_one"), _array(single, "checkpoints/0/rank_one")
+    )
     t = _array(root, "experiments/exp/0/grads").astype(np.float64)
     q = _array(root, "checkpoints/0/out_to_loss").astype(np.float64)
     model, *_ = problem()
     reader = TRAKer(model, "image_classification", N_TRAIN, save_dir=root, method=method, **QUIET)
+    x = np.asarray(reader.stored_features(0)[0:N_TRAIN], dtype=np.float64)
     s = reader.preconditioner(0).solve(torch.from_numpy(t)).double().numpy()
     tol = 2 * gamma(x.shape[1] + 8) * np.abs(q) * (np.abs(x) @ np.abs(s).T)
     got, want = runs["ranks"][0][f"scores_{method}"], runs["ref"][f"scores_{method}"]

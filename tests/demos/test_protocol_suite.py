@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -76,7 +77,7 @@ def test_the_issues_unseen_run_is_in_half_b() -> None:
 
 def test_recommendations_name_known_candidates() -> None:
     assert set(S.RECOMMENDED["replay"]) == {"sgd", "adam", "adamw"}
-    assert set(S.RECOMMENDED["replay"].values()) <= set(S.REPLAY_CANDIDATES)
+    assert set(S.RECOMMENDED["replay"].values()) <= {*S.REPLAY_CANDIDATES, *S.BLEND_CANDIDATES}
     assert set(S.RECOMMENDED["others"]) <= set(S.OTHER_CANDIDATES)
 
 
@@ -193,6 +194,39 @@ def test_suite_run_truths_and_scores_fit_together() -> None:
     assert scores.shape == (64, 4) and np.isfinite(scores).all()
 
 
+def test_blend_candidates_name_known_parts() -> None:
+    for label, (replay, other, how, weight) in S.BLEND_CANDIDATES.items():
+        assert replay in S.REPLAY_CANDIDATES and other in S.OTHER_CANDIDATES, label
+        assert how in ("z", "rank") and 0 <= weight <= 1, label
+
+
+def test_blend_scores_reuse_their_parts_and_rank_blends_rank() -> None:
+    """The recommended Adam blend is the z-blend of its two parts, each scored once (cached).
+
+    The rank blend of two columns is the mean of their ranks over n rows divided by n
+    (exact: ranks are integers). The z blend is checked against an explicit
+    formula in tests/attribution/test_replay_checkpoints.py.
+    """
+    label = S.RECOMMENDED["replay"]["adam"]
+    replay, other, _, weight = S.BLEND_CANDIDATES[label]
+    rng = np.random.default_rng(0)
+    # A run whose parts are already scored (SuiteRun.scores): nothing is trained.
+    run = types.SimpleNamespace(
+        scores={replay: rng.normal(size=(64, 4)), other: rng.normal(size=(64, 4))}
+    )
+    scores = S.replay_scores(run, label)  # type: ignore[arg-type]
+    assert set(run.scores) == {label, replay, other}
+    np.testing.assert_array_equal(
+        scores, S.blend(run.scores[replay], run.scores[other], weight=weight)
+    )
+    assert S.replay_scores(run, label) is scores  # type: ignore[arg-type]
+    a = np.array([[3.0], [1.0], [2.0], [0.0]])
+    b = np.array([[0.0], [1.0], [2.0], [3.0]])
+    np.testing.assert_array_equal(S.blend(a, b, how="rank"), (a + b) / 8)
+    with pytest.raises(ValueError, match=r"`how`='mean'"):
+        S.blend(a, b, how="mean")
+
+
 def test_ceiling_recovers_a_linear_datamodel() -> None:
     """Outputs linear in the mask plus noise: the fitted datamodel ranks held-out halves well.
 
@@ -242,7 +276,7 @@ def test_bench_quick_runs_one_setup(capsys: pytest.CaptureFixture[str]) -> None:
         assert len(best) == 1
         scored = {r["method"]: r[truth] for r in lds}
         assert best[0]["replay_minus_other"] == pytest.approx(
-            scored["kept_mean@1"] - scored[best[0]["other"]], abs=2e-4
+            scored[S.RECOMMENDED["replay"]["adam"]] - scored[best[0]["other"]], abs=2e-4
         )
     ceiling = next(r for r in rows if r["part"] == "ceiling")
     assert ceiling["fit_retrains"] == 20 and "target" in ceiling

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 from pathlib import Path
@@ -197,6 +198,21 @@ def test_summary_keys_online_and_estimate_learning_coeff():
         model, loader, optimizer_kwargs=KW, num_draws=10, num_chains=3, seed=1, verbose=False
     )
     assert single == out["llc/mean"]
+
+
+def test_estimate_learning_coeff_takes_the_summary_parameters_and_records_a_store(tmp_path):
+    """It is the summary's mean under the summary's own parameters: ``online`` and ``store``
+    change what is recorded, not the float returned (same seed: the same chains)."""
+    summary = inspect.signature(estimate_learning_coeff_with_summary)
+    mean = inspect.signature(estimate_learning_coeff)
+    assert list(mean.parameters) == list(summary.parameters)
+    assert mean.return_annotation == "float"
+    model, loader = digits_setup()
+    run = dict(optimizer_kwargs=KW, num_draws=4, num_chains=2, seed=3, verbose=False)
+    plain = estimate_learning_coeff(model, loader, **run)
+    stored = estimate_learning_coeff(model, loader, online=True, store=tmp_path / "llc", **run)
+    assert isinstance(stored, float) and stored == plain
+    assert (tmp_path / "llc").exists()
 
 
 def test_burnin_excluded_and_init_loss_averaged_over_batches():

@@ -32,7 +32,9 @@ def test_cpu_scatter_is_native_exactly_when_the_kernels_are_loaded():
 
 
 def test_disabled_native_kernels_give_torch(monkeypatch):
-    monkeypatch.setattr(_native, "_state", (_native.NativeStatus(False, "off in a test"), None))
+    monkeypatch.setattr(
+        _native._LOADED, "state", (_native.NativeStatus(False, "off in a test"), None)
+    )
     assert _backend.default_backend(CPU, kernel="scatter") == "torch"
     out = torch.zeros(1, 4)
     assert not _backend.reduce_(out, torch.tensor([0, 3]), torch.ones(1, 2))

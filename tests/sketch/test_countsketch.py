@@ -298,3 +298,14 @@ def test_sketch_of_a_long_vector_is_split_and_unchanged(monkeypatch):
     monkeypatch.setattr(_countsketch, "split_parts", lambda rows, n: 3)
     cs.scatter_into_(split, v, 0)
     torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_create_takes_the_constructor_options():
+    """``create`` forwards every keyword option of ``__init__`` (the map depends only on the
+    fingerprint, so a hashed-per-call sketch equals the tabled one exactly)."""
+    v = torch.randn(50, dtype=torch.float64)
+    made = CountSketch.create(50, 7, 2, materialize=False, chunk_size=8)
+    assert not made.materialize and made.chunk_size == 8
+    assert torch.equal(made.sketch(v), CountSketch(50, 7, 2).sketch(v))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        CountSketch.create(50, 7, 2, nnz=2)  # type: ignore[call-arg]

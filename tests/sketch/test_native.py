@@ -51,7 +51,7 @@ def kernel_target(
     state = _TARGETS[target]
     if not state[0].available:
         pytest.skip(f"no kernels for -march={target}: {state[0].reason}")
-    monkeypatch.setattr(_native, "_state", state)
+    monkeypatch.setattr(_native._LOADED, "state", state)
     return target
 
 
@@ -434,7 +434,7 @@ def test_falling_back_to_torch_warns_once_with_the_reason(monkeypatch, tmp_path,
     monkeypatch.delenv("GRADSKETCH_NATIVE", raising=False)
     monkeypatch.setenv("GRADSKETCH_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(_native, "_state", None)
+    monkeypatch.setattr(_native._LOADED, "state", None)
     with caplog.at_level(logging.INFO, logger=_native_build.__name__):
         assert _native.library() is None and not _native.available(torch.device("cpu"))
         assert _native.native_status().available is False
@@ -446,7 +446,7 @@ def test_falling_back_to_torch_warns_once_with_the_reason(monkeypatch, tmp_path,
 
 def test_turning_the_kernels_off_is_logged_at_info(monkeypatch, caplog):
     monkeypatch.setenv("GRADSKETCH_NATIVE", "0")
-    monkeypatch.setattr(_native, "_state", None)
+    monkeypatch.setattr(_native._LOADED, "state", None)
     with caplog.at_level(logging.INFO, logger=_native_build.__name__):
         assert _native.library() is None
     assert [r.levelno for r in caplog.records] == [logging.INFO]

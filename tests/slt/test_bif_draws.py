@@ -177,6 +177,8 @@ def test_invalid_inputs_and_statistics():
         bif_from_draws(LossDraws(torch.zeros(2, 3, 3), torch.zeros(2, 2, 2)))
     with pytest.raises(ValueError, match="`checkpoints` is empty"):
         bayesian_influence(model, (x, y), (x, y), _loss, checkpoints=[], **SAMPLER)
+    with pytest.raises(TypeError, match=r"bayesian_influence\(\) got unexpected keyword .*'lrr'"):
+        bayesian_influence(model, (x, y), (x, y), _loss, lrr=1e-3)
 
 
 def test_a_diverging_chain_is_refused_naming_the_chain_and_the_fix():

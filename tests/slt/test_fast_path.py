@@ -88,7 +88,7 @@ def test_same_seed_same_store_with_and_without_the_train_kernels(
     native = _run(tmp_path / "native.zarr")
     other = _run(tmp_path / "other.zarr", init_seed=101)
     monkeypatch.setenv("GRADSKETCH_NATIVE_TRAIN", "0")
-    monkeypatch.setattr(_train_native, "_state", None)
+    monkeypatch.setattr(_train_native._LOADED, "state", None)
     plain = _run(tmp_path / "plain.zarr")
     assert plain.attrs[_schema.FAST_PATH_ATTR][0]["kernels"] == "torch"
     assert native.attrs[_schema.FAST_PATH_ATTR][0]["kernels"] == "native"

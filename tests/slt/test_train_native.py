@@ -40,7 +40,7 @@ def test_each_library_has_its_own_switch(env, off):
 def test_switching_the_train_kernels_off_leaves_the_sketch_kernels(monkeypatch, caplog):
     monkeypatch.delenv("GRADSKETCH_NATIVE", raising=False)
     monkeypatch.setenv("GRADSKETCH_NATIVE_TRAIN", "0")
-    monkeypatch.setattr(_train_native, "_state", None)
+    monkeypatch.setattr(_train_native._LOADED, "state", None)
     with caplog.at_level(logging.INFO, logger=_native_build.__name__):
         assert _train_native.train_library() is None
         assert _train_native.train_status().reason == "disabled by GRADSKETCH_NATIVE_TRAIN=0"

@@ -79,8 +79,11 @@ from gradsketch.attribution._preconditioners import (
     register_curvature_preconditioner,
 )
 from gradsketch.attribution._replay import (
+    AUTO_CANDIDATES,
     REPLAY_OPTIMIZERS,
     TRAINING_LOSSES,
+    AutoLinearization,
+    LinearizationChoice,
     MemoryEstimate,
     ReplayAttributor,
     ReplaySettings,
@@ -145,6 +148,9 @@ __all__ = [
     # metagradients through training (MAGIC): replay a run, reverse its optimizer
     "ReplayAttributor",
     "ReplaySettings",
+    "AutoLinearization",
+    "LinearizationChoice",
+    "AUTO_CANDIDATES",
     "ReplayCallback",
     "ReplayTRAKer",
     "MemoryEstimate",

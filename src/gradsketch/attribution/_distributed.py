@@ -8,7 +8,10 @@ Launch any TRAKer script with ``torchrun`` (gloo on CPU, NCCL on GPU) and call
 * **featurizing** (and computing target features): rank ``r`` computes only
   the rows of its :func:`chunk_shard`, a contiguous run of whole chunks of the
   zarr store, so two ranks never write the same chunk file (of the data or of
-  the done flags);
+  the done flags); per-layer rows keep one process's compact form (each layer's
+  ``[a, g]``, :mod:`~gradsketch.attribution._traker_rows`), which the first rank
+  to need a wider one records for all and ``finalize_features`` makes every
+  rank's rows take;
 * **XᵀX** of each checkpoint: every rank multiplies its own rows and the
   ``[k, k]`` partial sums are added with ``all_reduce`` (``k²`` floats per
   checkpoint on the wire, whatever ``n`` is);

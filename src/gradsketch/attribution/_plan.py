@@ -38,7 +38,12 @@ The estimates are upper-bound-minded, not exact:
 they would not fit the free disk in their widest form, and then recomputes
 them.
 
-The time per document is measured on the first batch.
+The time per document is measured on the first batch, in wall seconds and
+in the process's CPU seconds (the wall clock overstates the work on a
+loaded machine). The plan's peak counts the parts above; the process's
+peak (:meth:`AttributionPlan.process_bytes`) adds what was resident
+when it was planned (the interpreter and libraries, about 0.5 GB), which
+the available memory it is checked against already excludes.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -58,6 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradsketch._distributed import all_gather_object, rank_and_world
 from gradsketch._store import SETTINGS_FILE
 from gradsketch.attribution._hook_computer import REST_CHUNK_BYTES
 from gradsketch.attribution._io import DEFAULT_BLOCK_BYTES
@@ -67,12 +74,15 @@ from gradsketch.errors import MemoryBudgetError
 __all__ = [
     "AttributionPlan",
     "available_memory",
+    "cache_refusal",
     "choose_rows",
     "free_disk",
     "model_plan",
     "plan_first_batch",
     "plan_per_token",
+    "resident_memory",
     "traker_plan",
+    "with_cache",
 ]
 
 #: The stages a plan is checked at, and how a refusal names their memory.
@@ -87,10 +97,97 @@ _NO_CURVATURE = ("identity",)
 
 
 def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (``MemAvailable``), or ``None`` if unknown.
+    """Bytes of memory available to this process's allocations, or ``None`` if unknown.
+
+    The machine's (:func:`machine_memory`) in one process; under
+    ``torch.distributed`` this rank's share of it, as the ranks on one machine
+    allocate from the same memory (:func:`ranks_on_machine`).
+    """
+    whole = machine_memory()
+    return None if whole is None else whole // ranks_on_machine()
+
+
+def ranks_on_machine() -> int:
+    """Ranks sharing this machine's memory: torchrun's ``LOCAL_WORLD_SIZE`` (1 without a group).
+
+    At most the process group's size (a group made without torchrun, or one of
+    one rank, counts one rank per machine unless ``LOCAL_WORLD_SIZE`` says more).
+    """
+    world = rank_and_world()[1]
+    if world == 1:
+        return 1
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return max(1, min(local, world))
+
+
+def rank_share() -> str:
+    """How a plan's memory is this rank's: ``""`` in one process (a note's words, else).
+
+    Every rank holds what one process holds at each stage, for its own rows
+    (the model, one batch's per-example gradients, the whole reduced curvature
+    at ``finalize_features``, the scoring blocks of its target columns), so
+    its estimate is one process's, and is compared with its share of the
+    machine's memory.
+    """
+    rank, world = rank_and_world()
+    if world == 1:
+        return ""
+    local = ranks_on_machine()
+    whole = machine_memory()
+    machine = "" if whole is None else f" of {_gb(whole)}"
+    return f"rank {rank} of {world}: 1/{local} of this machine's memory{machine}"
+
+
+def refuse_on_any_rank(plan: AttributionPlan, layered: bool, stage: str = "featurize") -> None:
+    """:func:`refuse` on every rank where any rank's plan does not fit ``stage``.
+
+    Collective under ``torch.distributed`` (every rank must call it): the
+    ranks' problems are gathered, so that all of them stop with the same
+    message, naming each rank that does not fit, instead of one rank
+    stopping and the others waiting for it.
+
+    Raises:
+        MemoryBudgetError: a rank's plan does not fit (:meth:`AttributionPlan.problems`).
+    """
+    if rank_and_world()[1] == 1:
+        refuse(plan, layered, stage)
+        return
+    mine = "; ".join(plan.problems(stage))
+    every = all_gather_object((mine, str(plan)))
+    failing = [(r, problems, text) for r, (problems, text) in enumerate(every) if problems]
+    if not failing:
+        return
+    r, _, text = failing[0]
+    raise MemoryBudgetError(
+        f"attribution with method={plan.method!r} does not fit on "
+        + ", ".join(f"rank {rank} ({problems})" for rank, problems, _ in failing)
+        + f". Fixes: {fixes(plan.method, layered, stage)}; or fewer ranks per machine "
+        f"(`--nproc_per_node`): each rank holds a whole model and batch. The plan of "
+        f"rank {r}:\n{text}"
+    )
+
+
+def rank_rows(plan: AttributionPlan, owned: Any, done: Any) -> AttributionPlan:
+    """``plan`` for the rows this rank featurizes (its ``owned`` rows not ``done``).
+
+    The ranks write one store on one filesystem, so each is held to its
+    share of the free disk, ``1 / world``. Unchanged in one process.
+    """
+    world = rank_and_world()[1]
+    if world == 1 or owned is None or done is None:
+        return plan
+    disk = None if plan.free_disk is None else plan.free_disk // world
+    return replace(plan, rows_left=int((owned & ~done).sum()), free_disk=disk)
+
+
+def machine_memory() -> int | None:
+    """Bytes of this machine's memory available to a new allocation (``MemAvailable``).
 
     Read from ``/proc/meminfo`` (Linux), else ``os.sysconf``; the environment
-    variable ``GRADSKETCH_AVAILABLE_MEMORY`` (bytes) overrides both.
+    variable ``GRADSKETCH_AVAILABLE_MEMORY`` (bytes) overrides both. ``None``: unknown.
     """
     forced = os.environ.get("GRADSKETCH_AVAILABLE_MEMORY")
     if forced:
@@ -106,6 +203,25 @@ def available_memory() -> int | None:
         return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def resident_memory() -> int:
+    """The resident memory of this process in bytes, now (0 if unknown).
+
+    ``/proc/self/statm`` (Linux), else the peak so far from ``getrusage``.
+    """
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import resource
+
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    except (ImportError, OSError):
+        return 0
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS: bytes; Linux: KiB
 
 
 def free_disk(path: Path) -> int | None:
@@ -153,7 +269,8 @@ class AttributionPlan:
         gradient_bytes: one batch's per-example gradients and activations.
         projection_bytes: what the projector holds.
         working_bytes: finalize and scoring blocks.
-        seconds_per_row: featurize time per document, measured on the first batch.
+        seconds_per_row: featurize wall seconds per document, measured on the first
+            batch (on a loaded machine larger than the work: see ``cpu_seconds_per_row``).
         available_memory: bytes available when planned (``None``: unknown).
         free_disk: free bytes at the store (``None``: unknown).
         rows_left: documents still to featurize (the store may hold some).
@@ -166,6 +283,18 @@ class AttributionPlan:
             activations and loss head (:func:`plan_per_token`; 0 until a
             ``per_token=True`` batch is scored).
         scoring_rows: rows of that pass: ``T`` copies of each target in it.
+        cache_bytes: what the TRAKer holds between query sets
+            (:mod:`~gradsketch.attribution._score_cache`: each checkpoint's
+            damped factor, ``8 k²``, and its rows where they fit), counted in
+            every stage; admitted by :func:`cache_refusal`.
+        baseline_bytes: the process's resident memory when planned (the
+            interpreter, torch and the libraries, about 0.5 GB, and whatever
+            the caller holds): :meth:`process_bytes` adds it to a stage's
+            peak. Not in :meth:`stage_bytes`, which are compared with the
+            available memory, from which the resident memory is already gone.
+        cpu_seconds_per_row: CPU seconds of the process per document on the
+            first batch (``time.process_time``: every thread, not the time
+            the machine gave other processes).
     """
 
     method: str
@@ -186,6 +315,9 @@ class AttributionPlan:
     curvature_at_finalize: bool = False
     scoring_bytes: int = 0
     scoring_rows: int | None = None
+    cache_bytes: int = 0
+    baseline_bytes: int = 0
+    cpu_seconds_per_row: float | None = None
 
     @property
     def store_bytes(self) -> int:
@@ -201,7 +333,17 @@ class AttributionPlan:
             + self.gradient_bytes
             + self.projection_bytes
             + self.working_bytes
+            + self.cache_bytes
         )
+
+    def process_bytes(self, stage: str = "featurize") -> int:
+        """The process's estimated resident memory at ``stage``'s peak.
+
+        :attr:`baseline_bytes` + :meth:`stage_bytes`: what a measured peak
+        RSS (``VmHWM``) compares with; the stage's own parts alone came out
+        1.15-1.45x under it (the interpreter and libraries, ~0.5 GB).
+        """
+        return self.baseline_bytes + self.stage_bytes(stage)
 
     @property
     def seconds(self) -> float | None:
@@ -220,7 +362,7 @@ class AttributionPlan:
         ``"score"`` (per-token scoring, :func:`plan_per_token`): the parameters,
         the projector, the working blocks and :attr:`scoring_bytes` in place of
         the training batch's gradients; a curvature formed while featurizing is
-        still held.
+        still held. Every stage counts :attr:`cache_bytes` (held between calls).
         """
         if stage == "score":
             curvature = 0 if self.curvature_at_finalize else self.curvature_bytes
@@ -230,6 +372,7 @@ class AttributionPlan:
                 + self.projection_bytes
                 + self.working_bytes
                 + self.scoring_bytes
+                + self.cache_bytes
             )
         if not self.curvature_at_finalize:
             return self.peak_bytes
@@ -239,6 +382,7 @@ class AttributionPlan:
                 + self.curvature_bytes
                 + self.projection_bytes
                 + self.working_bytes
+                + self.cache_bytes
             )
         return self.peak_bytes - self.curvature_bytes
 
@@ -279,8 +423,14 @@ class AttributionPlan:
             f"  peak memory: ~{_gb(self.peak_bytes)} = parameters {_gb(self.parameter_bytes)}"
             f" + curvature {_gb(self.curvature_bytes)} + per-example gradients "
             f"{_gb(self.gradient_bytes)} + projection {_gb(self.projection_bytes)} + working "
-            f"{_gb(self.working_bytes)}",
+            f"{_gb(self.working_bytes)}"
+            + (f" + scoring cache {_gb(self.cache_bytes)}" if self.cache_bytes else ""),
         ]
+        if self.baseline_bytes:
+            lines.append(
+                f"  process:     ~{_gb(self.process_bytes())} resident at the featurize peak "
+                f"({_gb(self.baseline_bytes)} resident when planned, plus its part)"
+            )
         if self.scoring_rows is not None:
             lines.append(
                 f"  per-token:   ~{_gb(self.stage_bytes('score'))} while scoring, "
@@ -289,13 +439,21 @@ class AttributionPlan:
             )
         if self.seconds_per_row is not None:
             total = self.seconds or 0.0
+            cpu = (
+                ""
+                if self.cpu_seconds_per_row is None
+                else f" ({self.cpu_seconds_per_row:.3g} CPU s)"
+            )
             lines.append(
-                f"  time:        {self.seconds_per_row:.3g} s per document (first batch), "
+                f"  time:        {self.seconds_per_row:.3g} s per document{cpu} (first batch), "
                 f"~{_duration(total)} for the {self.rows_left} left"
             )
         free = []
         if self.available_memory is not None:
-            free.append(f"{_gb(self.available_memory)} memory available")
+            share = rank_share()
+            free.append(
+                f"{_gb(self.available_memory)} memory available" + (f" ({share})" if share else "")
+            )
         if self.free_disk is not None:
             free.append(f"{_gb(self.free_disk)} free at the store")
         if free:
@@ -303,9 +461,33 @@ class AttributionPlan:
         lines += [f"  note:        {n}" for n in self.notes]
         return "\n".join(lines)
 
-    def with_time(self, seconds_per_row: float) -> AttributionPlan:
-        """The plan with the measured featurize time per document."""
-        return replace(self, seconds_per_row=float(seconds_per_row))
+    def with_time(
+        self, seconds_per_row: float, cpu_seconds_per_row: float | None = None
+    ) -> AttributionPlan:
+        """The plan with the measured featurize time per document (wall, and CPU)."""
+        cpu = None if cpu_seconds_per_row is None else float(cpu_seconds_per_row)
+        return replace(self, seconds_per_row=float(seconds_per_row), cpu_seconds_per_row=cpu)
+
+
+def cache_refusal(
+    plan: AttributionPlan, memory_budget: int | None, held: int, extra: int
+) -> str | None:
+    """Why ``extra`` more cached bytes beside ``held`` do not fit (``None``: they fit).
+
+    With ``memory_budget`` the scoring cache holds at most half of it (the
+    scoring blocks are planned in the rest); without one, the plan's
+    ``"finalize"`` stage with the cache counted must fit the available memory.
+    """
+    total = held + extra
+    if memory_budget is not None:
+        if total > memory_budget // 2:
+            return (
+                f"it would hold {_gb(total)} but `memory_budget`={memory_budget} allows the "
+                f"cache half of it ({_gb(memory_budget // 2)})"
+            )
+        return None
+    problems = replace(plan, cache_bytes=total).problems("finalize")
+    return "; ".join(problems) or None
 
 
 def fixes(method: str, layered: bool, stage: str = "featurize") -> str:
@@ -517,6 +699,7 @@ def plan_features(
         projection_bytes=0 if projector is None else _tensor_bytes(projector),
         working_bytes=int(working),
         available_memory=available_memory(),
+        baseline_bytes=resident_memory(),
         free_disk=free_disk(save_dir),
         rows_left=rows_left,
         notes=tuple(notes),
@@ -581,6 +764,7 @@ def plan_replay(
         parameter_bytes=model_bytes(model),
         working_bytes=working,
         available_memory=available_memory(),
+        baseline_bytes=resident_memory(),
         free_disk=free_disk(save_dir),
         rows_left=rows_left,
         notes=tuple(notes),
@@ -621,7 +805,7 @@ def traker_plan(traker: Any, batch: Any = None, rows_left: int | None = None) ->
         replay = getattr(traker._method, "_attributor", None)
         return plan_replay(model=traker.model, replay=replay, **common)
     layered = traker._kind == "per-layer"
-    return plan_features(
+    plan = plan_features(
         method=traker.method,
         model=traker.model,
         layers=list(traker.layers),
@@ -635,6 +819,14 @@ def traker_plan(traker: Any, batch: Any = None, rows_left: int | None = None) ->
         head_width=_head_width(traker),
         **common,
     )
+    return with_cache(plan, traker._method)
+
+
+def with_cache(plan: AttributionPlan, method: Any) -> AttributionPlan:
+    """``plan`` with what ``method``'s scoring cache holds (its ``cache_bytes``)."""
+    cache = getattr(method, "score_cache", None)
+    held = 0 if cache is None else int(cache.nbytes)
+    return plan if held == plan.cache_bytes else replace(plan, cache_bytes=held)
 
 
 def _head_width(traker: Any) -> int:
@@ -758,14 +950,18 @@ class FirstBatch:
 
     def __init__(self, plan: AttributionPlan, rows: int, logger: logging.Logger) -> None:
         self.plan, self.rows, self.logger = plan, rows, logger
-        self.start = time.perf_counter()
+        self.start, self.start_cpu = time.perf_counter(), time.process_time()
 
     def done(self) -> AttributionPlan:
-        """The plan with the measured time per document (logged)."""
-        plan = self.plan.with_time((time.perf_counter() - self.start) / max(self.rows, 1))
+        """The plan with the measured wall and CPU time per document (logged)."""
+        rows = max(self.rows, 1)
+        plan = self.plan.with_time(
+            (time.perf_counter() - self.start) / rows, (time.process_time() - self.start_cpu) / rows
+        )
         self.logger.info(
-            "featurize: %.3g s per document on the first batch, ~%s for the %s left",
+            "featurize: %.3g s per document on the first batch (%.3g CPU s), ~%s for the %s left",
             plan.seconds_per_row,
+            plan.cpu_seconds_per_row,
             _duration(plan.seconds or 0.0),
             plan.rows_left,
         )
@@ -786,7 +982,7 @@ def plan_first_batch(traker: Any, batch: Any, idx: Any) -> Iterator[FirstBatch |
         yield None
         return
     left = traker.train_set_size - (0 if done is None else int(done.sum()))
-    plan = traker_plan(traker, batch, left)
+    plan = rank_rows(traker_plan(traker, batch, left), getattr(traker._method, "owned", None), done)
     refuse(plan, traker._kind == "per-layer")
     traker.logger.info("%s", plan)
     yield FirstBatch(plan, len(idx), traker.logger)

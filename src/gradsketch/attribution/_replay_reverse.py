@@ -329,14 +329,29 @@ class ReversePass:
                 theta, state = opt_step(run.settings, run.layout, t, theta, state, grad)
         return saved
 
-    def reverse(self, batch: tuple[Tensor, ...], *, progress: bool = True) -> Tensor:
-        """``[n_train, m]`` metagradients of the ``m`` queries of ``batch``, on the run's device."""
+    def reverse(
+        self,
+        batch: tuple[Tensor, ...],
+        *,
+        progress: bool = True,
+        at_steps: tuple[int, ...] | None = None,
+    ) -> Tensor:
+        """``[n_train, m]`` metagradients of the ``m`` queries of ``batch``, on the run's device.
+
+        ``at_steps``: the mean over ``t`` in ``at_steps`` of ``∂f_j(θ_t) / ∂w_i``
+        (``θ_t`` the parameters after ``t`` steps; default ``(T,)``). The
+        metagradient is linear in the cotangent, so one pass carries them all:
+        each ``t``'s query gradient joins the adjoint of ``θ_t`` on the way back.
+        """
         run = self.run
         s, layout = run.settings, run.layout
         final = run.require_trained()
         m = int(batch[0].shape[0])
+        steps = (s.num_steps,) if at_steps is None else at_steps
+        share = 1.0 / len(steps)
         # Owned flat buffers: the reverse steps update the adjoints in place.
         bar_theta = layout.flat(run.query_grads(batch, final), batch=m)
+        bar_theta.mul_(share if s.num_steps in steps else 0.0)
         bar_state = {k: torch.zeros_like(bar_theta) for k in s.state_names}
         bar_w = bar_theta.new_zeros(m, run.n_train)
         starts = sorted(run.checkpoints, reverse=True)
@@ -354,9 +369,12 @@ class ReversePass:
                     hess, w_part = self.pullback(layout.views(step.theta), idx, layout.views(bar_g))
                 else:
                     hess, w_part = self.second_backward(step.graph, layout.views(bar_g))
-                del step
                 bar_theta.add_(layout.flat(hess, batch=m))
                 bar_w.index_add_(1, idx.to(bar_w.device), w_part)
+                if t in steps and t > 0:  # θ_t is this step's input
+                    grads = run.query_grads(batch, layout.views(step.theta))
+                    bar_theta.add_(layout.flat(grads, batch=m), alpha=share)
+                del step
                 bar.update(1)
         bar.close()
         return bar_w.T.contiguous()

@@ -15,6 +15,7 @@ decay, Adam, AdamW; a learning rate per step), keeps a checkpoint every
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -84,7 +85,11 @@ class ReplaySettings:
             checkpointed and reversed: a number ``a`` for ``w = a·1`` (default
             1: the ordinary run), or one weight per training row (a sequence
             of ``n_train`` numbers in [0, 1], e.g. a random subset's 0/1
-            mask). The metagradients are ``∂f / ∂w_i`` there, and the trained
+            mask), or ``"auto"``: chosen among candidate settings by
+            same-initialization LDS on validation retrains
+            (:class:`~gradsketch.attribution.AutoLinearization`; the run is
+            the ordinary one until :meth:`ReplayAttributor.train` chooses).
+            The metagradients are ``∂f / ∂w_i`` there, and the trained
             model (:meth:`ReplayAttributor.load_final`) is the run at those
             weights. With ``subset_loss="kept_mean"`` a number ``a`` keeps the
             ordinary run for every optimizer, decay, ε and schedule (the loss
@@ -168,8 +173,11 @@ class ReplaySettings:
             raise ValueError(f"`momentum` must be in [0, 1), got {self.momentum!r}.")
         fix = (
             "pass the fraction of rows the predicted retrains keep (e.g. linearize_at=0.5 for "
-            "halves), 1.0 for the ordinary run, or one weight in [0, 1] per training row"
+            "halves), 1.0 for the ordinary run, one weight in [0, 1] per training row, or "
+            "'auto' (chosen from validation retrains)"
         )
+        if isinstance(self.linearize_at, str) and self.linearize_at == "auto":
+            return
         if isinstance(self.linearize_at, (list, tuple, np.ndarray, Tensor)):
             per_row = np.asarray(
                 self.linearize_at.detach().cpu()
@@ -475,18 +483,7 @@ class ReplayRun:
                 f"`lr` lists {len(settings.lr)} rates for {settings.num_steps} steps; give one "
                 "per step."
             )
-        # The run's own data weights, one per row (``linearize_at``).
-        if isinstance(settings.linearize_at, list):
-            if len(settings.linearize_at) != self.n_train:
-                raise ValueError(
-                    f"`linearize_at` gives {len(settings.linearize_at)} per-row weights but the "
-                    f"training set has {self.n_train} rows; give one weight per training row."
-                )
-            self.base_weights = torch.tensor(settings.linearize_at, dtype=torch.float64)
-        else:
-            self.base_weights = torch.full(
-                (self.n_train,), settings.linearize_at, dtype=torch.float64
-            )
+        self.base_weights = self._base_weights(settings)
         steps = settings.num_steps
         self.every = settings.checkpoint_every or max(1, math.ceil(math.sqrt(steps)))
         self.params0: Params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -509,6 +506,34 @@ class ReplayRun:
         self.timings: dict[str, float] = {}
         # Whether torch.func.vmap traces the model (None: not tried yet).
         self.vmap_ok: bool | None = None
+
+    def _base_weights(self, settings: ReplaySettings) -> Tensor:
+        """The run's own data weights, one per row (``linearize_at``; ``"auto"``: 1)."""
+        at = settings.linearize_at
+        if isinstance(at, list):
+            if len(at) != self.n_train:
+                raise ValueError(
+                    f"`linearize_at` gives {len(at)} per-row weights but the "
+                    f"training set has {self.n_train} rows; give one weight per training row."
+                )
+            return torch.tensor(at, dtype=torch.float64)
+        value = 1.0 if isinstance(at, str) else float(at)
+        return torch.full((self.n_train,), value, dtype=torch.float64)
+
+    def relinearized(self, linearize_at: Any, subset_loss: str) -> ReplayRun:
+        """The same run (model, rows, order, initialization) at other settings, untrained.
+
+        Only ``linearize_at`` and ``subset_loss`` change; the rows, the order,
+        the initialization and the layout are shared, not copied.
+        """
+        settings = dataclasses.replace(
+            self.settings, linearize_at=linearize_at, subset_loss=subset_loss
+        )
+        other = copy.copy(self)
+        other.settings = settings
+        other.base_weights = self._base_weights(settings)
+        other.checkpoints, other.final, other.timings = {}, None, {}
+        return other
 
     # -- the loss and its gradient -------------------------------------------------------
     def losses(

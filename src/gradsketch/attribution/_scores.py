@@ -22,6 +22,7 @@ Deliberate differences from ``traker``:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,10 @@ class CheckpointGrads:
         scores_given: ``targets`` holds the scores themselves, ``[m, n]``, one
             row per target (the replay's metagradients); ``train`` and
             ``out_to_loss`` are unused.
+        cache: where this checkpoint's damped factor (and rows) are kept
+            between calls (a TRAKer's
+            :class:`~gradsketch.attribution._score_cache.CheckpointCache`);
+            used with ``xtx`` given, where the inverse applies to the targets.
     """
 
     train: Any
@@ -100,6 +105,7 @@ class CheckpointGrads:
     solve: Callable[[Tensor], Tensor] | None = None
     q_per_checkpoint: bool = False
     scores_given: bool = False
+    cache: Any = None
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -112,13 +118,53 @@ class CheckpointGrads:
         return n, k, m
 
 
-def _forms_gram(checkpoints: Sequence[CheckpointGrads]) -> bool:
+def _forms_gram(
+    checkpoints: Sequence[CheckpointGrads], solves: Sequence[Any] | None = None
+) -> bool:
     """Whether scoring forms TRAK's ``k x k`` XᵀX (counted in a memory budget).
 
-    It does for any checkpoint without a preconditioner's solve whose rows are
-    not preconditioned already.
+    It does for any checkpoint whose rows are not preconditioned already and
+    that has no solve in ``solves`` (default: the preconditioners' own; a
+    factor kept by a scoring cache counts as one, as the cache holds it).
     """
-    return any(not ck.preconditioned and ck.solve is None for ck in checkpoints)
+    given = solves if solves is not None else [ck.solve for ck in checkpoints]
+    return any(not ck.preconditioned and s is None for ck, s in zip(checkpoints, given))
+
+
+def _order(checkpoints: Sequence[CheckpointGrads], apply_inverse_to: str, n: int, m: int) -> str:
+    """``"targets"`` or ``"train"``: where the damped inverse is applied."""
+    if any(ck.solve is not None for ck in checkpoints):
+        return "targets"  # a preconditioner's solve applies to the targets only
+    if apply_inverse_to == "auto":
+        # k² m flops to apply the inverse to the targets, n k² to the train rows.
+        return "targets" if m <= n else "train"
+    return apply_inverse_to
+
+
+def _cached_inputs(
+    checkpoints: Sequence[CheckpointGrads],
+    lam_setting: float | str,
+    dev: torch.device,
+    work: torch.dtype,
+) -> tuple[list[Any], list[Any]]:
+    """Each checkpoint's solve and rows from its cache (``ck.cache``), or ``None`` / its rows.
+
+    Only checkpoints with a given XᵀX and a cache: the solve is the cached
+    factor's (made and kept where it fits), and the rows are held in memory
+    where they fit beside it (:mod:`~gradsketch.attribution._score_cache`).
+    """
+    solves: list[Any] = [ck.solve for ck in checkpoints]
+    trains: list[Any] = [ck.train for ck in checkpoints]
+    for c, ck in enumerate(checkpoints):
+        if ck.cache is None or ck.xtx is None or ck.preconditioned or ck.solve is not None:
+            continue
+        xtx = ck.xtx.to(device=dev, dtype=torch.float32)
+        lam = resolve_lambda(lam_setting, xtx)
+        solves[c] = ck.cache.solver(xtx, lam, functools.partial(damped_solver, xtx, lam))
+        n = int(ck.train.shape[0])
+        read = functools.partial(rows_as_tensor, ck.train, 0, n, device=dev, dtype=work)
+        trains[c] = ck.cache.rows(ck.train, work, read)
+    return solves, trains
 
 
 def _is_float64(array: Any) -> bool:
@@ -282,7 +328,30 @@ def score_checkpoints(
     dev = torch.device(device)
     prec = resolve_precision(precision, dev)
     cks = len(checkpoints)
-    n_block, m_block = block_plan(n, m, k, cks, memory_budget, gram=_forms_gram(checkpoints))
+    order = _order(checkpoints, apply_inverse_to, n, m)
+    # float64 stores (influence's exact mode) are multiplied in float64.
+    work = torch.float64 if any(_is_float64(ck.train) for ck in checkpoints) else torch.float32
+    solves, trains = [ck.solve for ck in checkpoints], [ck.train for ck in checkpoints]
+    if order == "targets":
+        solves, trains = _cached_inputs(checkpoints, lam_setting, dev, work)
+    held = max((ck.cache.held for ck in checkpoints if ck.cache is not None), default=0)
+    # What the cache holds counts against the budget: the blocks get the rest.
+    budget = memory_budget if memory_budget is None or not held else memory_budget - held
+    # A factor made for this call only (not kept by a cache) is held with the blocks.
+    kept = [s if ck.cache is None or ck.cache.kept else None for ck, s in zip(checkpoints, solves)]
+    gram = _forms_gram(checkpoints, kept)
+    try:
+        n_block, m_block = block_plan(n, m, k, cks, budget, gram=gram)
+    except ValueError:
+        if budget == memory_budget:
+            raise
+        # The blocks do not fit beside the cache (a checkpoint not cached still forms its
+        # XᵀX): the cache lets go of these checkpoints, and the blocks get the whole budget.
+        for ck in checkpoints:
+            if ck.cache is not None:
+                ck.cache.forget()
+        trains = [ck.train for ck in checkpoints]
+        n_block, m_block = block_plan(n, m, k, cks, memory_budget, gram=gram)
     if memory_budget is None:
         # Unbounded memory still reads in blocks: a whole [n, k] store at once
         # would double the peak memory for no speed (each block's GEMM is large).
@@ -294,25 +363,15 @@ def score_checkpoints(
         # Whole chunks per tile, so that no two tile writes share a chunk file.
         n_block -= n_block % int(chunk[0])
     result = _prepare_out(out, n, m, n_block, m_block, memory_budget)
-    order = apply_inverse_to
-    if any(ck.solve is not None for ck in checkpoints):
-        order = "targets"  # a preconditioner's solve applies to the targets only
-    elif order == "auto":
-        # k² m flops to apply the inverse to the targets, n k² to the train rows.
-        order = "targets" if m <= n else "train"
     per_ckpt = [ck.q_per_checkpoint for ck in checkpoints]
     if any(per_ckpt) and not all(per_ckpt):
         raise ValueError(
             "`checkpoints` mix q_per_checkpoint=True and False; ensemble one method's "
             "checkpoints at a time."
         )
-    # float64 stores (influence's exact mode) are multiplied in float64.
-    work = torch.float64 if any(_is_float64(ck.train) for ck in checkpoints) else torch.float32
-
     # Pass 1: per checkpoint, XᵀX and its damped inverse (applied to the
     # targets: only its solve, never the [k, k] matrix); mean out-to-loss.
     inverses: list[Tensor | None] = [None] * cks
-    solves = [ck.solve for ck in checkpoints]
     q_mean = torch.zeros(n, dtype=work)
     q_each: list[Tensor] = []
     for c, ck in enumerate(checkpoints):
@@ -320,7 +379,7 @@ def score_checkpoints(
         q_mean += q_c.reshape(n)
         if ck.q_per_checkpoint:
             q_each.append((q_c.reshape(n) / cks).to(dev))
-        if ck.preconditioned or ck.solve is not None:
+        if ck.preconditioned or solves[c] is not None:
             continue
         xtx = ck.xtx
         if xtx is None:
@@ -358,13 +417,13 @@ def score_checkpoints(
                 rhs.append(t if solve is None else solve(t).to(work))
             streams = [
                 iter_row_blocks(
-                    ck.train,
+                    train,
                     n_block,
                     device=dev,
                     dtype=work,
                     prefetch=memory_budget is None,
                 )
-                for ck in checkpoints
+                for train in trains
             ]
             for i0 in range(0, n, n_block):
                 i1 = min(n, i0 + n_block)
@@ -376,7 +435,7 @@ def score_checkpoints(
                 for c, (stream, inv, r) in enumerate(zip(streams, inverses, rhs)):
                     _, _, x = next(stream)
                     weight = q_each[c] if q_each else row_weight
-                    if not weight_scores and isinstance(checkpoints[c].train, zarr.Array):
+                    if not weight_scores and isinstance(trains[c], zarr.Array):
                         x.mul_(weight[i0:i1, None])  # a fresh copy read from disk
                     elif not weight_scores:
                         x = x * weight[i0:i1, None]  # may be a view of the caller's data

@@ -46,19 +46,22 @@ from gradsketch.attribution._lm_params import select_parameters
 from gradsketch.attribution._modelout import AbstractModelOutput, resolve_task
 from gradsketch.attribution._plan import (
     AttributionPlan,
+    cache_refusal,
     choose_rows,
     model_plan,
     plan_first_batch,
     plan_per_token,
-    refuse,
+    refuse_on_any_rank,
     stored_row_bytes,
     traker_plan,
     warn_finalize,
+    with_cache,
 )
 from gradsketch.attribution._preconditioners import CurvaturePreconditioner, resolve_method
 from gradsketch.attribution._projection_default import default_projection, given_projection
 from gradsketch.attribution._replay import ReplayAttributor
 from gradsketch.attribution._replay_traker import ReplayMethod, replay_device, replay_settings
+from gradsketch.attribution._score_cache import ScoringCache
 from gradsketch.attribution._scores import (
     MEMORY_BUDGET_FIX,
     CheckpointGrads,
@@ -403,7 +406,7 @@ class TRAKer:
         # The model's part of the plan, before the store is made: nothing large is allocated
         # yet (per-layer factors are allocated lazily), and a refused run leaves no settings.
         self._plan = model_plan(self, maker, curvature)
-        refuse(self._plan, layered)
+        refuse_on_any_rank(self._plan, layered)  # each rank's share of the machine's memory
         computer = a["score_computer"]
         if computer is not None and self.rows == "recompute":
             raise ValueError(
@@ -415,7 +418,7 @@ class TRAKer:
         self.rows = choose_rows(rows, self._plan, rows_bytes, self.save_dir, self.logger)
         if self.rows == "recompute":  # TRAK's Gram is then summed while featurizing
             self._plan = dataclasses.replace(self._plan, curvature_at_finalize=False)
-            refuse(self._plan, layered)
+            refuse_on_any_rank(self._plan, layered)
         warn_finalize(self._plan, layered, self.logger)
         if computer is not None:
             computer = computer(
@@ -460,11 +463,15 @@ class TRAKer:
             damping_fraction=self.damping_fraction,
             rows=self.rows,
         )
+        self._method.score_cache = ScoringCache(
+            lambda held, extra: cache_refusal(self._plan, self.memory_budget, held, extra),
+            self.logger,
+        )
 
     @property
     def plan(self) -> AttributionPlan:
         """The run's :class:`AttributionPlan` (from the model; from the first batch once seen)."""
-        return self._plan
+        return with_cache(self._plan, self._method)
 
     def _init_replay(self, replay: Any, device: Any) -> None:
         """Exact metagradients through the replayed run ``replay``."""
@@ -655,7 +662,7 @@ class TRAKer:
         ids = self.model_ids if model_ids is None else [int(i) for i in model_ids]
         require_same_across_ranks("the model ids to finalize", ids)
         if self._kind != "replay":  # TRAK's Gram is formed here: refused before it is
-            refuse(self._plan, self._kind == "per-layer", stage="finalize")
+            refuse_on_any_rank(self.plan, self._kind == "per-layer", stage="finalize")
         self._method.finalize(ids, bool(del_grads))
 
     def preconditioner(self, model_id: int) -> CurvaturePreconditioner:

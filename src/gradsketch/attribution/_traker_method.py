@@ -45,6 +45,7 @@ from gradsketch.attribution._preconditioners import (
     PreconditionerSpec,
     TrainRows,
 )
+from gradsketch.attribution._score_cache import ScoringCache
 from gradsketch.attribution._scores import CheckpointGrads
 from gradsketch.attribution._traker_accumulated import Accumulated
 from gradsketch.attribution._traker_features import FeatureMaker, numpy_dtype
@@ -138,6 +139,8 @@ class FeatureMethod:
         self.done: np.ndarray | None = None
         self.owned: np.ndarray | None = None
         self.model_id: int | None = None
+        #: Factors and rows kept between query sets (set by the TRAKer; ``None``: none).
+        self.score_cache: ScoringCache | None = None
         self.rows = StoredRows(
             self.records,
             self.maker.featurizer,
@@ -182,8 +185,13 @@ class FeatureMethod:
     def load_checkpoint(self, checkpoint: Mapping[str, Any], model_id: int, sha: str) -> None:
         """Open ``model_id``'s rows (resuming those stored) and load its weights."""
         world = rank_and_world()[1]
+        if world > 1 and self.model_id is not None:
+            # Every rank is done with the previous checkpoint (the caller agreed on this one).
+            self.rows.settle(self.model_id)
         n, k = self.n, self.width
         arr = functools.partial(layout.checkpoint_array, model_id)
+        if self.score_cache is not None:
+            self.score_cache.forget(model_id)  # its rows may change
         if self.precond_cls.accumulates:
             self.accumulated.hold(model_id)
         store = self.records.store
@@ -209,18 +217,12 @@ class FeatureMethod:
                 for path in self.accumulated.files(model_id):
                     path.unlink()
                 self.records.write_checkpoint(model_id, {"checkpoint": sha, "finalized": False})
-            dense_now = self.maker.layered and not recompute and not store.has(arr("grads"))
-            if dense_now and first and world > 1:
-                # Ranks featurize at once, so the row form cannot be picked by whichever
-                # batch comes first: dense rows under torch.distributed (stored ones rewritten).
-                self.rows.tokens = self.records.checkpoint(model_id).get("tokens")
-                self.rows.require_dense(model_id)
         # The stored chunking decides the shards (a resumed store keeps its own).
         self.owned = owned_mask(n, int(rows_q.chunks[0]))
         self.done = store.done_rows(arr("done"))
         if self.done.any():
             self.done[self.records.repair_rows(model_id, self.rows.row_arrays(model_id))] = False
-        self.rows.resume(model_id)
+        self.rows.resume(model_id, self.owned if world > 1 else None)
         self.accumulated.forget()
         if self.precond_cls.accumulates:
             self.accumulated.start(model_id)
@@ -388,6 +390,11 @@ class FeatureMethod:
         store = self.records.store
         store.flush()
         barrier()
+        if self.model_id is not None and rank_and_world()[1] > 1:
+            # Ranks widen the row form by themselves: each brings its rows to the store's.
+            self.rows.settle(self.model_id)
+            store.flush()
+            barrier()
         rank, _ = rank_and_world()
         bar = tqdm(list(ids), desc="finalizing features", disable=not self.progress or rank != 0)
         for model_id in bar:
@@ -460,6 +467,8 @@ class FeatureMethod:
         arr = functools.partial(layout.checkpoint_array, model_id)
         rank = rank_and_world()[0]
         before = None if self.recompute is None else self.recompute.loaded
+        if self.score_cache is not None:
+            self.score_cache.forget(model_id)
         precond.finalize(train)
         if self.recompute is not None:
             self.recompute.restore(before)  # the pass loaded each checkpoint's weights
@@ -573,7 +582,10 @@ class FeatureMethod:
                 store.array(arr("features")), targets, out_to_loss, preconditioned=True
             )
         precond = self._load_preconditioner(model_id, record)
-        return precond.checkpoint_grads(self.stored_features(model_id), targets, out_to_loss)
+        ck = precond.checkpoint_grads(self.stored_features(model_id), targets, out_to_loss)
+        if self.score_cache is not None and ck.xtx is not None:
+            ck.cache = self.score_cache.handle(model_id, rows=self.recompute is None)
+        return ck
 
     def stored_features(self, model_id: int, name: str = "grads") -> Any:
         """The ``[n, k]`` training features of ``model_id`` (recompute mode: computed when read)."""

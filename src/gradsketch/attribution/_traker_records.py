@@ -24,12 +24,13 @@ import numpy as np
 from torch import nn
 
 from gradsketch._checks import positive_int
+from gradsketch._distributed import all_gather_object
 from gradsketch._hash import architecture_digest, state_digest
 from gradsketch._integrity import ChunkDamage, damage_message
 from gradsketch._settings import VERSIONS_KEY, package_versions, read_record, write_record
 from gradsketch._store import SETTINGS_FILE, RowStore
 from gradsketch.attribution import _layout as layout
-from gradsketch.attribution._distributed import rank_zero_first
+from gradsketch.attribution._distributed import owned_mask, rank_and_world, rank_zero_first
 from gradsketch.attribution._kronecker_features import CURVATURES
 from gradsketch.errors import ModelIDException, SettingsMismatchError, StoreIntegrityError
 from gradsketch.sketch import NoOpProjector
@@ -297,9 +298,14 @@ class TRAKRecords:
         path.write_text(json.dumps(dict(record)) + "\n")
 
     # -- stored rows -------------------------------------------------------------------
-    def _damaged(self, done: str, arrays: list[str]) -> tuple[list[ChunkDamage], np.ndarray]:
-        """The damaged chunks and all their rows, unflagged in ``done`` for recomputation."""
-        found = self.store.unflag_damaged(arrays, done) if arrays else []
+    def _damaged(
+        self, done: str, arrays: list[str], only: np.ndarray | None = None
+    ) -> tuple[list[ChunkDamage], np.ndarray]:
+        """The damaged chunks and all their rows, unflagged in ``done`` for recomputation.
+
+        ``only``: a boolean mask of the rows to check (``None``: every row).
+        """
+        found = self.store.unflag_damaged(arrays, done, only) if arrays else []
         rows = np.unique(np.array([r for d in found for r in d.rows], dtype=np.int64))
         return found, rows
 
@@ -332,19 +338,31 @@ class TRAKRecords:
         Each phase calls it before reading the rows; the store reads only the
         chunks it has not found intact before or whose files changed since
         (:meth:`gradsketch._store.RowStore.damage`), so a second phase of the same
-        TRAKer does not read the whole ``[n, k]`` store twice.
+        TRAKer does not read the whole ``[n, k]`` store twice. Under
+        ``torch.distributed`` (collective: every rank calls it) each rank reads
+        the chunks of its own :func:`~gradsketch.attribution.chunk_shard` and
+        every rank refuses, with every rank's findings, where any finds damage.
         """
-        found, rows = self._damaged(layout.checkpoint_array(model_id, "done"), arrays)
+        done = layout.checkpoint_array(model_id, "done")
+        only = None
+        if arrays and rank_and_world()[1] > 1:
+            # Each rank checks the chunks of its own shard, and the ranks agree: every
+            # chunk is read once per phase, as in one process, not once per rank.
+            flags = self.store.array(done)
+            only = owned_mask(int(flags.shape[0]), int(flags.chunks[0]))
+        found, rows = self._damaged(done, arrays, only)
+        message = None
         if rows.size:
-            raise StoreIntegrityError(
-                self._report(
-                    found,
-                    f"model id {model_id}",
-                    f"They were unflagged: call load_checkpoint(<its state dict>, "
-                    f"model_id={model_id}) and featurize again (only these rows are "
-                    "recomputed), then finalize_features().",
-                )
+            message = self._report(
+                found,
+                f"model id {model_id}",
+                f"They were unflagged: call load_checkpoint(<its state dict>, "
+                f"model_id={model_id}) and featurize again (only these rows are "
+                "recomputed), then finalize_features().",
             )
+        problems = [m for m in all_gather_object(message) if m is not None]
+        if problems:
+            raise StoreIntegrityError("\n".join(problems))
 
     def require_intact_targets(self, exp_name: str, model_id: int) -> None:
         """Refuse (and unflag) target rows of ``exp_name`` that are missing or damaged."""

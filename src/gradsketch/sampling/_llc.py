@@ -9,6 +9,8 @@ several batches, and ``nbeta`` defaults to ``n / log n`` for batch size ``n``.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import logging
 import math
 import os
@@ -17,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 import numpy as np
 import torch
@@ -35,6 +37,8 @@ from gradsketch.sampling._recording import LLCRecordSettings, open_draw_store
 from gradsketch.sampling._sgmcmc import SGMCMC
 
 logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
 
 __all__ = [
     "default_nbeta",
@@ -309,38 +313,6 @@ def _resolve_run(
     return resolved_evaluate, _resolve_method(sampling_method), kwargs, float(kwargs["nbeta"])
 
 
-def _record_settings(
-    model: torch.nn.Module,
-    method: Callable[..., torch.optim.Optimizer],
-    sampling_method: object,
-    kwargs: dict[str, Any],
-    *,
-    seed: int,
-    nbeta: float,
-    num_chains: int,
-    num_draws: int,
-    num_burnin_steps: int,
-    num_steps_bw_draws: int,
-) -> LLCRecordSettings:
-    """The settings record of a draw store (with the sketch fingerprint when sketching)."""
-    fingerprint = None
-    if kwargs.get("sketch_dim") is not None:
-        probe = method(copy.deepcopy(model).parameters(), **kwargs)
-        fingerprint = probe.sketch_fingerprint.to_json()  # type: ignore[attr-defined]
-    return LLCRecordSettings(
-        num_chains=num_chains,
-        num_draws=num_draws,
-        seed=seed,
-        nbeta=nbeta,
-        sampling_method=_method_name(sampling_method),
-        optimizer_kwargs=kwargs,
-        num_burnin_steps=num_burnin_steps,
-        num_steps_bw_draws=num_steps_bw_draws,
-        sketch_fingerprint=fingerprint,
-        record_metrics=bool(kwargs.get("save_metrics", False)),
-    )
-
-
 def _chain_jobs(
     model: torch.nn.Module,
     loader: Iterable[Any],
@@ -365,6 +337,8 @@ def _chain_jobs(
 ) -> tuple[list[_ChainJob], dict[int, np.ndarray]]:
     """The jobs of ``chains`` that ``store`` has not finished, and the loss traces of the rest.
 
+    The store records the run's settings (with the sketch's fingerprint when sketching).
+
     ``opening()`` is the context the store is opened in (under ``torchrun``: rank 0 first,
     so that one process creates its arrays).
     """
@@ -372,17 +346,21 @@ def _chain_jobs(
     sketch_dim = kwargs.get("sketch_dim")
     store_obj = None
     if store is not None:
-        settings = _record_settings(
-            model,
-            method,
-            sampling_method,
-            kwargs,
-            seed=seed,
-            nbeta=nbeta,
+        fingerprint = None
+        if sketch_dim is not None:
+            probe = method(copy.deepcopy(model).parameters(), **kwargs)
+            fingerprint = probe.sketch_fingerprint.to_json()  # type: ignore[attr-defined]
+        settings = LLCRecordSettings(
             num_chains=num_chains,
             num_draws=num_draws,
+            seed=seed,
+            nbeta=nbeta,
+            sampling_method=_method_name(sampling_method),
+            optimizer_kwargs=kwargs,
             num_burnin_steps=num_burnin_steps,
             num_steps_bw_draws=num_steps_bw_draws,
+            sketch_fingerprint=fingerprint,
+            record_metrics=bool(kwargs.get("save_metrics", False)),
         )
         with opening():
             store_obj = open_draw_store(store, settings, sketch_dim=sketch_dim)
@@ -608,43 +586,38 @@ def estimate_learning_coeff_with_summary(
     return _finish(results, callbacks, store)
 
 
-def estimate_learning_coeff(
-    model: torch.nn.Module,
-    loader: Iterable[Any],
-    evaluate: Evaluate | None = None,
-    sampling_method: object = SGMCMC.sgld,
-    optimizer_kwargs: dict[str, Any] | None = None,
-    num_draws: int = 100,
-    num_chains: int = 10,
-    num_burnin_steps: int = 0,
-    num_steps_bw_draws: int = 1,
-    init_loss: float | None = None,
-    grad_accum_steps: int = 1,
-    cores: int = 1,
-    seed: int | None = None,
-    device: str | torch.device = "cpu",
-    callbacks: Sequence[Callable[..., Any]] = (),
-    verbose: bool = True,
-) -> float:
-    """``llc/mean`` of :func:`estimate_learning_coeff_with_summary` (same arguments)."""
-    return float(
-        estimate_learning_coeff_with_summary(
-            model,
-            loader,
-            evaluate=evaluate,
-            sampling_method=sampling_method,
-            optimizer_kwargs=optimizer_kwargs,
-            num_draws=num_draws,
-            num_chains=num_chains,
-            num_burnin_steps=num_burnin_steps,
-            num_steps_bw_draws=num_steps_bw_draws,
-            init_loss=init_loss,
-            grad_accum_steps=grad_accum_steps,
-            cores=cores,
-            seed=seed,
-            device=device,
-            callbacks=callbacks,
-            online=False,
-            verbose=verbose,
-        )["llc/mean"]
+def _llc_mean(summary: Callable[_P, dict[str, Any]]) -> Callable[_P, float]:
+    """``summary``'s ``llc/mean`` as a float, taking ``summary``'s own parameters."""
+
+    @functools.wraps(summary)
+    def mean(*args: _P.args, **kwargs: _P.kwargs) -> float:
+        return float(summary(*args, **kwargs)["llc/mean"])
+
+    mean.__signature__ = inspect.signature(summary).replace(  # type: ignore[attr-defined]
+        return_annotation="float"
     )
+    return mean
+
+
+estimate_learning_coeff = _llc_mean(estimate_learning_coeff_with_summary)
+estimate_learning_coeff.__name__ = estimate_learning_coeff.__qualname__ = "estimate_learning_coeff"
+estimate_learning_coeff.__doc__ = """``llc/mean`` of :func:`estimate_learning_coeff_with_summary`.
+
+Takes the same arguments (devinterp's ``estimate_learning_coeff``, plus
+``online`` and ``store``, which change what is recorded, not the mean).
+
+Example:
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> model = torch.nn.Linear(3, 1)
+    >>> data = TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    >>> llc = estimate_learning_coeff(
+    ...     model, DataLoader(data, batch_size=8),
+    ...     evaluate=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+    ...     optimizer_kwargs={"lr": 1e-4, "nbeta": 4.0, "localization": 100.0},
+    ...     num_draws=5, num_chains=1, verbose=False)
+    >>> isinstance(llc, float)
+    True
+"""

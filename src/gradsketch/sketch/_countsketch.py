@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 import torch
 
@@ -20,6 +20,9 @@ from gradsketch.sketch._validate import (
     check_float_tensor,
     check_range,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 #: The sampler update components that get one sketch each.
 SKETCH_QUANTITIES: tuple[str, ...] = (
@@ -127,6 +130,21 @@ def accumulate_folded(
     out.add_(scratch[..., :num_buckets] - scratch[..., num_buckets:], alpha=scale)
 
 
+class SketchOptions(TypedDict, total=False):
+    """The keyword options of :class:`CountSketch` and :meth:`CountSketch.create`.
+
+    ``materialize`` keeps the int64 table (else hashed per call, same
+    results), ``device`` is where it lives, ``chunk_size`` the coordinates
+    hashed per step without a table, ``mask`` a
+    :class:`gradsketch.masked.ParamMask` whose entries are the coordinates.
+    """
+
+    materialize: bool
+    device: torch.device | str
+    chunk_size: int
+    mask: MaskLike | None
+
+
 class CountSketch:
     """Single-row count sketch ``S: R^d -> R^k`` (feature hashing).
 
@@ -187,14 +205,7 @@ class CountSketch:
 
     @classmethod
     def create(
-        cls,
-        input_dim: int,
-        output_dim: int,
-        seed: int = 0,
-        *,
-        materialize: bool = True,
-        device: torch.device | str = "cpu",
-        mask: MaskLike | None = None,
+        cls, input_dim: int, output_dim: int, seed: int = 0, **options: Unpack[SketchOptions]
     ) -> CountSketch:
         """Build the sketch for ``input_dim`` coordinates into ``output_dim`` buckets.
 
@@ -203,7 +214,7 @@ class CountSketch:
         and the fingerprint carries the mask's, so sketches made under
         different masks are refused as incompatible.
         """
-        return cls(input_dim, output_dim, seed, materialize=materialize, device=device, mask=mask)
+        return cls(input_dim, output_dim, seed, **options)
 
     @property
     def input_dim(self) -> int:

@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any
 
 import torch
@@ -94,9 +93,7 @@ _ARGTYPES = [
 MAX_ROWS = 64
 
 
-_lock = threading.Lock()
-_state: tuple[NativeStatus, dict[tuple[str, str], Any] | None] | None = None
-#: The key of the loaded library itself among ``_state``'s kernels.
+#: The key of the loaded library itself among the kernels.
 _LIBRARY = ("library", "")
 
 
@@ -107,12 +104,9 @@ def _load() -> tuple[NativeStatus, dict[tuple[str, str], Any] | None]:
     )
 
 
-def _kernels() -> dict[tuple[str, str], Any] | None:
-    global _state
-    if _state is None:
-        # Once per process: WARNING unless turned off on purpose.
-        _state = _native_build.load_once(_lock, lambda: _state, _load, SPEC, "torch's scatter")
-    return _state[1]
+#: The kernels, bound at first use (tests set ``_LOADED.state`` to switch them off).
+_LOADED = _native_build.OnceLoaded(SPEC, _load, "torch's scatter")
+_kernels = _LOADED.get
 
 
 def native_status() -> NativeStatus:
@@ -122,9 +116,7 @@ def native_status() -> NativeStatus:
         >>> isinstance(native_status().available, bool)
         True
     """
-    _kernels()
-    assert _state is not None
-    return _state[0]
+    return _LOADED.status()
 
 
 def library() -> ctypes.CDLL | None:

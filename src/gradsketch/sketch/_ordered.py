@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,9 +79,6 @@ _ARGTYPES = [
     ctypes.c_int,  # threads
 ]
 
-_lock = threading.Lock()
-_state: tuple[_native_build.NativeStatus, dict[tuple[str, str], Any] | None] | None = None
-
 
 def _load() -> tuple[_native_build.NativeStatus, dict[tuple[str, str], Any] | None]:
     return _native_build.bind_kernels(
@@ -90,23 +86,11 @@ def _load() -> tuple[_native_build.NativeStatus, dict[tuple[str, str], Any] | No
     )
 
 
-def _kernels() -> dict[tuple[str, str], Any] | None:
-    global _state
-    if _state is None:
-        _state = _native_build.load_once(_lock, lambda: _state, _load, SPEC, "torch's scatter_add_")
-    return _state[1]
-
-
-def ordered_status() -> _native_build.NativeStatus:
-    """Load (compiling if needed) the ordered kernel and say whether it is in use.
-
-    Example:
-        >>> isinstance(ordered_status().available, bool)
-        True
-    """
-    _kernels()
-    assert _state is not None
-    return _state[0]
+#: The kernel, bound at first use (tests set ``_LOADED.state`` to switch it off).
+_LOADED = _native_build.OnceLoaded(SPEC, _load, "torch's scatter_add_")
+_kernels = _LOADED.get
+#: Whether the ordered kernel is in use (:meth:`~gradsketch._native_build.OnceLoaded.status`).
+ordered_status = _LOADED.status
 
 
 def scatter_components_(

@@ -18,7 +18,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ from gradsketch.sketch._validate import (
     check_float_tensor,
     check_range,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 #: Entries of a dense tile generated at once (8 MiB of float32).
 _TILE_ENTRIES = 1 << 21
@@ -373,6 +376,19 @@ _TILE_COLUMNS = 1 << 14
 _TILE_MIN_ROWS = 16
 
 
+class SparseOptions(TypedDict, total=False):
+    """The keyword options of :class:`SparseProjector` and :class:`CountSketchProjector`.
+
+    ``model_id``, ``materialize``, ``mask`` and ``chunk_size``, as
+    :class:`SparseProjector` documents them.
+    """
+
+    model_id: int
+    materialize: bool
+    mask: MaskLike | None
+    chunk_size: int
+
+
 class SparseProjector(AbstractProjector):
     """Sparse JL: every input coordinate has ``nnz`` entries ``±sqrt(proj_dim / nnz)``.
 
@@ -510,7 +526,8 @@ class CountSketchProjector(SparseProjector):
     The fastest accurate projector on CPU: one ``index_add_`` pass over the
     gradients. Same map as ``SparseProjector(nnz=1)`` and as
     ``sqrt(proj_dim) * CountSketch`` (at ``model_id=0``).
-    ``E<Px, Py> = proj_dim * <x, y>``.
+    ``E<Px, Py> = proj_dim * <x, y>``. Takes :class:`SparseProjector`'s
+    arguments but ``nnz`` (:class:`SparseOptions`).
 
     Example:
         >>> p = CountSketchProjector(grad_dim=1000, proj_dim=64, seed=0, device="cpu")
@@ -524,23 +541,9 @@ class CountSketchProjector(SparseProjector):
         proj_dim: int,
         seed: int,
         device: torch.device | str,
-        *,
-        model_id: int = 0,
-        materialize: bool = True,
-        mask: MaskLike | None = None,
-        chunk_size: int = DEFAULT_CHUNK,
+        **options: Unpack[SparseOptions],
     ) -> None:
-        super().__init__(
-            grad_dim,
-            proj_dim,
-            seed,
-            1,
-            device,
-            model_id=model_id,
-            materialize=materialize,
-            mask=mask,
-            chunk_size=chunk_size,
-        )
+        super().__init__(grad_dim, proj_dim, seed, 1, device, **options)
 
 
 class _DenseProjector(AbstractProjector):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,9 @@ from tqdm.auto import tqdm
 
 from gradsketch.sampling import SGMCMC, DrawSchedule, default_nbeta, run_chain
 from gradsketch.slt._data import NonFiniteLossError, nonfinite_cause
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["LossDraws", "bayesian_influence", "bif_from_draws", "sample_loss_draws"]
 
@@ -341,27 +344,36 @@ def bif_from_draws(
     return -cov
 
 
+class DrawOptions(TypedDict, total=False):
+    """The keywords :func:`bayesian_influence` passes on to :func:`sample_loss_draws`.
+
+    Their meaning and defaults are :func:`sample_loss_draws`'s.
+    """
+
+    query_fn: PerExampleFn | None
+    num_draws: int
+    num_burnin_steps: int
+    num_steps_bw_draws: int
+    lr: float
+    nbeta: float | None
+    localization: float
+    batch_size: int
+    eval_batch_size: int
+    progress: bool
+
+
 def bayesian_influence(
     model: nn.Module,
     train: Any,
     query: Any,
     loss_fn: PerExampleFn,
     *,
-    query_fn: PerExampleFn | None = None,
     checkpoints: Sequence[Mapping[str, Any]] | None = None,
     num_chains: int = 4,
-    num_draws: int = 100,
-    num_burnin_steps: int = 0,
-    num_steps_bw_draws: int = 1,
-    lr: float = 1e-4,
-    nbeta: float | None = None,
-    localization: float = 100.0,
-    batch_size: int = 64,
-    eval_batch_size: int = 1024,
+    seed: int = 0,
     compute_covariance: bool = True,
     reduce_chain_dimension_method: str = "stack",
-    seed: int = 0,
-    progress: bool = True,
+    **draws: Unpack[DrawOptions],
 ) -> Tensor:
     """Bayesian influence ``-Cov(ℓ_train_i, φ_query_j)`` over SGLD draws (Kreer et al. 2025).
 
@@ -386,36 +398,37 @@ def bayesian_influence(
         >>> tuple(bif.shape), bool((bif[:4].diagonal() <= 0).all())  # -Var on the diagonal
         ((20, 4), True)
     """
-    kwargs: dict[str, Any] = dict(
-        query_fn=query_fn,
-        num_chains=num_chains,
-        num_draws=num_draws,
-        num_burnin_steps=num_burnin_steps,
-        num_steps_bw_draws=num_steps_bw_draws,
-        lr=lr,
-        nbeta=nbeta,
-        localization=localization,
-        batch_size=batch_size,
-        eval_batch_size=eval_batch_size,
-        progress=progress,
-    )
+    unknown = sorted(set(draws) - set(DrawOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"bayesian_influence() got unexpected keyword arguments {unknown}; besides its own "
+            f"it takes sample_loss_draws's: {sorted(DrawOptions.__annotations__)}."
+        )
     stat: dict[str, Any] = dict(
         compute_covariance=compute_covariance,
         reduce_chain_dimension_method=reduce_chain_dimension_method,
     )
     if checkpoints is None:
-        draws = sample_loss_draws(model, train, query, loss_fn, seed=seed, **kwargs)
-        return bif_from_draws(draws, **stat)
+        drawn = sample_loss_draws(
+            model, train, query, loss_fn, num_chains=num_chains, seed=seed, **draws
+        )
+        return bif_from_draws(drawn, **stat)
     if not checkpoints:
         raise ValueError("`checkpoints` is empty; pass None to sample around `model` itself.")
     total: Tensor | None = None
     for k, state in enumerate(checkpoints):
         member = copy.deepcopy(model)
         member.load_state_dict(state)
-        draws = sample_loss_draws(
-            member, train, query, loss_fn, seed=seed + k * num_chains, **kwargs
+        drawn = sample_loss_draws(
+            member,
+            train,
+            query,
+            loss_fn,
+            num_chains=num_chains,
+            seed=seed + k * num_chains,
+            **draws,
         )
-        one = bif_from_draws(draws, **stat)
+        one = bif_from_draws(drawn, **stat)
         total = one if total is None else total + one
     assert total is not None
     return total / len(checkpoints)

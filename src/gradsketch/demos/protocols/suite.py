@@ -295,6 +295,22 @@ REPLAY_CANDIDATES: dict[str, tuple[Any, str]] = {
     "kept_mean@half": ("half", "kept_mean"),
     "kept_mean@halves4": ("halves4", "kept_mean"),
     "full_batch@1e-4": (1e-4, "full_batch"),
+    "kept_mean@ckpt3": ("ckpt3", "kept_mean"),
+    "auto": ("auto", "kept_mean"),
+}
+#: ``"auto"``: the held-out validation queries (test digits after the setup's queries), the
+#: validation retrains and their halves' seed (apart from the evaluation's halves).
+AUTO_QUERIES, AUTO_RETRAINS, AUTO_SEED = 16, 16, 70_000
+#: Blends of a replay setting with another method's scores from the same run (no extra
+#: training): ``label -> (replay label, other label, how, replay weight)``; ``how`` is
+#: ``"z"`` (each query's column z-scored over the training rows) or ``"rank"`` (each
+#: column's ranks over the rows, scaled to [0, 1]); see :func:`blend`.
+BLEND_CANDIDATES: dict[str, tuple[str, str, str, float]] = {
+    "z:kept_mean@1+kfac": ("kept_mean@1", "kfac", "z", 0.5),
+    "z.25:kept_mean@1+kfac": ("kept_mean@1", "kfac", "z", 0.25),
+    "z.75:kept_mean@1+kfac": ("kept_mean@1", "kfac", "z", 0.75),
+    "rank:kept_mean@1+kfac": ("kept_mean@1", "kfac", "rank", 0.5),
+    "z:kept_mean@ckpt3+kfac": ("kept_mean@ckpt3", "kfac", "z", 0.5),
 }
 #: The other methods' variants: ``label -> (method, TRAKer keywords)``.
 OTHER_CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -315,7 +331,7 @@ OTHER_CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
 #: other method reported beside it; ``damping_fraction`` / ``curvature``: the
 #: per-layer methods' ``"auto"`` damping and default curvature.
 RECOMMENDED: dict[str, Any] = {
-    "replay": {"sgd": "kept_mean@1", "adam": "kept_mean@1", "adamw": "kept_mean@1"},
+    "replay": {"sgd": "auto", "adam": "z:kept_mean@ckpt3+kfac", "adamw": "kept_mean@1"},
     "others": ("trak-auto", "identity", "kfac", "ekfac"),
     "damping_fraction": 0.3,
     "curvature": "loss",
@@ -332,6 +348,25 @@ RECOMMENDED: dict[str, Any] = {
 #   full_batch@0.5 0.80 / 0.33, kept_mean@half 0.06 / 0.06.
 #   So kept_mean@1 for every optimizer: best or tied everywhere, and it is the
 #   ordinary run (no second run to train) predicting the retrains users make.
+# - replay, A-cnn-sgdm-mb-long (measured 2026-11-29, after the rules above; 25 queries,
+#   30 retrains): kept_mean@1 0.24 / 0.14, full_batch@1 0.23 / 0.15, full_batch@0.5
+#   0.37 / 0.19, kept_mean@half 0.19 / 0.05, kept_mean@halves4 0.33 / 0.12,
+#   full_batch@1e-4 0.14 / 0.13, kept_mean@ckpt3 0.25 / 0.11; others: EK-FAC 0.27 / 0.23,
+#   K-FAC 0.26 / 0.23, TRAK auto 0.27 / 0.13, TRAK 0.14 / 0.06, identity 0.14 / 0.19.
+#   Paired, full_batch@0.5 - kept_mean@1: +0.13 [0.03, 0.23] same-init, +0.05
+#   [-0.04, +0.14] fresh (on A-mlp-sgd-mb: -0.08 [-0.11, -0.06], -0.04 [-0.09, +0.02]).
+#   One SGD setup each way on the same-init truth, level on both against fresh seeds
+#   (the target's truth): kept_mean@1 stays for sgd. Nothing predicts this long
+#   momentum CNN run's retrains well (<= 0.37 same-init, <= 0.23 fresh); kept_mean@1
+#   is level with EK-FAC there (-0.03 [-0.14, +0.10] / -0.09 [-0.21, +0.03]).
+#   Damping 0.3 / 0.1 (K-FAC 0.26 / 0.26, EK-FAC 0.27 / 0.27), curvature loss / sampled
+#   (0.26 / 0.25, 0.27 / 0.24) and TRAK auto / 0 (0.27 / 0.14): no rule changes.
+# - sgd, "auto" (linearize_at="auto": 16 validation retrains, 16 held-out digits; chosen
+#   2026-11-29 on these two half-A SGD runs, before any half-B run of it): on
+#   A-cnn-sgdm-mb-long it chose full_batch@0.25, +0.24 [0.16, 0.34] same-init and
+#   +0.13 [0.02, 0.23] fresh over kept_mean@1; on A-mlp-sgd-mb it chose full_batch@1,
+#   level (-0.001 [-0.006, +0.004] / +0.003 [-0.008, +0.016]). Best or tied on both:
+#   "auto" replaces kept_mean@1 for sgd, at 3.7-3.9x the replay's cost.
 # - "auto" damping, 0.3 against 0.1 of each layer's mean eigenvalue: K-FAC 0.79 / 0.77,
 #   0.59 / 0.57, 0.58 / 0.59; EK-FAC 0.79 / 0.78, 0.58 / 0.57, 0.61 / 0.61 (same-init, on
 #   mlp-sgd, mlp-adam-fb, cnn-adamw): 0.3 stays.
@@ -340,6 +375,20 @@ RECOMMENDED: dict[str, Any] = {
 # - TRAK, lambda_reg "auto" against 0: 0.46 / 0.24, 0.38 / 0.21, 0.44 / 0.23: "auto".
 # - method advice: the replay leads on SGD and warmed-up AdamW; on unwarmed
 #   full-batch Adam with L2, K-FAC / EK-FAC lead (0.59 / 0.41 against 0.51 / 0.31).
+# - adam (both half-A Adam setups have L2; chosen 2026-11-29 before any half-B run of
+#   these candidates; --queries 25 --retrains 30, the same halves as above; LDS
+#   same-init / fresh-seed, then the paired fresh-seed difference against the best
+#   other method, K-FAC on both):
+#   A-mlp-adam-l2-fb-short: kept_mean@1 0.53 / 0.30 (-0.16 [-0.24, -0.08]);
+#   kept_mean@ckpt3 0.64 / 0.39 (-0.07 [-0.15, +0.01]); z:kept_mean@1+kfac 0.65 / 0.46
+#   (+0.00 [-0.04, +0.05]); z:kept_mean@ckpt3+kfac 0.71 / 0.50 (+0.05 [0.01, 0.08]);
+#   z.25 / z.75 blends 0.47 / 0.38 fresh; rank blend 0.22; K-FAC 0.57 / 0.45.
+#   A-mlp-adam-l2-mb: kept_mean@1 0.70 / 0.52 (+0.02 [-0.06, +0.11]); kept_mean@ckpt3
+#   0.80 / 0.57 (+0.07 [0.01, 0.14]); z:kept_mean@1+kfac 0.75 / 0.57 (+0.08 [0.04, 0.12]);
+#   z:kept_mean@ckpt3+kfac 0.79 / 0.58 (+0.09 [0.05, 0.13]); K-FAC 0.64 / 0.49.
+#   So for adam: the z-scored mean of the replay averaged over three checkpoints and
+#   K-FAC on the final model (zero extra training; the replay's reverse pass once
+#   more), the only candidate ahead of the best other method on both, paired.
 
 
 # -- digits setups ----------------------------------------------------------------------------
@@ -461,6 +510,10 @@ class SuiteRun:
     def __init__(self, setup: Setup, *, progress: bool = False) -> None:
         self.setup = setup
         self.progress = progress
+        #: ``label -> [n_train, m]`` scores computed so far (blends reuse their parts).
+        self.scores: dict[str, np.ndarray] = {}
+        #: The ``"auto"`` replay once scored (its ``linearization`` is the choice).
+        self.auto: ReplayAttributor | None = None
         if setup.is_lm:
             self._lm = lm_protocol_of(setup)
             self.train_data: tuple[Tensor, ...] = self._lm.train_data
@@ -661,13 +714,79 @@ def lds_row(scores: np.ndarray, truth: tuple[np.ndarray, np.ndarray]) -> tuple[f
 
 
 def replay_scores(run: SuiteRun, label: str, *, mask_seed: int = 90_000) -> np.ndarray:
-    """``[n_train, m]`` metagradients of one :data:`REPLAY_CANDIDATES` setting."""
+    """``[n_train, m]`` scores of one :data:`REPLAY_CANDIDATES` or :data:`BLEND_CANDIDATES` label.
+
+    ``"ckpt3"`` is the mean of the metagradients of the query outputs at the
+    run's checkpoints ``t = ⌈T/3⌉, ⌈2T/3⌉, T``, the way K-FAC ensembles
+    checkpoints (one reverse pass, ``metagradients(at_steps="thirds")``; the
+    half-A figures were measured as three replays of the run's first ``t``
+    steps, equal to rounding). Scores already computed for ``run`` are reused
+    (:attr:`SuiteRun.scores`).
+    """
+    if label in run.scores:
+        return run.scores[label]
+    if label in BLEND_CANDIDATES:
+        replay, other, how, weight = BLEND_CANDIDATES[label]
+        out = blend(replay_scores(run, replay), other_scores(run, other), how=how, weight=weight)
+    else:
+        out = _replay_candidate(run, label, mask_seed)
+    run.scores[label] = out
+    return out
+
+
+def _replay_candidate(run: SuiteRun, label: str, mask_seed: int) -> np.ndarray:
     at, subset_loss = REPLAY_CANDIDATES[label]
+    if at == "auto":
+        r = auto_replay(run)
+        return r.metagradients(run.targets).cpu().double().numpy()
+    if at == "ckpt3":
+        r = run.replay(1.0, subset_loss)
+        r.train()
+        return r.metagradients(run.targets, at_steps="thirds").cpu().double().numpy()
     if isinstance(at, str):
         count = 1 if at == "half" else int(at.removeprefix("halves"))
         masks = halves(run.n_train, count, mask_seed).astype(np.float64)
         return np.mean([_metagradients(run, mask, subset_loss) for mask in masks], axis=0)
     return _metagradients(run, at, subset_loss)
+
+
+def validation_queries(run: SuiteRun, count: int = AUTO_QUERIES) -> tuple[Tensor, Tensor]:
+    """``count`` test digits after the setup's queries (held out from every truth)."""
+    from gradsketch.demos._digits import load_digits_split
+
+    if run.setup.is_lm:
+        raise ValueError(
+            f"{run.setup.name}: the suite's 'auto' label has validation queries for the digits "
+            "setups only; score a GPT-2 setup with a number as `linearize_at`."
+        )
+    split = load_digits_split(seed=0)
+    start = run.setup.n_queries
+    if start + count > split.n_test:
+        raise ValueError(f"{run.setup.name}: {count} validation digits do not fit the test split.")
+    return split.x_test[start : start + count], split.y_test[start : start + count]
+
+
+def auto_replay(run: SuiteRun) -> ReplayAttributor:
+    """The setup's replay at ``linearize_at="auto"``, trained (its choice: ``.linearization``).
+
+    Kept on ``run`` (``run.auto``) so the benchmark can report the choice and its cost.
+    """
+    from gradsketch.attribution import AutoLinearization
+
+    auto = AutoLinearization(
+        queries=validation_queries(run), retrains=AUTO_RETRAINS, seed=AUTO_SEED
+    )
+    r = ReplayAttributor(
+        run.model(run.seed),
+        run.task,
+        run.train_data,
+        run.settings(run.seed, "auto", "kept_mean"),
+        progress=run.progress,
+        auto_linearize=auto,
+    )
+    r.train()
+    run.auto = r
+    return r
 
 
 def _metagradients(run: SuiteRun, at: Any, subset_loss: str) -> np.ndarray:
@@ -678,8 +797,31 @@ def _metagradients(run: SuiteRun, at: Any, subset_loss: str) -> np.ndarray:
 
 def other_scores(run: SuiteRun, label: str) -> np.ndarray:
     """``[n_train, m]`` scores of one :data:`OTHER_CANDIDATES` variant (temporary store)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        return run.other_scores(label, Path(tmp))
+    if label not in run.scores:
+        with tempfile.TemporaryDirectory() as tmp:
+            run.scores[label] = run.other_scores(label, Path(tmp))
+    return run.scores[label]
+
+
+def blend(a: np.ndarray, b: np.ndarray, *, how: str = "z", weight: float = 0.5) -> np.ndarray:
+    """``[n, m]`` ``weight · u(a) + (1 − weight) · u(b)``, ``u`` standardizing each query's column.
+
+    ``how="z"``: ``u(s) = (s − mean) / std`` over the ``n`` training rows
+    (:meth:`~gradsketch.attribution.ReplayAttributor.blend`); ``how="rank"``:
+    ``u(s)`` = the rows' ranks divided by ``n``. The two
+    methods' scores have unrelated scales (a metagradient against a
+    preconditioned gradient product), so each column is put on one scale
+    before averaging. A column without spread contributes zeros.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"`a` {a.shape} and `b` {b.shape}: blend scores of one run and queries.")
+    if how == "z":
+        both = ReplayAttributor.blend(torch.from_numpy(a), torch.from_numpy(b), weight=weight)
+        return both.numpy()
+    if how != "rank":
+        raise ValueError(f"`how`={how!r}: choose 'z' or 'rank'.")
+    ranks = [np.argsort(np.argsort(s, axis=0, kind="stable"), axis=0) / s.shape[0] for s in (a, b)]
+    return weight * ranks[0] + (1.0 - weight) * ranks[1]
 
 
 def max_abs_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:

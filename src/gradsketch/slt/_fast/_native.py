@@ -76,30 +76,18 @@ SPEC = _native_build.NativeSpec(
     abi_symbol="gs_train_abi_version",
 )
 
-_lock = threading.Lock()
-_state: tuple[NativeStatus, ctypes.CDLL | None] | None = None
-
-
-def _loaded() -> tuple[NativeStatus, ctypes.CDLL | None]:
-    global _state
-    state = _state
-    if state is None:
-        with _lock:
-            if _state is None:
-                _state = _native_build.load(SPEC)
-                _native_build.report_fallback(SPEC, _state[0], "torch's operations")
-            state = _state
-    return state
+#: The library, loaded at first use (tests set ``_LOADED.state`` to force a fresh load).
+_LOADED = _native_build.OnceLoaded(SPEC, lambda: _native_build.load(SPEC), "torch's operations")
 
 
 def train_library() -> ctypes.CDLL | None:
     """The loaded train-kernel library, compiling it first if needed (None when unavailable)."""
-    return _loaded()[1]
+    return _LOADED.get()
 
 
 def train_status() -> NativeStatus:
     """Whether the train kernels are in use, and why not when they are not."""
-    return _loaded()[0]
+    return _LOADED.status()
 
 
 #: This thread's switch (:func:`fast_kernels`): ``.plain`` set, the kernels are off.

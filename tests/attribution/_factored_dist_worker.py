@@ -34,6 +34,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from gradsketch.attribution import TRAKer
 from gradsketch.errors import MemoryBudgetError, StoreIntegrityError
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers.hf_families import tiny_gpt2
+
 N, M, CHUNK, BATCH = 64, 12, 16, 8
 #: The per-token language model: training sequences, targets, tokens per sequence.
 N_LM, M_LM, T_LM = 16, 3, 4
@@ -83,20 +86,7 @@ def layer_methods(root: Path) -> dict[str, np.ndarray]:
 
 def lm_per_token(root: Path) -> dict[str, np.ndarray]:
     """EK-FAC per-token scores ``[N_LM, M_LM, T_LM]`` of a tiny float64 GPT-2."""
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=11,
-        n_positions=T_LM,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(cfg).double().eval()
+    model = tiny_gpt2(11, T_LM, width=16)
     ids = torch.randint(0, 11, (N_LM + M_LM, T_LM), generator=torch.Generator().manual_seed(5))
     rows = TensorDataset(ids, torch.ones_like(ids), ids.clone())
     # Chunks of BATCH sequences: each rank featurizes one of the two.

@@ -26,6 +26,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gradsketch.attribution import BasicScoreComputer, ReplaySettings, TRAKer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers.hf_families import tiny_gpt2
+
 N_TRAIN, N_TARGETS, PROJ_DIM = 100, 24, 16
 CHUNK_ROWS, BATCH = 16, 8  # BATCH divides CHUNK_ROWS: the same batches as one process
 #: 4 n m = 9,600 bytes of scores exceed it: scores go to disk in tiles.
@@ -331,20 +334,7 @@ def lm_per_token(root: Path) -> np.ndarray:
     factors, or dense rows where those are not narrower) and scores its column
     shard of the targets' tokens.
     """
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=11,
-        n_positions=LM_T,
-        n_embd=8,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model = tiny_gpt2(11, LM_T, dtype=torch.float32)
     ids = torch.randint(
         0, 11, (N_LM + LM_TARGETS, LM_T), generator=torch.Generator().manual_seed(5)
     )

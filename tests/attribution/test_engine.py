@@ -29,6 +29,7 @@ from gradsketch.attribution import (  # noqa: E402
     register_curvature_preconditioner,
 )
 from gradsketch.masked import ParamMask  # noqa: E402
+from helpers.hf_families import tiny_gpt2  # noqa: E402
 
 METHODS = ["trak", "identity", "kfac", "ekfac"]
 N, M, SEQ, VOCAB = 8, 3, 8, 32
@@ -380,19 +381,7 @@ def test_lambda_reg_default_follows_the_method(tmp_path, method, default):
 
 def _lm_rows_run(tmp_path, name, batches, *, dense=False):
     """EK-FAC on a tiny float64 GPT-2: featurize ``batches`` (rows in order), score 2."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=11,
-        n_positions=8,
-        n_embd=8,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(cfg).double().eval()
+    model = tiny_gpt2(11, 8)
     n = sum(int(b[0].shape[0]) for b in batches)
     traker = TRAKer(
         model,

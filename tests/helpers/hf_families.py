@@ -39,15 +39,20 @@ def _transformers() -> Any:
 
 
 def tiny_gpt2(
-    vocab: int, positions: int, *, tie: bool = True, dtype: torch.dtype = torch.float64
+    vocab: int,
+    positions: int,
+    *,
+    tie: bool = True,
+    dtype: torch.dtype = torch.float64,
+    width: int = 8,
 ) -> nn.Module:
-    """A one-layer GPT-2 (width 8, two heads, no dropout) from seed 0, in eval mode."""
+    """A one-layer GPT-2 (``width`` wide, two heads, no dropout) from seed 0, in eval mode."""
     transformers = _transformers()
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
         vocab_size=vocab,
         n_positions=positions,
-        n_embd=8,
+        n_embd=width,
         n_layer=1,
         n_head=2,
         resid_pdrop=0.0,

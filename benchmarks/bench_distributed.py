@@ -43,6 +43,7 @@ One JSON line per method and rank count, then one per method with the ratios.
     python benchmarks/bench_distributed.py --device cuda  # one GPU per rank, NCCL
     python benchmarks/bench_distributed.py --rounds 1 --repeats 1 --methods trak  # smoke test
     python benchmarks/bench_distributed.py --methods kfac,ekfac --copies 8  # 11,504 rows
+    python benchmarks/bench_distributed.py --methods kfac,ekfac --hidden 2048 --exact --targets 8
 """
 
 from __future__ import annotations
@@ -111,16 +112,26 @@ def _peak_bytes(device: Any) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
-def _problem(method: str, device: Any, copies: int = 1) -> dict[str, Any]:
+def _problem(
+    method: str,
+    device: Any,
+    copies: int = 1,
+    hidden: int = 256,
+    exact: bool = False,
+    targets: int = N_TARGETS,
+) -> dict[str, Any]:
     """The model, its state, the loaders and the TRAKer arguments of ``method``.
 
-    ``copies``: the training digits repeated that many times (more rows per rank).
+    ``copies``: the training digits repeated that many times (more rows per rank);
+    ``hidden``: the MLP's width; ``exact``: per-layer methods without projection
+    (Kronecker factors as wide as the layers, each eigendecomposed on one rank);
+    ``targets``: test digits scored.
     """
     from gradsketch.attribution import ReplaySettings
     from gradsketch.demos import build_mlp, load_digits_split, make_loader
 
     split = load_digits_split(seed=0)
-    model = build_mlp(seed=0).to(device)
+    model = build_mlp(hidden=hidden, seed=0).to(device)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     if method == "replay":
         x, y = split.x_train[:N_REPLAY].to(device), split.y_train[:N_REPLAY].to(device)
@@ -146,24 +157,22 @@ def _problem(method: str, device: Any, copies: int = 1) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"method": method, "chunk_rows": CHUNK_ROWS, "device": device}
     if method == "trak":
         kwargs["proj_dim"] = PROJ_DIM
-    else:
+    elif not exact:
         kwargs["projection"] = LAYER_PROJECTION
     x, y = split.x_train.repeat(copies, 1), split.y_train.repeat(copies)
     return {
         "model": model,
         "state": state,
         "n": len(x),
-        "m": N_TARGETS,
+        "m": targets,
         "train": make_loader(x, y, batch_size=BATCH),
-        "targets": make_loader(
-            split.x_test[:N_TARGETS], split.y_test[:N_TARGETS], batch_size=BATCH
-        ),
+        "targets": make_loader(split.x_test[:targets], split.y_test[:targets], batch_size=BATCH),
         "kwargs": kwargs,
     }
 
 
 def worker(
-    out: Path, method: str, repeats: int, pin: bool, device_name: str, copies: int = 1
+    out: Path, method: str, repeats: int, pin: bool, device_name: str, shape: dict[str, Any]
 ) -> None:
     """Time ``method``'s phases on this rank; rank 0 writes ``out`` (JSON).
 
@@ -195,7 +204,7 @@ def worker(
         if distributed:
             dist.barrier()
 
-    problem = _problem(method, device, copies)
+    problem = _problem(method, device, **shape)
     root = Path(tempfile.mkdtemp(prefix="bench_dist_")) if rank == 0 else None
     if distributed:
         box = [str(root)]
@@ -256,7 +265,7 @@ def worker(
 
 
 def launch(
-    world: int, method: str, repeats: int, pin: bool, device: str, copies: int = 1
+    world: int, method: str, repeats: int, pin: bool, device: str, shape: dict[str, Any]
 ) -> dict[str, Any]:
     """Run :func:`worker` on ``world`` ranks (a plain process for 1) and read rank 0's JSON."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -273,8 +282,14 @@ def launch(
             "--device",
             device,
             "--copies",
-            str(copies),
+            str(shape["copies"]),
+            "--hidden",
+            str(shape["hidden"]),
+            "--targets",
+            str(shape["targets"]),
         ]
+        if shape["exact"]:
+            script.append("--exact")
         if pin:
             script.append("--pin")
         if world == 1:
@@ -301,7 +316,13 @@ def launch(
 
 
 def measure(
-    method: str, ranks: int, rounds: int, repeats: int, pin: bool, device: str, copies: int = 1
+    method: str,
+    ranks: int,
+    rounds: int,
+    repeats: int,
+    pin: bool,
+    device: str,
+    shape: dict[str, Any],
 ) -> None:
     """Alternate 1-rank and ``ranks``-rank launches; emit one line per rank count and the ratios."""
     worlds = (1, ranks)
@@ -309,11 +330,11 @@ def measure(
     busiest: dict[int, dict[str, list[float]]] = {w: {p: [] for p in PHASES} for w in worlds}
     summed: dict[int, list[float]] = {w: [] for w in worlds}
     peaks: dict[int, list[int]] = {w: [] for w in worlds}
-    shape = {}
+    size = {}
     for _ in range(rounds):
         for world in worlds:
-            result = launch(world, method, repeats, pin, device, copies)
-            shape = {"rows": result["rows"], "targets": result["targets"]}
+            result = launch(world, method, repeats, pin, device, shape)
+            size = {"rows": result["rows"], "targets": result["targets"]}
             for phase in PHASES:
                 wall[world][phase] += result["wall"][phase]
                 busiest[world][phase] += [max(r) for r in result["cpu"][phase]]
@@ -334,7 +355,9 @@ def measure(
                 "ranks": world,
                 "threads_per_rank": 1,
                 "cores": cores,
-                **shape,
+                **size,
+                "hidden": shape["hidden"],
+                "projection": "exact" if shape["exact"] else LAYER_PROJECTION,
                 **{f"{p}_s": med(wall[world][p]) for p in PHASES},
                 **{f"{p}_cpu_s_busiest_rank": med(busiest[world][p]) for p in PHASES},
                 "total_cpu_s_busiest_rank": total[world],
@@ -374,6 +397,11 @@ def main() -> None:
     parser.add_argument(
         "--copies", type=int, default=1, help="repeat the training digits (not the replay's)"
     )
+    parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width")
+    parser.add_argument("--targets", type=int, default=N_TARGETS, help="test digits scored")
+    parser.add_argument(
+        "--exact", action="store_true", help="per-layer methods without projection (wide factors)"
+    )
     parser.add_argument("--unpinned", action="store_true", help="also measure unpinned ranks")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
@@ -384,14 +412,20 @@ def main() -> None:
         parser.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
     if args.ranks < 2:
         parser.error(f"--ranks must be at least 2 (to compare with one rank), got {args.ranks}")
+    shape = {
+        "copies": args.copies,
+        "hidden": args.hidden,
+        "exact": args.exact,
+        "targets": args.targets,
+    }
     if args.worker is not None:
-        worker(args.worker, methods[0], args.repeats, args.pin, args.device, args.copies)
+        worker(args.worker, methods[0], args.repeats, args.pin, args.device, shape)
         return
     check_device(args.device, args.ranks)
     pins = [False] if args.device == "cuda" else ([True, False] if args.unpinned else [True])
     for pin in pins:
         for method in methods:
-            measure(method, args.ranks, args.rounds, args.repeats, pin, args.device, args.copies)
+            measure(method, args.ranks, args.rounds, args.repeats, pin, args.device, shape)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,46 @@ def damaged(root: Path) -> dict[str, np.ndarray]:
     return {"damaged": np.array(message)}
 
 
+def split_jobs() -> dict[str, np.ndarray]:
+    """``split_*``: :func:`split_over_ranks` on six jobs of mixed shapes, then one failing.
+
+    Each rank records the jobs it computed; the results (job ``i``: ``i`` then
+    ``[i, i + 1]`` float64 and an int64 ``[2, i + 1]``) are on every rank.
+    Then job 4 raises where it runs, and every rank saves the message.
+    """
+    from gradsketch.attribution._distributed import balanced_owners, split_over_ranks
+
+    costs = [8.0, 1.0, 27.0, 8.0, 1.0, 64.0]
+    done: list[int] = []
+
+    def job(i: int) -> tuple[torch.Tensor, ...]:
+        done.append(i)
+        return torch.full((i, i + 1), float(i), dtype=torch.float64), torch.arange(
+            2 * (i + 1)
+        ).reshape(2, -1)
+
+    got = split_over_ranks(job, costs, torch.device("cpu"))
+    out = {f"split_{i}_{j}": t.numpy() for i, parts in enumerate(got) for j, t in enumerate(parts)}
+
+    def failing(i: int) -> tuple[torch.Tensor, ...]:
+        if i == 4:
+            raise ValueError("job four cannot be done")
+        return (torch.zeros(1),)
+
+    try:
+        split_over_ranks(failing, costs, torch.device("cpu"))
+        message = "no error"
+    except RuntimeError as err:
+        message = str(err)
+    owner = balanced_owners(costs, 2)
+    return {
+        **out,
+        "split_done": np.array(done),
+        "split_owner": np.array(owner),
+        "split_failed": np.array(message),
+    }
+
+
 def _refusal(root: Path, name: str) -> str:
     try:
         plan_traker(root, name)
@@ -231,7 +271,7 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        result = {**pipeline(out), **plans(out), **damaged(out)}
+        result = {**pipeline(out), **plans(out), **damaged(out), **split_jobs()}
         np.savez(out / f"rank{dist.get_rank()}.npz", **result)
     finally:
         dist.destroy_process_group()

@@ -184,3 +184,39 @@ def test_damage_found_by_one_rank_stops_every_rank(runs):
     assert messages[0] == messages[1]
     assert "out_to_loss" in messages[0] and "48" in messages[0], messages[0]
     assert "featurize again" in messages[0]
+
+
+def test_split_jobs_run_once_on_their_owner_and_reach_every_rank(runs):
+    """Each job of ``split_over_ranks`` runs on exactly one rank (the one balanced_owners
+    names), and every rank ends with the owner's tensors, bit for bit, in every shape
+    and dtype (as in one process, where each job runs here)."""
+    ranks = runs["ranks"]
+    owner = list(ranks[0]["split_owner"])
+    assert sorted(owner) != [owner[0]] * len(owner)  # both ranks got jobs
+    done = [set(r["split_done"].tolist()) for r in ranks]
+    assert done[0] | done[1] == set(range(6)) and not done[0] & done[1]
+    assert all(owner[i] == r for r in range(WORLD) for i in done[r])
+    for i in range(6):
+        want = np.full((i, i + 1), float(i)), np.arange(2 * (i + 1)).reshape(2, -1)
+        for rank in ranks:
+            for j in range(2):
+                got = rank[f"split_{i}_{j}"]
+                assert got.dtype == want[j].dtype and np.array_equal(got, want[j])
+
+
+def test_a_split_job_that_fails_stops_every_rank_with_its_error(runs):
+    """Job 4 fails on its owner; both ranks raise one message naming that rank and the error."""
+    owner = int(runs["ranks"][0]["split_owner"][4])
+    messages = [str(r["split_failed"]) for r in runs["ranks"]]
+    assert messages[0] == messages[1]
+    assert f"rank {owner}: ValueError: job four cannot be done" in messages[0]
+
+
+def test_balanced_owners_gives_the_costliest_first_to_the_least_loaded():
+    from gradsketch.attribution._distributed import balanced_owners
+
+    assert balanced_owners([], 2) == []
+    assert balanced_owners([5.0, 5.0, 5.0], 1) == [0, 0, 0]
+    # 64 to rank 0; 27, 27, 8, 8 to rank 1 while it stays below 64 (54, 62, 70); 1 to rank 0.
+    assert balanced_owners([64.0, 27.0, 27.0, 8.0, 8.0, 1.0], 2) == [0, 1, 1, 1, 1, 0]
+    assert balanced_owners([1.0, 1.0, 1.0, 1.0], 3) == [0, 1, 2, 0]  # ties: lower job, lower rank

@@ -111,3 +111,38 @@ def test_chunked_table_equals_one_pass():
     assert torch.equal(whole, pieces)
     h = hash_indices(5, torch.arange(3, 3 + n, dtype=torch.int64))
     assert torch.equal(whole, ((h >> 1) * 100 >> 31) + 100 * (h & 1))
+
+
+@pytest.mark.parametrize(
+    ("key", "offset", "length", "buckets"),
+    [
+        (0x12345678, 0, 1_000, 2_048),
+        (MASK32, 2**32 - 700, 700, 4_096),  # the last coordinates below 2**32
+        (77, 123_456, 3 * 2**18 + 11, 2_048),  # several hashing chunks, a ragged last one
+        (5, 0, 4_096, 1),
+        (9, 10, 5_000, 2**20 - 1),  # the widest multiply-shift the docstring allows
+    ],
+)
+def test_cpu_table_equals_torch_twin(key, offset, length, buckets, scatter_backend):
+    """The sketches' CPU table (the native kernel's, or numpy's uint32 one where the kernels
+    are off) and numpy's are the int64 torch table bit for bit: integer arithmetic."""
+    from gradsketch.sketch import _backend
+
+    cpu = torch.device("cpu")
+    ref = buckets_and_signs(key, offset, length, buckets, cpu, fast=False)
+    for fast in (
+        _backend.buckets_and_signs(key, offset, length, buckets, cpu),
+        buckets_and_signs(key, offset, length, buckets, cpu),
+    ):
+        assert fast.dtype == ref.dtype == torch.int64 and fast.shape == (length,)
+        assert torch.equal(fast, ref)
+
+
+def test_table_reaching_past_2_32_keeps_the_wide_hash():
+    """A range that crosses 2**32 takes the torch path (high words folded in) on CPU too."""
+    from gradsketch.sketch import _backend
+
+    cpu = torch.device("cpu")
+    table = _backend.buckets_and_signs(3, 2**32 - 5, 10, 512, cpu)
+    h = hash_indices(3, torch.arange(2**32 - 5, 2**32 + 5, dtype=torch.int64))
+    assert torch.equal(table, ((h >> 1) * 512 >> 31) + 512 * (h & 1))

@@ -15,6 +15,10 @@ Launch any TRAKer script with ``torchrun`` (gloo on CPU, NCCL on GPU) and call
 * **XᵀX** of each checkpoint: every rank multiplies its own rows and the
   ``[k, k]`` partial sums are added with ``all_reduce`` (``k²`` floats per
   checkpoint on the wire, whatever ``n`` is);
+* **the Kronecker factors' eigendecompositions** (K-FAC, EK-FAC): each layer's
+  pair is decomposed on one rank, the layers dealt out by cost (``d³``,
+  :func:`balanced_owners`), and the bases are broadcast, so every rank holds
+  the same bits (:func:`split_over_ranks`);
 * **scoring**: rank ``r`` computes the score columns of the targets in its
   :func:`column_shard`; the ``[n, m]`` matrix is assembled with ``all_gather``
   (in memory) or written straight into disjoint column chunks of the zarr
@@ -36,7 +40,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +52,7 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSample
 from gradsketch._checks import nonnegative_int, positive_int
 from gradsketch._distributed import (
     DistributedMismatchError,
+    all_gather_object,
     barrier,
     is_distributed,
     rank_and_world,
@@ -60,6 +65,7 @@ __all__ = [
     "DistributedMismatchError",
     "all_gather_columns",
     "all_reduce_sum_",
+    "balanced_owners",
     "barrier",
     "chunk_shard",
     "column_shard",
@@ -67,6 +73,7 @@ __all__ = [
     "rank_and_world",
     "rank_zero_first",
     "require_same_across_ranks",
+    "split_over_ranks",
 ]
 
 
@@ -239,6 +246,83 @@ def all_reduce_sum_(tensor: Tensor) -> Tensor:
     if buf is not tensor:
         tensor.copy_(buf)
     return tensor
+
+
+def balanced_owners(costs: Sequence[float], world: int) -> list[int]:
+    """The rank that does each job: the costliest first, each to the least loaded rank.
+
+    Deterministic (ties go to the lower job index and the lower rank), so every
+    rank computes the same assignment from the same costs without a message.
+
+    Example:
+        >>> balanced_owners([27.0, 1.0, 27.0, 8.0], 2)
+        [0, 1, 1, 0]
+    """
+    load = [0.0] * world
+    owner = [0] * len(costs)
+    for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[job] = rank
+        load[rank] += float(costs[job])
+    return owner
+
+
+def split_over_ranks(
+    compute: Callable[[int], Sequence[Tensor]], costs: Sequence[float], device: torch.device
+) -> list[list[Tensor]]:
+    """``compute(i)`` for every job ``i``, each done on one rank and broadcast to all.
+
+    Jobs go to ranks by :func:`balanced_owners`; a rank first does all of its
+    own, then the results travel in job order (``dist.broadcast`` from the
+    owner: bits copied, no arithmetic), so every rank holds the owner's exact
+    tensors on ``device``. In one process every job is computed here, as a
+    plain loop would.
+
+    Args:
+        compute: job index to its tensors (any shapes and dtypes, the same
+            kinds whichever rank runs it).
+        costs: one relative cost per job (e.g. ``d³`` for an ``eigh``).
+        device: where results the owner made off the CPU are kept on every
+            rank (CPU results stay on the CPU, as in one process).
+
+    Raises:
+        RuntimeError: a job failed on some rank; every rank raises it, naming
+            the rank and the error, instead of the others waiting for it.
+    """
+    rank, world = rank_and_world()
+    if world == 1:
+        return [list(compute(i)) for i in range(len(costs))]
+    owner = balanced_owners(costs, world)
+    mine: dict[int, list[Tensor]] = {}
+    failed = ""
+    try:
+        for i in range(len(costs)):
+            if owner[i] == rank:
+                mine[i] = list(compute(i))
+    except Exception as exc:  # shared below, so that every rank stops with it
+        failed = f"{type(exc).__name__}: {exc}"
+    shapes = {i: [(tuple(t.shape), t.dtype, t.device.type) for t in ts] for i, ts in mine.items()}
+    every: dict[int, list[tuple[tuple[int, ...], torch.dtype, str]]] = {}
+    errors = []
+    for r, (theirs, error) in enumerate(all_gather_object((shapes, failed))):
+        every.update(theirs)
+        if error:
+            errors.append(f"rank {r}: {error}")
+    if errors:
+        raise RuntimeError("a job split over the ranks failed on " + "; ".join(errors))
+    dev = _comm_device()
+    out = []
+    for i in range(len(costs)):
+        parts = []
+        for j, (shape, dtype, kind) in enumerate(every[i]):
+            if owner[i] == rank:
+                buf = mine[i][j].to(dev).contiguous()
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=dev)
+            dist.broadcast(buf, src=owner[i])
+            parts.append(buf.to("cpu" if kind == "cpu" else device))
+        out.append(parts)
+    return out
 
 
 def all_gather_columns(local: Tensor, n_columns: int) -> Tensor:

@@ -67,7 +67,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradsketch.attribution._distributed import RowWindow, all_reduce_sum_
+from gradsketch.attribution._distributed import RowWindow, all_reduce_sum_, split_over_ranks
 from gradsketch.attribution._io import iter_row_blocks, rows_as_tensor
 from gradsketch.attribution._kfac import (
     KroneckerEigen,
@@ -464,16 +464,26 @@ class KFACPreconditioner(CurvaturePreconditioner):
                 f.update(a, g)
 
     def _reduce_factors(self, train: TrainRows) -> list[KroneckerEigen]:
-        eigens = []
         for f in self.factors:
             counts = torch.tensor([f.tokens, f.examples], dtype=torch.float64)
             train.reduce(f.a_sum)
             train.reduce(f.g_sum)
             train.reduce(counts)
             f.tokens, f.examples = int(counts[0]), int(counts[1])
-            # Sampled-label gradients make S, not the stored ones: keep S's null space.
-            eigens.append(f.eigen(low_rank_s=self.spec.curvature != "sampled"))
-        return eigens
+        # Sampled-label gradients make S, not the stored ones: keep S's null space.
+        low_rank_s = self.spec.curvature != "sampled"
+
+        def decompose(i: int) -> tuple[Tensor, ...]:
+            e = self.factors[i].eigen(low_rank_s=low_rank_s)
+            return e.q_a, e.alpha, e.q_s, e.s
+
+        # Under torch.distributed each layer's eigh runs on one rank (by d³), then travels.
+        costs = [float(f.a_sum.shape[0]) ** 3 + float(f.g_sum.shape[0]) ** 3 for f in self.factors]
+        device = self.factors[0].a_sum.device if self.factors else torch.device("cpu")
+        return [
+            KroneckerEigen(q_a=q_a, alpha=alpha, q_s=q_s, s=s)
+            for q_a, alpha, q_s, s in split_over_ranks(decompose, costs, device)
+        ]
 
     def _values(self, eigens: Sequence[KroneckerEigen], train: TrainRows) -> list[Tensor]:
         return [e.kfac_eigenvalues() for e in eigens]

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from gradsketch.sketch import _native
+from gradsketch.sketch import _native, _tables
 from gradsketch.sketch._native import NativeStatus, blas_sgemm, native_status
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "KERNELS",
     "NativeStatus",
     "blas_sgemm",
+    "buckets_and_signs",
     "default_backend",
     "native_status",
     "reduce_",
@@ -178,6 +179,29 @@ def reduce_(
     if default_backend(block, kernel="scatter") != "native":
         return False
     return _native.reduce_(out, index, block, **options)
+
+
+def buckets_and_signs(
+    key: int, offset: int, length: int, num_buckets: int, device: torch.device
+) -> torch.Tensor:
+    """The folded count-sketch table of every sketch: :func:`._tables.buckets_and_signs`.
+
+    On CPU, for coordinates below 2**32, the native kernel computes it
+    (:func:`._native.buckets_and_signs_`) where the kernels are loaded,
+    whatever scatter backend is chosen: the table is integer arithmetic, the
+    same bits on every path.
+
+    Example:
+        >>> cpu = torch.device("cpu")
+        >>> torch.equal(buckets_and_signs(7, 0, 100, 64, cpu),
+        ...             _tables.buckets_and_signs(7, 0, 100, 64, cpu, fast=False))
+        True
+    """
+    if device.type == "cpu" and offset + length <= 1 << 32:
+        table = torch.empty(length, dtype=torch.int64)
+        if _native.buckets_and_signs_(table, key, offset, num_buckets):
+            return table
+    return _tables.buckets_and_signs(key, offset, length, num_buckets, device)
 
 
 def reduce_rows_(

@@ -14,7 +14,7 @@ from gradsketch.masked import MaskLike
 from gradsketch.sketch import _backend
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._ordered import scatter_components_
-from gradsketch.sketch._tables import buckets_and_signs, sparse_key
+from gradsketch.sketch._tables import sparse_key
 from gradsketch.sketch._validate import (
     check_device,
     check_float_tensor,
@@ -120,7 +120,7 @@ def accumulate_folded(
     Args:
         out: ``[..., num_buckets]`` accumulator (float32 or float64).
         block: ``[..., n]`` values for ``n`` consecutive coordinates.
-        folded: int64 ``[n]`` table from :func:`buckets_and_signs`.
+        folded: int64 ``[n]`` table from :func:`~gradsketch.sketch._backend.buckets_and_signs`.
         num_buckets: k.
         scale: factor applied to the contribution.
     """
@@ -257,7 +257,7 @@ class CountSketch:
     def _folded(self, offset: int, length: int) -> torch.Tensor:
         if self._table is not None:
             return self._table[offset : offset + length]
-        return buckets_and_signs(self._key, offset, length, self._output_dim, self._device)
+        return _backend.buckets_and_signs(self._key, offset, length, self._output_dim, self._device)
 
     def folded_table(self, offset: int, length: int) -> torch.Tensor:
         """Folded bucket/sign table of coordinates ``offset : offset + length``.

@@ -31,10 +31,11 @@ from torch import Tensor, nn
 from gradsketch._checks import nonnegative_int, positive_int
 from gradsketch._hash import derive_key
 from gradsketch.errors import FactorizedLayoutError
+from gradsketch.sketch._backend import buckets_and_signs
 from gradsketch.sketch._countsketch import accumulate_folded
 from gradsketch.sketch._fingerprint import Fingerprint
 from gradsketch.sketch._projectors import AbstractProjector, ProjectionType, parse_proj_type
-from gradsketch.sketch._tables import buckets_and_signs, dense_block
+from gradsketch.sketch._tables import dense_block
 from gradsketch.sketch._validate import check_device, check_float_tensor, output_dtype
 
 #: Hash stream of factorized maps (keeps them independent of every other kind).

@@ -40,6 +40,7 @@ __all__ = [
     "NativeStatus",
     "available",
     "blas_sgemm",
+    "buckets_and_signs_",
     "library",
     "native_status",
     "reduce_",
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 #: Must equal ``gs_abi_version()`` in ``gs_kernels.c``.
-ABI_VERSION = 5
+ABI_VERSION = 6
 _VALUE = _native_build.VALUE_SUFFIX
 _INDEX = _native_build.INDEX_SUFFIX
 #: The C sources (package data), compiled and loaded by :mod:`gradsketch._native_build`.
@@ -133,6 +134,23 @@ def library() -> ctypes.CDLL | None:
 def available(device: torch.device) -> bool:
     """True when eligible scatters on ``device`` use the native kernels (CPU only)."""
     return device.type == "cpu" and _kernels() is not None
+
+
+def buckets_and_signs_(out: torch.Tensor, key: int, offset: int, num_buckets: int) -> bool:
+    """Fill int64 ``out`` with the folded count-sketch table of ``offset, offset + 1, ...``.
+
+    The C twin of :func:`gradsketch.sketch._tables.buckets_and_signs` for
+    coordinates below 2**32 (integer arithmetic: the same bits on every CPU).
+    Returns False, leaving ``out`` alone, where the kernels are not loaded.
+    """
+    lib = library()
+    if lib is None:
+        return False
+    fn = lib.gs_buckets_and_signs
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    fn(key & 0xFFFFFFFF, offset, out.numel(), num_buckets, out.data_ptr())
+    return True
 
 
 def _eligible(t: torch.Tensor) -> bool:

@@ -25,10 +25,10 @@ from torch import Tensor
 
 from gradsketch._checks import integer, positive_int
 from gradsketch.masked import MaskLike
-from gradsketch.sketch._backend import default_backend, triton
+from gradsketch.sketch._backend import buckets_and_signs, default_backend, triton
 from gradsketch.sketch._countsketch import DEFAULT_CHUNK, scatter_folded_
 from gradsketch.sketch._fingerprint import Fingerprint
-from gradsketch.sketch._tables import buckets_and_signs, dense_block, dense_key, sparse_key
+from gradsketch.sketch._tables import dense_block, dense_key, sparse_key
 from gradsketch.sketch._validate import (
     batch_blocks,
     check_block,

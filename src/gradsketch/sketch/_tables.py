@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from gradsketch._hash import derive_key, hash_indices, mix32, mix32_numpy_
+from gradsketch._hash import MASK32, derive_key, hash_indices, mix32, mix32_numpy_
 
 #: Coordinates hashed at once when a whole table is built.
 _TABLE_CHUNK = 1 << 18
@@ -60,7 +60,13 @@ def coordinate_range(offset: int, length: int, device: torch.device) -> torch.Te
 
 
 def buckets_and_signs(
-    key: int, offset: int, length: int, num_buckets: int, device: torch.device
+    key: int,
+    offset: int,
+    length: int,
+    num_buckets: int,
+    device: torch.device,
+    *,
+    fast: bool = True,
 ) -> torch.Tensor:
     """Folded count-sketch table for a coordinate range.
 
@@ -70,9 +76,19 @@ def buckets_and_signs(
     with ``neg`` in {0, 1}: a single int64 index into a ``2 * num_buckets``
     scratch row, so that sketching is one ``index_add_`` with no multiply.
 
+    On CPU, for coordinates below 2**32, the hashes are computed in numpy's
+    wrapping ``uint32`` arithmetic (:func:`~gradsketch._hash.mix32_numpy_`);
+    ``fast=False`` keeps the int64 torch path, the reference twin (~35 ns a
+    coordinate on one Xeon core). The sketches take their tables from
+    :func:`gradsketch.sketch._backend.buckets_and_signs`, which uses the
+    native kernel (~2 ns a coordinate) where it is loaded and this function
+    elsewhere. All are integer arithmetic: the same bits on every CPU.
+
     Returns:
         int64 tensor ``[length]`` with values in ``[0, 2 * num_buckets)``.
     """
+    if fast and device.type == "cpu" and offset + length <= MASK32 + 1:
+        return torch.from_numpy(_buckets_and_signs_numpy(key, offset, length, num_buckets))
     if length > _TABLE_CHUNK:
         # Hash a chunk at a time into the result, so the int64 temporaries of
         # the mixer stay O(chunk) instead of several times the table.
@@ -80,12 +96,37 @@ def buckets_and_signs(
         for start in range(0, length, _TABLE_CHUNK):
             stop = min(start + _TABLE_CHUNK, length)
             table[start:stop] = buckets_and_signs(
-                key, offset + start, stop - start, num_buckets, device
+                key, offset + start, stop - start, num_buckets, device, fast=False
             )
         return table
     h = hash_indices(key, coordinate_range(offset, length, device))
     bucket = ((h >> 1) * num_buckets) >> 31
     return bucket + num_buckets * (h & 1)
+
+
+def _buckets_and_signs_numpy(key: int, offset: int, length: int, num_buckets: int) -> np.ndarray:
+    """:func:`buckets_and_signs` on CPU for coordinates below 2**32, a chunk at a time.
+
+    ``hash_indices`` of such a coordinate is one ``mix32(index ^ key)``; the
+    multiply-shift needs 51 bits, so it runs in ``uint64``.
+    """
+    table = np.empty(length, dtype=np.int64)
+    h = np.empty(min(length, _TABLE_CHUNK), dtype=np.uint32)
+    wide = np.empty(h.shape, dtype=np.uint64)
+    for start in range(0, length, _TABLE_CHUNK):
+        stop = min(start + _TABLE_CHUNK, length)
+        part, big = h[: stop - start], wide[: stop - start]
+        np.copyto(part, np.arange(offset + start, offset + stop, dtype=np.uint32))
+        part ^= np.uint32(key & MASK32)
+        mix32_numpy_(part)
+        np.copyto(big, part)
+        sign = (big & np.uint64(1)) * np.uint64(num_buckets)
+        big >>= np.uint64(1)
+        big *= np.uint64(num_buckets)
+        big >>= np.uint64(31)
+        big += sign
+        table[start:stop] = big  # < 2 * num_buckets: fits int64
+    return table
 
 
 def dense_block(

@@ -81,4 +81,25 @@ static inline void gs_transpose8(__m256 *r) {
 #include "gs_reduce_index.h"
 
 /* The interface version; gradsketch.sketch._native refuses a library that reports another. */
-int gs_abi_version(void) { return 5; }
+int gs_abi_version(void) { return 6; }
+
+/* lowbias32 (gradsketch._hash.mix32): wrapping 32-bit products, as numpy's uint32 and Triton's. */
+static inline uint32_t gs_mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+/* The folded count-sketch table of the coordinates [offset, offset + length), all below
+ * 2**32 (gradsketch.sketch._tables.buckets_and_signs): h = mix32(i ^ key), the bucket from
+ * h's upper 31 bits by multiply-shift (51 bits: uint64), plus nb when h's lowest bit is set. */
+int gs_buckets_and_signs(uint32_t key, int64_t offset, int64_t length, int64_t nb, int64_t *out) {
+    const uint64_t buckets = (uint64_t)nb;
+    for (int64_t i = 0; i < length; i++) {
+        const uint32_t h = gs_mix32((uint32_t)(offset + i) ^ key);
+        out[i] = (int64_t)((((uint64_t)(h >> 1)) * buckets) >> 31) + nb * (int64_t)(h & 1u);
+    }
+    return 0;
+}
